@@ -1,0 +1,175 @@
+"""The contract every constraint implements, and the batch driver that runs them under HF ``generate``.
+
+A constraint has three layers (spec -> compiled table -> per-row cursor). This module defines the
+cursor contract (:class:`Cursor`) and :class:`CursorLogitsProcessor`, the HuggingFace
+``LogitsProcessor`` that keeps one cursor per row and turns their answers into one masked
+``scores`` tensor per step.
+
+Row tracking. ``generate`` calls a processor with the whole ``input_ids`` every step. The driver
+keeps the previous step's ids; when the new ids are the old ones plus one column, each cursor
+advances by that column. When rows were reordered (beam search keeps the best beams and drops
+others), each new row is matched to the previous row whose ids it extends and gets a copy of that
+row's cursor, so state always follows a row's actual tokens. Anything else (a new generation, a
+different batch) restarts the cursors and replays the generated tokens.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from .masks import Step, apply_steps
+
+__all__ = ["Cursor", "CursorLogitsProcessor", "expand_per_row"]
+
+
+class Cursor(ABC):
+    """Per-row state of one constraint. Cheap to create and to copy; never raises on model output.
+
+    A token the constraint did not allow (another processor interfered, or beam search kept a
+    ``-inf`` continuation) puts the cursor into a fallback that allows only its end token, and
+    records a readable :attr:`error`.
+    """
+
+    #: the token that ends this row; always allowed when nothing else is
+    end_token_id: int
+    #: description of the first invalid token seen, or ``None``
+    error: str | None = None
+
+    @abstractmethod
+    def step(self) -> Step:
+        """What this row may emit now."""
+
+    @abstractmethod
+    def advance(self, token: int) -> None:
+        """Consume the token the row actually emitted."""
+
+    @property
+    @abstractmethod
+    def finished(self) -> bool:
+        """True once the row emitted its end token (its state no longer changes)."""
+
+    @abstractmethod
+    def copy(self) -> "Cursor":
+        """An independent cursor in the same state (used when beams are duplicated)."""
+
+
+def expand_per_row(items: Sequence, n_rows: int, what: str = "entries") -> list:
+    """Expand one entry per input row to ``n_rows`` rows.
+
+    ``generate`` with ``num_return_sequences=k`` or ``num_beams=k`` repeats each input row ``k``
+    times consecutively (``repeat_interleave``), so ``[a, b]`` becomes ``[a]*k + [b]*k``.
+    """
+    n = len(items)
+    if n == n_rows:
+        return list(items)
+    if n == 0 or n_rows % n:
+        raise ValueError(
+            f"got {n} {what} for a batch of {n_rows} rows; give one per input row "
+            f"(rows expanded by num_return_sequences/num_beams are handled) or one for all"
+        )
+    k = n_rows // n
+    return [item for item in items for _ in range(k)]
+
+
+class CursorLogitsProcessor:
+    """A HuggingFace ``LogitsProcessor`` driving one :class:`Cursor` per row.
+
+    Args:
+        factories: one callable per input row that returns a fresh cursor for it (or one callable
+            for every row). Rows expanded by ``num_return_sequences``/``num_beams`` share their
+            input row's factory.
+        prompt_len: length of the (padded) prompt. ``None``: the sequence length at the first call.
+    """
+
+    def __init__(self, factories: Callable[[], Cursor] | Sequence[Callable[[], Cursor]], prompt_len: int | None = None):
+        if callable(factories):
+            factories = [factories]
+        factories = list(factories)
+        if not factories:
+            raise ValueError("factories must not be empty")
+        if prompt_len is not None and prompt_len < 0:
+            raise ValueError(f"prompt_len must be >= 0, got {prompt_len}")
+        self._factories = factories
+        self.prompt_len = prompt_len
+        self.cursors: list[Cursor] | None = None
+        self._prev: torch.Tensor | None = None
+        self._start = 0
+
+    # -- row tracking -------------------------------------------------------------------------
+    def _restart(self, input_ids: torch.Tensor) -> None:
+        n_rows, length = input_ids.shape
+        start = self.prompt_len if self.prompt_len is not None else length
+        if start > length:
+            raise ValueError(f"prompt_len {start} is longer than input_ids ({length} tokens)")
+        rows = expand_per_row(self._factories, n_rows, what="row specs")
+        self.cursors = [make() for make in rows]
+        self._start = start
+        if length > start:
+            for cursor, tokens in zip(self.cursors, input_ids[:, start:].tolist()):
+                for token in tokens:
+                    cursor.advance(token)
+
+    def _reorder(self, input_ids: torch.Tensor) -> bool:
+        """Match each row to the previous row it extends; False when some row matches none."""
+        prev = self._prev
+        cur = input_ids[:, :-1]
+        eq = (cur[:, None, :] == prev[None, :, :]).all(dim=-1)
+        if not bool(eq.any(dim=1).all()):
+            return False
+        src = eq.to(torch.int8).argmax(dim=1).tolist()
+        old = self.cursors
+        used: set[int] = set()
+        new = []
+        for s in src:
+            new.append(old[s].copy() if s in used else old[s])
+            used.add(s)
+        self.cursors = new
+        return True
+
+    def sync(self, input_ids: torch.Tensor) -> list[Cursor]:
+        """Bring the cursors up to date with ``input_ids`` and return them (one per row)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be 2-D (batch, seq), got shape {tuple(input_ids.shape)}")
+        prev = self._prev
+        if (
+            self.cursors is None
+            or prev is None
+            or prev.shape[0] != input_ids.shape[0]
+            or prev.shape[1] + 1 != input_ids.shape[1]
+        ):
+            self._restart(input_ids)
+        else:
+            same = torch.equal(input_ids[:, :-1], prev)
+            if same or self._reorder(input_ids):
+                for cursor, token in zip(self.cursors, input_ids[:, -1].tolist()):
+                    cursor.advance(token)
+            else:
+                self._restart(input_ids)
+        self._prev = input_ids.detach().clone()
+        return self.cursors
+
+    def reset(self) -> None:
+        """Forget all rows; the next call starts afresh."""
+        self.cursors = None
+        self._prev = None
+
+    # -- HF entry point -------------------------------------------------------------------------
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        cursors = self.sync(input_ids)
+        return apply_steps(scores, [c.step() for c in cursors])
+
+    @property
+    def errors(self) -> list[str | None]:
+        """Per row, the first invalid token seen (``None`` where all was well)."""
+        return [c.error for c in self.cursors or []]
+
+
+def as_ids(values) -> np.ndarray:
+    """A read-only int64 id array (for constant step payloads)."""
+    arr = np.asarray(list(values), dtype=np.int64)
+    arr.setflags(write=False)
+    return arr

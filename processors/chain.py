@@ -1,0 +1,197 @@
+"""The processor chain: think mode, the row's constraint, and the finished-row guard, per row.
+
+Each row of a batch carries its own :class:`CompiledScenario` (or ``None``: unconstrained), so one
+forward pass can serve requests of different scenarios. Per row and step the chain decides, in
+this order:
+
+1. finished (the row emitted its end token or an EOS): only the end token;
+2. thinking: the think cursor decides (free text with the stop tokens banned, or the forced end
+   marker); the constraint is gated off and its state does not advance;
+3. a constraint: its allowed set (tree candidates, label trie, grammar bitmask);
+4. no constraint: free, except that a finished think block cannot be reopened.
+
+A row never ends up with nothing allowed: an empty set falls back to the row's end token.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .base import Cursor, CursorLogitsProcessor, as_ids
+from .compile import CompiledScenario
+from .grammar import GrammarCursor, GrammarSpec
+from .labels import LabelCursor, LabelTables
+from .masks import ALLOW, FREE, Step
+from .tables import MaskTables
+from .think import ThinkCursor
+from .tree import TreeCursor
+
+__all__ = ["ConstrainedLogitsProcessor", "RowCursor", "constraint_cursor"]
+
+
+def constraint_cursor(constraint, tokenizer=None) -> Cursor:
+    """A fresh cursor for a compiled constraint."""
+    if isinstance(constraint, MaskTables):
+        return TreeCursor(constraint)
+    if isinstance(constraint, LabelTables):
+        if not constraint.multi_label:
+            return TreeCursor(constraint.tables)
+        return LabelCursor(constraint)
+    if isinstance(constraint, GrammarSpec):
+        if tokenizer is None:
+            raise ValueError("a json/json_schema/regex scenario needs tokenizer= to build its matcher")
+        return GrammarCursor(constraint, tokenizer)
+    raise TypeError(f"unsupported constraint {type(constraint).__name__}")
+
+
+class RowCursor(Cursor):
+    """One row of the chain: think cursor + constraint cursor + finished flag."""
+
+    def __init__(self, compiled: CompiledScenario | None, tokenizer=None, *, eos_token_ids: Sequence[int] = ()):
+        self.compiled = compiled
+        if compiled is not None:
+            self.stop_ids = frozenset(compiled.stop_token_ids)
+            self.end_token_id = compiled.end_token_id
+            self.constraint = constraint_cursor(compiled.constraint, tokenizer) if compiled.constraint is not None else None
+            self.think = ThinkCursor(compiled.think, compiled.stop_token_ids) if compiled.think is not None else None
+        else:
+            if not eos_token_ids:
+                raise ValueError("an unconstrained row needs eos_token_ids")
+            self.stop_ids = frozenset(int(t) for t in eos_token_ids)
+            self.end_token_id = int(eos_token_ids[0])
+            self.constraint = None
+            self.think = None
+        self.done = False
+        self.generated = 0
+        self._end = Step(ALLOW, as_ids([self.end_token_id]), self.end_token_id)
+        self._free = Step(FREE, None, self.end_token_id)
+
+    @property
+    def finished(self) -> bool:
+        return self.done
+
+    @property
+    def thinking(self) -> bool:
+        return self.think is not None and not self.think.in_answer
+
+    @property
+    def error(self) -> str | None:  # type: ignore[override]
+        for part in (self.think, self.constraint):
+            if part is not None and part.error:
+                return part.error
+        return None
+
+    @property
+    def fell_back(self) -> bool:
+        return bool(getattr(self.constraint, "fell_back", False))
+
+    def step(self) -> Step:
+        if self.done:
+            return self._end
+        think = self.think
+        if think is not None and not think.in_answer:
+            return think.step()
+        if self.constraint is not None:
+            return self.constraint.step()
+        if think is not None:
+            return think.step()  # answering without a constraint: only the re-entry ban
+        return self._free
+
+    def advance(self, token: int) -> None:
+        if self.done:
+            return
+        self.generated += 1
+        think = self.think
+        if think is not None and not think.in_answer:
+            think.advance(token)
+            return
+        if self.constraint is not None:
+            self.constraint.advance(token)
+            if self.constraint.finished:
+                self.done = True
+                return
+        if token in self.stop_ids:
+            self.done = True
+
+    def copy(self) -> "RowCursor":
+        new = RowCursor.__new__(RowCursor)
+        new.__dict__.update(self.__dict__)
+        if self.constraint is not None:
+            new.constraint = self.constraint.copy()
+        if self.think is not None:
+            new.think = self.think.copy()
+        return new
+
+
+class ConstrainedLogitsProcessor(CursorLogitsProcessor):
+    """The whole chain (think mode, constraint, multi-sequence) as one HF ``LogitsProcessor``.
+
+    Args:
+        compiled_or_list_per_row: one :class:`CompiledScenario` for every row, or a list with one
+            entry per input row (``None`` for an unconstrained row). Rows that ``generate``
+            expands for ``num_return_sequences``/``num_beams`` inherit their input row's entry.
+        tokenizer: needed for json/json_schema/regex scenarios (llguidance matchers).
+        prompt_len: length of the (left-padded) prompt; ``None``: the length at the first call.
+        eos_token_ids: EOS ids for unconstrained rows (default: taken from the compiled scenarios,
+            else ``tokenizer.eos_token_id``).
+
+    Pass :attr:`stop_token_ids` as ``eos_token_id`` to ``generate`` so that a tree whose end token
+    is not the model's EOS also stops its rows.
+
+    Example::
+
+        compiled = compile_scenario(load_scenario({"type": "labels", "labels": ["yes", "no"]}), tok)
+        ids = build_prompt_ids(compiled, tok, messages=[{"role": "user", "content": "Is it?"}])
+        proc = ConstrainedLogitsProcessor(compiled, tokenizer=tok)
+        out = model.generate(torch.tensor([ids]), logits_processor=LogitsProcessorList([proc]),
+                             eos_token_id=list(proc.stop_token_ids), do_sample=True)
+    """
+
+    def __init__(
+        self,
+        compiled_or_list_per_row: CompiledScenario | Sequence[CompiledScenario | None],
+        *,
+        tokenizer=None,
+        prompt_len: int | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+    ):
+        if isinstance(compiled_or_list_per_row, CompiledScenario):
+            per_row: list[CompiledScenario | None] = [compiled_or_list_per_row]
+        else:
+            per_row = list(compiled_or_list_per_row)
+            if not per_row:
+                raise ValueError("compiled_or_list_per_row must not be empty")
+        for i, c in enumerate(per_row):
+            if c is not None and not isinstance(c, CompiledScenario):
+                raise TypeError(f"row {i}: expected CompiledScenario or None, got {type(c).__name__}")
+            if c is not None and tokenizer is not None and c.vocab_size != len(tokenizer):
+                raise ValueError(
+                    f"row {i}: scenario compiled for a vocabulary of {c.vocab_size}, tokenizer has {len(tokenizer)}"
+                )
+        if eos_token_ids is None:
+            first = next((c for c in per_row if c is not None), None)
+            if first is not None:
+                eos_token_ids = first.eos_token_ids
+            elif tokenizer is not None and tokenizer.eos_token_id is not None:
+                eos_token_ids = (tokenizer.eos_token_id,)
+            else:
+                raise ValueError("eos_token_ids is required when no row has a scenario and no tokenizer is given")
+        eos = tuple(int(t) for t in eos_token_ids)
+        self.scenarios = per_row
+        self.eos_token_ids = eos
+        factories = [(lambda c=c: RowCursor(c, tokenizer, eos_token_ids=eos)) for c in per_row]
+        super().__init__(factories, prompt_len=prompt_len)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Every token that ends some row: the model's EOS and each scenario's end token."""
+        ids = list(self.eos_token_ids)
+        for c in self.scenarios:
+            if c is not None:
+                ids.extend(t for t in c.stop_token_ids if t not in ids)
+        return tuple(ids)
+
+    @property
+    def fallback_rows(self) -> list[int]:
+        """Rows that fell back to the end token because their tree had no entry for their state."""
+        return [i for i, c in enumerate(self.cursors or []) if c.fell_back]

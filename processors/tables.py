@@ -1,0 +1,195 @@
+"""Compiled prefix tables: a token tree or a label trie as immutable integer arrays.
+
+Layout (CSR). States are numbered ``0..S-1``. The outgoing edges of state ``s`` are the slice
+``offsets[s]:offsets[s+1]`` of three parallel arrays:
+
+* ``tokens``     -- the allowed token ids, sorted ascending within each state;
+* ``next_state`` -- the state reached after that token: ``>= 0`` a state, ``LEAF`` (-1) a state
+  with no entry (only the end token is allowed there), ``DONE`` (-2) the end token was emitted;
+* ``keys``       -- ``state * key_base + token`` (int64), sorted globally, so the transitions of a
+  whole batch are one ``np.searchsorted``.
+
+A state with no edges allows only the end token, like a missing entry (the fallback of the
+tree-decode spec). The tables carry no strings, are picklable, read-only after construction, and
+are versioned by a content hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["DONE", "LEAF", "MaskTables", "build_tree_tables", "content_hash"]
+
+LEAF = -1
+DONE = -2
+
+
+def content_hash(*parts) -> str:
+    """A short, stable hex digest of arrays, strings and numbers (the version of compiled data)."""
+    h = hashlib.blake2b(digest_size=12)
+    for part in parts:
+        if isinstance(part, np.ndarray):
+            h.update(str(part.dtype).encode())
+            h.update(str(part.shape).encode())
+            h.update(np.ascontiguousarray(part).tobytes())
+        else:
+            h.update(repr(part).encode())
+        h.update(b"\x00")
+    return h.hexdigest()
+
+
+def _freeze(arr: np.ndarray) -> np.ndarray:
+    arr = np.ascontiguousarray(arr)
+    arr.setflags(write=False)
+    return arr
+
+
+@dataclass(frozen=True)
+class MaskTables:
+    """Immutable CSR transition tables over token ids.
+
+    Args:
+        offsets: int64 ``(S+1,)`` edge ranges per state.
+        tokens: int32 ``(E,)`` allowed token per edge, sorted within each state.
+        next_state: int32 ``(E,)`` target per edge (``LEAF``/``DONE`` for the special targets).
+        root: the state before the first generated token (``LEAF`` if the tree has no root entry).
+        end_token_id: the token that ends a sequence; always allowed where nothing else is.
+        vocab_size: the tokenizer vocabulary the ids were checked against.
+    """
+
+    offsets: np.ndarray
+    tokens: np.ndarray
+    next_state: np.ndarray
+    root: int
+    end_token_id: int
+    vocab_size: int
+    keys: np.ndarray = field(init=False, repr=False)
+    version: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        offsets = np.asarray(self.offsets, dtype=np.int64)
+        tokens = np.asarray(self.tokens, dtype=np.int32)
+        next_state = np.asarray(self.next_state, dtype=np.int32)
+        if offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0 or offsets[-1] != tokens.size:
+            raise ValueError("offsets must start at 0 and end at the number of edges")
+        if tokens.shape != next_state.shape:
+            raise ValueError(f"tokens {tokens.shape} and next_state {next_state.shape} differ in shape")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{tokens.min()}, {tokens.max()}]")
+        if not 0 <= self.end_token_id < self.vocab_size:
+            raise ValueError(f"end_token_id {self.end_token_id} is outside the vocabulary of {self.vocab_size}")
+        n_states = offsets.size - 1
+        if not (self.root in (LEAF,) or 0 <= self.root < n_states):
+            raise ValueError(f"root {self.root} is not a state")
+        state_of_edge = np.repeat(np.arange(n_states, dtype=np.int64), np.diff(offsets))
+        keys = state_of_edge * self.key_base + tokens
+        if keys.size > 1 and not (np.diff(keys) > 0).all():
+            raise ValueError("edges must be sorted by (state, token) without duplicates")
+        object.__setattr__(self, "offsets", _freeze(offsets))
+        object.__setattr__(self, "tokens", _freeze(tokens))
+        object.__setattr__(self, "next_state", _freeze(next_state))
+        object.__setattr__(self, "keys", _freeze(keys))
+        object.__setattr__(
+            self, "version", content_hash("tables", offsets, tokens, next_state, self.root, self.end_token_id)
+        )
+
+    def __setstate__(self, state: dict) -> None:  # arrays come back writable from pickle
+        for name in ("offsets", "tokens", "next_state", "keys"):
+            state[name] = _freeze(state[name])
+        self.__dict__.update(state)
+
+    @property
+    def key_base(self) -> int:
+        return int(self.vocab_size)
+
+    @property
+    def n_states(self) -> int:
+        return int(self.offsets.size - 1)
+
+    @property
+    def n_edges(self) -> int:
+        return int(self.tokens.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.offsets.nbytes + self.tokens.nbytes + self.next_state.nbytes + self.keys.nbytes)
+
+    def allowed(self, state: int) -> np.ndarray:
+        """Allowed ids in ``state`` (empty for ``LEAF``/``DONE`` and states without edges)."""
+        if state < 0:
+            return self.tokens[:0]
+        return self.tokens[self.offsets[state] : self.offsets[state + 1]]
+
+    def edge(self, state: int, token: int) -> int:
+        """Index of the edge ``state --token-->``, or -1 when there is none."""
+        if state < 0 or not 0 <= token < self.vocab_size:
+            return -1
+        key = state * self.key_base + token
+        i = int(np.searchsorted(self.keys, key))
+        if i < self.keys.size and self.keys[i] == key:
+            return i
+        return -1
+
+    def step(self, state: int, token: int) -> int:
+        """The state after ``token``: a state, ``LEAF``, ``DONE``, or ``LEAF`` for a token with no edge.
+
+        The end token always leads to ``DONE``; ``DONE`` never changes.
+        """
+        if state == DONE or token == self.end_token_id:
+            return DONE
+        i = self.edge(state, token)
+        return LEAF if i < 0 else int(self.next_state[i])
+
+
+def build_tree_tables(tree, vocab_size: int) -> MaskTables:
+    """Compile a loaded tree (``config.TreeData``) into :class:`MaskTables`.
+
+    Each key becomes a state; the edge ``key --t-->`` leads to the state of ``key + sep + str(t)``
+    when that key exists, to ``LEAF`` (only the end token) when it does not, and to ``DONE`` when
+    ``t`` is the end token. Duplicate candidates are merged. Memory is linear in keys + candidates.
+    """
+    keys = tree.keys
+    n_keys = len(keys)
+    offsets = np.asarray(tree.offsets, dtype=np.int64)
+    cands = np.asarray(tree.candidates, dtype=np.int64)
+    if cands.size and (cands.min() < 0 or cands.max() >= vocab_size):
+        raise ValueError(f"candidate ids must lie in [0, {vocab_size})")
+    end = int(tree.end_token_id)
+    sep = tree.sep
+    index = {k: i for i, k in enumerate(keys)}
+    state_of = np.repeat(np.arange(n_keys, dtype=np.int64), np.diff(offsets))
+
+    # next state of every candidate: one dict lookup per edge, no per-state Python objects
+    get = index.get
+    cand_list = cands.tolist()
+    nxt = np.fromiter(
+        (
+            DONE if c == end else get(keys[s] + sep + str(c), LEAF)
+            for s, c in zip(state_of.tolist(), cand_list)
+        ),
+        dtype=np.int64,
+        count=len(cand_list),
+    )
+    order = np.lexsort((cands, state_of))
+    state_sorted = state_of[order]
+    cand_sorted = cands[order]
+    nxt_sorted = nxt[order]
+    if cand_sorted.size:
+        keep = np.ones(cand_sorted.size, dtype=bool)
+        keep[1:] = (state_sorted[1:] != state_sorted[:-1]) | (cand_sorted[1:] != cand_sorted[:-1])
+        state_sorted, cand_sorted, nxt_sorted = state_sorted[keep], cand_sorted[keep], nxt_sorted[keep]
+    counts = np.bincount(state_sorted, minlength=n_keys) if n_keys else np.zeros(0, dtype=np.int64)
+    new_offsets = np.zeros(n_keys + 1, dtype=np.int64)
+    np.cumsum(counts, out=new_offsets[1:])
+    root = index.get(str(tree.start_token_id), LEAF)
+    return MaskTables(
+        offsets=new_offsets,
+        tokens=cand_sorted.astype(np.int32),
+        next_state=nxt_sorted.astype(np.int32),
+        root=root,
+        end_token_id=end,
+        vocab_size=int(vocab_size),
+    )
