@@ -1,0 +1,40 @@
+"""Configuration models for the constrained-decoding service: scenarios, think mode and tree files.
+
+Pure Python (pydantic, numpy, ijson, jsonschema, pyyaml): nothing here imports Ray or torch.
+"""
+
+from config.scenarios import (
+    JsonSchemaScenario,
+    JsonScenario,
+    LabelsScenario,
+    RegexScenario,
+    Scenario,
+    ScenarioAdapter,
+    ScenarioBase,
+    ThinkConfig,
+    TreeScenario,
+    TreeSpec,
+    load_scenario,
+    scenario_to_dict,
+)
+from config.tree_file import DEFAULT_SEP, MAX_REPORTED_PROBLEMS, TreeData, TreeFileError, load_tree
+
+__all__ = [
+    "DEFAULT_SEP",
+    "MAX_REPORTED_PROBLEMS",
+    "JsonSchemaScenario",
+    "JsonScenario",
+    "LabelsScenario",
+    "RegexScenario",
+    "Scenario",
+    "ScenarioAdapter",
+    "ScenarioBase",
+    "ThinkConfig",
+    "TreeData",
+    "TreeFileError",
+    "TreeScenario",
+    "TreeSpec",
+    "load_scenario",
+    "load_tree",
+    "scenario_to_dict",
+]
