@@ -17,6 +17,7 @@ from config.scenarios import (
     load_scenario,
     scenario_to_dict,
 )
+from config.settings import Limits, ServerSettings
 from config.tree_file import DEFAULT_SEP, MAX_REPORTED_PROBLEMS, TreeData, TreeFileError, load_tree
 
 __all__ = [
@@ -25,10 +26,12 @@ __all__ = [
     "JsonSchemaScenario",
     "JsonScenario",
     "LabelsScenario",
+    "Limits",
     "RegexScenario",
     "Scenario",
     "ScenarioAdapter",
     "ScenarioBase",
+    "ServerSettings",
     "ThinkConfig",
     "TreeData",
     "TreeFileError",

@@ -1,0 +1,136 @@
+"""What the ingress, the model replicas and the config manager say to each other.
+
+Plain pydantic models and one exception type, no Ray: the ingress validates HTTP bodies into
+:class:`GenerateRequest`, a replica answers with :class:`GenerateResponse` (or streams
+:class:`StreamEvent` dicts), and any part may raise :class:`ServiceError`, which the ingress turns
+into a JSON error with the given HTTP status.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "ChatMessage",
+    "GenerateRequest",
+    "GenerateResponse",
+    "Output",
+    "ServiceError",
+    "StreamEvent",
+    "Usage",
+    "unwrap_service_error",
+]
+
+
+class ServiceError(Exception):
+    """An error meant for the client: an HTTP status and a message that names the problem.
+
+    ``detail`` may carry structured data (e.g. the known scenario names for a 404).
+    """
+
+    def __init__(self, status: int, message: str, detail: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.status = int(status)
+        self.message = message
+        self.detail = detail or {}
+
+    def __reduce__(self):  # survive pickling across Ray processes with all fields
+        return (ServiceError, (self.status, self.message, self.detail))
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"error": {"status": self.status, "message": self.message}}
+        if self.detail:
+            body["error"].update(self.detail)
+        return body
+
+
+def unwrap_service_error(exc: BaseException) -> ServiceError | None:
+    """The :class:`ServiceError` behind ``exc`` (Ray wraps exceptions raised in other processes)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, ServiceError):
+            return ServiceError(exc.status, exc.message, exc.detail)
+        exc = getattr(exc, "cause", None) or exc.__cause__
+        seen += 1
+    return None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"] = Field(description="Who wrote the message.")
+    content: str = Field(description="The message text.")
+
+
+class GenerateRequest(_Strict):
+    """One generation request, as the replicas receive it (validated by the ingress).
+
+    Exactly one of ``scenario`` (a stored scenario name) or ``inline_scenario`` (a one-off scenario
+    body, e.g. from an OpenAI ``response_format``) may be set; neither means unconstrained.
+    Sampling fields left ``None`` take the scenario's defaults, then the server's.
+    """
+
+    scenario: str | None = Field(default=None, description="Name of a stored scenario.")
+    inline_scenario: dict[str, Any] | None = Field(
+        default=None, description="A one-off scenario body (same format as a stored scenario)."
+    )
+    prompt: str | None = Field(default=None, description="Raw prompt text (no chat template).")
+    messages: list[ChatMessage] | None = Field(default=None, description="Chat messages (chat template applied).")
+    max_new_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate per output.")
+    temperature: float | None = Field(default=None, ge=0, le=100, description="0 = greedy.")
+    top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int | None = Field(default=None, ge=0, description="Keep the k most likely tokens (0 = off).")
+    n: int = Field(default=1, ge=1, description="Number of outputs (sampled independently).")
+    num_beams: int = Field(default=1, ge=1, description="Beam search width (1 = no beam search).")
+    seed: int | None = Field(default=None, ge=0, description="Random seed for reproducible sampling.")
+    stream: bool = Field(default=False, description="Stream tokens as server-sent events.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "GenerateRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if self.scenario is not None and self.inline_scenario is not None:
+            raise ValueError("give at most one of 'scenario' or 'inline_scenario'")
+        if self.num_beams > 1 and self.n > self.num_beams:
+            raise ValueError("'n' must not exceed 'num_beams' with beam search")
+        if self.num_beams > 1 and self.stream:
+            raise ValueError("beam search cannot be streamed")
+        return self
+
+
+class Output(BaseModel):
+    text: str = Field(description="The generated text (special tokens removed).")
+    token_ids: list[int] = Field(description="The generated token ids, including the end token if any.")
+    finish_reason: Literal["stop", "length", "error"] = Field(
+        description="stop: the row emitted its end token; length: max_new_tokens reached; error: see 'error'."
+    )
+    error: str | None = Field(default=None, description="Why the row failed, when it did.")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class GenerateResponse(BaseModel):
+    scenario: str | None = Field(description="The scenario name (None for unconstrained or one-off).")
+    version: int | None = Field(description="The scenario version this request was pinned to.")
+    outputs: list[Output]
+    usage: Usage
+
+
+class StreamEvent(BaseModel):
+    """One server-sent event: a token of output ``index``, or the final summary (``done``)."""
+
+    type: Literal["token", "done", "error"]
+    index: int = 0
+    token_id: int | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+    response: GenerateResponse | None = None
+    error: str | None = None
