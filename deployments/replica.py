@@ -1,0 +1,283 @@
+"""Model replica: the model, the processor chain, the decode engine, and the scenario tables.
+
+A plain class: the app builder wraps it with ``serve.deployment``; tests construct it directly
+with a real model and tokenizer. Scenario tables come from the config manager: the constructor
+registers with the manager and installs the current snapshot (so a replica started after a PUT
+serves the current versions at once), then a background thread long-polls the manager for changes,
+installs them and acknowledges. A request pins the compiled scenario it was admitted with, so a
+new version never changes a request in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import uuid
+from collections import OrderedDict
+from typing import Any, AsyncIterator
+
+from config import ServerSettings, load_scenario
+from processors import CompiledScenario, build_prompt_ids, compile_scenario
+
+from .engine import DecodeEngine, Job, SamplingParams
+from .protocol import GenerateRequest, GenerateResponse, Output, ServiceError, Usage
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ModelReplica"]
+
+_INLINE_CACHE_SIZE = 64
+
+
+def _resolve(value):
+    """An ObjectRef from the manager, or the compiled object itself (manager run without Ray)."""
+    if isinstance(value, CompiledScenario):
+        return value
+    import ray
+
+    return ray.get(value)
+
+
+def _call(handle_method, *args, **kwargs):
+    """Call a manager method through a Serve handle (``.remote().result()``) or directly."""
+    remote = getattr(handle_method, "remote", None)
+    if remote is not None:
+        return remote(*args, **kwargs).result()
+    result = handle_method(*args, **kwargs)
+    if asyncio.iscoroutine(result):
+        return asyncio.run(result)
+    return result
+
+
+class ModelReplica:
+    """Hosts the model and decodes batched, constrained requests.
+
+    Args:
+        settings: :class:`config.ServerSettings` (or its dict).
+        manager: a handle to the config manager (``None``: no stored scenarios; one-off
+            constraints still work).
+        model, tokenizer: injected for tests; loaded from ``settings.model`` otherwise.
+    """
+
+    def __init__(self, settings: dict | ServerSettings, manager=None, *, model=None, tokenizer=None):
+        self.settings = settings if isinstance(settings, ServerSettings) else ServerSettings.model_validate(settings)
+        if self.settings.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.settings.torch_threads)
+        if model is None or tokenizer is None:
+            from .model_loader import load_model_and_tokenizer
+
+            model, tokenizer = load_model_and_tokenizer(self.settings.model)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.replica_id = f"replica-{uuid.uuid4().hex[:8]}"
+        self.engine = DecodeEngine(model, tokenizer, max_batch_size=self.settings.max_batch_size).start()
+        self._scenarios: dict[str, tuple[int, CompiledScenario]] = {}
+        self._lock = threading.Lock()
+        self._inline: OrderedDict[str, CompiledScenario] = OrderedDict()
+        self._epoch = -1
+        self._manager = manager
+        self._stop = threading.Event()
+        self.model_name = self.settings.model or "SmolLM2-135M-Instruct"
+        if manager is not None:
+            snapshot = _call(manager.register, self.replica_id)
+            self._install(snapshot)
+            self._poller = threading.Thread(target=self._poll_loop, name="scenario-poll", daemon=True)
+            self._poller.start()
+        logger.info("%s ready (%d scenarios)", self.replica_id, len(self._scenarios))
+
+    # -- scenario tables ------------------------------------------------------------------------
+    def _install(self, snapshot: dict | None) -> None:
+        if not snapshot:
+            return
+        new: dict[str, tuple[int, CompiledScenario]] = {}
+        for name, entry in snapshot.get("scenarios", {}).items():
+            version = int(entry["version"])
+            current = self._scenarios.get(name)
+            if current is not None and current[0] == version:
+                new[name] = current  # unchanged: keep the object, no fetch
+            else:
+                new[name] = (version, _resolve(entry["ref"]))
+        with self._lock:
+            self._scenarios = new
+            self._epoch = int(snapshot.get("epoch", self._epoch))
+        if self._manager is not None:
+            _call(self._manager.ack, self.replica_id, self._epoch, self.versions())
+
+    def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                snapshot = _call(self._manager.wait_for_update, self.replica_id, self._epoch)
+                if snapshot:
+                    self._install(snapshot)
+            except Exception:
+                logger.warning("%s: scenario poll failed; retrying", self.replica_id, exc_info=True)
+                self._stop.wait(1.0)
+
+    def versions(self) -> dict[str, int]:
+        """The scenario versions this replica serves now."""
+        with self._lock:
+            return {name: v for name, (v, _) in self._scenarios.items()}
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "replica_id": self.replica_id,
+            "epoch": self._epoch,
+            "versions": self.versions(),
+            "active_rows": self.engine.active_rows,
+            "stats": dict(self.engine.stats),
+        }
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self.engine.stop()
+
+    def __del__(self):  # pragma: no cover - best effort
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+    # -- request handling -----------------------------------------------------------------------
+    async def _resolve_scenario(self, req: GenerateRequest) -> tuple[str | None, int | None, CompiledScenario | None]:
+        if req.scenario is not None:
+            with self._lock:
+                entry = self._scenarios.get(req.scenario)
+                known = sorted(self._scenarios)
+            if entry is None:
+                raise ServiceError(404, f"unknown scenario {req.scenario!r}", {"known": known})
+            return req.scenario, entry[0], entry[1]
+        if req.inline_scenario is not None:
+            key = json.dumps(req.inline_scenario, sort_keys=True)
+            compiled = self._inline.get(key)
+            if compiled is None:
+                try:
+                    scenario = load_scenario(req.inline_scenario)
+                except Exception as exc:
+                    raise ServiceError(422, f"invalid constraint: {exc}") from None
+                try:
+                    compiled = await asyncio.to_thread(compile_scenario, scenario, self.tokenizer)
+                except ValueError as exc:
+                    raise ServiceError(400, f"constraint does not compile: {exc}") from None
+                self._inline[key] = compiled
+                while len(self._inline) > _INLINE_CACHE_SIZE:
+                    self._inline.popitem(last=False)
+            else:
+                self._inline.move_to_end(key)
+            return None, None, compiled
+        return None, None, None
+
+    def _job_params(self, req: GenerateRequest, compiled: CompiledScenario | None) -> tuple[int, SamplingParams]:
+        limits = self.settings.limits
+        defaults = compiled.settings if compiled is not None else {}
+        max_new = req.max_new_tokens or defaults.get("max_new_tokens") or limits.default_max_new_tokens
+        if max_new > limits.max_new_tokens:
+            raise ServiceError(422, f"max_new_tokens {max_new} exceeds the limit of {limits.max_new_tokens}")
+        pick = lambda name, fallback: getattr(req, name) if getattr(req, name) is not None else defaults.get(name, fallback)  # noqa: E731
+        return max_new, SamplingParams(
+            temperature=float(pick("temperature", 1.0)),
+            top_p=float(pick("top_p", 1.0)),
+            top_k=int(pick("top_k", 0)),
+            seed=req.seed,
+        )
+
+    async def _start(self, request: dict) -> tuple[GenerateRequest, str | None, int | None, list[int], Job, asyncio.Queue]:
+        try:
+            req = request if isinstance(request, GenerateRequest) else GenerateRequest.model_validate(request)
+        except Exception as exc:
+            raise ServiceError(422, f"invalid request: {exc}") from None
+        limits = self.settings.limits
+        if req.n > limits.max_n:
+            raise ServiceError(422, f"n {req.n} exceeds the limit of {limits.max_n}")
+        if req.num_beams > limits.max_num_beams:
+            raise ServiceError(422, f"num_beams {req.num_beams} exceeds the limit of {limits.max_num_beams}")
+        name, version, compiled = await self._resolve_scenario(req)
+        messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
+        prompt_ids = build_prompt_ids(compiled, self.tokenizer, prompt=req.prompt, messages=messages)
+        if not prompt_ids:
+            raise ServiceError(422, "the prompt is empty")
+        if len(prompt_ids) > limits.max_prompt_tokens:
+            raise ServiceError(413, f"the prompt has {len(prompt_ids)} tokens; the limit is {limits.max_prompt_tokens}")
+        max_new, sampling = self._job_params(req, compiled)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        job = Job(
+            prompt_ids=prompt_ids, compiled=compiled, max_new_tokens=max_new, sampling=sampling, n=req.n,
+            num_beams=req.num_beams, on_event=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+        )
+        self.engine.submit(job)
+        logger.info("generate scenario=%s version=%s n=%d beams=%d prompt_tokens=%d", name, version, req.n, req.num_beams, len(prompt_ids))
+        return req, name, version, prompt_ids, job, events
+
+    def _response(self, name, version, prompt_ids, outputs: dict[int, dict]) -> GenerateResponse:
+        outs = []
+        completion = 0
+        for index in sorted(outputs):
+            ev = outputs[index]
+            ids = ev["token_ids"]
+            completion += len(ids)
+            outs.append(Output(
+                text=self.tokenizer.decode(ids, skip_special_tokens=True), token_ids=ids,
+                finish_reason=ev["finish_reason"], error=ev.get("error"),
+            ))
+        usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion, total_tokens=len(prompt_ids) + completion)
+        return GenerateResponse(scenario=name, version=version, outputs=outs, usage=usage)
+
+    async def generate(self, request: dict) -> dict:
+        """Run one request to completion; returns a :class:`GenerateResponse` as a dict."""
+        req, name, version, prompt_ids, job, events = await self._start(request)
+        outputs: dict[int, dict] = {}
+        try:
+            while True:
+                ev = await events.get()
+                if ev["type"] == "finished":
+                    outputs[ev["index"]] = ev
+                elif ev["type"] == "done":
+                    break
+                elif ev["type"] == "error":
+                    raise ServiceError(500, ev["message"])
+        except asyncio.CancelledError:
+            job.cancelled.set()
+            raise
+        return self._response(name, version, prompt_ids, outputs).model_dump()
+
+    async def generate_stream(self, request: dict) -> AsyncIterator[dict]:
+        """Yield ``StreamEvent`` dicts: tokens as they are sampled, then ``done`` with the response."""
+        req, name, version, prompt_ids, job, events = await self._start(request)
+        outputs: dict[int, dict] = {}
+        texts: dict[int, list[int]] = {}
+        sent: dict[int, str] = {}
+        try:
+            while True:
+                ev = await events.get()
+                kind = ev["type"]
+                if kind == "token":
+                    idx = ev["index"]
+                    toks = texts.setdefault(idx, [])
+                    toks.append(ev["token_id"])
+                    full = self.tokenizer.decode(toks, skip_special_tokens=True)
+                    piece = full[len(sent.get(idx, "")):]
+                    if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+                        piece = ""
+                    else:
+                        sent[idx] = full
+                    yield {"type": "token", "index": idx, "token_id": ev["token_id"], "text": piece}
+                elif kind == "finished":
+                    outputs[ev["index"]] = ev
+                    yield {"type": "token", "index": ev["index"], "token_id": None, "text": "", "finish_reason": ev["finish_reason"]}
+                elif kind == "done":
+                    resp = self._response(name, version, prompt_ids, outputs)
+                    yield {"type": "done", "index": 0, "response": resp.model_dump()}
+                    return
+                elif kind == "error":
+                    yield {"type": "error", "index": 0, "error": ev["message"]}
+                    return
+        finally:
+            if not outputs or len(outputs) < req.n:
+                job.cancelled.set()
+
+    async def ping(self) -> str:
+        return self.replica_id
