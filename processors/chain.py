@@ -21,7 +21,7 @@ from .base import Cursor, CursorLogitsProcessor, as_ids
 from .compile import CompiledScenario
 from .grammar import GrammarCursor, GrammarSpec
 from .labels import LabelCursor, LabelTables
-from .masks import ALLOW, FREE, Step
+from .masks import ALLOW, FREE, Step, mask_padded_vocab
 from .tables import MaskTables
 from .think import ThinkCursor
 from .tree import TreeCursor
@@ -179,8 +179,16 @@ class ConstrainedLogitsProcessor(CursorLogitsProcessor):
         eos = tuple(int(t) for t in eos_token_ids)
         self.scenarios = per_row
         self.eos_token_ids = eos
+        sizes = {c.vocab_size for c in per_row if c is not None}
+        #: ids at or above this exist only in padded logits (e.g. Qwen: 151,936 logits, ~151,665 tokens)
+        self.vocab_size = len(tokenizer) if tokenizer is not None else (max(sizes) if sizes else None)
         factories = [(lambda c=c: RowCursor(c, tokenizer, eos_token_ids=eos)) for c in per_row]
         super().__init__(factories, prompt_len=prompt_len)
+
+    def __call__(self, input_ids, scores):
+        scores = super().__call__(input_ids, scores)
+        mask_padded_vocab(scores, self.vocab_size)
+        return scores
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:

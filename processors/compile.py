@@ -69,6 +69,7 @@ class CompiledScenario:
                 self.constraint.version if self.constraint is not None else None,
                 self.think.version if self.think is not None else None,
                 self.eos_token_ids,
+                self.vocab_size,
                 self.start_token_id,
                 sorted(self.settings.items()),
             ),

@@ -79,7 +79,7 @@ class GrammarSpec:
     version: str = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "version", content_hash("grammar", self.kind, self.grammar, self.eos_token_id))
+        object.__setattr__(self, "version", content_hash("grammar", self.kind, self.grammar, self.eos_token_id, self.vocab_size))
 
     @property
     def end_token_id(self) -> int:

@@ -282,6 +282,10 @@ class LabelCursor(Cursor):
         if state == DONE:
             return
         if token == lt.end_token_id:
+            # EOS always ends the row; where it was not allowed (mid-label, inside the separator, a
+            # repeated label) it is reported like any other invalid token
+            if state >= 0 and self.error is None and token not in self.step().payload:
+                self.error = f"end token {token} does not complete a new label in state {state}; the row ended early"
             term = int(lt.terminal[state]) if state >= 0 and self.sep_pos is None else -1
             if term >= 0:
                 self._emit(term)

@@ -29,6 +29,7 @@ __all__ = [
     "bitmask_to_ids",
     "bitmask_words",
     "check_scores",
+    "mask_padded_vocab",
 ]
 
 ALLOW = 0  # payload: 1-D int array of allowed token ids (non-empty)
@@ -82,6 +83,13 @@ def _unpack_bool(words: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
+def mask_padded_vocab(scores: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    """Ban the columns of padded logits that no token of the tokenizer has (every row, also free ones)."""
+    if vocab_size is not None and scores.shape[-1] > vocab_size:
+        scores[..., vocab_size:] = NEG_INF
+    return scores
+
+
 def check_scores(scores: torch.Tensor, n_rows: int) -> None:
     """Refuse a scores tensor that cannot be a batch of next-token logits for ``n_rows`` rows."""
     if not isinstance(scores, torch.Tensor):
@@ -107,6 +115,7 @@ def apply_steps(scores: torch.Tensor, steps: list[Step]) -> torch.Tensor:
 
     allow_rows: list[int] = []
     allow_ids: list[np.ndarray] = []
+    allow_lens: list[int] = []
     bm_rows: list[int] = []
     bm_words: list[np.ndarray] = []
     ban_rows: list[int] = []
@@ -115,10 +124,13 @@ def apply_steps(scores: torch.Tensor, steps: list[Step]) -> torch.Tensor:
         kind = step.kind
         if kind == ALLOW:
             ids = step.payload
-            if ids is None or len(ids) == 0:
+            n = 0 if ids is None else len(ids)
+            if n == 0:
                 ids = np.array([step.fallback], dtype=np.int64)
+                n = 1
             allow_rows.append(row)
             allow_ids.append(ids)
+            allow_lens.append(n)
         elif kind == BITMASK:
             bm_rows.append(row)
             bm_words.append(step.payload)
@@ -130,27 +142,34 @@ def apply_steps(scores: torch.Tensor, steps: list[Step]) -> torch.Tensor:
             raise ValueError(f"unknown step kind {kind!r} for row {row}")
 
     if allow_rows:
-        _apply_allow(scores, allow_rows, allow_ids, n_rows, width, device)
+        _apply_allow(scores, allow_rows, allow_ids, allow_lens, n_rows, width, device)
     if bm_rows:
         _apply_bitmask(scores, bm_rows, bm_words, [steps[r].fallback for r in bm_rows], width, device)
     if ban_rows:
         lens = np.fromiter((len(a) for a in ban_ids), dtype=np.int64, count=len(ban_ids))
         rows = np.repeat(np.asarray(ban_rows, dtype=np.int64), lens)
         ids = np.concatenate(ban_ids).astype(np.int64, copy=False)
-        keep = ids < width
+        keep = (ids >= 0) & (ids < width)
         scores[torch.from_numpy(rows[keep]).to(device), torch.from_numpy(ids[keep]).to(device)] = NEG_INF
     return scores
 
 
-def _apply_allow(scores, allow_rows, allow_ids, n_rows, width, device) -> None:
-    lens = np.fromiter((len(a) for a in allow_ids), dtype=np.int64, count=len(allow_ids))
-    rows = np.repeat(np.asarray(allow_rows, dtype=np.int64), lens)
-    ids = np.concatenate(allow_ids).astype(np.int64, copy=False) if len(allow_ids) > 1 else allow_ids[0].astype(np.int64, copy=False)
-    if ids.size and (ids.max() >= width or ids.min() < 0):
+def _apply_allow(scores, allow_rows, allow_ids, allow_lens, n_rows, width, device) -> None:
+    # Hot path (every constrained step): as few numpy/torch dispatches as possible, since at small
+    # batches their fixed cost, not the data, is the time. One pass builds the int64 ids, one the
+    # flat indices; the range check is one reduction (negative ids read as huge unsigned values).
+    ids = np.concatenate(allow_ids, dtype=np.int64, casting="unsafe")
+    if len(allow_rows) == 1:
+        flat_np = np.full(ids.size, allow_rows[0] * width, dtype=np.int64)
+    else:
+        flat_np = np.repeat(np.asarray(allow_rows, dtype=np.int64) * width, allow_lens)
+    if ids.size and ids.view(np.uint64).max() >= width:
         keep = (ids >= 0) & (ids < width)
-        rows, ids = rows[keep], ids[keep]
-    flat_np = rows * width + ids
-    flat = torch.from_numpy(flat_np).to(device, non_blocking=True)
+        flat_np, ids = flat_np[keep], ids[keep]
+    flat_np += ids
+    flat = torch.from_numpy(flat_np)
+    if device.type != "cpu":
+        flat = flat.to(device, non_blocking=True)
     if scores.is_contiguous():
         view = scores.view(-1)
         vals = view.index_select(0, flat)
@@ -160,16 +179,21 @@ def _apply_allow(scores, allow_rows, allow_ids, n_rows, width, device) -> None:
             scores.index_fill_(0, torch.as_tensor(allow_rows, device=device), NEG_INF)
         view.index_copy_(0, flat, vals)
     else:  # rare: a strided view; same result through advanced indexing
-        r_t = torch.from_numpy(rows).to(device)
+        r_t = torch.from_numpy(flat_np // width).to(device)
         i_t = torch.from_numpy(ids).to(device)
         vals = scores[r_t, i_t]
         scores[torch.as_tensor(allow_rows, device=device)] = NEG_INF
         scores[r_t, i_t] = vals
     # Upstream processors (min_new_tokens, bad words) may have set every allowed logit to -inf;
     # sampling would then see an all -inf row. Keep the allowed tokens live instead.
-    dead = torch.isneginf(vals)
-    if bool(dead.any()):
-        _revive_dead_rows(scores, rows, ids, dead.cpu().numpy())
+    # One reduction decides the common case: the smallest allowed logit is finite (a NaN anywhere
+    # makes it NaN, and then the exact per-element test runs).
+    if vals.numel():
+        low = float(vals.min())
+        if low == NEG_INF or low != low:
+            dead = torch.isneginf(vals)
+            if bool(dead.any()):
+                _revive_dead_rows(scores, flat_np // width, ids, dead.cpu().numpy())
 
 
 def _revive_dead_rows(scores, rows, ids, dead) -> None:

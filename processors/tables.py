@@ -93,7 +93,7 @@ class MaskTables:
         object.__setattr__(self, "next_state", _freeze(next_state))
         object.__setattr__(self, "keys", _freeze(keys))
         object.__setattr__(
-            self, "version", content_hash("tables", offsets, tokens, next_state, self.root, self.end_token_id)
+            self, "version", content_hash("tables", offsets, tokens, next_state, self.root, self.end_token_id, self.vocab_size)
         )
 
     def __setstate__(self, state: dict) -> None:  # arrays come back writable from pickle
@@ -128,8 +128,9 @@ class MaskTables:
         if state < 0 or not 0 <= token < self.vocab_size:
             return -1
         key = state * self.key_base + token
-        i = int(np.searchsorted(self.keys, key))
-        if i < self.keys.size and self.keys[i] == key:
+        keys = self.keys
+        i = int(keys.searchsorted(key))  # the method: np.searchsorted's wrapper doubles the cost of a scalar lookup
+        if i < keys.size and keys[i] == key:
             return i
         return -1
 

@@ -51,6 +51,12 @@ class TreeCursor(Cursor):
         if self.state == DONE:
             return
         if token == self.tables.end_token_id:
+            # the end token always finishes the row; where the state listed candidates without it,
+            # it was not allowed (interference), so report it like any other invalid token
+            if self.state >= 0 and self.error is None:
+                ids = self.tables.allowed(self.state)
+                if ids.size and self.tables.edge(self.state, token) < 0:
+                    self.error = f"end token {token} is not a candidate in state {self.state}; the row ended early"
             self.state = DONE
             return
         i = self.tables.edge(self.state, token)
