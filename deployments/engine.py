@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, LogitsProcessorList
 
 from processors import CompiledScenario, ConstrainedLogitsProcessor, RowCursor, apply_steps
+from processors.masks import mask_padded_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class DecodeEngine:
         self.eos_token_ids = tuple(eos_token_ids or (tokenizer.eos_token_id,))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         self.device = next(model.parameters()).device
+        self.vocab_size = len(tokenizer)
         self._queue: queue.Queue[Job] = queue.Queue()
         self._waiting: list[Job] = []
         self._rows: list[_Row] = []
@@ -255,6 +257,7 @@ class DecodeEngine:
         rows = self._rows
         logits = self._logits
         apply_steps(logits, [r.cursor.step() for r in rows])
+        mask_padded_vocab(logits, self.vocab_size)
         t_chain = time.perf_counter() - t0
         keep: list[int] = []
         next_tokens: list[int] = []
