@@ -26,7 +26,7 @@ from .protocol import GenerateRequest, GenerateResponse, Output, ServiceError, U
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelReplica"]
+__all__ = ["ModelReplica", "ServeModelReplica"]
 
 _INLINE_CACHE_SIZE = 64
 
@@ -61,7 +61,7 @@ class ModelReplica:
         model, tokenizer: injected for tests; loaded from ``settings.model`` otherwise.
     """
 
-    def __init__(self, settings: dict | ServerSettings, manager=None, *, model=None, tokenizer=None):
+    def __init__(self, settings: dict | ServerSettings, manager=None, *, model=None, tokenizer=None, register: bool = True):
         self.settings = settings if isinstance(settings, ServerSettings) else ServerSettings.model_validate(settings)
         if self.settings.torch_threads:
             import torch
@@ -82,15 +82,17 @@ class ModelReplica:
         self._manager = manager
         self._stop = threading.Event()
         self.model_name = self.settings.model or "SmolLM2-135M-Instruct"
-        if manager is not None:
-            snapshot = _call(manager.register, self.replica_id)
-            self._install(snapshot)
-            self._poller = threading.Thread(target=self._poll_loop, name="scenario-poll", daemon=True)
-            self._poller.start()
-        logger.info("%s ready (%d scenarios)", self.replica_id, len(self._scenarios))
+        if manager is not None and register:
+            self._install(_call(manager.register, self.replica_id))
+            self._start_poller()
+            logger.info("%s ready (%d scenarios)", self.replica_id, len(self._scenarios))
+
+    def _start_poller(self) -> None:
+        self._poller = threading.Thread(target=self._poll_loop, name="scenario-poll", daemon=True)
+        self._poller.start()
 
     # -- scenario tables ------------------------------------------------------------------------
-    def _install(self, snapshot: dict | None) -> None:
+    def _install(self, snapshot: dict | None, *, ack: bool = True) -> None:
         if not snapshot:
             return
         new: dict[str, tuple[int, CompiledScenario]] = {}
@@ -104,7 +106,7 @@ class ModelReplica:
         with self._lock:
             self._scenarios = new
             self._epoch = int(snapshot.get("epoch", self._epoch))
-        if self._manager is not None:
+        if ack and self._manager is not None:
             _call(self._manager.ack, self.replica_id, self._epoch, self.versions())
 
     def _poll_loop(self) -> None:
@@ -281,3 +283,23 @@ class ModelReplica:
 
     async def ping(self) -> str:
         return self.replica_id
+
+
+class ServeModelReplica(ModelReplica):
+    """The Serve deployment of :class:`ModelReplica`.
+
+    Serve runs a constructor on the replica's event loop, where a blocking ``handle.remote().result()``
+    is refused; this async constructor registers with the manager and installs the current snapshot
+    with ``await`` before the replica takes requests. Later updates come from the poll thread.
+    """
+
+    async def __init__(self, settings: dict, manager):  # type: ignore[misc]
+        ModelReplica.__init__(self, settings, manager, register=False)
+        snapshot = await manager.register.remote(self.replica_id)
+        for entry in (snapshot or {}).get("scenarios", {}).values():
+            if not isinstance(entry["ref"], CompiledScenario):
+                entry["ref"] = await entry["ref"]
+        self._install(snapshot, ack=False)
+        await manager.ack.remote(self.replica_id, self._epoch, self.versions())
+        self._start_poller()
+        logger.info("%s ready (%d scenarios)", self.replica_id, len(self._scenarios))

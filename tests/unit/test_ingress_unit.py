@@ -470,9 +470,9 @@ def test_official_openai_client(setup):
 def test_models_scenarios_health(setup):
     client, _, manager = setup
     assert client.get("/v1/models").json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
-    assert client.get("/v1/scenarios").json()["data"] == [{"name": "sentiment", "type": "labels", "version": 3}]
+    assert client.get("/v1/scenarios").json()["scenarios"] == [{"name": "sentiment", "type": "labels", "version": 3}]
     health = client.get("/healthz").json()
-    assert health == {"status": "ok", "ingress": "ok", "manager": {"status": "ok", "redis": "ok"}, "replicas": {"replica-1": {"sentiment": 3}}}
+    assert health == {"status": "ok", "ingress": "ok", "manager": {"status": "ok", "redis": "ok"}, "replicas": {"replica-1": {"sentiment": 3}}, "replicas_error": None}
 
     async def down():
         return {"status": "degraded", "redis": "down"}
@@ -487,6 +487,7 @@ def test_models_scenarios_health(setup):
     resp = client.get("/healthz")
     assert resp.status_code == 200
     assert resp.json()["status"] == "degraded" and resp.json()["manager"]["status"] == "unreachable"
+    assert resp.json()["replicas"] == {} and resp.json()["replicas_error"] == "internal server error"
 
 
 def test_served_model_name():

@@ -1,0 +1,79 @@
+"""The application builder ``serve_config.yaml`` imports: ``import_path: deployments.app:build_app``.
+
+Three deployments, each a plain class made a deployment here (so each stays constructible without Serve):
+
+* ``ConfigManager`` (1 replica, no CPU reserved): Redis <-> compiled tables <-> replicas. Every model replica
+  keeps a long poll open on it and admin calls wait on it, hence its high ``max_ongoing_requests``.
+* ``ModelReplica`` (``num_replicas``, CPUs/GPUs from the settings): the model and the decode loop.
+* ``Ingress`` (no CPU reserved): the FastAPI app, handed to Serve through ``__serve_build_asgi_app__``.
+
+Settings travel to every constructor as ``ServerSettings.model_dump()`` dicts.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ray import serve
+
+from config import ServerSettings
+
+__all__ = ["MANAGER_MAX_ONGOING_REQUESTS", "INGRESS_MAX_ONGOING_REQUESTS", "build_app", "deployment_options"]
+
+# Long polls from every model replica plus admin calls; the manager's methods are async and cheap to hold.
+MANAGER_MAX_ONGOING_REQUESTS = 1000
+# The ingress only awaits other deployments; Serve's default (5) would cap the whole service at 5 requests.
+INGRESS_MAX_ONGOING_REQUESTS = 1000
+# Requests a model replica accepts per batch slot: queued rows wait there for the next step, not at the proxy.
+REPLICA_REQUESTS_PER_BATCH_SLOT = 4
+
+
+def deployment_options(settings: ServerSettings) -> dict[str, dict[str, Any]]:
+    """The ``.options(...)`` of each deployment for ``settings`` (separate so it can be inspected and tested)."""
+    return {
+        "manager": {
+            "name": "ConfigManager",
+            "num_replicas": 1,
+            "max_ongoing_requests": MANAGER_MAX_ONGOING_REQUESTS,
+            "ray_actor_options": {"num_cpus": 0},
+        },
+        "model": {
+            "name": "ModelReplica",
+            "num_replicas": settings.num_replicas,
+            "max_ongoing_requests": REPLICA_REQUESTS_PER_BATCH_SLOT * settings.max_batch_size,
+            "ray_actor_options": {
+                "num_cpus": settings.num_cpus_per_replica,
+                "num_gpus": settings.num_gpus_per_replica,
+            },
+        },
+        "ingress": {
+            "name": "Ingress",
+            "num_replicas": 1,
+            "max_ongoing_requests": INGRESS_MAX_ONGOING_REQUESTS,
+            "ray_actor_options": {"num_cpus": 0},
+        },
+    }
+
+
+def build_app(args: dict[str, Any] | None = None) -> serve.Application:
+    """Build the Serve application from ``serve_config.yaml``'s ``args`` (see ``config.ServerSettings``)."""
+    from deployments.ingress import Ingress
+    from deployments.manager import ConfigManager
+    from deployments.replica import ServeModelReplica
+
+    settings = ServerSettings.from_args(args)
+    # Replicas may run with another working directory than the one `serve run` was started in.
+    update: dict[str, Any] = {"data_dir": os.path.abspath(os.path.expanduser(settings.data_dir))}
+    if settings.model and os.path.exists(os.path.expanduser(settings.model)):
+        update["model"] = os.path.abspath(os.path.expanduser(settings.model))
+    settings = settings.model_copy(update=update)
+    options = deployment_options(settings)
+    settings_dict = settings.model_dump()
+
+    manager = serve.deployment(ConfigManager).options(**options["manager"]).bind(settings_dict)
+    model = serve.deployment(ServeModelReplica).options(**options["model"]).bind(settings_dict, manager)
+    # serve.ingress() without an app: the class's __serve_build_asgi_app__ returns the FastAPI app that
+    # Ingress built with routes bound to itself (no class-based-view rewriting, same app in unit tests).
+    ingress = serve.deployment(serve.ingress()(Ingress)).options(**options["ingress"])
+    return ingress.bind(settings_dict, model, manager)

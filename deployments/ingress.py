@@ -1,0 +1,896 @@
+"""The HTTP ingress: one FastAPI app in front of the model replicas and the config manager.
+
+:class:`Ingress` is a plain class: ``Ingress(settings, model_handle, manager_handle)`` builds its FastAPI
+app (``ingress.http_app``) with routes bound to that instance, so it can be served by Ray Serve or tested
+in-process with ``fastapi.testclient.TestClient``. Ray Serve gets the app through the late-bound hook
+``__serve_build_asgi_app__`` (see ``deployments/app.py``: ``serve.deployment(serve.ingress()(Ingress))``).
+
+Routes:
+
+========================================= ===========================================================
+``POST /v1/generate``                     native API (:class:`GenerateBody` -> ``GenerateResponse``), SSE when ``stream``
+``POST /v1/completions``                  OpenAI completions; extra fields ``scenario``, ``structured_outputs``, ``top_k``
+``POST /v1/chat/completions``             OpenAI chat completions; also ``response_format``
+``GET /v1/models``                        the served model
+``GET /v1/scenarios``                     stored scenarios: name, type, current version
+``GET /healthz``                          liveness, the manager's health, per-replica scenario versions
+``PUT|GET|DELETE /admin/scenarios/{name}`` admin (bearer token): create/replace, read, delete
+``GET /admin/scenarios/{name}/versions``  admin: history
+``POST /admin/scenarios/{name}/rollback`` admin: roll back to ``{"version": int}``
+========================================= ===========================================================
+
+Every error is JSON ``{"error": {"status": int, "message": str, ...detail}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+import uuid
+from contextlib import aclosing
+from pathlib import Path
+from typing import Annotated, Any, AsyncIterator, Literal
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi import Path as PathParam
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from config import ScenarioAdapter, ServerSettings, scenario_to_dict
+from deployments.auth import check_bearer, resolve_admin_token
+from deployments.store import NAME_PATTERN
+from deployments.protocol import ChatMessage, GenerateRequest, GenerateResponse, ServiceError, Usage, unwrap_service_error
+
+__all__ = [
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "GenerateBody",
+    "Ingress",
+    "build_http_app",
+    "served_model_name",
+    "to_service_error",
+]
+
+# Serve configures this logger in every replica (its files and the `serve run` console); a module logger
+# below WARNING would be dropped there.
+logger = logging.getLogger("ray.serve")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+ScenarioName = Annotated[str, PathParam(pattern=NAME_PATTERN, description="Scenario name (the store's naming rule).")]
+HEALTH_TIMEOUT_S = 5.0
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_SSE_DONE = "data: [DONE]\n\n"
+
+
+# --------------------------------------------------------------------------------------------- errors
+
+
+def to_service_error(exc: BaseException) -> ServiceError:
+    """The client-facing error for an exception from a handle call (or from our own code).
+
+    A :class:`ServiceError` (also when Ray wrapped it) keeps its status; an overloaded or dead backend is a
+    503, a timeout a 504; anything else is logged with its traceback and becomes a generic 500 that carries
+    only an error id to find that log line.
+    """
+    found = unwrap_service_error(exc)
+    if found is not None:
+        return found
+    unavailable, timeouts = _ray_error_types()
+    if isinstance(exc, unavailable):
+        logger.warning("backend unavailable: %s: %s", type(exc).__name__, exc)
+        return ServiceError(503, "the service is overloaded or a backend replica is unavailable; retry later")
+    if isinstance(exc, timeouts):
+        return ServiceError(504, "a backend call timed out")
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("unexpected error (error_id=%s)", error_id, exc_info=exc)
+    return ServiceError(500, "internal server error", {"error_id": error_id})
+
+
+def _ray_error_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    unavailable: list[type] = []
+    timeouts: list[type] = [TimeoutError, asyncio.TimeoutError]
+    if "ray" not in sys.modules:  # the in-process unit tests run without Ray; under Serve it is loaded
+        return tuple(unavailable), tuple(timeouts)
+    from ray import exceptions as ray_exc
+    from ray.serve import exceptions as serve_exc
+
+    for module, name in (
+        (serve_exc, "BackPressureError"),
+        (serve_exc, "DeploymentUnavailableError"),
+        (serve_exc, "ReplicaUnavailableError"),
+        (ray_exc, "RayActorError"),
+        (ray_exc, "ActorUnavailableError"),
+    ):
+        cls = getattr(module, name, None)
+        if isinstance(cls, type):
+            unavailable.append(cls)
+    if isinstance(getattr(ray_exc, "GetTimeoutError", None), type):
+        timeouts.append(ray_exc.GetTimeoutError)
+    return tuple(unavailable), tuple(timeouts)
+
+
+def _error_response(error: ServiceError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.to_json(), status_code=error.status, headers=headers)
+
+
+def _validation_error(errors: list[Any], rename: dict[str, str] | None = None) -> ServiceError:
+    """A 422 whose message names each offending field (``messages.1.role: ...``)."""
+    rename = rename or {}
+    parts: list[str] = []
+    items: list[dict[str, Any]] = []
+    for error in errors:
+        loc = [str(p) for p in error.get("loc", ())]
+        if loc and loc[0] in ("body", "query", "path", "header"):
+            loc = loc[1:]
+        if loc:
+            loc[0] = rename.get(loc[0], loc[0])
+        where = ".".join(loc) or "body"
+        msg = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}")
+        items.append({"field": where, "message": msg, "type": error.get("type")})
+    message = "; ".join(parts[:5]) + (f" (and {len(parts) - 5} more)" if len(parts) > 5 else "")
+    return ServiceError(422, message or "invalid request", {"errors": items})
+
+
+# --------------------------------------------------------------------------------------------- models
+
+
+class GenerateBody(GenerateRequest):
+    """Body of ``POST /v1/generate``: a :class:`GenerateRequest` without ``inline_scenario``.
+
+    Give exactly one of ``prompt`` or ``messages``; ``scenario`` names a stored scenario (none = unconstrained).
+    """
+
+    model_config = ConfigDict(extra="forbid", title="GenerateBody")
+
+    inline_scenario: SkipJsonSchema[None] = Field(
+        default=None, exclude=True, description="Not accepted here (one-off constraints go through the OpenAI routes)."
+    )
+
+    @field_validator("inline_scenario", mode="before")
+    @classmethod
+    def _no_inline(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError(
+                "not accepted by /v1/generate: store the scenario (PUT /admin/scenarios/{name}) and name it in "
+                "'scenario', or use response_format / structured_outputs on /v1/chat/completions"
+            )
+        return value
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = Field(default=False, description="Send a last chunk with the token usage.")
+
+
+class StructuredOutputs(BaseModel):
+    """A one-off constraint (vLLM's ``structured_outputs``): exactly one of ``choice``, ``json``, ``regex``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    choice: list[str] | None = Field(default=None, min_length=1, description="The output is one of these strings.")
+    json_: dict[str, Any] | str | None = Field(
+        default=None, alias="json", description="A JSON Schema (object or JSON text) the output must satisfy."
+    )
+    regex: str | None = Field(default=None, min_length=1, description="A regular expression the output must match.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        given = [name for name, value in (("choice", self.choice), ("json", self.json_), ("regex", self.regex)) if value is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of 'choice', 'json', 'regex' (got {given or 'none'})")
+        return self
+
+
+class _OpenAIBody(BaseModel):
+    """Fields shared by the OpenAI-style routes. Unknown OpenAI fields are accepted and ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(default=None, description="Ignored: there is one served model (see GET /v1/models).")
+    scenario: str | None = Field(default=None, description="Extra field: name of a stored scenario.")
+    structured_outputs: StructuredOutputs | None = Field(
+        default=None, description="Extra field: a one-off constraint (exactly one of choice, json, regex)."
+    )
+    max_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate per choice.")
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, description="Same as max_tokens (the newer OpenAI name); wins when both are set."
+    )
+    temperature: float | None = Field(default=None, ge=0, le=100, description="0 = greedy.")
+    top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int | None = Field(default=None, ge=0, description="Extra field: keep the k most likely tokens (0 = off).")
+    n: int = Field(default=1, ge=1, description="Number of choices.")
+    seed: int | None = Field(default=None, ge=0, description="Random seed for reproducible sampling.")
+    stream: bool = Field(default=False, description="Stream chunks as server-sent events.")
+    stream_options: StreamOptions | None = Field(default=None, description="include_usage: a final usage chunk.")
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field(description="A name for the schema (not used for decoding).")
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema", description="The JSON Schema.")
+    strict: bool | None = Field(default=None, description="Ignored: the constraint is always strict.")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON) or ``json_schema``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"] = Field(description="Format kind.")
+    json_schema: JsonSchemaFormat | None = Field(default=None, description="Required for type json_schema.")
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object")
+        return self
+
+
+class CompletionRequest(_OpenAIBody):
+    """``POST /v1/completions``: OpenAI completions plus ``scenario``, ``structured_outputs``, ``top_k``."""
+
+    prompt: str | list[str] = Field(description="The raw prompt (a list must hold exactly one string).")
+    response_format: ResponseFormat | None = Field(default=None, description="One-off JSON constraint.")
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "CompletionRequest":
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            raise ValueError(f"prompt: a list must hold exactly one string, got {len(self.prompt)}")
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"] = Field(description="Only text parts are supported.")
+    text: str = Field(description="The text.")
+
+
+class OpenAIChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"] = Field(description="developer is treated as system.")
+    content: str | list[TextPart] | None = Field(default=None, description="Text, or a list of text parts.")
+
+    def to_chat_message(self) -> ChatMessage:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return ChatMessage(role="system" if self.role == "developer" else self.role, content=content)
+
+
+class ChatCompletionRequest(_OpenAIBody):
+    """``POST /v1/chat/completions``: OpenAI chat completions plus ``scenario``, ``structured_outputs``, ``top_k``."""
+
+    messages: list[OpenAIChatMessage] = Field(min_length=1, description="The conversation.")
+    response_format: ResponseFormat | None = Field(default=None, description="One-off JSON constraint.")
+
+
+class _OpenAIResponse(BaseModel):
+    id: str
+    created: int
+    model: str
+    usage: Usage
+    scenario: str | None = Field(default=None, description="Extra field: the scenario used.")
+    scenario_version: int | None = Field(default=None, description="Extra field: the scenario version pinned.")
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class CompletionResponse(_OpenAIResponse):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(_OpenAIResponse):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "constrained-serve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ScenarioSummary(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    type: str
+    version: int
+
+
+class ScenarioList(BaseModel):
+    scenarios: list[ScenarioSummary] = Field(description="The scenarios being served, by name.")
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "degraded"] = Field(description="degraded: the manager or its Redis reports a problem.")
+    ingress: Literal["ok"] = "ok"
+    manager: dict[str, Any] = Field(description="The config manager's own health report (or why it is unreachable).")
+    replicas: dict[str, Any] = Field(description="Per model replica: the scenario versions it serves.")
+    replicas_error: str | None = Field(default=None, description="Why the replica versions could not be read.")
+
+
+class ScenarioVersionOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    version: int
+
+
+class ScenarioOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    version: int
+    scenario: dict[str, Any] = Field(description="The stored scenario body.")
+    created_at: float | str | None = Field(default=None, description="When this version was stored.")
+    action: str | None = Field(default=None, description="What produced this version (put, rollback, ...).")
+
+
+class ScenarioVersionsOut(BaseModel):
+    name: str
+    versions: list[dict[str, Any]]
+
+
+class DeletedOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    deleted: bool = True
+
+
+class RollbackBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=1, description="The stored version to make current again.")
+
+
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    status: int
+    message: str
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody, "description": what}
+    for code, what in (
+        (404, "Unknown scenario (``known`` lists the stored names)"),
+        (413, "Body too large"),
+        (422, "Invalid request; the message names the field"),
+        (500, "Internal error"),
+        (503, "Overloaded or a backend replica is unavailable"),
+    )
+}
+_SSE_RESPONSE = {200: {"content": {"text/event-stream": {}}, "description": "JSON body, or SSE when stream is true"}}
+
+
+# --------------------------------------------------------------------------------------------- OpenAI mapping
+
+
+def served_model_name(model: str | None) -> str:
+    """The name ``/v1/models`` reports: the default model's name, or the checkpoint's file/dir name."""
+    if not model:
+        return DEFAULT_MODEL_NAME
+    path = Path(model)
+    return path.stem if path.suffix.lower() == ".gguf" else (path.name or model)
+
+
+def _inline_scenario(body: CompletionRequest | ChatCompletionRequest) -> tuple[dict[str, Any] | None, str | None]:
+    """The one-off scenario asked for by ``response_format`` / ``structured_outputs`` and the field that asked."""
+    fmt, so = body.response_format, body.structured_outputs
+    if fmt is not None and fmt.type == "text":
+        fmt = None
+    given = [name for name, value in (("scenario", body.scenario), ("response_format", fmt), ("structured_outputs", so)) if value is not None]
+    if len(given) > 1:
+        raise ServiceError(422, f"give at most one of 'scenario', 'response_format', 'structured_outputs' (got {given})")
+    if fmt is not None:
+        if fmt.type == "json_object" or fmt.json_schema.schema_ is None:
+            return {"type": "json"}, "response_format"
+        return {"type": "json_schema", "schema": fmt.json_schema.schema_}, "response_format.json_schema.schema"
+    if so is None:
+        return None, None
+    if so.choice is not None:
+        return {"type": "labels", "labels": so.choice}, "structured_outputs.choice"
+    if so.regex is not None:
+        return {"type": "regex", "pattern": so.regex}, "structured_outputs.regex"
+    schema = so.json_
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as error:
+            raise ServiceError(422, f"structured_outputs.json: not valid JSON: {error}") from None
+        if not isinstance(schema, dict):
+            raise ServiceError(422, "structured_outputs.json: a JSON Schema must be an object")
+    return {"type": "json_schema", "schema": schema}, "structured_outputs.json"
+
+
+def _validated_inline(scenario: dict[str, Any], field: str) -> dict[str, Any]:
+    """Check a one-off scenario here (cheap), so a bad schema or label list is a 422 naming the OpenAI field."""
+    main = {"labels": "labels", "regex": "pattern", "json_schema": "schema"}.get(scenario["type"])
+    try:
+        return scenario_to_dict(ScenarioAdapter.validate_python(scenario))
+    except ValidationError as error:
+        parts = []
+        for item in error.errors():
+            loc = [str(p) for p in item["loc"][1:]]  # [0] is the discriminator tag
+            if loc and loc[0] == main:  # `field` already names it
+                loc = loc[1:]
+            msg = str(item["msg"]).removeprefix("Value error, ")
+            parts.append(f"{'.'.join([field, *loc])}: {msg}")
+        raise ServiceError(422, "; ".join(parts[:5]) or f"{field}: invalid constraint") from None
+
+
+def openai_to_generate(body: CompletionRequest | ChatCompletionRequest) -> tuple[GenerateRequest, dict[str, str]]:
+    """The replica request for an OpenAI-style body, and the OpenAI names of the mapped fields (for errors)."""
+    inline, field = _inline_scenario(body)
+    if inline is not None:
+        inline = _validated_inline(inline, field)
+    max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    data: dict[str, Any] = {
+        "scenario": body.scenario,
+        "inline_scenario": inline,
+        "max_new_tokens": body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "n": body.n,
+        "seed": body.seed,
+        "stream": body.stream,
+    }
+    if isinstance(body, ChatCompletionRequest):
+        data["messages"] = [m.to_chat_message().model_dump() for m in body.messages]
+    else:
+        data["prompt"] = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    rename = {"max_new_tokens": max_field}
+    try:
+        return GenerateRequest.model_validate(data), rename
+    except ValidationError as error:
+        raise _validation_error(error.errors(), rename) from None
+
+
+def _openai_response(result: dict[str, Any], *, chat: bool, model: str) -> dict[str, Any]:
+    response = GenerateResponse.model_validate(result)
+    common = {
+        "created": int(time.time()),
+        "model": model,
+        "usage": response.usage.model_dump(),
+        "scenario": response.scenario,
+        "scenario_version": response.version,
+    }
+    if chat:
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason, "logprobs": None}
+            for i, o in enumerate(response.outputs)
+        ]
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "choices": choices, **common}
+    choices = [
+        {"index": i, "text": o.text, "finish_reason": o.finish_reason, "logprobs": None}
+        for i, o in enumerate(response.outputs)
+    ]
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "choices": choices, **common}
+
+
+# --------------------------------------------------------------------------------------------- plumbing
+
+
+def sse(data: dict[str, Any]) -> str:
+    """One server-sent event carrying ``data`` as compact JSON."""
+    return "data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n\n"
+
+
+class BodySizeLimit:
+    """ASGI middleware: a body over ``max_bytes`` is a 413.
+
+    With a ``Content-Length`` header the check is up front. Without one (chunked upload) the body is read
+    here, up to the limit, and replayed to the app: FastAPI turns errors raised while it reads a body into
+    a 400, so the limit cannot be enforced from inside ``receive``.
+    """
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app = app
+        self.max_bytes = int(max_bytes)
+
+    async def _reject(self, scope, receive, send) -> None:
+        error = ServiceError(413, f"request body is larger than the limit of {self.max_bytes} bytes", {"limit": self.max_bytes})
+        await _error_response(error)(scope, receive, send)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = next((value for key, value in scope.get("headers") or [] if key == b"content-length"), None)
+        if length is not None:
+            try:
+                too_large = int(length) > self.max_bytes
+            except ValueError:
+                too_large = False
+            if too_large:
+                return await self._reject(scope, receive, send)
+            return await self.app(scope, receive, send)
+
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # client went away
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await self._reject(scope, receive, send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _cancel(call: Any) -> None:
+    cancel = getattr(call, "cancel", None)
+    if callable(cancel):
+        try:
+            cancel()
+        except Exception:  # best effort: the call may have finished already
+            logger.debug("cancelling a backend call failed", exc_info=True)
+
+
+# --------------------------------------------------------------------------------------------- ingress
+
+
+class Ingress:
+    """HTTP front of the service; a plain class (``deployments/app.py`` turns it into a Serve deployment).
+
+    Args:
+        settings: ``ServerSettings`` or its ``model_dump()`` (limits, data_dir / admin_token, model name).
+        model_handle: handle to the model replicas (``generate``, ``generate_stream``).
+        manager_handle: handle to the config manager (scenario CRUD, ``list``, ``health``, ``replica_versions``).
+    """
+
+    def __init__(self, settings: dict[str, Any] | ServerSettings, model_handle: Any, manager_handle: Any):
+        self.settings = settings if isinstance(settings, ServerSettings) else ServerSettings.model_validate(settings)
+        self.limits = self.settings.limits
+        self.model = model_handle
+        self.manager = manager_handle
+        self.model_name = served_model_name(self.settings.model)
+        self.created = int(time.time())
+        self._admin_token = resolve_admin_token(self.settings)
+        self.http_app = build_http_app(self)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """Ray Serve's late-bound ingress hook: the app whose routes are bound to this instance."""
+        return self.http_app
+
+    def check_admin(self, authorization: str | None) -> bool:
+        return check_bearer(authorization, self._admin_token)
+
+    async def call(self, method: Any, *args: Any) -> Any:
+        """``await method.remote(*args)`` with any failure turned into a :class:`ServiceError`."""
+        try:
+            return await method.remote(*args)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise to_service_error(exc) from None
+
+    def check_limits(self, request: GenerateRequest, rename: dict[str, str] | None = None) -> None:
+        """422 naming the field when a request asks for more than ``settings.limits`` allows."""
+        rename = rename or {}
+        for field, value, limit in (
+            ("max_new_tokens", request.max_new_tokens, self.limits.max_new_tokens),
+            ("n", request.n, self.limits.max_n),
+            ("num_beams", request.num_beams, self.limits.max_num_beams),
+        ):
+            if value is not None and value > limit:
+                name = rename.get(field, field)
+                raise ServiceError(422, f"{name}: {value} is above this server's limit of {limit}", {"field": name, "limit": limit})
+
+    async def open_stream(self, request: GenerateRequest) -> tuple[dict[str, Any] | None, Any]:
+        """Start a streamed generation and wait for its first event, so an early error is a plain HTTP error."""
+        stream = None
+        try:
+            stream = self.model.options(stream=True).generate_stream.remote(request.model_dump())
+            return await stream.__anext__(), stream
+        except StopAsyncIteration:
+            return None, stream
+        except asyncio.CancelledError:
+            _cancel(stream)
+            raise
+        except Exception as exc:
+            _cancel(stream)
+            raise to_service_error(exc) from None
+
+    async def events(self, first: dict[str, Any] | None, stream: Any) -> AsyncIterator[dict[str, Any]]:
+        """``first`` and the rest of the stream; a failure mid-stream becomes a last ``error`` event."""
+        done = False
+        try:
+            if first is not None:
+                yield first
+                async for event in stream:
+                    yield event
+            done = True
+        except Exception as exc:
+            done = True
+            error = to_service_error(exc)
+            yield {"type": "error", "index": 0, "error": error.message, "status": error.status}
+        finally:
+            if not done:  # client went away: stop generating for it
+                _cancel(stream)
+
+    async def native_sse(self, first: dict[str, Any] | None, stream: Any) -> AsyncIterator[str]:
+        async with aclosing(self.events(first, stream)) as events:
+            async for event in events:
+                yield sse(event)
+        yield _SSE_DONE
+
+    async def openai_sse(
+        self, first: dict[str, Any] | None, stream: Any, *, chat: bool, n: int, include_usage: bool
+    ) -> AsyncIterator[str]:
+        """OpenAI-style chunks: a role chunk per choice (chat), text deltas, finish reasons, usage, ``[DONE]``."""
+        chunk_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+            body = {"id": chunk_id, "object": kind, "created": created, "model": self.model_name, "choices": choices}
+            if include_usage:
+                body["usage"] = usage
+            return sse(body)
+
+        def choice(index: int, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
+            if not chat:
+                return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+        if chat:
+            yield chunk([choice(i, "", role=True) for i in range(n)])
+        finished: set[int] = set()
+        async with aclosing(self.events(first, stream)) as events:
+            async for event in events:
+                kind_of = event.get("type")
+                if kind_of == "token":
+                    index, reason, text = int(event.get("index") or 0), event.get("finish_reason"), event.get("text") or ""
+                    if reason:
+                        finished.add(index)
+                    yield chunk([choice(index, None if chat and reason and not text else text, reason)])
+                elif kind_of == "done" and event.get("response"):
+                    response = GenerateResponse.model_validate(event["response"])
+                    for index, output in enumerate(response.outputs):
+                        if index not in finished:
+                            yield chunk([choice(index, None if chat else "", output.finish_reason)])
+                    if include_usage:
+                        yield chunk([], response.usage.model_dump())
+                elif kind_of == "error":
+                    yield sse({"error": {"status": event.get("status", 500), "message": event.get("error") or "generation failed"}})
+        yield _SSE_DONE
+
+    async def openai_generate(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool):
+        request, rename = openai_to_generate(body)
+        self.check_limits(request, rename)
+        if request.stream:
+            first, stream = await self.open_stream(request)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                self.openai_sse(first, stream, chat=chat, n=request.n, include_usage=include_usage),
+                media_type="text/event-stream",
+                headers=_SSE_HEADERS,
+            )
+        result = await self.call(self.model.generate, request.model_dump())
+        return _openai_response(result, chat=chat, model=self.model_name)
+
+    async def health(self) -> dict[str, Any]:
+        async def ask(method: Any) -> tuple[dict[str, Any] | None, str | None]:
+            try:
+                return await asyncio.wait_for(self.call(method), HEALTH_TIMEOUT_S), None
+            except ServiceError as error:
+                return None, error.message
+            except asyncio.TimeoutError:
+                return None, f"no answer within {HEALTH_TIMEOUT_S:g} s"
+
+        (manager, manager_error), (replicas, replicas_error) = await asyncio.gather(
+            ask(self.manager.health), ask(self.manager.replica_versions)
+        )
+        if manager is None:
+            manager = {"status": "unreachable", "error": manager_error}
+        report = {
+            "status": "ok" if _manager_ok(manager) and replicas_error is None else "degraded",
+            "ingress": "ok",
+            "manager": manager if isinstance(manager, dict) else {"report": manager},
+            "replicas": replicas if isinstance(replicas, dict) else {},
+        }
+        if replicas_error is not None:
+            report["replicas_error"] = replicas_error
+        return report
+
+
+_BAD_STATES = {"down", "unreachable", "error", "disconnected", "degraded", "unavailable"}
+
+
+def _manager_ok(report: Any) -> bool:
+    """Whether the manager's report looks healthy (its ``status``, and its ``redis`` entry if it has one)."""
+    if not isinstance(report, dict) or report.get("status", "ok") != "ok" or report.get("redis_ok") is False:
+        return False
+    redis = report.get("redis")
+    if isinstance(redis, dict):
+        redis = False if redis.get("ok") is False else redis.get("status")
+    return redis is not False and not (isinstance(redis, str) and redis.lower() in _BAD_STATES)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return _error_response(_validation_error(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return _error_response(ServiceError(exc.status_code, str(exc.detail)), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        return _error_response(to_service_error(exc))
+
+
+def _scenario_openapi_extra() -> dict[str, Any]:
+    schema = ScenarioAdapter.json_schema(ref_template="#/components/schemas/{model}")
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _with_scenario_components(app: FastAPI) -> None:
+    """Move the scenario schema's ``$defs`` into ``components`` so ``/docs`` resolves them."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    body = (operation.get("requestBody") or {}).get("content", {}).get("application/json", {})
+                    defs = (body.get("schema") or {}).pop("$defs", None)
+                    if defs:
+                        components.update(defs)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def build_http_app(ingress: Ingress) -> FastAPI:
+    """The FastAPI app for ``ingress``: public routes, the admin router, error handlers, the body limit."""
+    app = FastAPI(
+        title="constrained-serve",
+        description="An LLM with hard output constraints (token trees, label sets, JSON schema, regex, think budget).",
+        version="0.1.0",
+    )
+    _install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=ingress.limits.max_body_bytes)
+
+    @app.post("/v1/generate", response_model=GenerateResponse, responses={**_SSE_RESPONSE, **_ERROR_RESPONSES}, tags=["generate"])
+    async def generate(body: GenerateBody):
+        """Generate under a stored scenario (or unconstrained). ``stream: true`` gives SSE ``data: {event}`` lines."""
+        request = GenerateRequest.model_validate(body.model_dump())
+        ingress.check_limits(request)
+        if request.stream:
+            first, stream = await ingress.open_stream(request)
+            return StreamingResponse(ingress.native_sse(first, stream), media_type="text/event-stream", headers=_SSE_HEADERS)
+        return await ingress.call(ingress.model.generate, request.model_dump())
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={**_SSE_RESPONSE, **_ERROR_RESPONSES}, tags=["openai"])
+    async def completions(body: CompletionRequest):
+        """OpenAI-compatible completions; ``scenario`` / ``response_format`` / ``structured_outputs`` constrain."""
+        return await ingress.openai_generate(body, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_SSE_RESPONSE, **_ERROR_RESPONSES}, tags=["openai"])
+    async def chat_completions(body: ChatCompletionRequest):
+        """OpenAI-compatible chat completions; ``scenario`` / ``response_format`` / ``structured_outputs`` constrain."""
+        return await ingress.openai_generate(body, chat=True)
+
+    @app.get("/v1/models", response_model=ModelList, tags=["openai"])
+    async def models():
+        return {"data": [{"id": ingress.model_name, "created": ingress.created}]}
+
+    @app.get("/v1/scenarios", response_model=ScenarioList, tags=["scenarios"])
+    async def scenarios():
+        return {"scenarios": await ingress.call(ingress.manager.list)}
+
+    @app.get("/healthz", response_model=HealthResponse, tags=["health"])
+    async def healthz():
+        """Always 200 while the ingress runs; ``status: degraded`` when the manager or Redis is not well."""
+        return await ingress.health()
+
+    bearer = HTTPBearer(auto_error=False, description="The admin token (ADMIN_TOKEN, or the generated token file).")
+
+    async def require_admin(request: Request, _: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        header = request.headers.get("authorization")
+        if not ingress.check_admin(header):
+            client = request.client.host if request.client else "?"
+            logger.warning("rejected admin request %s %s from %s (%s token)", request.method, request.url.path, client, "wrong" if header else "no")
+            message = "invalid admin token" if header else "missing admin token: send 'Authorization: Bearer <token>'"
+            raise StarletteHTTPException(401, message, headers={"WWW-Authenticate": "Bearer"})
+
+    admin = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)], responses={401: {"model": ErrorBody}, **_ERROR_RESPONSES})
+
+    @admin.put("/scenarios/{name}", response_model=ScenarioVersionOut, openapi_extra=_scenario_openapi_extra())
+    async def put_scenario(request: Request, name: ScenarioName):
+        """Create or replace a scenario; returns once every live replica serves the new version."""
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw else None
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ServiceError(422, f"body: not valid JSON: {error}") from None
+        if not isinstance(body, dict):
+            raise ServiceError(422, f"body: expected a scenario JSON object, got {type(body).__name__ if raw else 'nothing'}")
+        return await ingress.call(ingress.manager.put, name, body)
+
+    @admin.get("/scenarios/{name}", response_model=ScenarioOut)
+    async def get_scenario(name: ScenarioName, version: int | None = Query(default=None, ge=1, description="A stored version (default: current).")):
+        return await ingress.call(ingress.manager.get, name, version)
+
+    @admin.delete("/scenarios/{name}", response_model=DeletedOut)
+    async def delete_scenario(name: ScenarioName):
+        result = await ingress.call(ingress.manager.delete, name)
+        return {"name": name, "deleted": True, **(result if isinstance(result, dict) else {})}
+
+    @admin.get("/scenarios/{name}/versions", response_model=ScenarioVersionsOut)
+    async def scenario_versions(name: ScenarioName):
+        return {"name": name, "versions": await ingress.call(ingress.manager.versions, name)}
+
+    @admin.post("/scenarios/{name}/rollback", response_model=ScenarioVersionOut)
+    async def rollback_scenario(body: RollbackBody, name: ScenarioName):
+        return await ingress.call(ingress.manager.rollback, name, body.version)
+
+    app.include_router(admin)
+    _with_scenario_components(app)
+    return app
