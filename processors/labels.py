@@ -106,9 +106,11 @@ def build_label_tables(
     """Tokenize ``labels`` as continuations and compile them into :class:`LabelTables`."""
     if not labels:
         raise ValueError("labels must not be empty")
-    if len(set(labels)) != len(labels):
-        dup = next(lab for lab in labels if labels.count(lab) > 1)
-        raise ValueError(f"label {dup!r} appears more than once")
+    seen: set[str] = set()
+    for lab in labels:
+        if lab in seen:
+            raise ValueError(f"label {lab!r} appears more than once")
+        seen.add(lab)
     seqs = []
     for label in labels:
         ids = tokenize_continuation(tokenizer, " " + label, what="label")
