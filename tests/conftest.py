@@ -34,3 +34,7 @@ def model():
     from deployments.model_loader import load_model
 
     return load_model()
+
+
+# The shared Ray Serve app (one start-up for tests/serve and tests/security).
+from serve_app import ADMIN_TOKEN, APP_NAME, ServeApp, serve_app  # noqa: E402,F401

