@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from transformers import LogitsProcessorList  # noqa: E402
 
 from config import load_scenario  # noqa: E402
+from deployments.examples import build_phrase_tree, chat_root_token_id  # noqa: E402
 from deployments.model_loader import load_model_and_tokenizer  # noqa: E402
 from processors import ConstrainedLogitsProcessor, build_prompt_ids, compile_scenario  # noqa: E402
 
@@ -51,20 +52,13 @@ class Timed:
 
 
 def scenarios(tokenizer):
-    start_text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True)
-    start = tokenizer.encode(start_text, add_special_tokens=False)[-1]
-    words = ["red apple", "green pear", "blue sky at night", "yellow sun", "purple rain", "grey stone wall"]
-    prefix: dict[str, list[int]] = {}
-    for w in words:
-        key = str(start)
-        for t in tokenizer.encode(" " + w, add_special_tokens=False) + [tokenizer.eos_token_id]:
-            prefix.setdefault(key, [])
-            if t not in prefix[key]:
-                prefix[key].append(t)
-            key = f"{key}_{t}"
+    tree = build_phrase_tree(
+        tokenizer, ["red apple", "green pear", "blue sky at night", "yellow sun", "purple rain", "grey stone wall"],
+        root=chat_root_token_id(tokenizer), end=tokenizer.eos_token_id,
+    )
     return {
         "labels": {"type": "labels", "labels": ["Sports", "Technology", "Politics", "Health", "New York City"]},
-        "tree": {"type": "tree", "tree": {"start_token_id": start, "end_token_id": tokenizer.eos_token_id, "prefix_dict": prefix}},
+        "tree": {"type": "tree", "tree": tree},
         "json_schema": {
             "type": "json_schema",
             "schema": {

@@ -15,6 +15,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from config import load_scenario
+from deployments.examples import build_phrase_tree, chat_root_token_id
 from processors import ConstrainedLogitsProcessor, build_prompt_ids, compile_scenario
 
 pytestmark = pytest.mark.integration
@@ -120,22 +121,6 @@ def test_multi_label(model, tokenizer):
     assert 3 in counts, "at T=1.8 some row should reach max_labels"
 
 
-def _token_tree(tokenizer, phrases, start, end):
-    """A tree file dict whose paths are the continuation tokens of ``phrases``."""
-    prefix: dict[str, list[int]] = {}
-    paths = []
-    for phrase in phrases:
-        ids = tokenizer.encode(" " + phrase, add_special_tokens=False)
-        paths.append(ids)
-        key = str(start)
-        for t in ids + [end]:
-            cands = prefix.setdefault(key, [])
-            if t not in cands:
-                cands.append(t)
-            key = f"{key}_{t}"
-    return {"start_token_id": start, "end_token_id": end, "sep": "_", "prefix_dict": prefix}, paths
-
-
 def _assert_tree_path(tree, ids):
     key = str(tree["start_token_id"])
     end = tree["end_token_id"]
@@ -152,20 +137,18 @@ def _assert_tree_path(tree, ids):
 def tree_case(tokenizer):
     # The chat template's generation prompt ends with "assistant\n": its last token is the root,
     # so append_start_token is a no-op, as seeds 000/001 require.
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True)
-    start = tokenizer.encode(text, add_special_tokens=False)[-1]
-    tree, paths = _token_tree(
+    tree = build_phrase_tree(
         tokenizer,
         ["red apple", "red apple pie", "green pear", "blue sky at night", "yellow sun", "purple rain"],
-        start,
-        tokenizer.eos_token_id,
+        root=chat_root_token_id(tokenizer),
+        end=tokenizer.eos_token_id,
     )
     compiled = compile_scenario(load_scenario({"type": "tree", "tree": tree}), tokenizer)
-    return tree, paths, compiled
+    return tree, compiled
 
 
 def test_tree_outputs_are_paths(model, tokenizer, tree_case):
-    tree, _paths, compiled = tree_case
+    tree, compiled = tree_case
     prompt = _chat(tokenizer, compiled, "Name a colourful thing.")
     assert prompt[-1] == tree["start_token_id"]
     rows, proc = _generate(model, tokenizer, compiled, [prompt] * 16, do_sample=True, temperature=2.0, max_new_tokens=12)
@@ -177,9 +160,9 @@ def test_tree_outputs_are_paths(model, tokenizer, tree_case):
 
 def test_tree_end_token_not_eos_stops_row(model, tokenizer, tree_case):
     # a tree whose end token is not the model's EOS: stop_token_ids carries it into generate
-    tree, _paths, _ = tree_case
+    tree, _ = tree_case
     end = tokenizer.encode(".", add_special_tokens=False)[0]
-    tree2, _ = _token_tree(tokenizer, ["red apple", "green pear"], tree["start_token_id"], end)
+    tree2 = build_phrase_tree(tokenizer, ["red apple", "green pear"], root=tree["start_token_id"], end=end)
     compiled = compile_scenario(load_scenario({"type": "tree", "tree": tree2}), tokenizer)
     prompt = _chat(tokenizer, compiled, "Fruit?")
     rows, _ = _generate(model, tokenizer, compiled, [prompt] * 6, do_sample=True, temperature=2.0, max_new_tokens=12)
@@ -196,7 +179,7 @@ def test_beams_and_num_return_sequences(model, tokenizer, labels_compiled, tree_
     assert len(rows) == 4
     got = [_assert_one_label(tokenizer, ids, LABELS, tokenizer.eos_token_id) for ids in rows]
     assert len(set(got)) == 4, f"beams should return distinct labels: {got}"
-    tree, _paths, compiled = tree_case
+    tree, compiled = tree_case
     tprompt = _chat(tokenizer, compiled, "Colourful?")
     rows, _ = _generate(
         model, tokenizer, [compiled, compiled], [tprompt, tprompt[:-3] + tprompt[-1:]],
@@ -213,7 +196,7 @@ def test_beams_and_num_return_sequences(model, tokenizer, labels_compiled, tree_
 
 
 def test_batch_mixing_three_scenarios_left_padded(model, tokenizer, labels_compiled, tree_case):
-    tree, _paths, tree_compiled = tree_case
+    tree, tree_compiled = tree_case
     schema_compiled = compile_scenario(load_scenario({"type": "json_schema", "schema": PERSON_SCHEMA}), tokenizer)
     rows_spec = [labels_compiled, tree_compiled, schema_compiled] * 2
     prompts = [

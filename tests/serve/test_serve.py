@@ -15,6 +15,8 @@ import jsonschema
 import pytest
 import requests
 
+from deployments.examples import build_phrase_tree, chat_root_token_id
+
 pytestmark = pytest.mark.serve
 
 SCHEMA = {
@@ -25,20 +27,6 @@ SCHEMA = {
 }
 LABELS = ["Sports", "Technology", "Politics", "New York City"]
 PHRASES = ["red apple", "green pear", "blue sky at night"]
-
-
-def _tree(tokenizer, phrases):
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True)
-    start = tokenizer.encode(text, add_special_tokens=False)[-1]
-    prefix: dict[str, list[int]] = {}
-    for phrase in phrases:
-        key = str(start)
-        for t in tokenizer.encode(" " + phrase, add_special_tokens=False) + [tokenizer.eos_token_id]:
-            prefix.setdefault(key, [])
-            if t not in prefix[key]:
-                prefix[key].append(t)
-            key = f"{key}_{t}"
-    return {"start_token_id": start, "end_token_id": tokenizer.eos_token_id, "prefix_dict": prefix}
 
 
 def _is_path(tree, ids):
@@ -63,7 +51,7 @@ def _chat(text):
 
 @pytest.fixture(scope="module")
 def stored(serve_app, tokenizer):
-    tree = _tree(tokenizer, PHRASES)
+    tree = build_phrase_tree(tokenizer, PHRASES, root=chat_root_token_id(tokenizer), end=tokenizer.eos_token_id)
     bodies = {
         "t-labels": {"type": "labels", "labels": LABELS},
         "t-tree": {"type": "tree", "tree": tree},
