@@ -93,20 +93,10 @@ class ServeBench:
         return False
 
     def _stop_orphan_redis(self) -> None:
-        """Stop an embedded redis-server left running in our data dir (its manager died without
-        cleaning up, e.g. when the Ray node went down): found by its working directory."""
-        import signal
+        from deployments.redis_server import stop_orphaned_servers
 
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                if os.readlink(entry / "cwd") != self.data_dir or "redis-server" not in (entry / "cmdline").read_text():
-                    continue
-                log(f"stopping the embedded redis-server left in {self.data_dir} (pid {entry.name})")
-                os.kill(int(entry.name), signal.SIGTERM)
-            except (OSError, ValueError):
-                continue
+        for pid in stop_orphaned_servers(self.data_dir):
+            log(f"stopped the embedded redis-server left in {self.data_dir} (pid {pid})")
 
     def settings(self, **overrides: Any) -> dict[str, Any]:
         """Builder ``args``: the temporary data dir and fixed token, plus ``overrides``."""

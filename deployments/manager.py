@@ -536,7 +536,10 @@ class ConfigManager:
         """Bring the served state in line with Redis now (the background loop does this on every
         change notification and every ``reconcile_interval_s``). Returns whether anything changed."""
         try:
-            current = await self._store(self.store.current_versions)
+            # Under the lock: a put holds it from its Redis write to its install, so what is read here
+            # is either before the write or already served, never a version compiled twice.
+            async with self._lock:
+                current = await self._store(self.store.current_versions)
         except ServiceError as exc:
             if exc.status != 503:
                 raise

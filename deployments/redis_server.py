@@ -43,6 +43,7 @@ __all__ = [
     "enable_keyspace_notifications",
     "keyspace_notifications_enabled",
     "redact_url",
+    "stop_orphaned_servers",
 ]
 
 DB_FILENAME = "redis.db"
@@ -268,3 +269,26 @@ def keyspace_notifications_enabled(client: redis.Redis) -> bool:
     if client not in _NOTIFY:
         return enable_keyspace_notifications(client)
     return _NOTIFY[client]
+
+
+def stop_orphaned_servers(data_dir: str) -> list[int]:
+    """SIGTERM every embedded redis-server whose working directory is ``data_dir``; return their pids.
+
+    For tests and benchmarks that tear an app down: a manager that dies without a clean shutdown
+    (its Ray node went away) leaves its embedded server running. Linux only (reads ``/proc``).
+    """
+    from pathlib import Path
+
+    target = os.path.abspath(os.path.expanduser(data_dir))
+    stopped = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.readlink(entry / "cwd") != target or "redis-server" not in (entry / "cmdline").read_text():
+                continue
+            os.kill(int(entry.name), signal.SIGTERM)
+            stopped.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return stopped
