@@ -27,6 +27,8 @@ from transformers import DynamicCache, LogitsProcessorList
 from processors import CompiledScenario, ConstrainedLogitsProcessor, RowCursor, apply_steps
 from processors.masks import mask_padded_vocab
 
+from .prefix_cache import PrefixCache
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["DecodeEngine", "Job", "SamplingParams"]
@@ -99,10 +101,15 @@ class DecodeEngine:
         model: a HF causal LM in eval mode.
         tokenizer: its tokenizer (for grammar matchers and the pad/EOS ids).
         max_batch_size: most rows in one forward pass; jobs wait beyond it.
+        prefix_cache_tokens: prompt-prefix key/value cache budget in tokens (0 disables it), see
+            :mod:`deployments.prefix_cache`.
         eos_token_ids: the model's EOS ids (default: the tokenizer's).
     """
 
-    def __init__(self, model, tokenizer, *, max_batch_size: int = 16, eos_token_ids: tuple[int, ...] | None = None):
+    def __init__(
+        self, model, tokenizer, *, max_batch_size: int = 16, eos_token_ids: tuple[int, ...] | None = None,
+        prefix_cache_tokens: int = 8192,
+    ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
@@ -120,7 +127,11 @@ class DecodeEngine:
         self._logits: torch.Tensor | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.stats = {"steps": 0, "step_seconds": 0.0, "chain_seconds": 0.0, "rows_decoded": 0, "prefills": 0, "fallback_rows": 0}
+        self.prefix_cache = PrefixCache(max_tokens=prefix_cache_tokens)
+        self.stats = {
+            "steps": 0, "step_seconds": 0.0, "chain_seconds": 0.0, "rows_decoded": 0, "prefills": 0,
+            "fallback_rows": 0, "prefill_tokens": 0, "prefix_tokens_reused": 0,
+        }
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "DecodeEngine":
@@ -210,29 +221,61 @@ class DecodeEngine:
         return rows
 
     def _prefill(self, jobs: list[Job]) -> None:
-        """One left-padded forward over the new prompts, then merge into the running batch."""
-        width = max(len(j.prompt_ids) for j in jobs)
-        ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(jobs), width), dtype=torch.long)
-        for i, j in enumerate(jobs):
-            ids[i, width - len(j.prompt_ids):] = torch.tensor(j.prompt_ids)
-            mask[i, width - len(j.prompt_ids):] = 1
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        """Prefill new prompts (grouped by their cached prefix), then merge into the running batch."""
+        groups: dict[int, tuple[list, list[Job]]] = {}
+        for job in jobs:
+            length, kv = self.prefix_cache.lookup(job.prompt_ids)
+            # jobs that hit the same cached prefix object share one forward pass
+            key = id(kv[0][0].untyped_storage()) * 100003 + length if kv is not None else 0
+            groups.setdefault(key, (kv, []))[1].append(job)
+        for kv, group in groups.values():
+            self._prefill_group(group, kv)
+
+    def _prefill_group(self, jobs: list[Job], prefix_kv) -> None:
+        """One forward over the prompts after a shared cached prefix (or whole prompts, left-padded).
+
+        Row layout of the resulting cache: ``[prefix | padding | rest of the prompt]``; the attention
+        mask zeroes the padding, position ids count only real tokens.
+        """
+        plen = prefix_kv[0][0].shape[2] if prefix_kv is not None else 0
+        rests = [j.prompt_ids[plen:] for j in jobs]
+        width = max(len(r) for r in rests)
+        b = len(jobs)
+        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        rest_mask = torch.zeros((b, width), dtype=torch.long)
+        for i, r in enumerate(rests):
+            ids[i, width - len(r):] = torch.tensor(r)
+            rest_mask[i, width - len(r):] = 1
+        positions = (plen + rest_mask.cumsum(dim=1) - 1).clamp(min=0)
+        mask = torch.cat([torch.ones((b, plen), dtype=torch.long), rest_mask], dim=1)
+        if prefix_kv is not None:
+            past = DynamicCache(ddp_cache_data=[(k.expand(b, -1, -1, -1).contiguous(), v.expand(b, -1, -1, -1).contiguous()) for k, v in prefix_kv])
+        else:
+            past = DynamicCache()
         out = self.model(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device), position_ids=positions.to(self.device),
-            past_key_values=DynamicCache(), use_cache=True,
+            past_key_values=past, use_cache=True,
         )
+        layers = out.past_key_values.layers
+        for i, job in enumerate(jobs):  # remember this prompt's block prefixes (contiguous, in prompt order)
+            pad = width - len(rests[i])
+            cols = torch.cat([torch.arange(plen), torch.arange(plen + pad, plen + width)]).to(self.device)
+            self.prefix_cache.store(job.prompt_ids, [
+                (layer.keys[i : i + 1].index_select(2, cols), layer.values[i : i + 1].index_select(2, cols)) for layer in layers
+            ])
         repeats = torch.tensor([j.n for j in jobs])
         kv = [
             (layer.keys.repeat_interleave(repeats.to(layer.keys.device), dim=0),
              layer.values.repeat_interleave(repeats.to(layer.values.device), dim=0))
-            for layer in out.past_key_values.layers
+            for layer in layers
         ]
         logits = out.logits[:, -1, :].float().repeat_interleave(repeats.to(out.logits.device), dim=0)
         mask = mask.repeat_interleave(repeats, dim=0).to(self.device)
         rows = [row for j in jobs for row in self._new_rows(j)]
         self._merge(kv, mask, logits, rows)
         self.stats["prefills"] += 1
+        self.stats["prefill_tokens"] += sum(len(r) for r in rests)
+        self.stats["prefix_tokens_reused"] += plen * b
 
     def _merge(self, kv, mask, logits, rows) -> None:
         if self._cache is None:

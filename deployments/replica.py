@@ -74,7 +74,10 @@ class ModelReplica:
         self.model = model
         self.tokenizer = tokenizer
         self.replica_id = f"replica-{uuid.uuid4().hex[:8]}"
-        self.engine = DecodeEngine(model, tokenizer, max_batch_size=self.settings.max_batch_size).start()
+        self.engine = DecodeEngine(
+            model, tokenizer, max_batch_size=self.settings.max_batch_size,
+            prefix_cache_tokens=self.settings.prefix_cache_tokens,
+        ).start()
         self._scenarios: dict[str, tuple[int, CompiledScenario]] = {}
         self._lock = threading.Lock()
         self._inline: OrderedDict[str, CompiledScenario] = OrderedDict()

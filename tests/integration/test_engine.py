@@ -85,6 +85,18 @@ def test_rows_joining_a_running_batch_decode_as_alone(engine, model, tokenizer):
     assert engine.stats["prefills"] - prefills_before >= 2, "jobs should have been admitted at different steps"
 
 
+def test_prefix_cache_reuses_shared_prompt_start_and_changes_nothing(engine, model, tokenizer):
+    # chat prompts share the template and the default system prompt: later ones start after it
+    prompts = [_chat(tokenizer, q) for q in ("Name a colour.", "Name a fruit, please.", "Name a big city.")]
+    expected = [_solo_greedy(model, tokenizer, p, 16) for p in prompts]
+    reused_before = engine.stats["prefix_tokens_reused"]
+    for p, exp in zip(prompts, expected):
+        c = Collector()
+        engine.submit(Job(prompt_ids=p, compiled=None, max_new_tokens=16, sampling=SamplingParams(temperature=0), on_event=c))
+        assert c.wait()[0]["token_ids"] == exp
+    assert engine.stats["prefix_tokens_reused"] - reused_before >= 2 * engine.prefix_cache.block
+
+
 def test_mixed_scenarios_share_the_batch_and_stay_valid(engine, tokenizer):
     labels = compile_scenario(load_scenario({"type": "labels", "labels": LABELS}), tokenizer)
     regex = compile_scenario(load_scenario({"type": "regex", "pattern": "[0-9]{2,4}"}), tokenizer)
