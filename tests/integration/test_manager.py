@@ -119,13 +119,6 @@ def make_manager(tokenizer, data_dir, *, client=None, seed=False, **kw) -> Confi
 
 
 @pytest.fixture
-def data_dir(tmp_path):
-    path = str(tmp_path / "data")
-    yield path
-    close_embedded(path)
-
-
-@pytest.fixture
 def client(data_dir):
     return connect_redis(None, data_dir)
 

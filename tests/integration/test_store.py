@@ -29,13 +29,6 @@ REGEX = {"type": "regex", "pattern": "[a-z]+"}
 
 
 @pytest.fixture
-def data_dir(tmp_path):
-    path = str(tmp_path / "data")
-    yield path
-    close_embedded(path)
-
-
-@pytest.fixture
 def store(data_dir):
     return ScenarioStore(connect_redis(None, data_dir))
 

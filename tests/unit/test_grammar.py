@@ -22,20 +22,10 @@ from processors import (
     get_lltokenizer,
 )
 from processors.grammar import new_matcher
-from vocab import allowed_ids, build_tokenizer, decode, drive, greedy, tid
+from vocab import allowed_ids, decode, drive, greedy, tid
 
 YES_NO = {tid("yes"), tid("no"), tid("y"), tid("n")}
 SECOND_WORD = tid("es")  # id >= 32
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def eos(tok):
-    return tok.eos_token_id
 
 
 @pytest.fixture(scope="module")

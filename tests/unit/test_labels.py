@@ -18,20 +18,10 @@ from processors import (
     build_label_tables,
     tokenize_continuation,
 )
-from vocab import EOS, allowed_ids, build_tokenizer, decode, drive, greedy, tid
+from vocab import EOS, allowed_ids, decode, drive, greedy, tid
 
 LABELS = ["New York", "New York City", "Sports", "Technology", "Technology > AI", "Technology > AI > NLP"]
 PROMPT = [tid("ok"), tid(":")]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def eos(tok):
-    return tok.eos_token_id
 
 
 def build(tok, labels=LABELS, **kw):

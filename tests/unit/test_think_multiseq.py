@@ -16,21 +16,11 @@ from processors import (
     ThinkSpec,
     compile_think,
 )
-from vocab import allowed_ids, build_tokenizer, drive, greedy, tid
+from vocab import allowed_ids, drive, greedy, tid
 
 BEGIN, END = "<think>\n", "</think>\n\n"
 T_OPEN, T_CLOSE = tid("<think>"), tid("</think>")
 NL, NLNL = tid("\n"), tid("\n\n")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def eos(tok):
-    return tok.eos_token_id
 
 
 def spec_for(tok, budget):

@@ -1,0 +1,17 @@
+"""Fixtures for the unit tests: the tiny hand-built tokenizer (see ``vocab.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vocab import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def eos(tok):
+    return tok.eos_token_id
