@@ -182,6 +182,8 @@ class JsonSchemaScenario(ScenarioBase):
         except SchemaError as error:
             where = "/".join(str(p) for p in error.absolute_path) or "<root>"
             raise ValueError(f"schema: invalid JSON Schema at {where}: {error.message}") from None
+        except RecursionError:  # the checker recurses per level; servers bound the depth first (Limits)
+            raise ValueError("schema: nested too deeply to check") from None
         return self
 
 

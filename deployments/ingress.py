@@ -43,9 +43,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.json_schema import SkipJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from config import ScenarioAdapter, ServerSettings, scenario_to_dict
+from config import Limits, ScenarioAdapter, ServerSettings, scenario_to_dict
+from config.settings import MAX_SEED, LimitExceeded
 from deployments.auth import check_bearer, resolve_admin_token
-from deployments.store import NAME_PATTERN
+from deployments.store import NAME_PATTERN, validate_name
 from deployments.protocol import ChatMessage, GenerateRequest, GenerateResponse, ServiceError, Usage, unwrap_service_error
 
 __all__ = [
@@ -153,6 +154,13 @@ class GenerateBody(GenerateRequest):
     inline_scenario: SkipJsonSchema[None] = Field(
         default=None, exclude=True, description="Not accepted here (one-off constraints go through the OpenAI routes)."
     )
+
+    @field_validator("messages")
+    @classmethod
+    def _some_messages(cls, value: Any) -> Any:
+        if value is not None and not value:
+            raise ValueError("give at least one message")
+        return value
 
     @field_validator("inline_scenario", mode="before")
     @classmethod
@@ -356,7 +364,7 @@ class ScenarioOut(BaseModel):
 
     name: str
     version: int
-    scenario: dict[str, Any] = Field(description="The stored scenario body.")
+    scenario: dict[str, Any] | None = Field(description="The stored scenario body (null for a delete entry).")
     created_at: float | str | None = Field(default=None, description="When this version was stored.")
     action: str | None = Field(default=None, description="What produced this version (put, rollback, ...).")
 
@@ -414,7 +422,9 @@ def served_model_name(model: str | None) -> str:
     return path.stem if path.suffix.lower() == ".gguf" else (path.name or model)
 
 
-def _inline_scenario(body: CompletionRequest | ChatCompletionRequest) -> tuple[dict[str, Any] | None, str | None]:
+def _inline_scenario(
+    body: CompletionRequest | ChatCompletionRequest, limits: Limits | None = None
+) -> tuple[dict[str, Any] | None, str | None]:
     """The one-off scenario asked for by ``response_format`` / ``structured_outputs`` and the field that asked."""
     fmt, so = body.response_format, body.structured_outputs
     if fmt is not None and fmt.type == "text":
@@ -438,14 +448,29 @@ def _inline_scenario(body: CompletionRequest | ChatCompletionRequest) -> tuple[d
             schema = json.loads(schema)
         except json.JSONDecodeError as error:
             raise ServiceError(422, f"structured_outputs.json: not valid JSON: {error}") from None
+        except RecursionError:  # deeper than the parser can go, so far deeper than any limit
+            limit = (limits or Limits()).max_schema_depth
+            raise ServiceError(422, f"structured_outputs.json: nesting depth over {limit} exceeds the limit "
+                                    f"max_schema_depth={limit}", {"field": "structured_outputs.json",
+                                                                  "limit_name": "max_schema_depth", "limit": limit}) from None
         if not isinstance(schema, dict):
             raise ServiceError(422, "structured_outputs.json: a JSON Schema must be an object")
     return {"type": "json_schema", "schema": schema}, "structured_outputs.json"
 
 
-def _validated_inline(scenario: dict[str, Any], field: str) -> dict[str, Any]:
-    """Check a one-off scenario here (cheap), so a bad schema or label list is a 422 naming the OpenAI field."""
+def _validated_inline(scenario: dict[str, Any], field: str, limits: Limits | None = None) -> dict[str, Any]:
+    """Check a one-off scenario here (cheap), so a bad schema or label list is a 422 naming the OpenAI field.
+
+    ``limits`` (the stored scenarios' limits: label count, schema depth and size, regex length and repetition)
+    are checked first, before the schema checker walks a possibly deep schema.
+    """
     main = {"labels": "labels", "regex": "pattern", "json_schema": "schema"}.get(scenario["type"])
+    if limits is not None:
+        try:
+            limits.check_scenario(scenario)
+        except LimitExceeded as error:
+            where = field if error.field == main else f"{field}.{error.field}"
+            raise ServiceError(422, f"{where}: {error.reason}", {**error.detail(), "field": where}) from None
     try:
         return scenario_to_dict(ScenarioAdapter.validate_python(scenario))
     except ValidationError as error:
@@ -459,11 +484,16 @@ def _validated_inline(scenario: dict[str, Any], field: str) -> dict[str, Any]:
         raise ServiceError(422, "; ".join(parts[:5]) or f"{field}: invalid constraint") from None
 
 
-def openai_to_generate(body: CompletionRequest | ChatCompletionRequest) -> tuple[GenerateRequest, dict[str, str]]:
-    """The replica request for an OpenAI-style body, and the OpenAI names of the mapped fields (for errors)."""
-    inline, field = _inline_scenario(body)
+def openai_to_generate(
+    body: CompletionRequest | ChatCompletionRequest, limits: Limits | None = None
+) -> tuple[GenerateRequest, dict[str, str]]:
+    """The replica request for an OpenAI-style body, and the OpenAI names of the mapped fields (for errors).
+
+    With ``limits``, a one-off constraint is checked against them (a 422 naming the OpenAI field).
+    """
+    inline, field = _inline_scenario(body, limits)
     if inline is not None:
-        inline = _validated_inline(inline, field)
+        inline = _validated_inline(inline, field, limits)
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     data: dict[str, Any] = {
         "scenario": body.scenario,
@@ -530,7 +560,10 @@ class BodySizeLimit:
         self.max_bytes = int(max_bytes)
 
     async def _reject(self, scope, receive, send) -> None:
-        error = ServiceError(413, f"request body is larger than the limit of {self.max_bytes} bytes", {"limit": self.max_bytes})
+        error = ServiceError(
+            413, f"request body: more than {self.max_bytes} bytes exceeds the limit max_body_bytes={self.max_bytes}",
+            {"field": "body", "limit_name": "max_body_bytes", "limit": self.max_bytes},
+        )
         await _error_response(error)(scope, receive, send)
 
     async def __call__(self, scope, receive, send):
@@ -621,14 +654,20 @@ class Ingress:
     def check_limits(self, request: GenerateRequest, rename: dict[str, str] | None = None) -> None:
         """422 naming the field when a request asks for more than ``settings.limits`` allows."""
         rename = rename or {}
-        for field, value, limit in (
-            ("max_new_tokens", request.max_new_tokens, self.limits.max_new_tokens),
-            ("n", request.n, self.limits.max_n),
-            ("num_beams", request.num_beams, self.limits.max_num_beams),
+        for field, value, limit_name in (
+            ("max_new_tokens", request.max_new_tokens, "max_new_tokens"),
+            ("n", request.n, "max_n"),
+            ("num_beams", request.num_beams, "max_num_beams"),
         ):
+            limit = getattr(self.limits, limit_name)
             if value is not None and value > limit:
                 name = rename.get(field, field)
-                raise ServiceError(422, f"{name}: {value} is above this server's limit of {limit}", {"field": name, "limit": limit})
+                raise ServiceError(
+                    422, f"{name}: {value} exceeds the limit {limit_name}={limit}",
+                    {"field": name, "limit_name": limit_name, "limit": limit},
+                )
+        if request.seed is not None and request.seed > MAX_SEED:
+            raise ServiceError(422, f"seed: {request.seed} is above the largest seed, {MAX_SEED} (2**63 - 1)", {"field": "seed"})
 
     async def open_stream(self, request: GenerateRequest) -> tuple[dict[str, Any] | None, Any]:
         """Start a streamed generation and wait for its first event, so an early error is a plain HTTP error."""
@@ -713,7 +752,7 @@ class Ingress:
         yield _SSE_DONE
 
     async def openai_generate(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool):
-        request, rename = openai_to_generate(body)
+        request, rename = openai_to_generate(body, self.limits)
         self.check_limits(request, rename)
         if request.stream:
             first, stream = await self.open_stream(request)
@@ -764,7 +803,10 @@ def _manager_ok(report: Any) -> bool:
     return redis is not False and not (isinstance(redis, str) and redis.lower() in _BAD_STATES)
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _install_error_handlers(app: FastAPI, not_found: Any = None) -> None:
+    """JSON errors for everything; ``not_found(request, status)`` may answer a routing 404 or 405 instead (a
+    response, or None for the plain error)."""
+
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError):
         return _error_response(exc)
@@ -775,6 +817,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code in (404, 405) and not_found is not None and (answer := not_found(request, exc.status_code)) is not None:
+            return answer
         return _error_response(ServiceError(exc.status_code, str(exc.detail)), headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
@@ -807,14 +851,51 @@ def _with_scenario_components(app: FastAPI) -> None:
     app.openapi = openapi
 
 
+def _admin_refusal(ingress: Ingress, request: Request) -> ServiceError | None:
+    """The 401 for a request without the admin token (logged without the header), or None."""
+    header = request.headers.get("authorization")
+    if ingress.check_admin(header):
+        return None
+    client = request.client.host if request.client else "?"
+    logger.warning("rejected admin request %s %r from %s (%s token)", request.method, request.url.path, client, "wrong" if header else "no")
+    return ServiceError(401, "invalid admin token" if header else "missing admin token: send 'Authorization: Bearer <token>'")
+
+
+_SCENARIOS_PREFIX = "/admin/scenarios/"
+
+
+def _admin_not_found(ingress: Ingress, request: Request, status: int = 404) -> JSONResponse | None:
+    """Answer a routing 404 or 405 under ``/admin``: 401 without the token (as on every admin route, so the
+    admin routes cannot be probed without it); then, for a 404 under ``/admin/scenarios/``, a name no route
+    could hold (one with a '/': ``../x``, ``a%2Fb``) is a 422 naming the naming rule, like any other bad name."""
+    path = request.url.path
+    if not (path == "/admin" or path.startswith("/admin/")):
+        return None
+    refused = _admin_refusal(ingress, request)
+    if refused is not None:
+        return _error_response(refused, headers={"WWW-Authenticate": "Bearer"})
+    if status != 404 or not path.startswith(_SCENARIOS_PREFIX):
+        return None
+    name = path[len(_SCENARIOS_PREFIX):]
+    head, _, tail = name.partition("/")
+    try:
+        validate_name(head if tail in ("versions", "rollback") else name)
+    except ServiceError as error:
+        return _error_response(error)
+    return None
+
+
 def build_http_app(ingress: Ingress) -> FastAPI:
     """The FastAPI app for ``ingress``: public routes, the admin router, error handlers, the body limit."""
     app = FastAPI(
         title="constrained-serve",
         description="An LLM with hard output constraints (token trees, label sets, JSON schema, regex, think budget).",
         version="0.1.0",
+        # No 307 from '/admin/scenarios/a/' to '/admin/scenarios/a' (a client that follows it would write a
+        # scenario it did not name, and before any token check): a trailing slash is a 404, or a 422 for a name.
+        redirect_slashes=False,
     )
-    _install_error_handlers(app)
+    _install_error_handlers(app, not_found=lambda request, status: _admin_not_found(ingress, request, status))
     app.add_middleware(BodySizeLimit, max_bytes=ingress.limits.max_body_bytes)
 
     @app.post("/v1/generate", response_model=GenerateResponse, responses={**_SSE_RESPONSE, **_ERROR_RESPONSES}, tags=["generate"])
@@ -853,12 +934,9 @@ def build_http_app(ingress: Ingress) -> FastAPI:
     bearer = HTTPBearer(auto_error=False, description="The admin token (ADMIN_TOKEN, or the generated token file).")
 
     async def require_admin(request: Request, _: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        header = request.headers.get("authorization")
-        if not ingress.check_admin(header):
-            client = request.client.host if request.client else "?"
-            logger.warning("rejected admin request %s %s from %s (%s token)", request.method, request.url.path, client, "wrong" if header else "no")
-            message = "invalid admin token" if header else "missing admin token: send 'Authorization: Bearer <token>'"
-            raise StarletteHTTPException(401, message, headers={"WWW-Authenticate": "Bearer"})
+        refused = _admin_refusal(ingress, request)
+        if refused is not None:
+            raise StarletteHTTPException(401, refused.message, headers={"WWW-Authenticate": "Bearer"})
 
     admin = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)], responses={401: {"model": ErrorBody}, **_ERROR_RESPONSES})
 
@@ -866,12 +944,22 @@ def build_http_app(ingress: Ingress) -> FastAPI:
     async def put_scenario(request: Request, name: ScenarioName):
         """Create or replace a scenario; returns once every live replica serves the new version."""
         raw = await request.body()
+        limits = ingress.limits
         try:
             body = json.loads(raw) if raw else None
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise ServiceError(422, f"body: not valid JSON: {error}") from None
+        except RecursionError:
+            raise ServiceError(422, f"body: nesting depth over {limits.max_json_depth} exceeds the limit "
+                                    f"max_json_depth={limits.max_json_depth}",
+                               {"field": "body", "limit_name": "max_json_depth", "limit": limits.max_json_depth}) from None
         if not isinstance(body, dict):
             raise ServiceError(422, f"body: expected a scenario JSON object, got {type(body).__name__ if raw else 'nothing'}")
+        try:  # here too (the manager checks again), so an oversized body is not shipped to the manager
+            limits.check_scenario(body)
+            limits.check_json_depth(body)
+        except LimitExceeded as error:
+            raise ServiceError(error.status, f"invalid scenario: {error}", {"name": name, **error.detail()}) from None
         return await ingress.call(ingress.manager.put, name, body)
 
     @admin.get("/scenarios/{name}", response_model=ScenarioOut)

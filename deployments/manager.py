@@ -57,6 +57,7 @@ import pydantic
 import redis
 
 from config import ServerSettings, load_scenario
+from config.settings import LimitExceeded
 from deployments.protocol import ServiceError
 from deployments.redis_server import connect_redis, enable_keyspace_notifications, keyspace_notifications_enabled
 from deployments.store import ScenarioStore, validate_name
@@ -115,13 +116,6 @@ def _as_version(version: Any) -> int:
     if number < 1 or isinstance(version, bool) or (isinstance(version, float) and not version.is_integer()):
         raise ServiceError(422, f"invalid version {version!r}: versions are integers from 1", {"field": "version"})
     return number
-
-
-def _depth(value, limit: int, level: int = 1) -> int:
-    if level > limit:
-        return level
-    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-    return max((_depth(c, limit, level + 1) for c in children if isinstance(c, (dict, list))), default=level)
 
 
 class ConfigManager:
@@ -191,6 +185,13 @@ class ConfigManager:
     def _validate(self, name: str, body: Any):
         if not isinstance(body, dict):
             raise ServiceError(422, f"a scenario body must be a JSON object, got {type(body).__name__}")
+        limits = self.settings.limits
+        try:
+            # Before anything walks the body recursively (json.dumps, validation, the schema checker).
+            limits.check_scenario(body)  # first: it names the limit of the field (schema depth, ...)
+            limits.check_json_depth(body)
+        except LimitExceeded as exc:
+            raise ServiceError(exc.status, f"invalid scenario: {exc}", {"name": name, **exc.detail()}) from None
         try:
             json.dumps(body)
         except (TypeError, ValueError) as exc:
@@ -200,31 +201,15 @@ class ConfigManager:
         except pydantic.ValidationError as exc:
             message, errors = _format_validation_error(body, exc)
             raise ServiceError(422, message, {"name": name, "errors": errors}) from None
-        self._check_limits(scenario)
         return scenario
 
-    def _check_limits(self, scenario) -> None:
-        limits = self.settings.limits
-
-        def refuse(field_name: str, what: str, limit_name: str, limit: int):
-            raise ServiceError(422, f"{field_name}: {what} exceeds the limit {limit_name}={limit}",
-                               {"field": field_name})
-
-        if scenario.type == "labels" and len(scenario.labels) > limits.max_labels:
-            refuse("labels", f"{len(scenario.labels)} labels", "max_labels", limits.max_labels)
-        if scenario.type == "tree" and scenario.tree is not None:
-            if len(scenario.tree.prefix_dict) > limits.max_tree_keys:
-                refuse("tree.prefix_dict", f"{len(scenario.tree.prefix_dict)} keys", "max_tree_keys",
-                       limits.max_tree_keys)
-        if scenario.type == "json_schema":
-            size = len(json.dumps(scenario.json_schema, separators=(",", ":")).encode())
-            if size > limits.max_schema_bytes:
-                refuse("schema", f"{size} bytes", "max_schema_bytes", limits.max_schema_bytes)
-            depth = _depth(scenario.json_schema, limits.max_schema_depth)
-            if depth > limits.max_schema_depth:
-                refuse("schema", "nesting depth", "max_schema_depth", limits.max_schema_depth)
-        if scenario.type == "regex" and len(scenario.pattern) > limits.max_regex_length:
-            refuse("pattern", f"{len(scenario.pattern)} characters", "max_regex_length", limits.max_regex_length)
+    def _check_compiled(self, name: str, scenario, compiled) -> None:
+        """Limits that need the compiled form: the keys of a tree given as a ``path`` (counted once loaded)."""
+        if scenario.type == "tree" and scenario.path is not None:
+            try:
+                self.settings.limits.check_tree_keys(int(compiled.constraint.offsets.size) - 1, "path")
+            except LimitExceeded as exc:
+                raise ServiceError(exc.status, f"tree file {scenario.path}: {exc}", {"name": name, **exc.detail()}) from None
 
     def _compile_now(self, name: str, scenario):
         from processors import compile_scenario
@@ -241,7 +226,10 @@ class ConfigManager:
 
     def _prepare(self, name: str, body: Any):
         """Validate (422) and compile (400) a body; runs in a worker thread (a large tree takes a while)."""
-        return self._compile_now(name, self._validate(name, body))
+        scenario = self._validate(name, body)
+        compiled = self._compile_now(name, scenario)
+        self._check_compiled(name, scenario, compiled)
+        return compiled
 
     def _compile_blocking(self, name: str, body: Any):
         timeout = self.settings.limits.compile_timeout_s

@@ -19,12 +19,18 @@ from collections import OrderedDict
 from typing import Any, AsyncIterator
 
 from config import ServerSettings, load_scenario
+from config.settings import MAX_SEED, LimitExceeded
 from processors import CompiledScenario, build_prompt_ids, compile_scenario
 
 from .engine import DecodeEngine, Job, SamplingParams
 from .protocol import GenerateRequest, GenerateResponse, Output, ServiceError, Usage
 
 logger = logging.getLogger(__name__)
+
+try:  # chat templates are jinja2 templates; transformers needs jinja2 to apply them
+    from jinja2 import TemplateError
+except ImportError:  # pragma: no cover
+    TemplateError = ValueError
 
 __all__ = ["ModelReplica", "ServeModelReplica"]
 
@@ -156,17 +162,33 @@ class ModelReplica:
                 raise ServiceError(404, f"unknown scenario {req.scenario!r}", {"known": known})
             return req.scenario, entry[0], entry[1]
         if req.inline_scenario is not None:
-            key = json.dumps(req.inline_scenario, sort_keys=True)
+            body = req.inline_scenario
+            try:  # the same limits as a stored scenario, before anything walks the body recursively
+                self.settings.limits.check_scenario(body)
+                self.settings.limits.check_json_depth(body, "inline_scenario")
+            except LimitExceeded as exc:
+                raise ServiceError(exc.status, f"invalid constraint: {exc}", exc.detail()) from None
+            if body.get("type") == "tree" and body.get("path") is not None:
+                raise ServiceError(422, "invalid constraint: a one-off tree must be given inline ('tree'), not as a "
+                                        "server file ('path'); store a scenario to use a tree file", {"field": "path"})
+            key = json.dumps(body, sort_keys=True)
             compiled = self._inline.get(key)
             if compiled is None:
                 try:
-                    scenario = load_scenario(req.inline_scenario)
+                    scenario = load_scenario(body)
                 except Exception as exc:
                     raise ServiceError(422, f"invalid constraint: {exc}") from None
+                timeout = self.settings.limits.compile_timeout_s
                 try:
-                    compiled = await asyncio.to_thread(compile_scenario, scenario, self.tokenizer)
+                    async with asyncio.timeout(timeout):  # the thread finishes in the background, unused
+                        compiled = await asyncio.to_thread(compile_scenario, scenario, self.tokenizer)
+                except TimeoutError:
+                    raise ServiceError(400, f"constraint did not compile within {timeout:g} s (limits.compile_timeout_s)") from None
                 except ValueError as exc:
                     raise ServiceError(400, f"constraint does not compile: {exc}") from None
+                except Exception as exc:  # a grammar engine may raise other types on a bad pattern
+                    logger.warning("compiling a one-off constraint failed", exc_info=True)
+                    raise ServiceError(400, f"constraint does not compile: {type(exc).__name__}: {exc}") from None
                 self._inline[key] = compiled
                 while len(self._inline) > _INLINE_CACHE_SIZE:
                     self._inline.popitem(last=False)
@@ -180,7 +202,10 @@ class ModelReplica:
         defaults = compiled.settings if compiled is not None else {}
         max_new = req.max_new_tokens or defaults.get("max_new_tokens") or limits.default_max_new_tokens
         if max_new > limits.max_new_tokens:
-            raise ServiceError(422, f"max_new_tokens {max_new} exceeds the limit of {limits.max_new_tokens}")
+            raise ServiceError(422, f"max_new_tokens: {max_new} exceeds the limit max_new_tokens={limits.max_new_tokens}",
+                               {"field": "max_new_tokens", "limit_name": "max_new_tokens", "limit": limits.max_new_tokens})
+        if req.seed is not None and req.seed > MAX_SEED:
+            raise ServiceError(422, f"seed: {req.seed} is above the largest seed, {MAX_SEED} (2**63 - 1)", {"field": "seed"})
         pick = lambda name, fallback: getattr(req, name) if getattr(req, name) is not None else defaults.get(name, fallback)  # noqa: E731
         return max_new, SamplingParams(
             temperature=float(pick("temperature", 1.0)),
@@ -195,17 +220,27 @@ class ModelReplica:
         except Exception as exc:
             raise ServiceError(422, f"invalid request: {exc}") from None
         limits = self.settings.limits
-        if req.n > limits.max_n:
-            raise ServiceError(422, f"n {req.n} exceeds the limit of {limits.max_n}")
-        if req.num_beams > limits.max_num_beams:
-            raise ServiceError(422, f"num_beams {req.num_beams} exceeds the limit of {limits.max_num_beams}")
+        for field, value, limit_name in (("n", req.n, "max_n"), ("num_beams", req.num_beams, "max_num_beams")):
+            limit = getattr(limits, limit_name)
+            if value > limit:
+                raise ServiceError(422, f"{field}: {value} exceeds the limit {limit_name}={limit}",
+                                   {"field": field, "limit_name": limit_name, "limit": limit})
+        if req.messages is not None and not req.messages:
+            raise ServiceError(422, "messages: give at least one message", {"field": "messages"})
         name, version, compiled = await self._resolve_scenario(req)
         messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
-        prompt_ids = build_prompt_ids(compiled, self.tokenizer, prompt=req.prompt, messages=messages)
+        try:
+            prompt_ids = build_prompt_ids(compiled, self.tokenizer, prompt=req.prompt, messages=messages)
+        except (ValueError, TemplateError) as exc:  # e.g. the chat template refuses the messages
+            field = "messages" if messages is not None else "prompt"
+            raise ServiceError(422, f"{field}: cannot build the prompt: {exc}", {"field": field}) from None
         if not prompt_ids:
             raise ServiceError(422, "the prompt is empty")
         if len(prompt_ids) > limits.max_prompt_tokens:
-            raise ServiceError(413, f"the prompt has {len(prompt_ids)} tokens; the limit is {limits.max_prompt_tokens}")
+            raise ServiceError(
+                413, f"prompt: {len(prompt_ids)} tokens exceeds the limit max_prompt_tokens={limits.max_prompt_tokens}",
+                {"field": "prompt", "limit_name": "max_prompt_tokens", "limit": limits.max_prompt_tokens},
+            )
         max_new, sampling = self._job_params(req, compiled)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()

@@ -141,3 +141,17 @@ def test_beam_job_runs_as_its_own_batch(engine, tokenizer):
     outs = c.wait()
     texts = {tokenizer.decode(ev["token_ids"][:-1])[1:] for ev in outs.values()}
     assert texts <= set(LABELS) and len(texts) == 4
+
+
+def test_failed_prefill_fails_only_its_job(engine, tokenizer):
+    # a prompt id outside the embedding table makes the prefill raise: that job gets an error event,
+    # it does not hang, and a job decoding at the same time finishes normally
+    ok = Collector()
+    engine.submit(Job(prompt_ids=_chat(tokenizer, "Count to twenty."), compiled=None, max_new_tokens=24,
+                      sampling=SamplingParams(temperature=0), on_event=ok))
+    time.sleep(0.3)
+    bad = Collector()
+    engine.submit(Job(prompt_ids=[1, 10**7], compiled=None, max_new_tokens=4, on_event=bad))
+    assert bad.done.wait(60), "the failed job must get an event"
+    assert bad.error and "prefill failed" in bad.error
+    assert ok.wait()[0]["finish_reason"] in ("stop", "length")

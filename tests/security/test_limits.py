@@ -1,0 +1,421 @@
+"""Every limit in ``config.Limits``: just over it is a clear 4xx whose message names the limit, just under passes.
+
+The shared Serve app runs with the default limits; where a default makes the test cheap the request goes there
+over HTTP (stored scenarios, one-off constraints of the OpenAI routes, generation parameters, the prompt).
+Where the default would need a huge input or a slow run (100,000 labels, 2,000,000 tree keys, a compile timeout,
+a 4096-token prefill) or a configuration of its own (a small body limit), the check runs in-process with real
+components and small limits: the config manager with its embedded Redis and the real tokenizer, the ingress
+under ``TestClient``, and a model replica with the real model (also for its own checks of one-off constraints,
+which HTTP cannot reach because the ingress checks first).
+
+``test_every_limit_is_tested`` fails when a field is added to ``Limits`` without a test here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import requests
+from fastapi.testclient import TestClient
+
+from config import Limits, ServerSettings
+from config.settings import LimitExceeded, json_depth, regex_repeat
+from deployments.protocol import ServiceError
+
+pytestmark = pytest.mark.serve
+
+DEFAULTS = Limits()
+LABELS = {"type": "labels", "labels": ["yes", "no"]}
+TIMEOUT = 120
+
+# Limits field -> the tests that cover it (checked by test_every_limit_is_tested).
+COVERED = {
+    "max_body_bytes": ["test_body_size_live", "test_body_size_in_process"],
+    "max_prompt_tokens": ["test_prompt_tokens", "test_replica_limits"],
+    "max_new_tokens": ["test_max_new_tokens", "test_scenario_max_new_tokens"],
+    "default_max_new_tokens": ["test_replica_limits"],
+    "max_n": ["test_n_and_num_beams"],
+    "max_num_beams": ["test_n_and_num_beams"],
+    "max_tree_keys": ["test_tree_keys_inline_and_path"],
+    "max_labels": ["test_labels_live", "test_labels_in_process"],
+    "max_schema_bytes": ["test_schema_bytes"],
+    "max_schema_depth": ["test_schema_depth"],
+    "max_regex_length": ["test_regex_length"],
+    "max_regex_repeat": ["test_regex_repeat", "test_regex_repeat_measure"],
+    "max_json_depth": ["test_json_depth"],
+    "compile_timeout_s": ["test_compile_timeout"],
+}
+
+
+def test_every_limit_is_tested():
+    assert set(COVERED) == set(Limits.model_fields), "a Limits field has no test here (add it to COVERED)"
+    for tests in COVERED.values():
+        for name in tests:
+            assert callable(globals().get(name)), name
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def _put(app, name: str, body) -> requests.Response:
+    return requests.put(f"{app.url}/admin/scenarios/{name}", json=body, headers=app.admin, timeout=TIMEOUT)
+
+
+def _post(app, path: str, body: dict) -> requests.Response:
+    return requests.post(f"{app.url}{path}", json=body, timeout=TIMEOUT)
+
+
+def _refused(response: requests.Response, status: int, limit_name: str, field: str | None = None) -> dict:
+    """The response is ``status`` with a JSON error whose message names ``limit_name=<value>``."""
+    assert response.status_code == status, (response.status_code, response.text[:500])
+    error = response.json()["error"]
+    value = getattr(DEFAULTS, limit_name)
+    assert f"{limit_name}={value}" in error["message"], error["message"]
+    if field is not None:
+        assert error["message"].startswith(field) or f" {field}:" in error["message"], error["message"]
+    return error
+
+
+def _history(app, name: str):
+    r = requests.get(f"{app.url}/admin/scenarios/{name}/versions", headers=app.admin, timeout=30)
+    return r.status_code, r.json()
+
+
+@pytest.fixture(scope="module")
+def live(serve_app):
+    """The shared app with a cheap labels scenario (generation stops after the label)."""
+    serve_app.put("sec-lim-labels", LABELS)
+    yield serve_app
+    for name in ("sec-lim-labels", "sec-lim-s", "sec-lim-r"):
+        requests.delete(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=60)
+
+
+def _chat(text: str = "Yes or no?") -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# --------------------------------------------------------------------------------------------- request limits
+
+
+def test_max_new_tokens(live):
+    limit = DEFAULTS.max_new_tokens
+    _refused(_post(live, "/v1/generate", {"scenario": "sec-lim-labels", "prompt": "x", "max_new_tokens": limit + 1}),
+             422, "max_new_tokens", "max_new_tokens")
+    _refused(_post(live, "/v1/completions", {"scenario": "sec-lim-labels", "prompt": "x", "max_tokens": limit + 1}),
+             422, "max_new_tokens", "max_tokens")
+    _refused(_post(live, "/v1/chat/completions", {"messages": _chat(), "max_completion_tokens": limit + 1}),
+             422, "max_new_tokens", "max_completion_tokens")
+    # at the limit: accepted (the label scenario ends after a few tokens)
+    r = _post(live, "/v1/generate", {"scenario": "sec-lim-labels", "messages": _chat(), "max_new_tokens": limit})
+    assert r.status_code == 200, r.text
+    assert r.json()["outputs"][0]["finish_reason"] == "stop"
+
+
+def test_scenario_max_new_tokens(live):
+    """A scenario's own default max_new_tokens is held to the same limit when it is stored."""
+    before = _history(live, "sec-lim-labels")
+    _refused(_put(live, "sec-lim-labels", {**LABELS, "max_new_tokens": DEFAULTS.max_new_tokens + 1}),
+             422, "max_new_tokens", "invalid scenario: max_new_tokens")
+    assert _history(live, "sec-lim-labels") == before
+    assert _put(live, "sec-lim-labels", {**LABELS, "max_new_tokens": DEFAULTS.max_new_tokens}).status_code == 200
+
+
+def test_n_and_num_beams(live):
+    base = {"scenario": "sec-lim-labels", "messages": _chat(), "max_new_tokens": 4}
+    _refused(_post(live, "/v1/generate", {**base, "n": DEFAULTS.max_n + 1}), 422, "max_n", "n")
+    _refused(_post(live, "/v1/chat/completions", {"messages": _chat(), "n": DEFAULTS.max_n + 1, "max_tokens": 2}), 422, "max_n", "n")
+    _refused(_post(live, "/v1/generate", {**base, "num_beams": DEFAULTS.max_num_beams + 1}), 422, "max_num_beams", "num_beams")
+    r = _post(live, "/v1/generate", {**base, "n": DEFAULTS.max_n, "temperature": 1.0})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["outputs"]) == DEFAULTS.max_n
+    r = _post(live, "/v1/generate", {**base, "num_beams": DEFAULTS.max_num_beams})
+    assert r.status_code == 200, r.text
+
+
+def test_prompt_tokens(live, tokenizer):
+    limit = DEFAULTS.max_prompt_tokens
+
+    def prompt(tokens: int) -> str:
+        text = "a" + " a" * (tokens - 1)
+        assert len(tokenizer.encode(text, add_special_tokens=False)) == tokens
+        return text
+
+    error = _refused(_post(live, "/v1/generate", {"prompt": prompt(limit + 1), "max_new_tokens": 1}), 413, "max_prompt_tokens", "prompt")
+    assert str(limit + 1) in error["message"]
+    _refused(_post(live, "/v1/completions", {"prompt": prompt(limit + 1), "max_tokens": 1}), 413, "max_prompt_tokens")
+    _refused(_post(live, "/v1/chat/completions", {"messages": _chat(prompt(limit)), "max_tokens": 1}), 413, "max_prompt_tokens")
+    # (exactly at the limit passes: checked on a replica with a small limit, test_replica_limits; a 4096-token
+    # prefill costs tens of seconds on a small CPU)
+
+
+def test_body_size_live(live):
+    limit = DEFAULTS.max_body_bytes
+    body = b'{"prompt": "' + b"a" * (limit + 1 - 14) + b'"}'
+    assert len(body) == limit + 1
+    r = requests.post(f"{live.url}/v1/generate", data=body, headers={"content-type": "application/json"}, timeout=TIMEOUT)
+    _refused(r, 413, "max_body_bytes", "request body")
+    r = requests.put(f"{live.url}/admin/scenarios/sec-lim-big", data=body, headers={**live.admin, "content-type": "application/json"}, timeout=TIMEOUT)
+    _refused(r, 413, "max_body_bytes")
+    assert _history(live, "sec-lim-big")[0] == 404
+
+
+def test_body_size_in_process(tmp_path):
+    """A small max_body_bytes on the real ingress app: exactly the limit passes the size check, one more byte
+    is a 413, with and without Content-Length (chunked)."""
+    from deployments.ingress import Ingress
+
+    limit = 2048
+    settings = ServerSettings(data_dir=str(tmp_path), admin_token="t" * 24, limits=Limits(max_body_bytes=limit))
+    client = TestClient(Ingress(settings, None, None).http_app)  # no request below reaches a backend
+
+    def body(size: int) -> bytes:  # valid JSON, but 'prompt' and 'messages' together: a 422 once read
+        data = b'{"messages": [], "prompt": "' + b"x" * (size - 30) + b'"}'
+        assert len(data) == size
+        return data
+
+    headers = {"content-type": "application/json"}
+    r = client.post("/v1/generate", content=body(limit + 1), headers=headers)
+    assert r.status_code == 413 and f"max_body_bytes={limit}" in r.json()["error"]["message"], r.text
+    r = client.post("/v1/generate", content=body(limit), headers=headers)
+    assert r.status_code == 422, r.text  # past the size check, refused by validation
+
+    def chunks(data: bytes):
+        for i in range(0, len(data), 500):
+            yield data[i:i + 500]
+
+    r = client.post("/v1/generate", content=chunks(body(limit + 1)), headers=headers)
+    assert r.status_code == 413 and f"max_body_bytes={limit}" in r.json()["error"]["message"], r.text
+    r = client.post("/v1/generate", content=chunks(body(limit)), headers=headers)
+    assert r.status_code == 422, r.text
+
+
+# --------------------------------------------------------------------------------------------- scenario limits (live)
+
+
+def test_labels_live(live):
+    """Over the default max_labels: refused before anything is compiled, stored or one-off."""
+    many = [f"l{i}" for i in range(DEFAULTS.max_labels + 1)]
+    _refused(_put(live, "sec-lim-many", {"type": "labels", "labels": many}), 422, "max_labels", "invalid scenario: labels")
+    assert _history(live, "sec-lim-many")[0] == 404
+    _refused(_post(live, "/v1/chat/completions", {"messages": _chat(), "structured_outputs": {"choice": many}, "max_tokens": 2}),
+             422, "max_labels", "structured_outputs.choice")
+
+
+def test_schema_bytes(live):
+    limit = DEFAULTS.max_schema_bytes
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "description": ""}
+    schema["description"] = "x" * (limit - len(json.dumps(schema, separators=(",", ":")).encode()))
+    assert len(json.dumps(schema, separators=(",", ":")).encode()) == limit
+    assert _put(live, "sec-lim-s", {"type": "json_schema", "schema": schema}).status_code == 200
+    before = _history(live, "sec-lim-s")
+    bigger = {**schema, "description": schema["description"] + "x"}
+    error = _refused(_put(live, "sec-lim-s", {"type": "json_schema", "schema": bigger}), 422, "max_schema_bytes", "invalid scenario: schema")
+    assert str(limit + 1) in error["message"]
+    assert _history(live, "sec-lim-s") == before
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": bigger}}
+    _refused(_post(live, "/v1/chat/completions", {"messages": _chat(), "response_format": fmt, "max_tokens": 2}),
+             422, "max_schema_bytes", "response_format.json_schema.schema")
+
+
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth - 1):
+        schema = {"type": "array", "items": schema}
+    assert json_depth(schema) == depth
+    return schema
+
+
+def test_schema_depth(live):
+    limit = DEFAULTS.max_schema_depth
+    assert _put(live, "sec-lim-s", {"type": "json_schema", "schema": _nested_schema(limit)}).status_code == 200
+    before = _history(live, "sec-lim-s")
+    _refused(_put(live, "sec-lim-s", {"type": "json_schema", "schema": _nested_schema(limit + 1)}), 422, "max_schema_depth", "invalid scenario: schema")
+    # far deeper than the schema checker could recurse: still a clean 4xx, never a 500
+    _refused(_put(live, "sec-lim-s", {"type": "json_schema", "schema": _nested_schema(400)}), 422, "max_schema_depth")
+    assert _history(live, "sec-lim-s") == before
+    for deep in (_nested_schema(limit + 1), _nested_schema(400)):
+        r = _post(live, "/v1/completions", {"prompt": "x", "max_tokens": 2, "structured_outputs": {"json": deep}})
+        _refused(r, 422, "max_schema_depth", "structured_outputs.json")
+    text = "[" * 100_000 + "]" * 100_000  # JSON text (structured_outputs.json may be a string) too deep to parse
+    _refused(_post(live, "/v1/completions", {"prompt": "x", "max_tokens": 2, "structured_outputs": {"json": text}}),
+             422, "max_schema_depth", "structured_outputs.json")
+    r = _post(live, "/v1/completions", {"prompt": "[", "max_tokens": 2, "structured_outputs": {"json": _nested_schema(limit)}})
+    assert r.status_code == 200, r.text
+
+
+def test_regex_length(live):
+    limit = DEFAULTS.max_regex_length
+    assert _put(live, "sec-lim-r", {"type": "regex", "pattern": "[ab]" * (limit // 4)}).status_code == 200
+    before = _history(live, "sec-lim-r")
+    _refused(_put(live, "sec-lim-r", {"type": "regex", "pattern": "a" * (limit + 1)}), 422, "max_regex_length", "invalid scenario: pattern")
+    assert _history(live, "sec-lim-r") == before
+    _refused(_post(live, "/v1/completions", {"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "a" * (limit + 1)}}),
+             422, "max_regex_length", "structured_outputs.regex")
+
+
+def test_regex_repeat(live):
+    limit = DEFAULTS.max_regex_repeat
+    for ok in (f"a{{{limit}}}", "(a{100}){100}" if limit >= 10_000 else f"a{{1,{limit}}}", "[0-9]{3}-[0-9]{4}"):
+        assert _put(live, "sec-lim-r", {"type": "regex", "pattern": ok}).status_code == 200, ok
+    before = _history(live, "sec-lim-r")
+    for bad in (f"a{{{limit + 1}}}", "a{1000000}", "((a{100}){100}){100}", f"(x{{1,{limit}}}){{2}}", "b{99999999999999999999999}"):
+        error = _refused(_put(live, "sec-lim-r", {"type": "regex", "pattern": bad}), 422, "max_regex_repeat", "invalid scenario: pattern")
+        assert "repetition" in error["message"]
+        _refused(_post(live, "/v1/completions", {"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": bad}}),
+                 422, "max_regex_repeat", "structured_outputs.regex")
+    assert _history(live, "sec-lim-r") == before
+
+
+def test_regex_repeat_measure():
+    """What "complexity" counts: counted repetitions multiplied along the nesting, nothing else."""
+    assert regex_repeat("[0-9]{3}-[0-9]{4}") == 4
+    assert regex_repeat("(a{100}){100}") == 10_000
+    assert regex_repeat("((a{100}){100}){100}") == 1_000_000
+    assert regex_repeat("(ab|c{7}){3}") == 21
+    assert regex_repeat("a{2,}b{3,5}") == 5
+    assert regex_repeat(r"\p{L}{3}\x{41}") == 3  # braces of an escape are not a repetition
+    assert regex_repeat(r"a\{99\}[{]{2}") == 2  # escaped or in a class: literal braces
+    assert regex_repeat("(a+)*b?") == 1
+    assert regex_repeat("a{" + "9" * 40 + "}") >= 10**18  # no int() of a huge literal, still over any limit
+    with pytest.raises(LimitExceeded) as error:
+        Limits(max_regex_repeat=50).check_regex("(a{10}){6}")
+    assert error.value.limit_name == "max_regex_repeat" and "max_regex_repeat=50" in str(error.value)
+
+
+def test_json_depth(live):
+    limit = DEFAULTS.max_json_depth
+
+    def nested(depth: int):
+        value: list = []
+        for _ in range(depth - 2):  # the body object is level 1, "description" holds the rest
+            value = [value]
+        return {"type": "json", "description": value}
+
+    assert json_depth(nested(limit)) == limit
+    r = _put(live, "sec-lim-deep", nested(limit))  # under the limit: refused by validation, not by the limit
+    assert r.status_code == 422 and "max_json_depth" not in r.text and "description" in r.json()["error"]["message"], r.text
+    _refused(_put(live, "sec-lim-deep", nested(limit + 1)), 422, "max_json_depth", "invalid scenario: body")
+    raw = ("[" * 100_000 + "]" * 100_000).encode()  # deeper than any JSON parser may recurse: a 422, not a 500
+    r = requests.put(f"{live.url}/admin/scenarios/sec-lim-deep", data=raw, headers={**live.admin, "content-type": "application/json"}, timeout=TIMEOUT)
+    _refused(r, 422, "max_json_depth", "body")
+    r = requests.post(f"{live.url}/v1/generate", data=raw, headers={"content-type": "application/json"}, timeout=TIMEOUT)
+    assert 400 <= r.status_code < 500 and "error" in r.json(), r.text
+    assert _history(live, "sec-lim-deep")[0] == 404
+    with pytest.raises(ValueError, match="max_json_depth"):  # it must leave room for the deepest allowed schema
+        Limits(max_schema_depth=limit)
+
+
+# --------------------------------------------------------------------------------------------- in-process (small limits)
+
+
+SMALL = Limits(max_labels=3, max_tree_keys=3)
+
+
+@pytest.fixture(scope="module")
+def small_manager(tokenizer, tmp_path_factory):
+    """The real config manager (embedded Redis, real tokenizer, no replicas) with small limits."""
+    from deployments.manager import ConfigManager
+    from deployments.redis_server import close_embedded
+
+    data_dir = str(tmp_path_factory.mktemp("limits-data"))
+    loop = asyncio.new_event_loop()
+    manager = ConfigManager(ServerSettings(data_dir=data_dir, seed_examples=False, limits=SMALL), tokenizer=tokenizer)
+    manager.run = lambda coro: loop.run_until_complete(coro)
+    yield manager
+    loop.run_until_complete(manager.close())
+    loop.close()
+    close_embedded(data_dir)
+
+
+def _refused_by(manager, name: str, body: dict, limit_name: str, limit) -> ServiceError:
+    with pytest.raises(ServiceError) as error:
+        manager.run(manager.put(name, body))
+    assert error.value.status == 422, error.value.message
+    assert f"{limit_name}={limit}" in error.value.message, error.value.message
+    assert error.value.detail["limit_name"] == limit_name and error.value.detail["limit"] == limit
+    assert not manager.store.versions(name)  # nothing stored
+    return error.value
+
+
+def test_labels_in_process(small_manager):
+    _refused_by(small_manager, "four", {"type": "labels", "labels": ["a", "b", "c", "d"]}, "max_labels", 3)
+    assert small_manager.run(small_manager.put("three", {"type": "labels", "labels": ["a", "b", "c"]}))["version"] == 1
+
+
+def _tree(keys: int, tokenizer) -> dict:
+    ids = tokenizer.encode(" red green blue yellow", add_special_tokens=False)[: keys + 1]
+    eos = tokenizer.eos_token_id
+    prefix, key = {}, str(ids[0])
+    for t in ids[1:keys]:
+        prefix[key] = [t]
+        key = f"{key}_{t}"
+    prefix[key] = [eos]
+    assert len(prefix) == keys
+    return {"start_token_id": ids[0], "end_token_id": eos, "prefix_dict": prefix}
+
+
+def test_tree_keys_inline_and_path(small_manager, tokenizer, tmp_path):
+    _refused_by(small_manager, "tree4", {"type": "tree", "tree": _tree(4, tokenizer)}, "max_tree_keys", 3)
+    assert small_manager.run(small_manager.put("tree3", {"type": "tree", "tree": _tree(3, tokenizer)}))["version"] == 1
+    # a tree file is counted too (once loaded), and the message names the file and the limit
+    big, small = Path(tmp_path) / "big.json", Path(tmp_path) / "small.json"
+    big.write_text(json.dumps(_tree(4, tokenizer)))
+    small.write_text(json.dumps(_tree(3, tokenizer)))
+    error = _refused_by(small_manager, "treefile4", {"type": "tree", "path": str(big)}, "max_tree_keys", 3)
+    assert str(big) in error.message
+    assert small_manager.run(small_manager.put("treefile3", {"type": "tree", "path": str(small)}))["version"] == 1
+
+
+def test_compile_timeout(small_manager, tokenizer):
+    from deployments.manager import ConfigManager
+
+    hasty = ConfigManager(ServerSettings(data_dir=small_manager.settings.data_dir, seed_examples=False,
+                                         limits=Limits(compile_timeout_s=0.001)),
+                          tokenizer=tokenizer, redis_client=small_manager.store.client, prefix="cs-hasty:")
+    try:
+        with pytest.raises(ServiceError) as error:
+            small_manager.run(hasty.put("slow", {"type": "labels", "labels": [f"label number {i}" for i in range(2000)]}))
+        assert error.value.status == 400 and "compile_timeout_s" in error.value.message, error.value.message
+        assert not hasty.store.versions("slow")
+    finally:
+        small_manager.run(hasty.close())
+
+
+def test_replica_limits(tokenizer, model):
+    """A model replica (real model) with small limits: its own checks of the prompt length, the default
+    max_new_tokens, and the limits on one-off constraints (a direct handle call skips the ingress)."""
+    from deployments.replica import ModelReplica
+
+    limits = Limits(max_labels=2, max_regex_repeat=100, max_prompt_tokens=16, default_max_new_tokens=3)
+    replica = ModelReplica(ServerSettings(limits=limits), None, model=model, tokenizer=tokenizer)
+    try:
+        prompt = "a" + " a" * 15
+        assert len(tokenizer.encode(prompt, add_special_tokens=False)) == 16
+        out = asyncio.run(replica.generate({"prompt": prompt, "temperature": 0}))  # at the limit: runs
+        assert out["usage"]["prompt_tokens"] == 16
+        assert out["usage"]["completion_tokens"] <= 3  # default_max_new_tokens
+        assert out["outputs"][0]["finish_reason"] == "stop" or out["usage"]["completion_tokens"] == 3
+        with pytest.raises(ServiceError) as error:
+            asyncio.run(replica.generate({"prompt": prompt + " a", "max_new_tokens": 1}))
+        assert error.value.status == 413 and "max_prompt_tokens=16" in error.value.message, error.value.message
+        cases = [
+            ({"type": "labels", "labels": ["a", "b", "c"]}, "max_labels=2"),
+            ({"type": "regex", "pattern": "a{101}"}, "max_regex_repeat=100"),
+            ({"type": "json_schema", "schema": _nested_schema(DEFAULTS.max_schema_depth + 1)}, "max_schema_depth="),
+            ({"type": "tree", "path": "/etc/passwd"}, "not as a server file"),
+        ]
+        for inline, expected in cases:
+            with pytest.raises(ServiceError) as error:
+                asyncio.run(replica.generate({"inline_scenario": inline, "prompt": "x", "max_new_tokens": 1}))
+            assert error.value.status == 422 and expected in error.value.message, error.value.message
+        for field, value, expected in (("n", 9, "max_n=8"), ("num_beams", 9, "max_num_beams=8"), ("seed", 2**64, "seed")):
+            with pytest.raises(ServiceError) as error:
+                asyncio.run(replica.generate({"prompt": "x", "max_new_tokens": 1, field: value}))
+            assert error.value.status == 422 and expected in error.value.message, error.value.message
+        out = asyncio.run(replica.generate({"inline_scenario": {"type": "regex", "pattern": "a{3}"}, "prompt": "x", "max_new_tokens": 5}))
+        assert out["outputs"][0]["text"] == "aaa"
+    finally:
+        replica.shutdown()
