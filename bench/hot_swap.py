@@ -41,6 +41,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import emit, iter_tree, log, ratio  # noqa: E402
+from config import is_tree_path  # noqa: E402
 from bench._serve import ServeBench, cpu_delta, percentile, replica_versions, serve_process_cpu  # noqa: E402
 
 VOCAB = 49_152  # SmolLM2's vocabulary: every id stays below it
@@ -53,17 +54,6 @@ def make_body(n_keys: int, start: int, seed: int) -> dict:
     prefix = dict(iter_tree(n_keys, VOCAB, start_token_id=start, end_token_id=END, seed=seed))
     assert len(prefix) == n_keys and str(start) in prefix
     return {"type": "tree", "tree": {"start_token_id": start, "end_token_id": END, "prefix_dict": prefix}}
-
-
-def is_path(tree: dict, ids: list[int]) -> bool:
-    key = str(tree["start_token_id"])
-    for t in ids:
-        if t not in (tree["prefix_dict"].get(key) or [tree["end_token_id"]]):
-            return False
-        if t == tree["end_token_id"]:
-            return True
-        key = f"{key}_{t}"
-    return False
 
 
 def _timed(fn):
@@ -148,7 +138,7 @@ def run_size(bench: ServeBench, tokenizer, start: int, n_keys: int, n_puts: int,
         out = body["outputs"][0]
         gen.update(version=body["version"], version_is_last=body["version"] == versions[-1],
                    finish_reason=out["finish_reason"],
-                   valid_path=out["finish_reason"] != "stop" or is_path(last_tree, out["token_ids"]))
+                   valid_path=out["finish_reason"] != "stop" or is_tree_path(last_tree, out["token_ids"]))
     log(f"[{n_keys} keys] generation after the last PUT: {gen}")
 
     log(f"[{n_keys} keys] timing the manager's work in-process ({reps} rep(s))")

@@ -18,7 +18,7 @@ from config.scenarios import (
     scenario_to_dict,
 )
 from config.settings import Limits, ServerSettings
-from config.tree_file import DEFAULT_SEP, MAX_REPORTED_PROBLEMS, TreeData, TreeFileError, load_tree
+from config.tree_file import DEFAULT_SEP, MAX_REPORTED_PROBLEMS, TreeData, TreeFileError, is_tree_path, load_tree
 
 __all__ = [
     "DEFAULT_SEP",
@@ -37,6 +37,7 @@ __all__ = [
     "TreeFileError",
     "TreeScenario",
     "TreeSpec",
+    "is_tree_path",
     "load_scenario",
     "load_tree",
     "scenario_to_dict",

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DEFAULT_SEP", "MAX_REPORTED_PROBLEMS", "TreeData", "TreeFileError", "load_tree"]
+__all__ = ["DEFAULT_SEP", "MAX_REPORTED_PROBLEMS", "TreeData", "TreeFileError", "is_tree_path", "load_tree"]
 
 logger = logging.getLogger(__name__)
 
@@ -486,3 +486,21 @@ def load_tree(source: Any, *, vocab_size: int | None = None) -> TreeData:
         raise TypeError(f"load_tree() expects a path, a dict or a TreeSpec, got {type(source).__name__}")
     return builder.finish(vocab_size, label)
 
+
+def is_tree_path(tree: Mapping[str, Any], ids: list[int]) -> bool:
+    """Whether ``ids`` is a complete path of a tree in the file format, by the spec's string rules.
+
+    Walks ``prefix_dict`` with string keys exactly as the tree-decode spec states it (a missing or
+    empty state allows only the end token), independently of the compiled tables: an oracle for
+    tests and benchmarks. True when every token was allowed and the path ends with the end token.
+    """
+    sep = tree.get("sep", DEFAULT_SEP)
+    end = tree["end_token_id"]
+    key = str(tree["start_token_id"])
+    for token in ids:
+        if token not in (tree["prefix_dict"].get(key) or [end]):
+            return False
+        if token == end:
+            return True
+        key = f"{key}{sep}{token}"
+    return False

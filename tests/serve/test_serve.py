@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 import requests
 
+from config import is_tree_path
 from deployments.examples import build_phrase_tree, chat_root_token_id
 
 pytestmark = pytest.mark.serve
@@ -27,17 +28,6 @@ SCHEMA = {
 }
 LABELS = ["Sports", "Technology", "Politics", "New York City"]
 PHRASES = ["red apple", "green pear", "blue sky at night"]
-
-
-def _is_path(tree, ids):
-    key = str(tree["start_token_id"])
-    for t in ids:
-        if t not in (tree["prefix_dict"].get(key) or [tree["end_token_id"]]):
-            return False
-        if t == tree["end_token_id"]:
-            return True
-        key = f"{key}_{t}"
-    return False
 
 
 def _check_labels(out, labels):
@@ -68,7 +58,7 @@ def _valid(name, bodies, out):
     if name == "t-labels":
         _check_labels(out, LABELS)
     elif name == "t-tree":
-        assert _is_path(bodies["t-tree"]["tree"], out["token_ids"]), out
+        assert is_tree_path(bodies["t-tree"]["tree"], out["token_ids"]), out
     elif name == "t-schema":
         if out["finish_reason"] == "stop":
             jsonschema.validate(json.loads(out["text"]), SCHEMA)

@@ -309,3 +309,14 @@ def test_error_is_a_value_error_and_pickles():
     assert "... and 3 more" in str(clone)
     with pytest.raises(TypeError, match="expects a path, a dict or a TreeSpec"):
         load_tree(42)
+
+
+def test_is_tree_path_follows_the_spec_rules():
+    from config import is_tree_path
+
+    tree = {"start_token_id": 1, "end_token_id": 2, "sep": "-", "prefix_dict": {"1": [5, 6], "1-5": [2], "1-6": []}}
+    assert is_tree_path(tree, [5, 2])
+    assert is_tree_path(tree, [6, 2]), "an empty list allows only the end token"
+    assert is_tree_path(tree, [5, 2, 9]), "the path ends at the end token"
+    assert not is_tree_path(tree, [5]), "no end token: not a complete path"
+    assert not is_tree_path(tree, [7, 2]) and not is_tree_path(tree, [6, 3])
