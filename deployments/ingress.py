@@ -44,10 +44,12 @@ from pydantic.json_schema import SkipJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from config import Limits, ScenarioAdapter, ServerSettings, scenario_to_dict
-from config.settings import MAX_SEED, LimitExceeded
+from config.settings import LimitExceeded
 from deployments.auth import check_bearer, resolve_admin_token
 from deployments.store import NAME_PATTERN, validate_name
-from deployments.protocol import ChatMessage, GenerateRequest, GenerateResponse, ServiceError, Usage, unwrap_service_error
+from deployments.protocol import (
+    ChatMessage, GenerateRequest, GenerateResponse, ServiceError, Usage, check_request_limits, unwrap_service_error,
+)
 
 __all__ = [
     "ChatCompletionRequest",
@@ -653,21 +655,10 @@ class Ingress:
 
     def check_limits(self, request: GenerateRequest, rename: dict[str, str] | None = None) -> None:
         """422 naming the field when a request asks for more than ``settings.limits`` allows."""
-        rename = rename or {}
-        for field, value, limit_name in (
-            ("max_new_tokens", request.max_new_tokens, "max_new_tokens"),
-            ("n", request.n, "max_n"),
-            ("num_beams", request.num_beams, "max_num_beams"),
-        ):
-            limit = getattr(self.limits, limit_name)
-            if value is not None and value > limit:
-                name = rename.get(field, field)
-                raise ServiceError(
-                    422, f"{name}: {value} exceeds the limit {limit_name}={limit}",
-                    {"field": name, "limit_name": limit_name, "limit": limit},
-                )
-        if request.seed is not None and request.seed > MAX_SEED:
-            raise ServiceError(422, f"seed: {request.seed} is above the largest seed, {MAX_SEED} (2**63 - 1)", {"field": "seed"})
+        check_request_limits(
+            self.limits, max_new_tokens=request.max_new_tokens, n=request.n, num_beams=request.num_beams,
+            seed=request.seed, rename=rename,
+        )
 
     async def open_stream(self, request: GenerateRequest) -> tuple[dict[str, Any] | None, Any]:
         """Start a streamed generation and wait for its first event, so an early error is a plain HTTP error."""

@@ -20,6 +20,7 @@ __all__ = [
     "ServiceError",
     "StreamEvent",
     "Usage",
+    "check_request_limits",
     "unwrap_service_error",
 ]
 
@@ -44,6 +45,40 @@ class ServiceError(Exception):
         if self.detail:
             body["error"].update(self.detail)
         return body
+
+
+def check_request_limits(
+    limits,
+    *,
+    max_new_tokens: int | None = None,
+    n: int | None = None,
+    num_beams: int | None = None,
+    seed: int | None = None,
+    rename: dict[str, str] | None = None,
+) -> None:
+    """422 naming the field when a request asks for more than ``limits`` (a ``config.Limits``) allows.
+
+    The ingress checks what a client sent; a replica checks again what it will run (it can be called
+    without the ingress), with the scenario's defaults applied. ``rename`` maps our field names to
+    the client's (e.g. ``max_new_tokens`` -> ``max_tokens`` on the OpenAI routes).
+    """
+    from config.settings import MAX_SEED
+
+    rename = rename or {}
+    for field, value, limit_name in (
+        ("max_new_tokens", max_new_tokens, "max_new_tokens"),
+        ("n", n, "max_n"),
+        ("num_beams", num_beams, "max_num_beams"),
+    ):
+        limit = getattr(limits, limit_name)
+        if value is not None and value > limit:
+            name = rename.get(field, field)
+            raise ServiceError(
+                422, f"{name}: {value} exceeds the limit {limit_name}={limit}",
+                {"field": name, "limit_name": limit_name, "limit": limit},
+            )
+    if seed is not None and seed > MAX_SEED:
+        raise ServiceError(422, f"seed: {seed} is above the largest seed, {MAX_SEED} (2**63 - 1)", {"field": "seed"})
 
 
 def unwrap_service_error(exc: BaseException) -> ServiceError | None:

@@ -19,11 +19,11 @@ from collections import OrderedDict
 from typing import Any, AsyncIterator
 
 from config import ServerSettings, load_scenario
-from config.settings import MAX_SEED, LimitExceeded
+from config.settings import LimitExceeded
 from processors import CompiledScenario, build_prompt_ids, compile_scenario
 
 from .engine import DecodeEngine, Job, SamplingParams
-from .protocol import GenerateRequest, GenerateResponse, Output, ServiceError, Usage
+from .protocol import GenerateRequest, GenerateResponse, Output, ServiceError, Usage, check_request_limits
 
 logger = logging.getLogger(__name__)
 
@@ -201,11 +201,7 @@ class ModelReplica:
         limits = self.settings.limits
         defaults = compiled.settings if compiled is not None else {}
         max_new = req.max_new_tokens or defaults.get("max_new_tokens") or limits.default_max_new_tokens
-        if max_new > limits.max_new_tokens:
-            raise ServiceError(422, f"max_new_tokens: {max_new} exceeds the limit max_new_tokens={limits.max_new_tokens}",
-                               {"field": "max_new_tokens", "limit_name": "max_new_tokens", "limit": limits.max_new_tokens})
-        if req.seed is not None and req.seed > MAX_SEED:
-            raise ServiceError(422, f"seed: {req.seed} is above the largest seed, {MAX_SEED} (2**63 - 1)", {"field": "seed"})
+        check_request_limits(limits, max_new_tokens=max_new)  # with the scenario's default applied
         pick = lambda name, fallback: getattr(req, name) if getattr(req, name) is not None else defaults.get(name, fallback)  # noqa: E731
         return max_new, SamplingParams(
             temperature=float(pick("temperature", 1.0)),
@@ -220,11 +216,7 @@ class ModelReplica:
         except Exception as exc:
             raise ServiceError(422, f"invalid request: {exc}") from None
         limits = self.settings.limits
-        for field, value, limit_name in (("n", req.n, "max_n"), ("num_beams", req.num_beams, "max_num_beams")):
-            limit = getattr(limits, limit_name)
-            if value > limit:
-                raise ServiceError(422, f"{field}: {value} exceeds the limit {limit_name}={limit}",
-                                   {"field": field, "limit_name": limit_name, "limit": limit})
+        check_request_limits(limits, n=req.n, num_beams=req.num_beams, seed=req.seed)
         if req.messages is not None and not req.messages:
             raise ServiceError(422, "messages: give at least one message", {"field": "messages"})
         name, version, compiled = await self._resolve_scenario(req)
