@@ -10,7 +10,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -241,6 +241,12 @@ class ServerSettings(BaseModel):
     num_gpus_per_replica: float = Field(default=0.0, ge=0, description="GPUs per model replica: 0 on CPU, 1 in production.")
     num_cpus_per_replica: float = Field(default=1.0, ge=0, description="CPUs reserved per model replica.")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads per replica (None = torch default).")
+    max_replicas_per_node: int | None = Field(default=None, ge=1, description="Most model replicas on one Ray node (None = no limit); 1 spreads them over nodes.")
+    custom_resources: dict[Literal["manager", "model", "ingress"], dict[str, float]] = Field(
+        default_factory=dict,
+        description="Ray custom resources each deployment's replicas require, to pin them to nodes "
+                    "(e.g. {\"manager\": {\"control\": 0.01}} with a node started with --resources '{\"control\": 1}').",
+    )
     seed_examples: bool = Field(default=True, description="Store the example scenarios on first start (empty Redis).")
     http_host: str = Field(default="127.0.0.1", description="Where Serve's HTTP proxy listens.")
     http_port: int = Field(default=8000, ge=1, le=65535, description="Serve's HTTP port.")

@@ -31,7 +31,7 @@ REPLICA_REQUESTS_PER_BATCH_SLOT = 4
 
 def deployment_options(settings: ServerSettings) -> dict[str, dict[str, Any]]:
     """The ``.options(...)`` of each deployment for ``settings`` (separate so it can be inspected and tested)."""
-    return {
+    options: dict[str, dict[str, Any]] = {
         "manager": {
             "name": "ConfigManager",
             "num_replicas": 1,
@@ -54,6 +54,12 @@ def deployment_options(settings: ServerSettings) -> dict[str, dict[str, Any]]:
             "ray_actor_options": {"num_cpus": 0},
         },
     }
+    if settings.max_replicas_per_node is not None:
+        options["model"]["max_replicas_per_node"] = settings.max_replicas_per_node
+    for key, resources in settings.custom_resources.items():
+        if resources:
+            options[key]["ray_actor_options"]["resources"] = dict(resources)
+    return options
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

@@ -17,6 +17,8 @@ Routes:
 ``PUT|GET|DELETE /admin/scenarios/{name}`` admin (bearer token): create/replace, read, delete
 ``GET /admin/scenarios/{name}/versions``  admin: history
 ``POST /admin/scenarios/{name}/rollback`` admin: roll back to ``{"version": int}``
+``POST /admin/scenarios/{name}/inspect``  admin: allowed next tokens after a prefix (``deployments/console.py``)
+``GET /console``                          the web console (a page over the routes above)
 ========================================= ===========================================================
 
 Every error is JSON ``{"error": {"status": int, "message": str, ...detail}}``.
@@ -46,6 +48,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from config import Limits, ScenarioAdapter, ServerSettings, scenario_to_dict
 from config.settings import LimitExceeded
 from deployments.auth import check_bearer, resolve_admin_token
+from deployments.console import mount_console
 from deployments.store import NAME_PATTERN, validate_name
 from deployments.protocol import (
     ChatMessage, GenerateRequest, GenerateResponse, ServiceError, Usage, check_request_limits, unwrap_service_error,
@@ -68,6 +71,8 @@ logger = logging.getLogger("ray.serve")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 ScenarioName = Annotated[str, PathParam(pattern=NAME_PATTERN, description="Scenario name (the store's naming rule).")]
 HEALTH_TIMEOUT_S = 5.0
+# A request whose model replica died (crash, lost node) is sent again this many times; generation has no side effects.
+MODEL_RETRIES = 2
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _SSE_DONE = "data: [DONE]\n\n"
 
@@ -117,6 +122,17 @@ def _ray_error_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
     if isinstance(getattr(ray_exc, "GetTimeoutError", None), type):
         timeouts.append(ray_exc.GetTimeoutError)
     return tuple(unavailable), tuple(timeouts)
+
+
+def _replica_died(exc: BaseException) -> bool:
+    """Whether ``exc`` says the replica process serving a call is gone (worth one more try elsewhere)."""
+    if "ray" not in sys.modules or unwrap_service_error(exc) is not None:
+        return False
+    from ray import exceptions as ray_exc
+
+    died = tuple(c for c in (getattr(ray_exc, "RayActorError", None), getattr(ray_exc, "ActorUnavailableError", None))
+                 if isinstance(c, type))
+    return isinstance(exc, died)
 
 
 def _error_response(error: ServiceError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -653,6 +669,24 @@ class Ingress:
         except Exception as exc:
             raise to_service_error(exc) from None
 
+    async def generate(self, payload: dict[str, Any]) -> Any:
+        """``model.generate(payload)``, sent again to another replica when the one that had it died.
+
+        Generation has no side effects, so a request whose replica process dies (a crash, a lost node)
+        is retried up to ``MODEL_RETRIES`` times; a seeded request gives the same answer on any replica.
+        """
+        for attempt in range(MODEL_RETRIES + 1):
+            try:
+                return await self.model.generate.remote(payload)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if attempt < MODEL_RETRIES and _replica_died(exc):
+                    logger.warning("model replica died during a request (%s); retrying on another replica "
+                                   "(attempt %d of %d)", type(exc).__name__, attempt + 1, MODEL_RETRIES)
+                    continue
+                raise to_service_error(exc) from None
+
     def check_limits(self, request: GenerateRequest, rename: dict[str, str] | None = None) -> None:
         """422 naming the field when a request asks for more than ``settings.limits`` allows."""
         check_request_limits(
@@ -662,18 +696,23 @@ class Ingress:
 
     async def open_stream(self, request: GenerateRequest) -> tuple[dict[str, Any] | None, Any]:
         """Start a streamed generation and wait for its first event, so an early error is a plain HTTP error."""
-        stream = None
-        try:
-            stream = self.model.options(stream=True).generate_stream.remote(request.model_dump())
-            return await stream.__anext__(), stream
-        except StopAsyncIteration:
-            return None, stream
-        except asyncio.CancelledError:
-            _cancel(stream)
-            raise
-        except Exception as exc:
-            _cancel(stream)
-            raise to_service_error(exc) from None
+        for attempt in range(MODEL_RETRIES + 1):
+            stream = None
+            try:
+                stream = self.model.options(stream=True).generate_stream.remote(request.model_dump())
+                return await stream.__anext__(), stream
+            except StopAsyncIteration:
+                return None, stream
+            except asyncio.CancelledError:
+                _cancel(stream)
+                raise
+            except Exception as exc:
+                _cancel(stream)
+                if attempt < MODEL_RETRIES and _replica_died(exc):  # nothing was sent to the client yet
+                    logger.warning("model replica died before the first event (%s); retrying", type(exc).__name__)
+                    continue
+                raise to_service_error(exc) from None
+        raise AssertionError("unreachable")
 
     async def events(self, first: dict[str, Any] | None, stream: Any) -> AsyncIterator[dict[str, Any]]:
         """``first`` and the rest of the stream; a failure mid-stream becomes a last ``error`` event."""
@@ -753,7 +792,7 @@ class Ingress:
                 media_type="text/event-stream",
                 headers=_SSE_HEADERS,
             )
-        result = await self.call(self.model.generate, request.model_dump())
+        result = await self.generate(request.model_dump())
         return _openai_response(result, chat=chat, model=self.model_name)
 
     async def health(self) -> dict[str, Any]:
@@ -897,7 +936,7 @@ def build_http_app(ingress: Ingress) -> FastAPI:
         if request.stream:
             first, stream = await ingress.open_stream(request)
             return StreamingResponse(ingress.native_sse(first, stream), media_type="text/event-stream", headers=_SSE_HEADERS)
-        return await ingress.call(ingress.model.generate, request.model_dump())
+        return await ingress.generate(request.model_dump())
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_SSE_RESPONSE, **_ERROR_RESPONSES}, tags=["openai"])
     async def completions(body: CompletionRequest):
@@ -971,5 +1010,6 @@ def build_http_app(ingress: Ingress) -> FastAPI:
         return await ingress.call(ingress.manager.rollback, name, body.version)
 
     app.include_router(admin)
+    mount_console(app, ingress, require_admin)  # /console and POST /admin/scenarios/{name}/inspect
     _with_scenario_components(app)
     return app

@@ -47,6 +47,8 @@ __all__ = [
 ]
 
 DB_FILENAME = "redis.db"
+# Seconds a command to the embedded server may take (a large tree body is written in well under one).
+EMBEDDED_SOCKET_TIMEOUT_S = 5.0
 # K: keyspace channel (__keyspace@<db>__:<key>), $: string commands (SET of the current pointer),
 # g: generic commands (DEL of the current pointer on delete).
 KEYSPACE_FLAGS = "K$g"
@@ -136,6 +138,8 @@ def _embedded(data_dir: str) -> redis.Redis:
                     "logfile": os.path.join(path, "redis.log"),
                 },
                 decode_responses=True,
+                # Without a timeout a server that hangs (stopped, swapping) hangs every caller forever.
+                socket_timeout=EMBEDDED_SOCKET_TIMEOUT_S,
                 retry=_retry(),
             )
         except Exception as exc:

