@@ -125,6 +125,10 @@ def _embedded(data_dir: str) -> redis.Redis:
                 client.ping()
                 return client
             except redis.RedisError:
+                if client.pid and _alive(client.pid):
+                    # Hung or stopped, not dead: a second server on the same files would corrupt them.
+                    # Callers get errors until it answers again.
+                    return client
                 logger.warning("embedded Redis for %s stopped; starting it again", path)
                 _forget(client)
                 del _EMBEDDED[path]

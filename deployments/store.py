@@ -12,13 +12,16 @@ Redis is the source of truth; the config manager compiles what is stored here. K
                                    version, action (put | rollback | delete), created_at (ISO 8601 UTC),
                                    type and scenario (the body as JSON; not on a delete entry),
                                    from_version (rollback only)
+    P w:<id>             STRING  version made by the write call <id> (kept 1 hour): a retried call is applied once
     P changes            pub/sub channel: {"name", "version", "action"} after every write
 
 A write (put, rollback, delete) is one Lua script: it takes the next number with INCR (skipping any
 version key that already exists, so a record is never overwritten), writes the record, moves the
 ``current`` pointer and the live-name set, appends to the history and publishes the change, all
-atomically. Two concurrent writers therefore get distinct versions, both land in the history, and
-``current`` always names the newest write. Names are checked against :data:`NAME_PATTERN` because
+atomically. A write that reaches the server after its deadline (its caller has given up and answered
+503) is dropped, and a retry of one that was applied returns the same version. Two concurrent
+writers therefore get distinct versions, both land in the history, and ``current`` always names the
+newest write. Names are checked against :data:`NAME_PATTERN` because
 they become parts of keys and URLs.
 
 Redis being unreachable surfaces as ``ServiceError(503)``; a record that is not what this module
@@ -30,6 +33,8 @@ from __future__ import annotations
 import functools
 import json
 import re
+import time
+import uuid
 from datetime import datetime, timezone
 from typing import Any
 
@@ -46,9 +51,23 @@ _NAME_RULE = (
     "starting with a letter or digit"
 )
 
+# Seconds a write may wait on the server before it runs (plus the upload time of its body at
+# UPLOAD_BYTES_PER_S); later, it is dropped. Below the client's socket timeout, so a write either runs
+# while the client still waits for the answer or never.
+WRITE_DEADLINE_S = 3.0
+UPLOAD_BYTES_PER_S = 10e6
+
 _WRITE_SCRIPT = """
--- KEYS: seq, current, history, names, all
--- ARGV: version key prefix, name, action, created_at, type, body, from_version, channel
+-- KEYS: seq, current, history, names, all, write id
+-- ARGV: version key prefix, name, action, created_at, type, body, from_version, channel, deadline (ms)
+local done = redis.call('GET', KEYS[6])
+if done then
+  return tonumber(done)  -- a retry of a write that was applied: the same version, not a second one
+end
+local now = redis.call('TIME')
+if tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) > tonumber(ARGV[9]) then
+  return -2  -- the writer has given up on this call (the server was hung): never apply it late
+end
 local name, action = ARGV[2], ARGV[3]
 if action == 'delete' and redis.call('SISMEMBER', KEYS[4], name) == 0 then
   return -1
@@ -76,6 +95,7 @@ else
   redis.call('SET', KEYS[2], v)
   redis.call('SADD', KEYS[4], name)
 end
+redis.call('SET', KEYS[6], v, 'EX', 3600)
 redis.call('PUBLISH', ARGV[8], cjson.encode({name = name, version = v, action = action}))
 return v
 """
@@ -162,10 +182,17 @@ class ScenarioStore:
         else:
             text, kind = "", ""
         keys = [self._key(name, "seq"), self._key(name, "current"), self._key(name, "history"),
-                self.names_key, self.all_key]
+                self.names_key, self.all_key, f"{self.prefix}w:{uuid.uuid4().hex}"]
+        # A write that reaches the server after this instant is dropped: a call that timed out (and
+        # answered 503) never takes effect later, when a hung server wakes up and runs its backlog.
+        deadline_ms = int((time.time() + WRITE_DEADLINE_S + len(text) / UPLOAD_BYTES_PER_S) * 1000)
         args = [self._key(name, "v:"), name, action, _now(), kind, text,
-                "" if from_version is None else str(int(from_version)), self.channel]
-        return int(self._script(keys=keys, args=args, client=self.client))
+                "" if from_version is None else str(int(from_version)), self.channel, str(deadline_ms)]
+        version = int(self._script(keys=keys, args=args, client=self.client))
+        if version == -2:
+            raise ServiceError(503, "scenario store unavailable: Redis did not run the write in time; "
+                                    "it was not applied")
+        return version
 
     @_redis_errors
     def put(self, name: str, body: dict) -> int:

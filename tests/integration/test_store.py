@@ -258,3 +258,30 @@ def test_server_refusing_config_is_tolerated(data_dir):
     assert enable_keyspace_notifications(no_config) is False
     assert keyspace_notifications_enabled(no_config) is False
     assert ScenarioStore(no_config).put("a", LABELS) == 1
+
+
+def test_write_the_server_runs_after_its_caller_gave_up_is_dropped(store, monkeypatch):
+    """A hung server (SIGSTOP) runs its backlog when it wakes (SIGCONT): the write whose caller got a
+    503 meanwhile must not take effect then."""
+    import deployments.store as store_module
+
+    store.put("late", LABELS)
+    monkeypatch.setattr(store_module, "WRITE_DEADLINE_S", 0.3)
+    impatient = ScenarioStore(redis.Redis(unix_socket_path=store.client.socket_file, decode_responses=True,
+                                          socket_timeout=0.5))
+    pid = embedded_server_pid(store_dir(store))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(ServiceError) as err:
+            impatient.put("late", LABELS_2)
+        assert err.value.status == 503
+        time.sleep(0.5)  # past the write's deadline
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    time.sleep(0.2)  # the woken server has run its backlog
+    assert store.current_version("late") == 1 and [h["version"] for h in store.versions("late")] == [1]
+    assert store.put("late", LABELS_2) == 2
+
+
+def store_dir(store):
+    return os.path.dirname(store.client.db)
