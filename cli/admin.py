@@ -1,0 +1,552 @@
+"""``cs-admin``: the service's admin HTTP API (and a quick generate) from a shell.
+
+Commands map one to one onto routes (see the README's "Using the service"):
+
+=================================  ============================================================
+``list``                           ``GET /v1/scenarios`` (public: no token needed)
+``get NAME [--version N]``         ``GET /admin/scenarios/NAME[?version=N]``
+``put NAME FILE|-``                ``PUT /admin/scenarios/NAME`` with the file streamed as the body
+``delete NAME``                    ``DELETE /admin/scenarios/NAME``
+``versions NAME``                  ``GET /admin/scenarios/NAME/versions``
+``rollback NAME VERSION``          ``POST /admin/scenarios/NAME/rollback``
+``try NAME PROMPT``                ``POST /v1/generate`` (public), optionally streamed (SSE)
+=================================  ============================================================
+
+Only ``httpx`` and ``tqdm`` are imported (no server code), so the tool starts fast and runs anywhere.
+Every failure is one line on stderr and an exit code from :data:`EXIT_CODES`; the admin token is never
+printed (messages pass through :func:`_redact` on the way out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import httpx
+
+__all__ = ["EXIT_CODES", "CliError", "main"]
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+DEFAULT_TIMEOUT_S = 120.0  # a PUT waits for compilation (server limit 60 s) and every replica's ack
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+PROGRESS_MIN_BYTES = 1 << 20
+UPLOAD_CHUNK_BYTES = 1 << 16
+MAX_KNOWN_SHOWN = 20
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_AUTH = 3
+EXIT_NOT_FOUND = 4
+EXIT_INVALID = 5
+EXIT_TOO_LARGE = 6
+EXIT_UNAVAILABLE = 7
+EXIT_CONNECT = 8
+EXIT_TIMEOUT = 9
+
+EXIT_CODES = {
+    EXIT_OK: "success",
+    EXIT_ERROR: "any other error from the service (HTTP 500, an output that failed, ...)",
+    EXIT_USAGE: "bad command line, unreadable FILE, invalid --url",
+    EXIT_AUTH: "admin token missing or refused (HTTP 401/403)",
+    EXIT_NOT_FOUND: "unknown scenario or version (HTTP 404)",
+    EXIT_INVALID: "request refused as invalid (HTTP 400/409/422; the message names the field)",
+    EXIT_TOO_LARGE: "body too large (HTTP 413)",
+    EXIT_UNAVAILABLE: "service unavailable: Redis, the config manager or replicas (HTTP 503)",
+    EXIT_CONNECT: "no service at --url (connection refused, unknown host, no connection in time)",
+    EXIT_TIMEOUT: "no answer within --timeout (or HTTP 504 from the service)",
+}
+_STATUS_EXIT = {401: EXIT_AUTH, 403: EXIT_AUTH, 404: EXIT_NOT_FOUND, 400: EXIT_INVALID, 409: EXIT_INVALID,
+                422: EXIT_INVALID, 413: EXIT_TOO_LARGE, 503: EXIT_UNAVAILABLE, 504: EXIT_TIMEOUT}
+
+
+class CliError(Exception):
+    """A failure to report as one line, with the exit code; ``body`` is the service's JSON error, if any."""
+
+    def __init__(self, message: str, code: int = EXIT_ERROR, body: Any = None):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.body = body
+
+
+# --------------------------------------------------------------------------------------------- HTTP
+
+
+def _display_url(url: str) -> str:
+    """``url`` without any ``user:password@`` part, for messages."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def _error_message(response: httpx.Response) -> tuple[str, Any]:
+    """The service's message for an error response (``{"error": {...}}``), with the details that help:
+    the known names for a 404, the stored versions for a missing version, the limit for a 413."""
+    try:
+        body = response.json()
+    except ValueError:  # not ours (a proxy, Serve's own 404 before the app is deployed): first line of text
+        text = response.text.strip().splitlines()[0][:200] if response.text.strip() else response.reason_phrase
+        return text or f"HTTP {response.status_code}", None
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        return json.dumps(body)[:200], body
+    message = str(error.get("message") or response.reason_phrase)
+    versions = error.get("versions")
+    if isinstance(versions, list) and versions:
+        message += f" (stored versions: {', '.join(str(v) for v in versions)})"
+    known = error.get("known")
+    if isinstance(known, list) and not versions:  # a missing version: the stored versions are what helps
+        shown = ", ".join(str(k) for k in known[:MAX_KNOWN_SHOWN])
+        more = f" and {len(known) - MAX_KNOWN_SHOWN} more" if len(known) > MAX_KNOWN_SHOWN else ""
+        message += f" (known scenarios: {shown}{more})" if known else " (no scenarios are stored)"
+    if response.status_code == 401:
+        message += " (check --token, --token-file or ADMIN_TOKEN)"
+    if "error_id" in error:
+        message += f" (error_id {error['error_id']} in the service log)"
+    return message, body
+
+
+def _http_error(response: httpx.Response) -> CliError:
+    message, body = _error_message(response)
+    return CliError(f"HTTP {response.status_code}: {message}", _STATUS_EXIT.get(response.status_code, EXIT_ERROR), body)
+
+
+class AdminClient:
+    """A thin synchronous client for the service; every transport failure becomes a :class:`CliError`."""
+
+    def __init__(self, url: str, token: str | None, timeout: float, connect_timeout: float):
+        self.url = url.rstrip("/")
+        self.shown_url = _display_url(self.url)
+        self.token = token
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        try:
+            self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=connect_timeout))
+        except (httpx.InvalidURL, httpx.UnsupportedProtocol, ValueError) as exc:
+            raise CliError(f"invalid --url {self.shown_url!r}: {exc}", EXIT_USAGE) from None
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _headers(self, admin: bool) -> dict[str, str]:
+        if not admin:
+            return {}
+        if not self.token:
+            raise CliError("no admin token: pass --token or --token-file, or set ADMIN_TOKEN", EXIT_AUTH)
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def _transport_error(self, exc: httpx.HTTPError) -> CliError:
+        if isinstance(exc, httpx.ConnectTimeout):
+            return CliError(f"no service at {self.shown_url}: no connection within {self.connect_timeout:g} s "
+                            "(--connect-timeout)", EXIT_CONNECT)
+        if isinstance(exc, httpx.ConnectError):
+            reason = str(exc).split("] ", 1)[-1] or "cannot connect"
+            return CliError(f"no service at {self.shown_url} ({reason})", EXIT_CONNECT)
+        if isinstance(exc, httpx.TimeoutException):
+            return CliError(f"no answer from {self.shown_url} within {self.timeout:g} s (--timeout or CS_TIMEOUT)",
+                            EXIT_TIMEOUT)
+        if isinstance(exc, (httpx.InvalidURL, httpx.UnsupportedProtocol)):
+            return CliError(f"invalid --url {self.shown_url!r}: {exc}", EXIT_USAGE)
+        if isinstance(exc, httpx.LocalProtocolError):  # e.g. a token with characters a header cannot hold
+            return CliError("cannot send the request: the admin token or a header holds characters not allowed "
+                            "in HTTP headers", EXIT_USAGE)
+        return CliError(f"connection to {self.shown_url} failed: {type(exc).__name__}: {exc}", EXIT_ERROR)
+
+    def request(self, method: str, path: str, *, admin: bool = True, **kwargs: Any) -> Any:
+        """Send one request and return the JSON answer; errors raise :class:`CliError`."""
+        headers = {**self._headers(admin), **kwargs.pop("headers", {})}
+        try:
+            response = self.http.request(method, path, headers=headers, **kwargs)
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc) from None
+        if response.status_code >= 400:
+            raise _http_error(response)
+        try:
+            return response.json()
+        except ValueError:
+            raise CliError(f"the service answered HTTP {response.status_code} with a body that is not JSON") from None
+
+    def events(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """POST ``body`` and yield the server-sent events (``data: {...}``) until ``[DONE]``."""
+        try:
+            with self.http.stream("POST", path, json=body) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise _http_error(response)
+                data: list[str] = []
+                for line in response.iter_lines():
+                    if line.startswith("data:"):
+                        data.append(line[5:].lstrip(" "))
+                        continue
+                    if line or not data:
+                        continue
+                    payload, data = "\n".join(data), []
+                    if payload == "[DONE]":
+                        return
+                    try:
+                        event = json.loads(payload)
+                    except ValueError:
+                        raise CliError(f"the service sent an event that is not JSON: {payload[:80]!r}") from None
+                    yield event
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc) from None
+
+
+def scenario_path(name: str, suffix: str = "") -> str:
+    # Quote everything: a name with '/' reaches the server as one segment and gets its naming-rule 422.
+    return f"/admin/scenarios/{quote(name, safe='')}{suffix}"
+
+
+# --------------------------------------------------------------------------------------------- output
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    cells = [header] + [["" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def _when(value: Any) -> str:
+    """A stored ``created_at`` (seconds since the epoch, maybe as a string) as local time."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(value)))
+    except (TypeError, ValueError, OverflowError, OSError):
+        return "" if value is None else str(value)
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, ensure_ascii=False))
+
+
+# --------------------------------------------------------------------------------------------- commands
+
+
+def cmd_list(client: AdminClient, args: argparse.Namespace) -> int:
+    answer = client.request("GET", "/v1/scenarios", admin=False)
+    if args.json:
+        _print_json(answer)
+        return EXIT_OK
+    rows = [[s.get("name"), s.get("type"), s.get("version")] for s in answer.get("scenarios", [])]
+    print(_table(["NAME", "TYPE", "VERSION"], rows) if rows else "no scenarios")
+    return EXIT_OK
+
+
+def cmd_get(client: AdminClient, args: argparse.Namespace) -> int:
+    params = {"version": args.version} if args.version is not None else None
+    record = client.request("GET", scenario_path(args.name), params=params)
+    if args.json:
+        _print_json(record)
+        return EXIT_OK
+    version = str(record.get("version"))
+    if record.get("from_version") is not None:
+        version += f" (body of version {record['from_version']})"
+    for field, value in (("name", record.get("name")), ("version", version), ("action", record.get("action")),
+                         ("created", _when(record.get("created_at")))):
+        print(f"{field + ':':<9}{value}")
+    scenario = record.get("scenario")
+    print("scenario: (none: this version is a delete entry)" if scenario is None else "scenario:")
+    if scenario is not None:
+        _print_json(scenario)
+    return EXIT_OK
+
+
+def _read_body(source: str) -> tuple[Any, int, Any]:
+    """``(content for httpx, size in bytes, file to close or None)`` for FILE or ``-`` (stdin)."""
+    if source == "-":
+        data = sys.stdin.buffer.read()
+        return data, len(data), None
+    try:
+        handle = open(source, "rb")
+        size = os.fstat(handle.fileno()).st_size
+    except OSError as exc:
+        raise CliError(f"cannot read {source}: {exc.strerror or exc}", EXIT_USAGE) from None
+    return handle, size, handle
+
+
+def _chunks(content: Any, size: int, progress: Any) -> Iterator[bytes]:
+    """``content`` (bytes or an open file) in upload-sized chunks, advancing ``progress`` as they go out."""
+    if isinstance(content, bytes):
+        pieces = (content[i:i + UPLOAD_CHUNK_BYTES] for i in range(0, size, UPLOAD_CHUNK_BYTES))
+    else:
+        pieces = iter(lambda: content.read(UPLOAD_CHUNK_BYTES), b"")
+    for piece in pieces:
+        yield piece
+        if progress is not None:
+            progress.update(len(piece))
+    if progress is not None:
+        progress.close()
+
+
+def cmd_put(client: AdminClient, args: argparse.Namespace) -> int:
+    content, size, handle = _read_body(args.file)
+    try:
+        if size == 0:
+            raise CliError(f"{'stdin' if args.file == '-' else args.file} is empty: expected a scenario JSON object",
+                           EXIT_USAGE)
+        show = args.progress if args.progress is not None else size >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
+        progress = None
+        if show:
+            from tqdm import tqdm
+
+            progress = tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                            desc=f"upload {args.name}", dynamic_ncols=True)
+        # A sized stream: Content-Length lets the service refuse an oversized body (413) before reading it.
+        answer = client.request("PUT", scenario_path(args.name), content=_chunks(content, size, progress),
+                                headers={"Content-Type": "application/json", "Content-Length": str(size)})
+    finally:
+        if handle is not None:
+            handle.close()
+    if args.json:
+        _print_json(answer)
+    else:
+        print(f"stored {answer.get('name')} version {answer.get('version')} (every replica serves it)")
+    return EXIT_OK
+
+
+def cmd_delete(client: AdminClient, args: argparse.Namespace) -> int:
+    answer = client.request("DELETE", scenario_path(args.name))
+    if args.json:
+        _print_json(answer)
+    else:
+        print(f"deleted {answer.get('name')} (delete entry is version {answer.get('version')}; history kept)")
+    return EXIT_OK
+
+
+def cmd_versions(client: AdminClient, args: argparse.Namespace) -> int:
+    answer = client.request("GET", scenario_path(args.name, "/versions"))
+    if args.json:
+        _print_json(answer)
+        return EXIT_OK
+    history = answer.get("versions", [])
+    # Every write (put, rollback, delete) appends a version, so the newest one is current unless it is a delete.
+    current = history[-1].get("version") if history and history[-1].get("action") != "delete" else None
+    rows = [["*" if h.get("version") == current else "", h.get("version"), h.get("action"), h.get("type"),
+             h.get("from_version"), _when(h.get("created_at"))] for h in history]
+    print(_table(["", "VERSION", "ACTION", "TYPE", "FROM", "CREATED"], rows))
+    return EXIT_OK
+
+
+def cmd_rollback(client: AdminClient, args: argparse.Namespace) -> int:
+    answer = client.request("POST", scenario_path(args.name, "/rollback"), json={"version": args.version})
+    if args.json:
+        _print_json(answer)
+    else:
+        print(f"rolled back {answer.get('name')}: version {answer.get('version')} has the body of version "
+              f"{answer.get('from_version')} (every replica serves it)")
+    return EXIT_OK
+
+
+def _generate_body(args: argparse.Namespace) -> dict[str, Any]:
+    body: dict[str, Any] = {"scenario": args.name}
+    if args.messages:
+        body["messages"] = [{"role": "user", "content": args.prompt}]
+    else:
+        body["prompt"] = args.prompt
+    for field in ("max_new_tokens", "temperature", "seed"):
+        if getattr(args, field) is not None:
+            body[field] = getattr(args, field)
+    return body
+
+
+def _summary(response: dict[str, Any]) -> str:
+    usage = response.get("usage") or {}
+    reasons = ", ".join(str(o.get("finish_reason")) for o in response.get("outputs", []))
+    return (f"[{response.get('scenario')} v{response.get('version')}: {reasons}; "
+            f"{usage.get('prompt_tokens')} prompt + {usage.get('completion_tokens')} new tokens]")
+
+
+def _failed_outputs(response: dict[str, Any]) -> int:
+    failed = [o for o in response.get("outputs", []) if o.get("finish_reason") == "error"]
+    for output in failed:
+        print(f"cs-admin: generation failed: {output.get('error') or 'no reason given'}", file=sys.stderr)
+    return EXIT_ERROR if failed else EXIT_OK
+
+
+def cmd_try(client: AdminClient, args: argparse.Namespace) -> int:
+    body = _generate_body(args)
+    if not args.stream:
+        response = client.request("POST", "/v1/generate", admin=False, json=body)
+        if args.json:
+            _print_json(response)
+        else:
+            for output in response.get("outputs", []):
+                print(output.get("text", ""))
+            print(_summary(response), file=sys.stderr)
+        return _failed_outputs(response)
+
+    body["stream"] = True
+    final: dict[str, Any] | None = None
+    printed = False
+    for event in client.events("/v1/generate", body):
+        if args.json:
+            print(json.dumps(event, ensure_ascii=False), flush=True)
+        kind = event.get("type")
+        if kind == "token" and not args.json:
+            sys.stdout.write(event.get("text") or "")
+            sys.stdout.flush()
+            printed = True
+        elif kind == "done":
+            final = event.get("response")
+        elif kind == "error" or (kind is None and "error" in event):
+            error = event.get("error")
+            status = event.get("status") or (error.get("status") if isinstance(error, dict) else None)
+            message = error.get("message") if isinstance(error, dict) else error
+            if printed:
+                print()
+            raise CliError(f"generation failed mid-stream: {message or 'no reason given'}"
+                           + (f" (HTTP {status})" if status else ""), _STATUS_EXIT.get(status, EXIT_ERROR))
+    if not args.json:
+        print()
+        if final:
+            print(_summary(final), file=sys.stderr)
+    return _failed_outputs(final or {})
+
+
+COMMANDS = {"list": cmd_list, "get": cmd_get, "put": cmd_put, "delete": cmd_delete, "versions": cmd_versions,
+            "rollback": cmd_rollback, "try": cmd_try}
+
+
+# --------------------------------------------------------------------------------------------- arguments
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
+def _add_common(parser: argparse.ArgumentParser, *, on_command: bool) -> None:
+    """Connection and output options, accepted before or after the command. On the command's parser
+    they default to SUPPRESS, so an option given before the command is not reset by the command."""
+    d = (lambda value: argparse.SUPPRESS) if on_command else (lambda value: value)
+    group = parser.add_argument_group("connection and output")
+    group.add_argument("--url", default=d(None), help=f"service URL (default: $CS_URL or {DEFAULT_URL})")
+    group.add_argument("--token", default=d(None), help="admin token (default: $ADMIN_TOKEN); never printed")
+    group.add_argument("--token-file", default=d(None), metavar="PATH",
+                       help="read the admin token from this file (e.g. the service's data/admin_token)")
+    group.add_argument("--timeout", type=_positive_float, default=d(None), metavar="S",
+                       help=f"seconds to wait for an answer (default: $CS_TIMEOUT or {DEFAULT_TIMEOUT_S:g})")
+    group.add_argument("--connect-timeout", type=_positive_float, default=d(DEFAULT_CONNECT_TIMEOUT_S), metavar="S",
+                       help=f"seconds to wait for a connection (default: {DEFAULT_CONNECT_TIMEOUT_S:g})")
+    group.add_argument("--json", action="store_true", default=d(False), help="print the service's raw JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    codes = "\n".join(f"  {code}  {what}" for code, what in EXIT_CODES.items())
+    parser = argparse.ArgumentParser(
+        prog="cs-admin",
+        description="Manage the scenarios of a running constrained-serve service and try them out.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "environment:\n  CS_URL        service URL (default http://127.0.0.1:8000)\n"
+            "  ADMIN_TOKEN   admin token (the same variable the service reads)\n"
+            "  CS_TIMEOUT    seconds to wait for an answer\n\n"
+            f"exit codes:\n{codes}\n\n"
+            "examples:\n  cs-admin put colors colors.json\n  cs-admin versions colors\n"
+            "  cs-admin rollback colors 1\n  cs-admin try colors 'The sky is' --stream"
+        ),
+    )
+    _add_common(parser, on_command=False)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help, description=help)
+        _add_common(sub, on_command=True)
+        return sub
+
+    command("list", "list the scenarios being served (name, type, current version)")
+    get = command("get", "show a scenario's current (or a given) version")
+    get.add_argument("name", metavar="NAME")
+    get.add_argument("--version", type=int, metavar="N", help="a stored version (default: the current one)")
+    put = command("put", "create or replace a scenario from a JSON file; returns once every replica serves it")
+    put.add_argument("name", metavar="NAME")
+    put.add_argument("file", metavar="FILE", help="scenario JSON file, or - for stdin")
+    put.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help=f"upload progress bar on stderr (default: for files of {PROGRESS_MIN_BYTES >> 20} MiB "
+                          "or more, when stderr is a terminal)")
+    delete = command("delete", "delete a scenario (its history is kept)")
+    delete.add_argument("name", metavar="NAME")
+    versions = command("versions", "a scenario's history (* marks the current version)")
+    versions.add_argument("name", metavar="NAME")
+    rollback = command("rollback", "store a new version with the body of an earlier one")
+    rollback.add_argument("name", metavar="NAME")
+    rollback.add_argument("version", type=int, metavar="VERSION")
+    try_ = command("try", "generate with a scenario (POST /v1/generate) and print the answer")
+    try_.add_argument("name", metavar="NAME")
+    try_.add_argument("prompt", metavar="PROMPT")
+    try_.add_argument("--messages", action="store_true", help="send PROMPT as a user chat message (chat template)")
+    try_.add_argument("--max-new-tokens", type=int, metavar="N")
+    try_.add_argument("--temperature", type=float, metavar="T")
+    try_.add_argument("--seed", type=int)
+    try_.add_argument("--stream", action="store_true", help="print tokens as they arrive (server-sent events)")
+    return parser
+
+
+def _resolve_token(args: argparse.Namespace) -> str | None:
+    if args.token:
+        return args.token.strip()
+    if args.token_file:
+        try:
+            return Path(args.token_file).expanduser().read_text(encoding="utf-8").strip() or None
+        except OSError as exc:
+            raise CliError(f"cannot read --token-file {args.token_file}: {exc.strerror or exc}", EXIT_USAGE) from None
+    return os.environ.get("ADMIN_TOKEN", "").strip() or None
+
+
+def _resolve_timeout(args: argparse.Namespace) -> float:
+    if args.timeout is not None:
+        return args.timeout
+    raw = os.environ.get("CS_TIMEOUT")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        return _positive_float(raw)
+    except argparse.ArgumentTypeError as exc:
+        raise CliError(f"CS_TIMEOUT: {exc}", EXIT_USAGE) from None
+
+
+def _redact(text: str, token: str | None) -> str:
+    return text.replace(token, "<token>") if token and len(token) >= 4 else text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    token = None
+    try:
+        token = _resolve_token(args)
+        url = args.url or os.environ.get("CS_URL") or DEFAULT_URL
+        client = AdminClient(url, token, _resolve_timeout(args), args.connect_timeout)
+        try:
+            return COMMANDS[args.command](client, args)
+        finally:
+            client.close()
+    except CliError as error:
+        if args.json and error.body is not None:
+            print(_redact(json.dumps(error.body, indent=2, ensure_ascii=False), token))
+        # One line, even when the service's message lists several problems on lines of their own.
+        line = "; ".join(part.strip() for part in error.message.splitlines() if part.strip())
+        print(f"cs-admin: {_redact(line, token)}", file=sys.stderr)
+        return error.code
+    except KeyboardInterrupt:
+        print("cs-admin: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `cs-admin ... | head`
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
