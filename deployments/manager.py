@@ -58,6 +58,7 @@ import redis
 
 from config import ServerSettings, load_scenario
 from config.settings import LimitExceeded
+from deployments.metrics import ManagerMetrics, route_logs_to_serve
 from deployments.protocol import ServiceError
 from deployments.redis_server import connect_redis, enable_keyspace_notifications, keyspace_notifications_enabled
 from deployments.store import ScenarioStore, validate_name
@@ -144,6 +145,8 @@ class ConfigManager:
         prefix: str = "cs:",
     ):
         self.settings = settings if isinstance(settings, ServerSettings) else ServerSettings.from_args(settings)
+        route_logs_to_serve()
+        self.metrics = ManagerMetrics()
         if tokenizer is None:
             from deployments.model_loader import load_tokenizer
 
@@ -201,6 +204,12 @@ class ConfigManager:
         except pydantic.ValidationError as exc:
             message, errors = _format_validation_error(body, exc)
             raise ServiceError(422, message, {"name": name, "errors": errors}) from None
+        if scenario.type == "tree" and scenario.path is not None:
+            # An admin names a file on the manager's host: only files under the tree directory.
+            try:
+                scenario = scenario.model_copy(update={"path": self.settings.resolve_tree_path(scenario.path)})
+            except ValueError as exc:
+                raise ServiceError(422, f"invalid scenario: path: {exc}", {"name": name, "field": "path"}) from None
         return scenario
 
     def _check_compiled(self, name: str, scenario, compiled) -> None:
@@ -327,6 +336,7 @@ class ConfigManager:
         """Validate, compile, store a new version of ``name`` and wait until every live replica
         serves it. Returns ``{"name", "version"}``. 422: invalid name or body; 400: does not
         compile (nothing stored in either case); 503: Redis down; 504: replicas did not ack."""
+        started = time.monotonic()
         self._ensure_started()
         validate_name(name)
         compiled = await self._compile(name, body)
@@ -336,11 +346,13 @@ class ConfigManager:
             epoch = self._bump()
         logger.info("stored scenario %r version %d", name, version)
         await self._wait_for_acks(epoch, name, version)
+        self.metrics.swapped(name, "put", started)
         return {"name": name, "version": version}
 
     async def rollback(self, name: str, version: int) -> dict[str, Any]:
         """Store a NEW version of ``name`` with the body of ``version`` (compiled and broadcast like a
         put). Returns ``{"name", "version", "from_version"}``."""
+        started = time.monotonic()
         self._ensure_started()
         validate_name(name)
         version = _as_version(version)
@@ -357,11 +369,13 @@ class ConfigManager:
             epoch = self._bump()
         logger.info("rolled scenario %r back to the body of version %d as version %d", name, version, new_version)
         await self._wait_for_acks(epoch, name, new_version)
+        self.metrics.swapped(name, "rollback", started)
         return {"name": name, "version": new_version, "from_version": version}
 
     async def delete(self, name: str) -> dict[str, Any]:
         """Delete ``name`` (a delete entry in its history) and wait until no live replica serves it.
         Returns ``{"name", "version", "deleted": True}`` where version is the delete entry's."""
+        started = time.monotonic()
         self._ensure_started()
         validate_name(name)
         async with self._lock:
@@ -371,6 +385,7 @@ class ConfigManager:
             epoch = self._bump()
         logger.info("deleted scenario %r (version %d)", name, version)
         await self._wait_for_acks(epoch, name, version)
+        self.metrics.swapped(name, "delete", started)
         return {"name": name, "version": version, "deleted": True}
 
     async def get(self, name: str, version: int | None = None) -> dict[str, Any]:
@@ -397,6 +412,36 @@ class ConfigManager:
         """``[{"name", "type", "version"}]`` of the scenarios being served (works while Redis is down)."""
         self._ensure_started()
         return [{"name": n, "type": s.kind, "version": s.version} for n, s in sorted(self._served.items())]
+
+    async def inspect(self, name: str, version: int | None = None, token_ids=(), limit: int = 100,
+                      last_only: bool = False) -> dict[str, Any]:
+        """What a row of ``name`` may emit after ``token_ids``, step by step (the web console's tree view and
+        playground; see :func:`deployments.console.replay` for the result). Read-only.
+
+        ``version`` None is the version served now; another stored version is compiled for the occasion.
+        404: unknown name or version; 409: a delete entry; 422: an id outside the vocabulary."""
+        self._ensure_started()
+        validate_name(name)
+        served = self._served.get(name)
+        if version is None and served is None:
+            await self._not_found(name, None)
+        version = served.version if version is None else _as_version(version)
+        if served is not None and served.version == version:
+            # With Ray the object store holds the tables (awaiting the ref is ray.get without blocking).
+            compiled = served.compiled if served.compiled is not None else await served.ref
+        else:
+            record = await self._store(self.store.get, name, version)
+            if record is None:
+                await self._not_found(name, version)
+            if record["scenario"] is None:
+                raise ServiceError(409, f"version {version} of scenario {name!r} is a delete entry; it allows nothing",
+                                   {"name": name, "version": version})
+            compiled = await self._compile(name, record["scenario"])
+        from deployments.console import replay
+
+        report = await asyncio.to_thread(replay, compiled, self.tokenizer, list(token_ids),
+                                         limit=int(limit), last_only=bool(last_only))
+        return {"name": name, "version": version, "type": compiled.kind, **report}
 
     async def _not_found(self, name: str, version) -> None:
         known = sorted(self._served)

@@ -361,12 +361,29 @@ def test_tree_keys_inline_and_path(small_manager, tokenizer, tmp_path):
     _refused_by(small_manager, "tree4", {"type": "tree", "tree": _tree(4, tokenizer)}, "max_tree_keys", 3)
     assert small_manager.run(small_manager.put("tree3", {"type": "tree", "tree": _tree(3, tokenizer)}))["version"] == 1
     # a tree file is counted too (once loaded), and the message names the file and the limit
-    big, small = Path(tmp_path) / "big.json", Path(tmp_path) / "small.json"
+    trees = Path(small_manager.settings.tree_root)
+    trees.mkdir(parents=True, exist_ok=True)
+    big, small = trees / "big.json", trees / "small.json"
     big.write_text(json.dumps(_tree(4, tokenizer)))
     small.write_text(json.dumps(_tree(3, tokenizer)))
     error = _refused_by(small_manager, "treefile4", {"type": "tree", "path": str(big)}, "max_tree_keys", 3)
     assert str(big) in error.message
-    assert small_manager.run(small_manager.put("treefile3", {"type": "tree", "path": str(small)}))["version"] == 1
+    assert small_manager.run(small_manager.put("treefile3", {"type": "tree", "path": "small.json"}))["version"] == 1
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "../../../../etc/passwd", "sub/../../escape.json", "link.json"])
+def test_tree_path_outside_the_tree_directory_is_refused_without_reading_it(small_manager, path, tmp_path):
+    trees = Path(small_manager.settings.tree_root)
+    trees.mkdir(parents=True, exist_ok=True)
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"secret": "do not echo me"}')
+    if path == "link.json":  # a link inside the directory that points out of it
+        (trees / "link.json").unlink(missing_ok=True)
+        (trees / "link.json").symlink_to(secret)
+    with pytest.raises(ServiceError) as error:
+        small_manager.run(small_manager.put("escape", {"type": "tree", "path": path}))
+    assert error.value.status == 422 and "tree directory" in error.value.message, error.value.message
+    assert "do not echo me" not in error.value.message and "root:" not in error.value.message
 
 
 def test_compile_timeout(small_manager, tokenizer):
