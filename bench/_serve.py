@@ -71,7 +71,8 @@ class ServeBench:
 
         os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
         log(f"starting Ray and Serve (HTTP on {self.url}, data_dir {self.data_dir})")
-        ray.init(num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+        # address="local": a new cluster even when /tmp/ray/ray_current_cluster names another one.
+        ray.init(address="local", num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         except BaseException:

