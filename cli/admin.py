@@ -273,8 +273,16 @@ def _read_body(source: str) -> tuple[Any, int, Any]:
     return handle, size, handle
 
 
-def _chunks(content: Any, size: int, progress: Any) -> Iterator[bytes]:
-    """``content`` (bytes or an open file) in upload-sized chunks, advancing ``progress`` as they go out."""
+# ``put --tree``: a bare tree file (what ``cs-tree build`` writes) sent as the body of a tree scenario,
+# wrapped on the fly so that a large file is still streamed, never loaded.
+TREE_BODY_HEAD, TREE_BODY_TAIL = b'{"type": "tree", "tree": ', b"}"
+
+
+def _chunks(content: Any, size: int, progress: Any, wrap: tuple[bytes, bytes] = (b"", b"")) -> Iterator[bytes]:
+    """``content`` (bytes or an open file) in upload-sized chunks, advancing ``progress`` as they go out;
+    ``wrap`` is sent before and after it (not counted in the progress)."""
+    if wrap[0]:
+        yield wrap[0]
     if isinstance(content, bytes):
         pieces = (content[i:i + UPLOAD_CHUNK_BYTES] for i in range(0, size, UPLOAD_CHUNK_BYTES))
     else:
@@ -283,6 +291,8 @@ def _chunks(content: Any, size: int, progress: Any) -> Iterator[bytes]:
         yield piece
         if progress is not None:
             progress.update(len(piece))
+    if wrap[1]:
+        yield wrap[1]
     if progress is not None:
         progress.close()
 
@@ -301,8 +311,10 @@ def cmd_put(client: AdminClient, args: argparse.Namespace) -> int:
             progress = tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                             desc=f"upload {args.name}", dynamic_ncols=True)
         # A sized stream: Content-Length lets the service refuse an oversized body (413) before reading it.
-        answer = client.request("PUT", scenario_path(args.name), content=_chunks(content, size, progress),
-                                headers={"Content-Type": "application/json", "Content-Length": str(size)})
+        wrap = (TREE_BODY_HEAD, TREE_BODY_TAIL) if args.tree else (b"", b"")
+        answer = client.request("PUT", scenario_path(args.name), content=_chunks(content, size, progress, wrap),
+                                headers={"Content-Type": "application/json",
+                                         "Content-Length": str(size + len(wrap[0]) + len(wrap[1]))})
     finally:
         if handle is not None:
             handle.close()
@@ -475,6 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     put = command("put", "create or replace a scenario from a JSON file; returns once every replica serves it")
     put.add_argument("name", metavar="NAME")
     put.add_argument("file", metavar="FILE", help="scenario JSON file, or - for stdin")
+    put.add_argument("--tree", action="store_true",
+                     help="FILE is a bare tree file (what cs-tree build writes): store it as a tree scenario")
     put.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help=f"upload progress bar on stderr (default: for files of {PROGRESS_MIN_BYTES >> 20} MiB "
                           "or more, when stderr is a terminal)")

@@ -204,6 +204,8 @@ Scenario = Annotated[
     Union[TreeScenario, LabelsScenario, JsonSchemaScenario, JsonScenario, RegexScenario],
     Field(discriminator="type"),
 ]
+#: the values of ``type``, in the order of the union
+SCENARIO_TYPES: tuple[str, ...] = ("tree", "labels", "json_schema", "json", "regex")
 ScenarioAdapter: TypeAdapter[Scenario] = TypeAdapter(Scenario, config=ConfigDict(title="Scenario"))
 
 

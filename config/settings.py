@@ -275,4 +275,7 @@ class ServerSettings(BaseModel):
         for field, var in env.items():
             if data.get(field) is None and os.environ.get(var):
                 data[field] = os.environ[var]
+        # `data_dir: null` in serve_config.yaml means "the environment, else the default", like the others.
+        data = {k: v for k, v in data.items() if v is not None or k not in cls.model_fields
+                or cls.model_fields[k].default is None}
         return cls.model_validate(data)

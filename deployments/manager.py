@@ -56,7 +56,7 @@ from typing import Any
 import pydantic
 import redis
 
-from config import ServerSettings, load_scenario
+from config import SCENARIO_TYPES, ServerSettings, load_scenario
 from config.settings import LimitExceeded
 from deployments.metrics import ManagerMetrics, route_logs_to_serve
 from deployments.protocol import ServiceError
@@ -101,6 +101,9 @@ def _format_validation_error(body: dict, exc: pydantic.ValidationError) -> tuple
         if not where and str(err.get("type", "")).startswith("union_tag"):
             where = "type"
         msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        if err.get("type") == "union_tag_not_found":
+            msg = (f"missing: a scenario body needs \"type\", one of {', '.join(SCENARIO_TYPES)} (a bare tree file "
+                   "goes under \"tree\": {\"type\": \"tree\", \"tree\": {...}}; cs-admin put --tree does that)")
         errors.append({"field": where or None, "message": msg})
     text = "; ".join(f"{e['field']}: {e['message']}" if e["field"] else e["message"] for e in errors[:5])
     if len(errors) > 5:

@@ -217,6 +217,7 @@ def test_unknown_version_names_the_stored_versions(serve_app, tmp_path):
     ('{"type": "labelz"}', "type: "),
     ('{"type": "labels", ', "body: not valid JSON"),
     ('[1, 2]', "body: expected a scenario JSON object"),
+    ('{"start_token_id": 1, "end_token_id": 2, "prefix_dict": {}}', "cs-admin put --tree"),  # a bare tree file
 ])
 def test_invalid_body_is_422_naming_the_field(serve_app, body, field):
     name = _unique()
@@ -254,5 +255,24 @@ def test_timeout_is_named(serve_app):
         env_timeout = subprocess.run([CS_ADMIN, "try", name, "hi"], capture_output=True, text=True, timeout=120,
                                      env={**os.environ, "CS_URL": serve_app.url, "CS_TIMEOUT": "0.01"})
         assert env_timeout.returncode == 9 and "within 0.01 s" in env_timeout.stderr
+    finally:
+        _cleanup(serve_app, name)
+
+
+def test_put_tree_stores_a_bare_tree_file_as_a_tree_scenario(serve_app, tokenizer, tmp_path):
+    from config import is_tree_path
+    from deployments.examples import build_phrase_tree, chat_root_token_id
+
+    tree = build_phrase_tree(tokenizer, ["red apple", "green pear"], root=chat_root_token_id(tokenizer),
+                             end=tokenizer.eos_token_id)
+    path = tmp_path / "tree.json"
+    path.write_text(json.dumps(tree))  # what cs-tree build writes: no "type", no wrapper
+    name = _unique()
+    try:
+        assert _ok(cli("put", name, str(path), "--tree", url=serve_app.url)).stdout.startswith(f"stored {name} version 1")
+        stored = json.loads(_ok(cli("--json", "get", name, url=serve_app.url)).stdout)["scenario"]
+        assert stored["type"] == "tree" and stored["tree"]["prefix_dict"] == tree["prefix_dict"]
+        answer = _ok(cli("--json", "try", name, "Pick a fruit.", url=serve_app.url)).stdout
+        assert is_tree_path(tree, json.loads(answer)["outputs"][0]["token_ids"])
     finally:
         _cleanup(serve_app, name)

@@ -312,3 +312,13 @@ def test_load_scenario_rejects_other_types():
     with pytest.raises(TypeError, match="expects a dict or a path"):
         load_scenario(["type", "json"])
     assert issubclass(ThinkConfig, BaseModel)
+
+
+def test_scenario_types_name_every_member_of_the_union():
+    import typing
+
+    from config import SCENARIO_TYPES
+    from config.scenarios import Scenario
+
+    members = typing.get_args(typing.get_args(Scenario)[0])
+    assert tuple(typing.get_args(m.model_fields["type"].annotation)[0] for m in members) == SCENARIO_TYPES
