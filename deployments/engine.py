@@ -128,6 +128,8 @@ class DecodeEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.prefix_cache = PrefixCache(max_tokens=prefix_cache_tokens)
+        # Called from the engine thread after every decode step with (step seconds, chain seconds).
+        self.on_step: Callable[[float, float], None] | None = None
         self.stats = {
             "steps": 0, "step_seconds": 0.0, "chain_seconds": 0.0, "rows_decoded": 0, "prefills": 0,
             "fallback_rows": 0, "prefill_tokens": 0, "prefix_tokens_reused": 0,
@@ -346,8 +348,11 @@ class DecodeEngine:
             )
             self._cache = out.past_key_values
             self._logits = out.logits[:, -1, :].float()
-        self.stats["step_seconds"] += time.perf_counter() - t0
+        step_seconds = time.perf_counter() - t0
+        self.stats["step_seconds"] += step_seconds
         self.stats["chain_seconds"] += t_chain
+        if self.on_step is not None:
+            self.on_step(step_seconds, t_chain)
 
     def _trim(self) -> None:
         """Drop leading columns that are padding in every remaining row."""
@@ -363,7 +368,8 @@ class DecodeEngine:
         if row.cursor.fell_back:
             self.stats["fallback_rows"] += 1
         job = row.job
-        job.on_event({"type": "finished", "index": row.index, "token_ids": list(row.tokens), "finish_reason": reason, "error": error})
+        job.on_event({"type": "finished", "index": row.index, "token_ids": list(row.tokens), "finish_reason": reason,
+                      "error": error, "fell_back": row.cursor.fell_back})
         job.remaining -= 1
         if job.remaining == 0:
             job.on_event({"type": "done"})

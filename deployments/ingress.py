@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import sys
 import time
 import uuid
@@ -48,6 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from config import Limits, ScenarioAdapter, ServerSettings, scenario_to_dict
 from config.settings import LimitExceeded
 from deployments.auth import check_bearer, resolve_admin_token
+from deployments.metrics import route_logs_to_serve
 from deployments.console import mount_console
 from deployments.store import NAME_PATTERN, validate_name
 from deployments.protocol import (
@@ -622,6 +624,40 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
 
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@~-]{1,128}")
+
+
+class RequestIdCheck:
+    """ASGI middleware: a client's ``X-Request-Id`` must be 1-128 characters of ``A-Z a-z 0-9 . _ : / + = @ ~ -``.
+
+    Serve's proxy takes the client's id as the request id (it tags every log line of the request and comes
+    back in the ``x-request-id`` response header) or makes a UUID when there is none. It cannot be replaced
+    by a fresh one from here, so an id that would garble the logs (spaces, quotes, kilobytes) is refused.
+    """
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            for key, value in scope.get("headers") or []:
+                if key == b"x-request-id" and not _REQUEST_ID.fullmatch(value.decode("latin-1")):
+                    error = ServiceError(422, "X-Request-Id: give 1 to 128 characters of A-Z a-z 0-9 . _ : / + = @ ~ - "
+                                              "(or none: the service makes one)", {"field": "X-Request-Id"})
+                    return await _error_response(error)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _log_generated(response: Any) -> Any:
+    """One INFO line per finished generation with its scenario and version (Serve adds the request id)."""
+    if isinstance(response, dict):
+        usage = response.get("usage") or {}
+        logger.info("generate scenario=%s version=%s outputs=%d completion_tokens=%s", response.get("scenario"),
+                    response.get("version"), len(response.get("outputs") or ()), usage.get("completion_tokens"),
+                    extra={"scenario": response.get("scenario"), "scenario_version": response.get("version")})
+    return response
+
+
 def _cancel(call: Any) -> None:
     cancel = getattr(call, "cancel", None)
     if callable(cancel):
@@ -650,6 +686,7 @@ class Ingress:
         self.manager = manager_handle
         self.model_name = served_model_name(self.settings.model)
         self.created = int(time.time())
+        route_logs_to_serve()
         self._admin_token = resolve_admin_token(self.settings)
         self.http_app = build_http_app(self)
 
@@ -677,7 +714,7 @@ class Ingress:
         """
         for attempt in range(MODEL_RETRIES + 1):
             try:
-                return await self.model.generate.remote(payload)
+                return _log_generated(await self.model.generate.remote(payload))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -721,6 +758,8 @@ class Ingress:
             if first is not None:
                 yield first
                 async for event in stream:
+                    if event.get("type") == "done":
+                        _log_generated(event.get("response"))
                     yield event
             done = True
         except Exception as exc:
@@ -927,6 +966,7 @@ def build_http_app(ingress: Ingress) -> FastAPI:
     )
     _install_error_handlers(app, not_found=lambda request, status: _admin_not_found(ingress, request, status))
     app.add_middleware(BodySizeLimit, max_bytes=ingress.limits.max_body_bytes)
+    app.add_middleware(RequestIdCheck)
 
     @app.post("/v1/generate", response_model=GenerateResponse, responses={**_SSE_RESPONSE, **_ERROR_RESPONSES}, tags=["generate"])
     async def generate(body: GenerateBody):

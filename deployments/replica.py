@@ -16,6 +16,7 @@ import logging
 import threading
 import uuid
 from collections import OrderedDict
+from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 from config import ServerSettings, load_scenario
@@ -23,6 +24,7 @@ from config.settings import LimitExceeded
 from processors import CompiledScenario, build_prompt_ids, compile_scenario
 
 from .engine import DecodeEngine, Job, SamplingParams
+from .metrics import ReplicaMetrics, route_logs_to_serve
 from .protocol import GenerateRequest, GenerateResponse, Output, ServiceError, Usage, check_request_limits
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,8 @@ class ModelReplica:
 
     def __init__(self, settings: dict | ServerSettings, manager=None, *, model=None, tokenizer=None, register: bool = True):
         self.settings = settings if isinstance(settings, ServerSettings) else ServerSettings.model_validate(settings)
+        route_logs_to_serve()
+        self.metrics = ReplicaMetrics()
         if self.settings.torch_threads:
             import torch
 
@@ -83,7 +87,10 @@ class ModelReplica:
         self.engine = DecodeEngine(
             model, tokenizer, max_batch_size=self.settings.max_batch_size,
             prefix_cache_tokens=self.settings.prefix_cache_tokens,
-        ).start()
+        )
+        if self.metrics.enabled:
+            self.engine.on_step = self.metrics.record_step
+        self.engine.start()
         self._scenarios: dict[str, tuple[int, CompiledScenario]] = {}
         self._lock = threading.Lock()
         self._inline: OrderedDict[str, CompiledScenario] = OrderedDict()
@@ -115,6 +122,7 @@ class ModelReplica:
         with self._lock:
             self._scenarios = new
             self._epoch = int(snapshot.get("epoch", self._epoch))
+        self.metrics.set_versions({name: v for name, (v, _) in new.items()})
         if ack and self._manager is not None:
             _call(self._manager.ack, self.replica_id, self._epoch, self.versions())
 
@@ -241,7 +249,8 @@ class ModelReplica:
             num_beams=req.num_beams, on_event=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
         )
         self.engine.submit(job)
-        logger.info("generate scenario=%s version=%s n=%d beams=%d prompt_tokens=%d", name, version, req.n, req.num_beams, len(prompt_ids))
+        logger.info("generate scenario=%s version=%s n=%d beams=%d prompt_tokens=%d", name, version, req.n, req.num_beams,
+                    len(prompt_ids), extra={"scenario": name, "scenario_version": version})
         return req, name, version, prompt_ids, job, events
 
     def _response(self, name, version, prompt_ids, outputs: dict[int, dict]) -> GenerateResponse:
@@ -260,6 +269,10 @@ class ModelReplica:
 
     async def generate(self, request: dict) -> dict:
         """Run one request to completion; returns a :class:`GenerateResponse` as a dict."""
+        with self.metrics.request(request, self._scenarios) as record:
+            return await self._generate(request, record)
+
+    async def _generate(self, request: dict, record) -> dict:
         req, name, version, prompt_ids, job, events = await self._start(request)
         outputs: dict[int, dict] = {}
         try:
@@ -274,10 +287,17 @@ class ModelReplica:
         except asyncio.CancelledError:
             job.cancelled.set()
             raise
+        record.outputs(outputs)
         return self._response(name, version, prompt_ids, outputs).model_dump()
 
     async def generate_stream(self, request: dict) -> AsyncIterator[dict]:
         """Yield ``StreamEvent`` dicts: tokens as they are sampled, then ``done`` with the response."""
+        with self.metrics.request(request, self._scenarios) as record:
+            async with aclosing(self._generate_stream(request, record)) as stream:
+                async for event in stream:
+                    yield event
+
+    async def _generate_stream(self, request: dict, record) -> AsyncIterator[dict]:
         req, name, version, prompt_ids, job, events = await self._start(request)
         outputs: dict[int, dict] = {}
         texts: dict[int, list[int]] = {}
@@ -305,9 +325,11 @@ class ModelReplica:
                     yield {"type": "done", "index": 0, "response": resp.model_dump()}
                     return
                 elif kind == "error":
+                    record.failed = True
                     yield {"type": "error", "index": 0, "error": ev["message"]}
                     return
         finally:
+            record.outputs(outputs)
             if not outputs or len(outputs) < req.n:
                 job.cancelled.set()
 

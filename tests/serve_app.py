@@ -92,9 +92,13 @@ def serve_app(tmp_path_factory):
     data_dir = str(tmp_path_factory.mktemp("serve-data"))
     port = _free_port()
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    metrics_port = _free_port()  # Ray's Prometheus endpoint (works without the dashboard)
+    # address="local": a cluster of our own even when another one on this machine is registered as current
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+             _metrics_export_port=metrics_port)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = ServeApp(data_dir, port)
+    app.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     app.start()
     yield app
     try:
