@@ -347,6 +347,10 @@ class ServeModelReplica(ModelReplica):
 
     async def __init__(self, settings: dict, manager):  # type: ignore[misc]
         ModelReplica.__init__(self, settings, manager, register=False)
+        # Serve's own replica id: the one its logs and the metrics' `replica` tag carry, so /healthz matches them.
+        from ray import serve
+
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
         snapshot = await manager.register.remote(self.replica_id)
         for entry in (snapshot or {}).get("scenarios", {}).values():
             if not isinstance(entry["ref"], CompiledScenario):
