@@ -85,8 +85,11 @@ class _Replica:
 
 
 def _object_ref(compiled):
+    """The tables in Ray's object store when this manager is a Ray actor (its replicas are other processes),
+    else the object itself (a manager constructed in a plain process, e.g. in tests, even if that process
+    is a Ray driver)."""
     ray = sys.modules.get("ray")  # not imported means not initialized: keep the import cost out of tests
-    if ray is not None and ray.is_initialized():
+    if ray is not None and ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
         return ray.put(compiled)
     return compiled
 
