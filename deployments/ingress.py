@@ -21,7 +21,8 @@ Routes:
 ``GET /console``                          the web console (a page over the routes above)
 ========================================= ===========================================================
 
-Every error is JSON ``{"error": {"status": int, "message": str, ...detail}}``.
+Every error is JSON ``{"error": {"status": int, "message": str, ...detail}}``. The OpenAI request and response
+bodies, and their mapping to and from the native API, are in ``deployments/openai_api.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import sys
 import time
 import uuid
 from contextlib import aclosing
-from pathlib import Path
 from typing import Annotated, Any, AsyncIterator, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
@@ -42,27 +42,26 @@ from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.json_schema import SkipJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from config import Limits, ScenarioAdapter, ServerSettings, scenario_to_dict
+from config import ScenarioAdapter, ServerSettings
 from config.settings import LimitExceeded
 from deployments.auth import check_bearer, resolve_admin_token
 from deployments.metrics import route_logs_to_serve
 from deployments.console import mount_console
 from deployments.store import NAME_PATTERN, validate_name
-from deployments.protocol import (
-    ChatMessage, GenerateRequest, GenerateResponse, ServiceError, Usage, check_request_limits, unwrap_service_error,
+from deployments.openai_api import (
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelList,
+    openai_response, openai_stream_chunks, openai_to_generate, served_model_name, validation_error,
 )
+from deployments.protocol import GenerateRequest, GenerateResponse, ServiceError, check_request_limits, unwrap_service_error
 
 __all__ = [
-    "ChatCompletionRequest",
-    "CompletionRequest",
     "GenerateBody",
     "Ingress",
     "build_http_app",
-    "served_model_name",
     "to_service_error",
 ]
 
@@ -70,7 +69,6 @@ __all__ = [
 # below WARNING would be dropped there.
 logger = logging.getLogger("ray.serve")
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 ScenarioName = Annotated[str, PathParam(pattern=NAME_PATTERN, description="Scenario name (the store's naming rule).")]
 HEALTH_TIMEOUT_S = 5.0
 # A request whose model replica died (crash, lost node) is sent again this many times; generation has no side effects.
@@ -141,25 +139,6 @@ def _error_response(error: ServiceError, headers: dict[str, str] | None = None) 
     return JSONResponse(error.to_json(), status_code=error.status, headers=headers)
 
 
-def _validation_error(errors: list[Any], rename: dict[str, str] | None = None) -> ServiceError:
-    """A 422 whose message names each offending field (``messages.1.role: ...``)."""
-    rename = rename or {}
-    parts: list[str] = []
-    items: list[dict[str, Any]] = []
-    for error in errors:
-        loc = [str(p) for p in error.get("loc", ())]
-        if loc and loc[0] in ("body", "query", "path", "header"):
-            loc = loc[1:]
-        if loc:
-            loc[0] = rename.get(loc[0], loc[0])
-        where = ".".join(loc) or "body"
-        msg = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
-        parts.append(f"{where}: {msg}")
-        items.append({"field": where, "message": msg, "type": error.get("type")})
-    message = "; ".join(parts[:5]) + (f" (and {len(parts) - 5} more)" if len(parts) > 5 else "")
-    return ServiceError(422, message or "invalid request", {"errors": items})
-
-
 # --------------------------------------------------------------------------------------------- models
 
 
@@ -191,165 +170,6 @@ class GenerateBody(GenerateRequest):
                 "'scenario', or use response_format / structured_outputs on /v1/chat/completions"
             )
         return value
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    include_usage: bool = Field(default=False, description="Send a last chunk with the token usage.")
-
-
-class StructuredOutputs(BaseModel):
-    """A one-off constraint (vLLM's ``structured_outputs``): exactly one of ``choice``, ``json``, ``regex``."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    choice: list[str] | None = Field(default=None, min_length=1, description="The output is one of these strings.")
-    json_: dict[str, Any] | str | None = Field(
-        default=None, alias="json", description="A JSON Schema (object or JSON text) the output must satisfy."
-    )
-    regex: str | None = Field(default=None, min_length=1, description="A regular expression the output must match.")
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> "StructuredOutputs":
-        given = [name for name, value in (("choice", self.choice), ("json", self.json_), ("regex", self.regex)) if value is not None]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of 'choice', 'json', 'regex' (got {given or 'none'})")
-        return self
-
-
-class _OpenAIBody(BaseModel):
-    """Fields shared by the OpenAI-style routes. Unknown OpenAI fields are accepted and ignored."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = Field(default=None, description="Ignored: there is one served model (see GET /v1/models).")
-    scenario: str | None = Field(default=None, description="Extra field: name of a stored scenario.")
-    structured_outputs: StructuredOutputs | None = Field(
-        default=None, description="Extra field: a one-off constraint (exactly one of choice, json, regex)."
-    )
-    max_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate per choice.")
-    max_completion_tokens: int | None = Field(
-        default=None, ge=1, description="Same as max_tokens (the newer OpenAI name); wins when both are set."
-    )
-    temperature: float | None = Field(default=None, ge=0, le=100, description="0 = greedy.")
-    top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int | None = Field(default=None, ge=0, description="Extra field: keep the k most likely tokens (0 = off).")
-    n: int = Field(default=1, ge=1, description="Number of choices.")
-    seed: int | None = Field(default=None, ge=0, description="Random seed for reproducible sampling.")
-    stream: bool = Field(default=False, description="Stream chunks as server-sent events.")
-    stream_options: StreamOptions | None = Field(default=None, description="include_usage: a final usage chunk.")
-
-
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-
-    name: str = Field(description="A name for the schema (not used for decoding).")
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema", description="The JSON Schema.")
-    strict: bool | None = Field(default=None, description="Ignored: the constraint is always strict.")
-
-
-class ResponseFormat(BaseModel):
-    """OpenAI ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON) or ``json_schema``."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["text", "json_object", "json_schema"] = Field(description="Format kind.")
-    json_schema: JsonSchemaFormat | None = Field(default=None, description="Required for type json_schema.")
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> "ResponseFormat":
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type 'json_schema' needs a 'json_schema' object")
-        return self
-
-
-class CompletionRequest(_OpenAIBody):
-    """``POST /v1/completions``: OpenAI completions plus ``scenario``, ``structured_outputs``, ``top_k``."""
-
-    prompt: str | list[str] = Field(description="The raw prompt (a list must hold exactly one string).")
-    response_format: ResponseFormat | None = Field(default=None, description="One-off JSON constraint.")
-
-    @model_validator(mode="after")
-    def _one_prompt(self) -> "CompletionRequest":
-        if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            raise ValueError(f"prompt: a list must hold exactly one string, got {len(self.prompt)}")
-        return self
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["text"] = Field(description="Only text parts are supported.")
-    text: str = Field(description="The text.")
-
-
-class OpenAIChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "developer", "user", "assistant"] = Field(description="developer is treated as system.")
-    content: str | list[TextPart] | None = Field(default=None, description="Text, or a list of text parts.")
-
-    def to_chat_message(self) -> ChatMessage:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return ChatMessage(role="system" if self.role == "developer" else self.role, content=content)
-
-
-class ChatCompletionRequest(_OpenAIBody):
-    """``POST /v1/chat/completions``: OpenAI chat completions plus ``scenario``, ``structured_outputs``, ``top_k``."""
-
-    messages: list[OpenAIChatMessage] = Field(min_length=1, description="The conversation.")
-    response_format: ResponseFormat | None = Field(default=None, description="One-off JSON constraint.")
-
-
-class _OpenAIResponse(BaseModel):
-    id: str
-    created: int
-    model: str
-    usage: Usage
-    scenario: str | None = Field(default=None, description="Extra field: the scenario used.")
-    scenario_version: int | None = Field(default=None, description="Extra field: the scenario version pinned.")
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: str | None
-    logprobs: None = None
-
-
-class CompletionResponse(_OpenAIResponse):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    finish_reason: str | None
-    logprobs: None = None
-
-
-class ChatCompletionResponse(_OpenAIResponse):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "constrained-serve"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
 
 
 class ScenarioSummary(BaseModel):
@@ -429,134 +249,6 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     )
 }
 _SSE_RESPONSE = {200: {"content": {"text/event-stream": {}}, "description": "JSON body, or SSE when stream is true"}}
-
-
-# --------------------------------------------------------------------------------------------- OpenAI mapping
-
-
-def served_model_name(model: str | None) -> str:
-    """The name ``/v1/models`` reports: the default model's name, or the checkpoint's file/dir name."""
-    if not model:
-        return DEFAULT_MODEL_NAME
-    path = Path(model)
-    return path.stem if path.suffix.lower() == ".gguf" else (path.name or model)
-
-
-def _inline_scenario(
-    body: CompletionRequest | ChatCompletionRequest, limits: Limits | None = None
-) -> tuple[dict[str, Any] | None, str | None]:
-    """The one-off scenario asked for by ``response_format`` / ``structured_outputs`` and the field that asked."""
-    fmt, so = body.response_format, body.structured_outputs
-    if fmt is not None and fmt.type == "text":
-        fmt = None
-    given = [name for name, value in (("scenario", body.scenario), ("response_format", fmt), ("structured_outputs", so)) if value is not None]
-    if len(given) > 1:
-        raise ServiceError(422, f"give at most one of 'scenario', 'response_format', 'structured_outputs' (got {given})")
-    if fmt is not None:
-        if fmt.type == "json_object" or fmt.json_schema.schema_ is None:
-            return {"type": "json"}, "response_format"
-        return {"type": "json_schema", "schema": fmt.json_schema.schema_}, "response_format.json_schema.schema"
-    if so is None:
-        return None, None
-    if so.choice is not None:
-        return {"type": "labels", "labels": so.choice}, "structured_outputs.choice"
-    if so.regex is not None:
-        return {"type": "regex", "pattern": so.regex}, "structured_outputs.regex"
-    schema = so.json_
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as error:
-            raise ServiceError(422, f"structured_outputs.json: not valid JSON: {error}") from None
-        except RecursionError:  # deeper than the parser can go, so far deeper than any limit
-            limit = (limits or Limits()).max_schema_depth
-            raise ServiceError(422, f"structured_outputs.json: nesting depth over {limit} exceeds the limit "
-                                    f"max_schema_depth={limit}", {"field": "structured_outputs.json",
-                                                                  "limit_name": "max_schema_depth", "limit": limit}) from None
-        if not isinstance(schema, dict):
-            raise ServiceError(422, "structured_outputs.json: a JSON Schema must be an object")
-    return {"type": "json_schema", "schema": schema}, "structured_outputs.json"
-
-
-def _validated_inline(scenario: dict[str, Any], field: str, limits: Limits | None = None) -> dict[str, Any]:
-    """Check a one-off scenario here (cheap), so a bad schema or label list is a 422 naming the OpenAI field.
-
-    ``limits`` (the stored scenarios' limits: label count, schema depth and size, regex length and repetition)
-    are checked first, before the schema checker walks a possibly deep schema.
-    """
-    main = {"labels": "labels", "regex": "pattern", "json_schema": "schema"}.get(scenario["type"])
-    if limits is not None:
-        try:
-            limits.check_scenario(scenario)
-        except LimitExceeded as error:
-            where = field if error.field == main else f"{field}.{error.field}"
-            raise ServiceError(422, f"{where}: {error.reason}", {**error.detail(), "field": where}) from None
-    try:
-        return scenario_to_dict(ScenarioAdapter.validate_python(scenario))
-    except ValidationError as error:
-        parts = []
-        for item in error.errors():
-            loc = [str(p) for p in item["loc"][1:]]  # [0] is the discriminator tag
-            if loc and loc[0] == main:  # `field` already names it
-                loc = loc[1:]
-            msg = str(item["msg"]).removeprefix("Value error, ")
-            parts.append(f"{'.'.join([field, *loc])}: {msg}")
-        raise ServiceError(422, "; ".join(parts[:5]) or f"{field}: invalid constraint") from None
-
-
-def openai_to_generate(
-    body: CompletionRequest | ChatCompletionRequest, limits: Limits | None = None
-) -> tuple[GenerateRequest, dict[str, str]]:
-    """The replica request for an OpenAI-style body, and the OpenAI names of the mapped fields (for errors).
-
-    With ``limits``, a one-off constraint is checked against them (a 422 naming the OpenAI field).
-    """
-    inline, field = _inline_scenario(body, limits)
-    if inline is not None:
-        inline = _validated_inline(inline, field, limits)
-    max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    data: dict[str, Any] = {
-        "scenario": body.scenario,
-        "inline_scenario": inline,
-        "max_new_tokens": body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_k": body.top_k,
-        "n": body.n,
-        "seed": body.seed,
-        "stream": body.stream,
-    }
-    if isinstance(body, ChatCompletionRequest):
-        data["messages"] = [m.to_chat_message().model_dump() for m in body.messages]
-    else:
-        data["prompt"] = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-    rename = {"max_new_tokens": max_field}
-    try:
-        return GenerateRequest.model_validate(data), rename
-    except ValidationError as error:
-        raise _validation_error(error.errors(), rename) from None
-
-
-def _openai_response(result: dict[str, Any], *, chat: bool, model: str) -> dict[str, Any]:
-    response = GenerateResponse.model_validate(result)
-    common = {
-        "created": int(time.time()),
-        "model": model,
-        "usage": response.usage.model_dump(),
-        "scenario": response.scenario,
-        "scenario_version": response.version,
-    }
-    if chat:
-        choices = [
-            {"index": i, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason, "logprobs": None}
-            for i, o in enumerate(response.outputs)
-        ]
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "choices": choices, **common}
-    choices = [
-        {"index": i, "text": o.text, "finish_reason": o.finish_reason, "logprobs": None}
-        for i, o in enumerate(response.outputs)
-    ]
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "choices": choices, **common}
 
 
 # --------------------------------------------------------------------------------------------- plumbing
@@ -779,45 +471,12 @@ class Ingress:
     async def openai_sse(
         self, first: dict[str, Any] | None, stream: Any, *, chat: bool, n: int, include_usage: bool
     ) -> AsyncIterator[str]:
-        """OpenAI-style chunks: a role chunk per choice (chat), text deltas, finish reasons, usage, ``[DONE]``."""
-        chunk_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        created = int(time.time())
-        kind = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-            body = {"id": chunk_id, "object": kind, "created": created, "model": self.model_name, "choices": choices}
-            if include_usage:
-                body["usage"] = usage
-            return sse(body)
-
-        def choice(index: int, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
-            if not chat:
-                return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if text is not None:
-                delta["content"] = text
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-
-        if chat:
-            yield chunk([choice(i, "", role=True) for i in range(n)])
-        finished: set[int] = set()
-        async with aclosing(self.events(first, stream)) as events:
-            async for event in events:
-                kind_of = event.get("type")
-                if kind_of == "token":
-                    index, reason, text = int(event.get("index") or 0), event.get("finish_reason"), event.get("text") or ""
-                    if reason:
-                        finished.add(index)
-                    yield chunk([choice(index, None if chat and reason and not text else text, reason)])
-                elif kind_of == "done" and event.get("response"):
-                    response = GenerateResponse.model_validate(event["response"])
-                    for index, output in enumerate(response.outputs):
-                        if index not in finished:
-                            yield chunk([choice(index, None if chat else "", output.finish_reason)])
-                    if include_usage:
-                        yield chunk([], response.usage.model_dump())
-                elif kind_of == "error":
-                    yield sse({"error": {"status": event.get("status", 500), "message": event.get("error") or "generation failed"}})
+        """The OpenAI-style chunks of :func:`openai_stream_chunks` as server-sent events, then ``[DONE]``."""
+        chunks = openai_stream_chunks(self.events(first, stream), model=self.model_name, chat=chat, n=n,
+                                      include_usage=include_usage)
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield sse(chunk)
         yield _SSE_DONE
 
     async def openai_generate(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool):
@@ -832,7 +491,7 @@ class Ingress:
                 headers=_SSE_HEADERS,
             )
         result = await self.generate(request.model_dump())
-        return _openai_response(result, chat=chat, model=self.model_name)
+        return openai_response(result, chat=chat, model=self.model_name)
 
     async def health(self) -> dict[str, Any]:
         async def ask(method: Any) -> tuple[dict[str, Any] | None, str | None]:
@@ -882,7 +541,7 @@ def _install_error_handlers(app: FastAPI, not_found: Any = None) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return _error_response(_validation_error(list(exc.errors())))
+        return _error_response(validation_error(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

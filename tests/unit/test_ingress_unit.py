@@ -17,7 +17,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from deployments.auth import check_bearer, mask_token, resolve_admin_token, token_file_path
-from deployments.ingress import Ingress, served_model_name
+from deployments.ingress import Ingress
+from deployments.openai_api import served_model_name
 from deployments.protocol import ServiceError
 
 TOKEN = "test-admin-token-0123456789"
