@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import time
 import uuid
 from datetime import datetime, timezone
 from typing import Any
@@ -184,8 +183,11 @@ class ScenarioStore:
         keys = [self._key(name, "seq"), self._key(name, "current"), self._key(name, "history"),
                 self.names_key, self.all_key, f"{self.prefix}w:{uuid.uuid4().hex}"]
         # A write that reaches the server after this instant is dropped: a call that timed out (and
-        # answered 503) never takes effect later, when a hung server wakes up and runs its backlog.
-        deadline_ms = int((time.time() + WRITE_DEADLINE_S + len(text) / UPLOAD_BYTES_PER_S) * 1000)
+        # answered 503) never takes effect later, when a hung server wakes up and runs its backlog. The
+        # instant is in the server's clock (its TIME now), so clock skew between hosts does not matter.
+        seconds, micros = self.client.time()
+        deadline_ms = int(seconds) * 1000 + int(micros) // 1000 + int(
+            (WRITE_DEADLINE_S + len(text) / UPLOAD_BYTES_PER_S) * 1000)
         args = [self._key(name, "v:"), name, action, _now(), kind, text,
                 "" if from_version is None else str(int(from_version)), self.channel, str(deadline_ms)]
         version = int(self._script(keys=keys, args=args, client=self.client))

@@ -285,3 +285,18 @@ def test_write_the_server_runs_after_its_caller_gave_up_is_dropped(store, monkey
 
 def store_dir(store):
     return os.path.dirname(store.client.db)
+
+
+def test_write_past_its_deadline_is_not_applied(store, monkeypatch):
+    """The script's own check: a write the server runs after its deadline changes nothing and says so."""
+    import deployments.store as store_module
+
+    store.put("expired", LABELS)
+    monkeypatch.setattr(store_module, "WRITE_DEADLINE_S", -1.0)
+    for attempt in (lambda: store.put("expired", LABELS_2), lambda: store.rollback("expired", 1),
+                    lambda: store.delete("expired")):
+        with pytest.raises(ServiceError) as err:
+            attempt()
+        assert err.value.status == 503 and "not applied" in err.value.message
+    assert [h["version"] for h in store.versions("expired")] == [1] and store.current_version("expired") == 1
+    assert store.get("expired")["scenario"] == LABELS
