@@ -44,10 +44,28 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def serve_actors(app_name: str, deployment: str) -> list[dict[str, Any]]:
+    """The live Ray actors (records with ``Pid`` and ``Address.NodeID``) of ``deployment`` of the Serve
+    application ``app_name`` in this process's Ray cluster, from Ray's actor table."""
+    import ray._private.state as state
+
+    wanted = f"ServeReplica:{app_name}:{deployment}"
+    return [a for a in state.actors().values() if a["ActorClassName"] == wanted and a["State"] == "ALIVE"]
+
+
 def replica_versions(health: dict) -> dict[str, dict[str, int]]:
     """``{replica_id: {scenario: version}}`` from a ``/healthz`` body."""
     replicas = health.get("replicas") or {}
     return {rid: dict((info or {}).get("versions") or {}) for rid, info in replicas.items()}
+
+
+def in_sync(health: dict, replicas: int) -> bool:
+    """Whether a ``/healthz`` body says: healthy, exactly ``replicas`` live model replicas, and every one of
+    them serving exactly the manager's scenario versions."""
+    served = (health.get("manager") or {}).get("scenarios")
+    views = replica_versions(health)
+    return (health.get("status") == "ok" and isinstance(served, dict) and len(views) == replicas
+            and all(v == served for v in views.values()))
 
 
 class ServeBench:
@@ -122,10 +140,7 @@ class ServeBench:
         while time.time() < deadline:
             try:
                 health = self.health()
-                served = (health.get("manager") or {}).get("scenarios") or {}
-                views = replica_versions(health)
-                if (health.get("status") == "ok" and len(views) == replicas
-                        and all(v == served for v in views.values())):
+                if in_sync(health, replicas):
                     return health
                 last = health
             except requests.RequestException as exc:

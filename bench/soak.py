@@ -31,7 +31,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import emit, log  # noqa: E402
-from bench._serve import APP_NAME, ServeBench, percentile  # noqa: E402
+from bench._serve import APP_NAME, ServeBench, percentile, serve_actors  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -79,10 +79,7 @@ def check_output(body: dict[str, Any], out: dict[str, Any]) -> str | None:
 
 def model_replica_pids(app_name: str) -> list[int]:
     """Pids of the live model replicas of ``app_name`` in this process's Ray cluster."""
-    import ray._private.state as state
-
-    wanted = f"ServeReplica:{app_name}:ModelReplica"
-    return sorted(int(a["Pid"]) for a in state.actors().values() if a["ActorClassName"] == wanted and a["State"] == "ALIVE")
+    return sorted(int(a["Pid"]) for a in serve_actors(app_name, "ModelReplica"))
 
 
 def rss_mib(pids: list[int]) -> dict[int, float]:

@@ -18,10 +18,16 @@ ADMIN_TOKEN = "serve-test-token"
 APP_NAME = "constrained"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def check_label(out: dict, labels: list[str]) -> None:
+    """``out`` (one generate output) is exactly one of ``labels``, as the continuation ``" " + label``, ended by EOS."""
+    assert out["finish_reason"] == "stop", out
+    assert out["text"].strip() in labels and out["text"] == " " + out["text"].strip(), out["text"]
 
 
 class ServeApp:
@@ -90,9 +96,9 @@ def serve_app(tmp_path_factory):
     from ray import serve
 
     data_dir = str(tmp_path_factory.mktemp("serve-data"))
-    port = _free_port()
+    port = free_port()
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    metrics_port = _free_port()  # Ray's Prometheus endpoint (works without the dashboard)
+    metrics_port = free_port()  # Ray's Prometheus endpoint (works without the dashboard)
     # address="local": a cluster of our own even when another one on this machine is registered as current
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
              _metrics_export_port=metrics_port)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -19,16 +20,16 @@ import requests
 
 from serve_app import APP_NAME
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench._serve import in_sync, serve_actors  # noqa: E402
+
 LABELS = ["Sports", "Technology", "Politics", "New York City"]
 OTHER_LABELS = ["red", "green", "blue"]
 
 
 def actors(deployment: str) -> list[dict[str, Any]]:
     """The live Ray actors of ``deployment`` (``ModelReplica``, ``ConfigManager``, ``Ingress``) of the shared app."""
-    import ray._private.state as state
-
-    wanted = f"ServeReplica:{APP_NAME}:{deployment}"
-    return [a for a in state.actors().values() if a["ActorClassName"] == wanted and a["State"] == "ALIVE"]
+    return serve_actors(APP_NAME, deployment)
 
 
 def pids(deployment: str) -> set[int]:
@@ -62,21 +63,12 @@ def synced(app, expected: dict[str, int] | None = None, replicas: int = 2) -> di
     """The /healthz body when the manager is healthy and ``replicas`` live replicas all serve exactly the
     manager's versions (and those include ``expected``); else None."""
     body = healthz(app)
-    manager = body.get("manager") or {}
-    served = manager.get("scenarios")
-    live = body.get("replicas") or {}
-    if body.get("status") != "ok" or not isinstance(served, dict) or len(live) != replicas:
+    if not in_sync(body, replicas):
         return None
-    if any(info.get("versions") != served for info in live.values()):
-        return None
+    served = body["manager"]["scenarios"]
     if expected and any(served.get(k) != v for k, v in expected.items()):
         return None
     return body
-
-
-def check_label(out: dict[str, Any], labels: list[str]) -> None:
-    assert out["finish_reason"] == "stop", out
-    assert out["text"].strip() in labels and out["text"] == " " + out["text"].strip(), out["text"]
 
 
 def ask(app, scenario: str, **extra: Any) -> requests.Response:

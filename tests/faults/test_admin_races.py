@@ -7,7 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from fault_helpers import ask, check_label, synced, until
+from fault_helpers import ask, synced, until
+from serve_app import check_label
 
 pytestmark = pytest.mark.faults
 

@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from fault_helpers import LABELS, OTHER_LABELS, actors, ask, check_label, kill, pids, serve_log_lines, synced, until
+from fault_helpers import LABELS, OTHER_LABELS, actors, ask, kill, pids, serve_log_lines, synced, until
+from serve_app import check_label
 
 pytestmark = pytest.mark.faults
 

@@ -9,7 +9,8 @@ import time
 
 import pytest
 import requests
-from fault_helpers import LABELS, OTHER_LABELS, EmbeddedRedis, actors, ask, check_label, healthz, serve_log_lines, synced, until
+from fault_helpers import LABELS, OTHER_LABELS, EmbeddedRedis, actors, ask, healthz, serve_log_lines, synced, until
+from serve_app import check_label
 
 pytestmark = pytest.mark.faults
 

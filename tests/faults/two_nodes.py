@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -24,12 +23,6 @@ sys.path.insert(0, str(ROOT))
 
 TOKEN = "two-nodes-token"
 LABELS = ["Sports", "Technology", "Politics"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check(condition: bool, message: str) -> None:
@@ -51,13 +44,6 @@ def wait_for(fn, timeout: float, what: str):
     raise SystemExit(f"two_nodes: FAILED: timed out waiting for {what}; last: {last!r}")
 
 
-def model_replicas(app: str) -> list[dict]:
-    import ray._private.state as state
-
-    return [a for a in state.actors().values()
-            if a["ActorClassName"] == f"ServeReplica:{app}:ModelReplica" and a["State"] == "ALIVE"]
-
-
 def _forget_cluster(address: str) -> None:
     """Remove Ray's "current cluster" note if it names this (now stopped) cluster: a later plain
     ``ray.init()`` elsewhere on the machine would try to join it."""
@@ -74,6 +60,7 @@ def main() -> None:
     from ray import serve
     from ray.cluster_utils import Cluster
 
+    from bench._serve import free_port, serve_actors
     from deployments.app import build_app
     from deployments.redis_server import stop_orphaned_servers
 
@@ -98,7 +85,7 @@ def main() -> None:
         serve.run(build_app(args), name="two-nodes", route_prefix="/", blocking=False)
         wait_for(lambda: len(requests.get(f"{url}/healthz", timeout=10).json().get("replicas") or {}) == 2,
                  300, "two replicas registered")
-        replicas = model_replicas("two-nodes")
+        replicas = serve_actors("two-nodes", "ModelReplica")
         nodes = {a["Address"]["NodeID"] for a in replicas}
         check(len(replicas) == 2 and len(nodes) == 2, f"replicas not on two nodes: {replicas}")
         report["replica_nodes"] = len(nodes)

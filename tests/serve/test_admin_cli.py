@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import uuid
@@ -21,7 +20,7 @@ import pytest
 import requests
 
 from config import Limits
-from serve_app import ADMIN_TOKEN
+from serve_app import ADMIN_TOKEN, free_port
 
 pytestmark = pytest.mark.serve
 
@@ -69,12 +68,6 @@ def _stored(serve_app, name: str) -> bool:
 def _cleanup(serve_app, name: str) -> None:
     if _stored(serve_app, name):
         requests.delete(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=120)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_help_lists_the_exit_codes():
@@ -236,7 +229,7 @@ def test_invalid_arguments_are_named(serve_app, tmp_path):
 
 
 def test_unreachable_service_is_named():
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     for args in (["list"], ["get", "cli-x"], ["put", "cli-x", "-"], ["try", "cli-x", "hi", "--stream"]):
         message = _one_line_error(cli(*args, url=url, stdin="{}"), 8)
         assert message == f"cs-admin: no service at {url} (Connection refused)", message

@@ -17,6 +17,7 @@ import requests
 
 from config import is_tree_path
 from deployments.examples import build_phrase_tree, chat_root_token_id
+from serve_app import check_label
 
 pytestmark = pytest.mark.serve
 
@@ -28,11 +29,6 @@ SCHEMA = {
 }
 LABELS = ["Sports", "Technology", "Politics", "New York City"]
 PHRASES = ["red apple", "green pear", "blue sky at night"]
-
-
-def _check_labels(out, labels):
-    assert out["finish_reason"] == "stop", out
-    assert out["text"].strip() in labels and out["text"] == " " + out["text"].strip(), out["text"]
 
 
 def _chat(text):
@@ -56,7 +52,7 @@ def stored(serve_app, tokenizer):
 
 def _valid(name, bodies, out):
     if name == "t-labels":
-        _check_labels(out, LABELS)
+        check_label(out, LABELS)
     elif name == "t-tree":
         assert is_tree_path(bodies["t-tree"]["tree"], out["token_ids"]), out
     elif name == "t-schema":
@@ -129,7 +125,7 @@ def test_streaming_sse(serve_app, stored):
     final = parsed[-1]
     assert final["type"] == "done"
     out = final["response"]["outputs"][0]
-    _check_labels(out, LABELS)
+    check_label(out, LABELS)
     streamed = "".join(e.get("text") or "" for e in parsed if e["type"] == "token")
     assert streamed == out["text"]
 
@@ -206,7 +202,7 @@ def test_hot_swap_under_load(serve_app):
         v = body["version"]
         seen_versions.add(v)
         assert v in versions, f"response reports unknown version {v}"
-        _check_labels(body["outputs"][0], versions[v])
+        check_label(body["outputs"][0], versions[v])
         newest_done = max((pv for pt, pv in puts if pt < sent), default=first["version"])
         assert v >= newest_done, f"request sent after PUT v{newest_done} returned was served by v{v}"
     assert len(seen_versions) >= 3, f"the load should span several versions, saw {sorted(seen_versions)}"
@@ -218,7 +214,7 @@ def test_rollback_restores_old_behaviour(serve_app):
     v2 = serve_app.put(name, {"type": "labels", "labels": ["car", "boat"]})["version"]
     r = serve_app.generate({"scenario": name, "prompt": "Item:", "n": 4, "temperature": 1.5})
     for out in r.json()["outputs"]:
-        _check_labels(out, ["car", "boat"])
+        check_label(out, ["car", "boat"])
     r = requests.post(f"{serve_app.url}/admin/scenarios/{name}/rollback", json={"version": v1}, headers=serve_app.admin, timeout=60)
     assert r.status_code == 200, r.text
     v3 = r.json()["version"]
@@ -226,7 +222,7 @@ def test_rollback_restores_old_behaviour(serve_app):
     body = serve_app.generate({"scenario": name, "prompt": "Item:", "n": 4, "temperature": 1.5}).json()
     assert body["version"] == v3
     for out in body["outputs"]:
-        _check_labels(out, ["apple", "pear"])
+        check_label(out, ["apple", "pear"])
     hist = requests.get(f"{serve_app.url}/admin/scenarios/{name}/versions", headers=serve_app.admin, timeout=30).json()
     items = hist["versions"] if isinstance(hist, dict) else hist
     assert [h["version"] for h in items][-3:] == [v1, v2, v3] or sorted(h["version"] for h in items)[-3:] == [v1, v2, v3]
@@ -294,4 +290,4 @@ def test_restart_keeps_scenarios_and_history(serve_app):
     hist_after = requests.get(f"{serve_app.url}/admin/scenarios/t-roll/versions", headers=serve_app.admin, timeout=30).json()
     assert hist_after == hist_before
     r = serve_app.generate({"scenario": "t-roll", "prompt": "Item:", "temperature": 1.5})
-    _check_labels(r.json()["outputs"][0], ["apple", "pear"])
+    check_label(r.json()["outputs"][0], ["apple", "pear"])
