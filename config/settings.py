@@ -239,6 +239,10 @@ class ServerSettings(BaseModel):
     num_replicas: int = Field(default=1, ge=1, description="Model replicas.")
     max_batch_size: int = Field(default=16, ge=1, description="Most rows decoded together in one forward pass per replica.")
     prefix_cache_tokens: int = Field(default=8192, ge=0, description="Prompt-prefix key/value cache per replica, in tokens (0 = off).")
+    prefill_chunk_tokens: int = Field(
+        default=512, ge=16,
+        description="Prompts longer than this are read this many tokens per engine step, so running requests keep decoding.",
+    )
     num_gpus_per_replica: float = Field(default=0.0, ge=0, description="GPUs per model replica: 0 on CPU, 1 in production.")
     num_cpus_per_replica: float = Field(default=1.0, ge=0, description="CPUs reserved per model replica.")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads per replica (None = torch default).")

@@ -1,37 +1,59 @@
 """The decode loop of a model replica: continuous batching over a HuggingFace causal LM.
 
-One engine thread owns the model. Requests (``Job``) arrive on a queue at any time; between two
-decode steps the engine admits waiting jobs (one batched, left-padded prefill for all of them),
-merges their key/value cache into the running batch, and from then on every active row shares
-the same forward pass. Each step: the processor chain masks the logits of every row with that
-row's own pinned scenario (:class:`processors.RowCursor`), each row samples with its own
-parameters and generator, finished rows leave the batch. Beam search runs as its own batch
-through ``model.generate`` with the same chain.
+One engine thread owns the model. Requests (``Job``) arrive on a queue at any time and go through
+three stages before they decode:
+
+1. **prepare**: their row cursors are built. A grammar cursor's first mask can take a second or more
+   (a long counted repetition), so grammar jobs are prepared on a small thread pool and their first
+   masks computed there (llguidance releases the GIL); other rows keep decoding meanwhile.
+2. **prefill**: waiting prompts are read in one batched, left-padded forward, keeping the logits of
+   the last position only. A prompt longer than ``prefill_chunk_tokens`` is read one chunk per
+   engine iteration, with a decode step of the running batch after each chunk, so a long prompt
+   never holds the other rows for more than one chunk.
+3. **decode**: the prompt's key/value cache joins the running batch and from then on every active
+   row shares the same forward pass. Each step the processor chain masks every row's logits with that
+   row's own pinned scenario (:class:`processors.RowCursor`); sampled rows draw with their own
+   parameters, beam-search rows of one request are ranked together (below); finished rows leave.
+
+Beam search runs inside the same batch: a request with ``num_beams = B`` holds ``B`` rows; each step
+its candidates are ranked over all its rows (log-probabilities of the masked logits, summed), the best
+``B`` live ones continue (the key/value cache rows are gathered accordingly and cursors follow their
+beam), ended candidates are kept as hypotheses with a length-normalized score. So a beam request
+shares forward passes with everyone else and stops at the next step when it is cancelled.
+
+Failures stay with their row: a row whose sampling or cursor fails finishes with ``error``; a failed
+prefill fails only its own jobs; only a failed forward of the whole batch fails the jobs in it.
 
 Nothing here imports Ray: the replica wraps the engine, and tests drive it directly.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import math
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, LogitsProcessorList
+from transformers import DynamicCache
 
-from processors import CompiledScenario, ConstrainedLogitsProcessor, RowCursor, apply_steps
-from processors.masks import mask_padded_vocab
+from processors import CompiledScenario, GrammarSpec, RowCursor, apply_steps
+from processors.masks import FREE, Step, mask_padded_vocab
 
 from .prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DecodeEngine", "Job", "SamplingParams"]
+__all__ = ["DecodeEngine", "Job", "SamplingParams", "sample_row"]
+
+# Below this temperature sampling is greedy: dividing logits by less overflows float32.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -43,6 +65,14 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
 
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
+
 
 @dataclass
 class Job:
@@ -51,7 +81,7 @@ class Job:
     ``on_event`` is called from the engine thread with dicts:
     ``{"type": "token", "index", "token_id"}``, ``{"type": "finished", "index", "token_ids",
     "finish_reason", "error"}``, and last ``{"type": "done"}`` (or ``{"type": "error", "message"}``
-    when the job failed as a whole).
+    when the job failed as a whole, ``"cancelled"`` when it was cancelled).
     """
 
     prompt_ids: list[int]
@@ -64,34 +94,86 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     remaining: int = 0
 
+    @property
+    def width(self) -> int:
+        """Rows this job holds in the batch."""
+        return self.num_beams if self.num_beams > 1 else self.n
+
 
 class _Row:
-    __slots__ = ("job", "index", "cursor", "generator", "tokens")
+    __slots__ = ("job", "index", "cursor", "generator", "tokens", "score")
 
-    def __init__(self, job: Job, index: int, cursor: RowCursor, generator: torch.Generator | None):
+    def __init__(self, job: Job, index: int, cursor: RowCursor, generator: torch.Generator | None,
+                 tokens: list[int] | None = None, score: float = 0.0):
         self.job = job
         self.index = index
         self.cursor = cursor
         self.generator = generator
-        self.tokens: list[int] = []
+        self.tokens: list[int] = tokens if tokens is not None else []
+        self.score = score  # beam rows: sum of the log-probabilities of ``tokens``
+
+
+class _Beams:
+    """Ended hypotheses of one beam request: ``(normalized score, tokens, finish_reason)``."""
+
+    __slots__ = ("hyps",)
+
+    def __init__(self):
+        self.hyps: list[tuple[float, list[int], str]] = []
+
+    def add(self, score: float, tokens: list[int], reason: str, keep: int) -> None:
+        self.hyps.append((score / max(len(tokens), 1), tokens, reason))
+        self.hyps.sort(key=lambda h: -h[0])
+        del self.hyps[keep:]
+
+    def worst(self) -> float:
+        return self.hyps[-1][0]
+
+
+@dataclass
+class _Pending:
+    """A job between submission and its first decode step."""
+
+    job: Job
+    rows: Future | list[_Row]
+    # chunked prefill: the prompt's cache so far and how many prompt tokens it holds
+    cache: DynamicCache | None = None
+    done_tokens: int = 0
+    reused: int = 0
+
+    def ready(self) -> bool:
+        return not isinstance(self.rows, Future) or self.rows.done()
+
+    def take_rows(self) -> list[_Row]:
+        return self.rows.result() if isinstance(self.rows, Future) else self.rows
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Sample one token from one row of (already masked) logits."""
-    if params.temperature == 0:
+    if params.temperature < MIN_TEMPERATURE:
         return int(torch.argmax(logits))
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    # shift by the max first: (x - max) / t is <= 0, so a small t gives -inf, never +inf or NaN
+    logits = (logits - logits.max()) / params.temperature
     if params.top_k and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) > params.top_p  # keep the token that crosses top_p
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(dim=-1) - probs > params.top_p  # keep the token that crosses top_p
         logits = logits.clone()
         logits[order[drop]] = float("-inf")
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _release_memory() -> None:
+    """Give freed heap pages back to the OS (glibc keeps them after a large prefill otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class DecodeEngine:
@@ -104,35 +186,46 @@ class DecodeEngine:
         prefix_cache_tokens: prompt-prefix key/value cache budget in tokens (0 disables it), see
             :mod:`deployments.prefix_cache`.
         eos_token_ids: the model's EOS ids (default: the tokenizer's).
+        prefill_chunk_tokens: prompts longer than this (after a cached prefix) are read in chunks of
+            this many tokens, one chunk per engine iteration.
+        prepare_threads: threads that build grammar cursors and their first masks.
     """
 
     def __init__(
         self, model, tokenizer, *, max_batch_size: int = 16, eos_token_ids: tuple[int, ...] | None = None,
-        prefix_cache_tokens: int = 8192,
+        prefix_cache_tokens: int = 8192, prefill_chunk_tokens: int = 512, prepare_threads: int = 2,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.eos_token_ids = tuple(eos_token_ids or (tokenizer.eos_token_id,))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         self.device = next(model.parameters()).device
         self.vocab_size = len(tokenizer)
         self._queue: queue.Queue[Job] = queue.Queue()
-        self._waiting: list[Job] = []
+        self._waiting: list[_Pending] = []
+        self._chunking: _Pending | None = None
         self._rows: list[_Row] = []
+        self._beams: dict[int, _Beams] = {}
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None
         self._logits: torch.Tensor | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._prepare = ThreadPoolExecutor(max_workers=max(1, prepare_threads), thread_name_prefix="cursor-prepare")
+        self._trim_due = False
         self.prefix_cache = PrefixCache(max_tokens=prefix_cache_tokens)
         # Called from the engine thread after every decode step with (step seconds, chain seconds).
         self.on_step: Callable[[float, float], None] | None = None
         self.stats = {
             "steps": 0, "step_seconds": 0.0, "chain_seconds": 0.0, "rows_decoded": 0, "prefills": 0,
-            "fallback_rows": 0, "prefill_tokens": 0, "prefix_tokens_reused": 0,
+            "fallback_rows": 0, "prefill_tokens": 0, "prefix_tokens_reused": 0, "prefill_chunks": 0,
+            "failed_rows": 0, "cancelled_jobs": 0,
         }
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -147,6 +240,7 @@ class DecodeEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self._prepare.shutdown(wait=False, cancel_futures=True)
 
     def submit(self, job: Job) -> Job:
         """Queue a job; events arrive through ``job.on_event`` from the engine thread."""
@@ -154,6 +248,8 @@ class DecodeEngine:
             raise ValueError("prompt_ids must not be empty")
         if job.n < 1 or job.num_beams < 1 or job.max_new_tokens < 1:
             raise ValueError("n, num_beams and max_new_tokens must be >= 1")
+        if job.num_beams > 1 and job.n > job.num_beams:
+            raise ValueError("n must not exceed num_beams with beam search")
         self._queue.put(job)
         return job
 
@@ -166,19 +262,28 @@ class DecodeEngine:
         torch.set_grad_enabled(False)
         while not self._stop.is_set():
             try:
-                block = not self._rows and not self._waiting
+                idle = not self._rows and self._chunking is None
+                ready = any(p.ready() for p in self._waiting)
                 try:
-                    job = self._queue.get(timeout=0.1) if block else self._queue.get_nowait()
-                    self._waiting.append(job)
+                    if idle and not ready:
+                        job = self._queue.get(timeout=0.01 if self._waiting else 0.1)
+                    else:
+                        job = self._queue.get_nowait()
+                    self._accept(job)
                     while True:
-                        self._waiting.append(self._queue.get_nowait())
+                        self._accept(self._queue.get_nowait())
                 except queue.Empty:
                     pass
                 self._admit()
+                if self._chunking is not None:
+                    self._prefill_chunk()
                 if self._rows:
                     self._step()
+                elif self._trim_due and self._chunking is None:
+                    self._trim_due = False
+                    _release_memory()
             except Exception as exc:  # a failed forward must not kill the replica
-                logger.exception("decode step failed; failing the active jobs")
+                logger.exception("decode step failed; failing the jobs in the batch")
                 self._fail_all(f"decode failed: {type(exc).__name__}: {exc}")
 
     def _fail_all(self, message: str) -> None:
@@ -186,64 +291,116 @@ class DecodeEngine:
         for job in jobs.values():
             job.on_event({"type": "error", "message": message})
         self._rows, self._cache, self._mask, self._logits = [], None, None, None
+        self._beams.clear()
+
+    # -- preparation ----------------------------------------------------------------------------
+    def _accept(self, job: Job) -> None:
+        """Build the job's rows now, or on the prepare pool when its first masks may be slow."""
+        slow = job.compiled is not None and isinstance(job.compiled.constraint, GrammarSpec)
+        rows: Future | list[_Row]
+        if slow:
+            rows = self._prepare.submit(self._new_rows, job, True)
+        else:
+            try:
+                rows = self._new_rows(job, False)
+            except Exception as exc:
+                logger.exception("building the rows of a job failed")
+                job.on_event({"type": "error", "message": f"cannot start: {type(exc).__name__}: {exc}"})
+                return
+        self._waiting.append(_Pending(job, rows))
+
+    def _new_rows(self, job: Job, prime: bool) -> list[_Row]:
+        """The job's rows: one fresh cursor, copied for the others (same state, independent)."""
+        first = RowCursor(job.compiled, self.tokenizer, eos_token_ids=self.eos_token_ids)
+        cursors = [first] + [first.copy() for _ in range(job.width - 1)]
+        if prime:
+            for cursor in cursors:
+                cursor.prime()
+        rows = []
+        for i, cursor in enumerate(cursors):
+            gen = None
+            if job.num_beams == 1 and job.sampling.seed is not None:
+                gen = torch.Generator(device="cpu").manual_seed(job.sampling.seed + i)
+            # beam rows 1.. start at -inf: all beams hold the same prompt, only one may expand at first
+            score = 0.0 if job.num_beams == 1 or i == 0 else float("-inf")
+            rows.append(_Row(job, i, cursor, gen, score=score))
+        return rows
 
     # -- admission ------------------------------------------------------------------------------
     def _admit(self) -> None:
-        waiting = [j for j in self._waiting if not j.cancelled.is_set()]
-        for j in self._waiting:
-            if j.cancelled.is_set():
-                j.on_event({"type": "error", "message": "cancelled"})
-        self._waiting = []
-        admitted: list[Job] = []
-        room = self.max_batch_size - len(self._rows)
-        for job in waiting:
-            if job.num_beams > 1:
-                if not self._rows and not admitted:
-                    self._run_beams(job)  # its own batch; nothing else runs meanwhile
-                else:
-                    self._waiting.append(job)
+        room = self.max_batch_size - len(self._rows) - (self._chunking.job.width if self._chunking else 0)
+        admitted: list[tuple[_Pending, list[_Row]]] = []
+        keep: list[_Pending] = []
+        empty = not self._rows and self._chunking is None
+        for p in self._waiting:
+            job = p.job
+            if job.cancelled.is_set():
+                if isinstance(p.rows, Future):
+                    p.rows.cancel()
+                self._cancelled(job)
                 continue
-            if job.n <= room or (not self._rows and not admitted):
-                admitted.append(job)
-                room -= job.n
-            else:
-                self._waiting.append(job)
+            if not p.ready():
+                keep.append(p)
+                continue
+            fits = job.width <= room or (empty and not admitted)
+            if not fits:
+                keep.append(p)
+                continue
+            try:
+                rows = p.take_rows()
+            except Exception as exc:
+                logger.exception("preparing the rows of a job failed")
+                job.on_event({"type": "error", "message": f"cannot start: {type(exc).__name__}: {exc}"})
+                continue
+            length, kv = self.prefix_cache.lookup(job.prompt_ids)
+            if len(job.prompt_ids) - length > self.prefill_chunk_tokens:
+                if self._chunking is not None:
+                    keep.append(p)  # one chunked prefill at a time
+                    continue
+                p.rows, p.done_tokens, p.reused = rows, length, length
+                p.cache = self._expand_prefix(kv, 1) if kv is not None else DynamicCache()
+                self._chunking = p
+                room -= job.width
+                continue
+            admitted.append((p, rows))
+            room -= job.width
+        self._waiting = keep
         if admitted:
             self._prefill(admitted)
 
-    def _new_rows(self, job: Job) -> list[_Row]:
-        rows = []
-        for i in range(job.n):
-            gen = None
-            if job.sampling.seed is not None:
-                gen = torch.Generator(device="cpu").manual_seed(job.sampling.seed + i)
-            cursor = RowCursor(job.compiled, self.tokenizer, eos_token_ids=self.eos_token_ids)
-            rows.append(_Row(job, i, cursor, gen))
-        job.remaining = job.n
-        return rows
+    def _cancelled(self, job: Job) -> None:
+        self.stats["cancelled_jobs"] += 1
+        job.on_event({"type": "error", "message": "cancelled"})
 
-    def _prefill(self, jobs: list[Job]) -> None:
+    @staticmethod
+    def _expand_prefix(prefix_kv, b: int) -> DynamicCache:
+        return DynamicCache(ddp_cache_data=[
+            (k.expand(b, -1, -1, -1).contiguous(), v.expand(b, -1, -1, -1).contiguous()) for k, v in prefix_kv
+        ])
+
+    def _prefill(self, admitted: list[tuple[_Pending, list[_Row]]]) -> None:
         """Prefill new prompts (grouped by their cached prefix), then merge into the running batch."""
-        groups: dict[int, tuple[list, list[Job]]] = {}
-        for job in jobs:
-            length, kv = self.prefix_cache.lookup(job.prompt_ids)
+        groups: dict[int, tuple[list, list]] = {}
+        for p, rows in admitted:
+            length, kv = self.prefix_cache.lookup(p.job.prompt_ids)
             # jobs that hit the same cached prefix object share one forward pass
             key = id(kv[0][0].untyped_storage()) * 100003 + length if kv is not None else 0
-            groups.setdefault(key, (kv, []))[1].append(job)
+            groups.setdefault(key, (kv, []))[1].append((p.job, rows))
         for kv, group in groups.values():
             try:
                 self._prefill_group(group, kv)
             except Exception as exc:  # only these jobs fail; rows already decoding keep going
                 logger.exception("prefill failed")
-                for job in group:
+                for job, _ in group:
                     job.on_event({"type": "error", "message": f"prefill failed: {type(exc).__name__}: {exc}"})
 
-    def _prefill_group(self, jobs: list[Job], prefix_kv) -> None:
+    def _prefill_group(self, group: list[tuple[Job, list[_Row]]], prefix_kv) -> None:
         """One forward over the prompts after a shared cached prefix (or whole prompts, left-padded).
 
         Row layout of the resulting cache: ``[prefix | padding | rest of the prompt]``; the attention
         mask zeroes the padding, position ids count only real tokens.
         """
+        jobs = [job for job, _ in group]
         plen = prefix_kv[0][0].shape[2] if prefix_kv is not None else 0
         rests = [j.prompt_ids[plen:] for j in jobs]
         width = max(len(r) for r in rests)
@@ -255,13 +412,10 @@ class DecodeEngine:
             rest_mask[i, width - len(r):] = 1
         positions = (plen + rest_mask.cumsum(dim=1) - 1).clamp(min=0)
         mask = torch.cat([torch.ones((b, plen), dtype=torch.long), rest_mask], dim=1)
-        if prefix_kv is not None:
-            past = DynamicCache(ddp_cache_data=[(k.expand(b, -1, -1, -1).contiguous(), v.expand(b, -1, -1, -1).contiguous()) for k, v in prefix_kv])
-        else:
-            past = DynamicCache()
+        past = self._expand_prefix(prefix_kv, b) if prefix_kv is not None else DynamicCache()
         out = self.model(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device), position_ids=positions.to(self.device),
-            past_key_values=past, use_cache=True,
+            past_key_values=past, use_cache=True, logits_to_keep=1,
         )
         layers = out.past_key_values.layers
         for i, job in enumerate(jobs):  # remember this prompt's block prefixes (contiguous, in prompt order)
@@ -270,19 +424,61 @@ class DecodeEngine:
             self.prefix_cache.store(job.prompt_ids, [
                 (layer.keys[i : i + 1].index_select(2, cols), layer.values[i : i + 1].index_select(2, cols)) for layer in layers
             ])
-        repeats = torch.tensor([j.n for j in jobs])
-        kv = [
-            (layer.keys.repeat_interleave(repeats.to(layer.keys.device), dim=0),
-             layer.values.repeat_interleave(repeats.to(layer.values.device), dim=0))
-            for layer in layers
-        ]
-        logits = out.logits[:, -1, :].float().repeat_interleave(repeats.to(out.logits.device), dim=0)
-        mask = mask.repeat_interleave(repeats, dim=0).to(self.device)
-        rows = [row for j in jobs for row in self._new_rows(j)]
-        self._merge(kv, mask, logits, rows)
+        self._join(group, [(layer.keys, layer.values) for layer in layers], mask.to(self.device), out.logits[:, -1, :])
         self.stats["prefills"] += 1
         self.stats["prefill_tokens"] += sum(len(r) for r in rests)
         self.stats["prefix_tokens_reused"] += plen * b
+
+    def _prefill_chunk(self) -> None:
+        """Read the next chunk of the prompt being prefilled in chunks; join the batch after the last."""
+        p = self._chunking
+        job = p.job
+        if job.cancelled.is_set():
+            self._chunking = None
+            self._trim_due = True
+            self._cancelled(job)
+            return
+        try:
+            start = p.done_tokens
+            end = min(start + self.prefill_chunk_tokens, len(job.prompt_ids))
+            ids = torch.tensor([job.prompt_ids[start:end]], device=self.device)
+            out = self.model(
+                input_ids=ids, attention_mask=torch.ones((1, end), dtype=torch.long, device=self.device),
+                position_ids=torch.arange(start, end, device=self.device)[None], past_key_values=p.cache,
+                use_cache=True, logits_to_keep=1,
+            )
+            p.cache, p.done_tokens = out.past_key_values, end
+            self.stats["prefill_chunks"] += 1
+            if end < len(job.prompt_ids):
+                return
+            self._chunking = None
+            self._trim_due = True
+            layers = p.cache.layers
+            self.prefix_cache.store(job.prompt_ids, [(layer.keys, layer.values) for layer in layers])
+            mask = torch.ones((1, end), dtype=torch.long, device=self.device)
+            self._join([(job, p.rows)], [(layer.keys, layer.values) for layer in layers], mask, out.logits[:, -1, :])
+            self.stats["prefills"] += 1
+            self.stats["prefill_tokens"] += end - p.reused
+            self.stats["prefix_tokens_reused"] += p.reused
+        except Exception as exc:
+            logger.exception("chunked prefill failed")
+            self._chunking = None
+            job.on_event({"type": "error", "message": f"prefill failed: {type(exc).__name__}: {exc}"})
+
+    def _join(self, group: list[tuple[Job, list[_Row]]], kv, mask, logits) -> None:
+        """Repeat each prompt's cache, mask and logits for the job's rows and merge them into the batch."""
+        repeats = torch.tensor([job.width for job, _ in group])
+        kv = [(k.repeat_interleave(repeats.to(k.device), dim=0), v.repeat_interleave(repeats.to(v.device), dim=0))
+              for k, v in kv]
+        logits = logits.float().repeat_interleave(repeats.to(logits.device), dim=0)
+        mask = mask.repeat_interleave(repeats.to(mask.device), dim=0)
+        rows = []
+        for job, job_rows in group:
+            job.remaining = job.n
+            if job.num_beams > 1:
+                self._beams[id(job)] = _Beams()
+            rows.extend(job_rows)
+        self._merge(kv, mask, logits, rows)
 
     def _merge(self, kv, mask, logits, rows) -> None:
         if self._cache is None:
@@ -302,24 +498,55 @@ class DecodeEngine:
         self._rows = self._rows + rows
 
     # -- one decode step ------------------------------------------------------------------------
+    def _row_steps(self, rows: list[_Row]) -> tuple[list[Step], dict[int, str]]:
+        """Each row's allowed set; a cursor that raises fails its row only."""
+        steps: list[Step] = []
+        failed: dict[int, str] = {}
+        for i, row in enumerate(rows):
+            try:
+                steps.append(row.cursor.step())
+            except Exception as exc:
+                logger.exception("a row's constraint failed")
+                failed[i] = f"constraint failed: {type(exc).__name__}: {exc}"
+                steps.append(Step(FREE, None, row.cursor.end_token_id))
+        return steps, failed
+
     def _step(self) -> None:
         t0 = time.perf_counter()
         rows = self._rows
         logits = self._logits
-        apply_steps(logits, [r.cursor.step() for r in rows])
+        beam_at = [i for i, r in enumerate(rows) if r.job.num_beams > 1]
+        # beam scores: log-probabilities of the model's distribution, masked (as HF beam search does)
+        logprobs = torch.log_softmax(logits[beam_at], dim=-1) if beam_at else None
+        steps, failed = self._row_steps(rows)
+        apply_steps(logits, steps)
         mask_padded_vocab(logits, self.vocab_size)
+        if beam_at:
+            logprobs = logprobs.masked_fill(torch.isneginf(logits[beam_at]), float("-inf"))
         t_chain = time.perf_counter() - t0
-        keep: list[int] = []
-        next_tokens: list[int] = []
+        # the next batch: (source row index, row object, token)
+        nxt: list[tuple[int, _Row, int]] = []
+        beam_groups: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             job = row.job
+            if job.num_beams > 1:
+                beam_groups.setdefault(id(job), []).append(i)
+                continue
             if job.cancelled.is_set():
                 self._finish(row, "error", "cancelled")
                 continue
-            token = sample_row(logits[i], job.sampling, row.generator)
-            t1 = time.perf_counter()
-            row.cursor.advance(token)
-            t_chain += time.perf_counter() - t1
+            if i in failed:
+                self._fail_row(row, failed[i])
+                continue
+            try:
+                token = sample_row(logits[i], job.sampling, row.generator)
+                t1 = time.perf_counter()
+                row.cursor.advance(token)
+                t_chain += time.perf_counter() - t1
+            except Exception as exc:
+                logger.exception("sampling a row failed")
+                self._fail_row(row, f"sampling failed: {type(exc).__name__}: {exc}")
+                continue
             row.tokens.append(token)
             job.on_event({"type": "token", "index": row.index, "token_id": token})
             if row.cursor.finished:
@@ -327,23 +554,28 @@ class DecodeEngine:
             elif len(row.tokens) >= job.max_new_tokens:
                 self._finish(row, "length", row.cursor.error)
             else:
-                keep.append(i)
-                next_tokens.append(token)
+                nxt.append((i, row, token))
+        if beam_groups:
+            position = {i: k for k, i in enumerate(beam_at)}
+            for idxs in beam_groups.values():
+                nxt.extend(self._beam_step(rows, idxs, logprobs[[position[i] for i in idxs]], failed))
         self.stats["steps"] += 1
         self.stats["rows_decoded"] += len(rows)
-        if not keep:
+        if not nxt:
             self._rows, self._cache, self._mask, self._logits = [], None, None, None
+            self._trim_due = True
         else:
-            if len(keep) < len(rows):
-                idx = torch.tensor(keep, device=self.device)
+            order = [i for i, _, _ in nxt]
+            if order != list(range(len(rows))):
+                idx = torch.tensor(order, device=self.device)
                 self._cache.batch_select_indices(idx)
                 self._mask = self._mask.index_select(0, idx)
-                self._rows = [rows[i] for i in keep]
                 self._trim()
+            self._rows = [row for _, row, _ in nxt]
             positions = self._mask.sum(dim=1, keepdim=True)
-            self._mask = torch.cat([self._mask, torch.ones((len(keep), 1), dtype=self._mask.dtype, device=self.device)], dim=1)
+            self._mask = torch.cat([self._mask, torch.ones((len(nxt), 1), dtype=self._mask.dtype, device=self.device)], dim=1)
             out = self.model(
-                input_ids=torch.tensor(next_tokens, device=self.device)[:, None], attention_mask=self._mask,
+                input_ids=torch.tensor([t for _, _, t in nxt], device=self.device)[:, None], attention_mask=self._mask,
                 position_ids=positions, past_key_values=self._cache, use_cache=True,
             )
             self._cache = out.past_key_values
@@ -353,6 +585,67 @@ class DecodeEngine:
         self.stats["chain_seconds"] += t_chain
         if self.on_step is not None:
             self.on_step(step_seconds, t_chain)
+
+    def _beam_step(self, rows: list[_Row], idxs: list[int], logprobs: torch.Tensor, failed: dict[int, str]):
+        """Rank one beam request's candidates; returns the rows that go on as ``(source, row, token)``."""
+        job = rows[idxs[0]].job
+        beams = self._beams[id(job)]
+        width = job.num_beams
+        if job.cancelled.is_set():
+            self._beams.pop(id(job), None)
+            self._cancelled(job)
+            return []
+        for k, i in enumerate(idxs):
+            if i in failed:  # a beam whose cursor failed is dropped; its request goes on with the others
+                logprobs[k] = float("-inf")
+        scores = logprobs + torch.tensor([rows[i].score for i in idxs], dtype=logprobs.dtype)[:, None]
+        flat = scores.view(-1)
+        k = min(2 * width, flat.numel())
+        top_scores, top_ids = torch.topk(flat, k)
+        vocab = scores.shape[1]
+        picked: list[tuple[int, int, float]] = []  # (row index, token, score)
+        for rank, (score, flat_id) in enumerate(zip(top_scores.tolist(), top_ids.tolist())):
+            if score == float("-inf") or len(picked) >= width:
+                break
+            src = idxs[flat_id // vocab]
+            token = flat_id % vocab
+            cursor = rows[src].cursor
+            if token in cursor.stop_ids or token == cursor.end_token_id:
+                if rank < width:  # an ended candidate counts only among the best `width`
+                    beams.add(score, rows[src].tokens + [token], "stop", width)
+                continue
+            picked.append((src, token, score))
+        n_generated = len(rows[idxs[0]].tokens) + 1
+        if n_generated >= job.max_new_tokens:
+            for src, token, score in picked:
+                beams.add(score, rows[src].tokens + [token], "length", width)
+            picked = []
+        elif picked and len(beams.hyps) >= width and picked[0][2] / n_generated <= beams.worst():
+            picked = []  # no live beam can still beat the ended ones
+        if not picked:
+            self._beams.pop(id(job), None)
+            self._emit_beams(job, beams)
+            return []
+        # cursors: the first beam taken from a row keeps its cursor, later ones get copies (made before
+        # anything advances)
+        seen: set[int] = set()
+        cursors = []
+        for src, _, _ in picked:
+            cursors.append(rows[src].cursor.copy() if src in seen else rows[src].cursor)
+            seen.add(src)
+        out = []
+        for slot, ((src, token, score), cursor) in enumerate(zip(picked, cursors)):
+            cursor.advance(token)
+            out.append((src, _Row(job, slot, cursor, None, rows[src].tokens + [token], score), token))
+        return out
+
+    def _emit_beams(self, job: Job, beams: _Beams) -> None:
+        for index, (_, tokens, reason) in enumerate(beams.hyps[: job.n]):
+            for t in tokens:
+                job.on_event({"type": "token", "index": index, "token_id": t})
+            job.on_event({"type": "finished", "index": index, "token_ids": tokens, "finish_reason": reason,
+                          "error": None})
+        job.on_event({"type": "done"})
 
     def _trim(self) -> None:
         """Drop leading columns that are padding in every remaining row."""
@@ -364,6 +657,10 @@ class DecodeEngine:
                 layer.keys = layer.keys[:, :, first:, :]
                 layer.values = layer.values[:, :, first:, :]
 
+    def _fail_row(self, row: _Row, message: str) -> None:
+        self.stats["failed_rows"] += 1
+        self._finish(row, "error", message)
+
     def _finish(self, row: _Row, reason: str, error: str | None) -> None:
         if row.cursor.fell_back:
             self.stats["fallback_rows"] += 1
@@ -372,37 +669,6 @@ class DecodeEngine:
                       "error": error, "fell_back": row.cursor.fell_back})
         job.remaining -= 1
         if job.remaining == 0:
+            if reason == "error" and error == "cancelled":
+                self.stats["cancelled_jobs"] += 1
             job.on_event({"type": "done"})
-
-    # -- beam search ----------------------------------------------------------------------------
-    def _run_beams(self, job: Job) -> None:
-        """Beam search as its own batch, through ``generate`` with the same chain."""
-        try:
-            proc = ConstrainedLogitsProcessor(
-                job.compiled, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids
-            ) if job.compiled is not None else ConstrainedLogitsProcessor([None], tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids)
-            stop = list(proc.stop_token_ids)
-            ids = torch.tensor([job.prompt_ids], device=self.device)
-            out = self.model.generate(
-                ids, attention_mask=torch.ones_like(ids), logits_processor=LogitsProcessorList([proc]),
-                num_beams=job.num_beams, num_return_sequences=job.n, do_sample=False,
-                max_new_tokens=job.max_new_tokens, eos_token_id=stop, pad_token_id=self.pad_id,
-            )
-        except Exception as exc:
-            logger.exception("beam search failed")
-            job.on_event({"type": "error", "message": f"beam search failed: {type(exc).__name__}: {exc}"})
-            return
-        job.remaining = job.n
-        for index, seq in enumerate(out[:, len(job.prompt_ids):].tolist()):
-            tokens = []
-            reason = "length"
-            for t in seq:
-                tokens.append(t)
-                if t in stop:
-                    reason = "stop"
-                    break
-            for t in tokens:
-                job.on_event({"type": "token", "index": index, "token_id": t})
-            job.on_event({"type": "finished", "index": index, "token_ids": tokens, "finish_reason": reason, "error": None})
-            job.remaining -= 1
-        job.on_event({"type": "done"})

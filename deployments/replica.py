@@ -86,7 +86,7 @@ class ModelReplica:
         self.replica_id = f"replica-{uuid.uuid4().hex[:8]}"
         self.engine = DecodeEngine(
             model, tokenizer, max_batch_size=self.settings.max_batch_size,
-            prefix_cache_tokens=self.settings.prefix_cache_tokens,
+            prefix_cache_tokens=self.settings.prefix_cache_tokens, prefill_chunk_tokens=self.settings.prefill_chunk_tokens,
         )
         if self.metrics.enabled:
             self.engine.on_step = self.metrics.record_step

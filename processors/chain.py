@@ -85,6 +85,15 @@ class RowCursor(Cursor):
     def fell_back(self) -> bool:
         return bool(getattr(self.constraint, "fell_back", False))
 
+    def prime(self) -> None:
+        """Compute the constraint's first allowed set now (it is kept until the row advances).
+
+        A grammar's first mask can take a second; the engine primes new rows off its decode thread.
+        """
+        prime = getattr(self.constraint, "prime", None)
+        if prime is not None:
+            prime()
+
     def step(self) -> Step:
         if self.done:
             return self._end

@@ -148,6 +148,7 @@ class GrammarCursor(Cursor):
         self._done = False
         self._words = np.zeros(bitmask_words(spec.vocab_size), dtype=np.int32)
         self._end_step = Step(ALLOW, as_ids([spec.eos_token_id]), spec.eos_token_id)
+        self._next: Step | None = None  # the mask of the current state, once computed
 
     @property
     def end_token_id(self) -> int:
@@ -163,11 +164,19 @@ class GrammarCursor(Cursor):
         if self.matcher.is_error():
             self.error = f"grammar error: {self.matcher.get_error()}"
             return self._end_step
-        words = np.empty_like(self._words)
-        fill_bitmask(self.matcher, words)
-        return Step(BITMASK, words, self.spec.eos_token_id)
+        if self._next is None:
+            words = np.empty_like(self._words)
+            fill_bitmask(self.matcher, words)
+            words.setflags(write=False)
+            self._next = Step(BITMASK, words, self.spec.eos_token_id)
+        return self._next
+
+    def prime(self) -> None:
+        """Compute the current mask now (the first one of a large grammar can take a second)."""
+        self.step()
 
     def advance(self, token: int) -> None:
+        self._next = None
         if self._done:
             return
         if token == self.spec.eos_token_id:
