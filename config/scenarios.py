@@ -58,7 +58,7 @@ class ConfigModel(BaseModel):
 class ThinkConfig(ConfigModel):
     """Thinking budget: the answer starts inside a think block, free text until the budget or the end marker."""
 
-    max_thinking_tokens: int = Field(ge=1, description="Most tokens the model may spend inside the think block.")
+    max_thinking_tokens: int = Field(ge=1, strict=True, description="Most tokens the model may spend inside the think block.")
     begin: str = Field(default="<think>\n", min_length=1, description="Marker that opens the think block.")
     end: str = Field(default="</think>\n\n", min_length=1, description="Marker that closes the think block.")
 
@@ -75,10 +75,13 @@ class ScenarioBase(ConfigModel):
     description: str | None = Field(default=None, description="Free text for people reading the scenario list.")
     think: ThinkConfig | None = Field(default=None, description="Optional thinking budget before the constraint.")
     system_prompt: str | None = Field(default=None, description="System message prepended to chat requests.")
-    max_new_tokens: int | None = Field(default=None, ge=1, description="Default limit on generated tokens.")
-    temperature: float | None = Field(default=None, ge=0, description="Default sampling temperature (0 = greedy).")
-    top_p: float | None = Field(default=None, gt=0, le=1, description="Default nucleus sampling mass, in (0, 1].")
-    top_k: int | None = Field(default=None, ge=0, description="Default top-k cutoff (0 = no cutoff).")
+    # strict: true is not 1 and "3" is not 3; floats must be finite (a default of Infinity broke every batch)
+    max_new_tokens: int | None = Field(default=None, ge=1, strict=True, description="Default limit on generated tokens.")
+    temperature: float | None = Field(default=None, ge=0, strict=True, allow_inf_nan=False,
+                                      description="Default sampling temperature (0 = greedy).")
+    top_p: float | None = Field(default=None, gt=0, le=1, strict=True, allow_inf_nan=False,
+                                description="Default nucleus sampling mass, in (0, 1].")
+    top_k: int | None = Field(default=None, ge=0, strict=True, description="Default top-k cutoff (0 = no cutoff).")
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> ScenarioBase:
@@ -122,7 +125,7 @@ class TreeScenario(ScenarioBase):
         default=None, description="Path to a tree file (exclusive with tree); relative to the scenario file."
     )
     append_start_token: bool = Field(
-        default=True, description="Append start_token_id to the prompt when it does not already end with it."
+        default=True, strict=True, description="Append start_token_id to the prompt when it does not already end with it."
     )
 
     @model_validator(mode="after")
@@ -139,9 +142,9 @@ class LabelsScenario(ScenarioBase):
 
     type: Literal["labels"] = Field(description="Scenario kind.")
     labels: list[str] = Field(min_length=1, description="The allowed labels: unique, non-empty, not padded.")
-    multi_label: bool = Field(default=False, description="Allow several labels joined by separator.")
+    multi_label: bool = Field(default=False, strict=True, description="Allow several labels joined by separator.")
     separator: str = Field(default=",", min_length=1, description="Joins labels when multi_label is true.")
-    max_labels: int | None = Field(default=None, ge=1, description="Most labels per answer (multi_label only).")
+    max_labels: int | None = Field(default=None, ge=1, strict=True, description="Most labels per answer (multi_label only).")
 
     @model_validator(mode="after")
     def _check_labels(self) -> LabelsScenario:

@@ -152,7 +152,7 @@ class Limits(BaseModel):
         "nesting (a{1000000} and ((a{100}){100}){100} are 1000000).",
     )
     max_json_depth: int = Field(default=64, ge=4, description="Deepest nesting of a JSON request body.")
-    compile_timeout_s: float = Field(default=60.0, gt=0, description="Longest time a scenario may take to compile.")
+    compile_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False, description="Longest time a scenario may take to compile.")
 
     @model_validator(mode="after")
     def _depths_agree(self) -> "Limits":
@@ -243,8 +243,8 @@ class ServerSettings(BaseModel):
         default=512, ge=16,
         description="Prompts longer than this are read this many tokens per engine step, so running requests keep decoding.",
     )
-    num_gpus_per_replica: float = Field(default=0.0, ge=0, description="GPUs per model replica: 0 on CPU, 1 in production.")
-    num_cpus_per_replica: float = Field(default=1.0, ge=0, description="CPUs reserved per model replica.")
+    num_gpus_per_replica: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="GPUs per model replica: 0 on CPU, 1 in production.")
+    num_cpus_per_replica: float = Field(default=1.0, ge=0, allow_inf_nan=False, description="CPUs reserved per model replica.")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads per replica (None = torch default).")
     max_replicas_per_node: int | None = Field(default=None, ge=1, description="Most model replicas on one Ray node (None = no limit); 1 spreads them over nodes.")
     custom_resources: dict[Literal["manager", "model", "ingress"], dict[str, float]] = Field(
@@ -255,6 +255,29 @@ class ServerSettings(BaseModel):
     seed_examples: bool = Field(default=True, description="Store the example scenarios on first start (empty Redis).")
     http_host: str = Field(default="127.0.0.1", description="Where Serve's HTTP proxy listens.")
     http_port: int = Field(default=8000, ge=1, le=65535, description="Serve's HTTP port.")
+    request_timeout_s: float | None = Field(
+        default=300.0, gt=0, allow_inf_nan=False,
+        description="Longest a request may take end to end. Serve's proxy enforces it: give serve_config.yaml's "
+                    "http_options.request_timeout_s the same value. The ingress refuses an x-request-timeout-seconds "
+                    "header above it (or one that disables it); None: only the disabling values are refused.",
+    )
+    max_inflight_per_client: int = Field(
+        default=32, ge=1,
+        description="Most generation requests one client may have in flight per ingress replica; past it a 429 with "
+                    "Retry-After. A client is its peer address, or see client_ip_header.",
+    )
+    client_ip_header: str | None = Field(
+        default=None,
+        description="Behind a reverse proxy: the header it sets to the client's address (e.g. X-Forwarded-For; "
+                    "the last address in it is used). None: the peer address. Only set it when every request "
+                    "comes through that proxy, or clients can pick their own identity.",
+    )
+    allow_special_tokens_in_content: bool = Field(
+        default=False,
+        description="Whether a prompt, a message's content or a system_prompt may spell special tokens "
+                    "(<|im_end|>, ...) that become control tokens. False: such text stays text; only the chat "
+                    "template's own markers are control tokens.",
+    )
     limits: Limits = Field(default_factory=Limits, description="Request and scenario limits.")
 
     @property
@@ -268,8 +291,21 @@ class ServerSettings(BaseModel):
         root = self.tree_root
         full = os.path.realpath(os.path.join(root, os.path.expanduser(path)))
         if os.path.commonpath([root, full]) != root:
-            raise ValueError(f"a tree file must be inside the tree directory {root} (setting tree_dir); got {path!r}")
+            # The directory itself is not named: error texts reach clients, internal paths must not.
+            raise ValueError(f"a tree file must be inside the tree directory (setting tree_dir); got {path!r}")
         return full
+
+    def redact_paths(self, text: str) -> str:
+        """``text`` with this service's internal directories replaced by ``<tree_dir>`` and ``<data_dir>``
+        (for messages that reach clients: an error about a tree file names it relative to the tree directory)."""
+        seen: set[str] = set()
+        for name, directory in (("<tree_dir>", self.tree_root),
+                                ("<data_dir>", os.path.realpath(os.path.expanduser(self.data_dir))),
+                                ("<data_dir>", os.path.abspath(os.path.expanduser(self.data_dir)))):
+            if directory and directory not in seen and directory != os.sep:
+                seen.add(directory)
+                text = text.replace(directory, name)
+        return text
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None = None) -> "ServerSettings":

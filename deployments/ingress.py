@@ -51,6 +51,8 @@ from config.settings import LimitExceeded
 from deployments.auth import check_bearer, resolve_admin_token
 from deployments.metrics import route_logs_to_serve
 from deployments.console import mount_console
+from deployments.guards import InflightPerClient, ProxyHeaderCheck
+from deployments.json_body import StrictJSONBody
 from deployments.store import NAME_PATTERN, validate_name
 from deployments.openai_api import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelList,
@@ -224,7 +226,7 @@ class DeletedOut(BaseModel):
 class RollbackBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    version: int = Field(ge=1, description="The stored version to make current again.")
+    version: int = Field(ge=1, strict=True, description="The stored version to make current again.")
 
 
 class ErrorDetail(BaseModel):
@@ -457,7 +459,7 @@ class Ingress:
         except Exception as exc:
             done = True
             error = to_service_error(exc)
-            yield {"type": "error", "index": 0, "error": error.message, "status": error.status}
+            yield {"type": "error", "index": 0, "error": self.settings.redact_paths(error.message), "status": error.status}
         finally:
             if not done:  # client went away: stop generating for it
                 _cancel(stream)
@@ -515,7 +517,7 @@ class Ingress:
         }
         if replicas_error is not None:
             report["replicas_error"] = replicas_error
-        return report
+        return redact_json(report, self.settings.redact_paths)  # public: no internal paths (Redis socket, data dir)
 
 
 _BAD_STATES = {"down", "unreachable", "error", "disconnected", "degraded", "unavailable"}
@@ -531,12 +533,25 @@ def _manager_ok(report: Any) -> bool:
     return redis is not False and not (isinstance(redis, str) and redis.lower() in _BAD_STATES)
 
 
-def _install_error_handlers(app: FastAPI, not_found: Any = None) -> None:
+def redact_json(value: Any, redact: Any) -> Any:
+    """``value`` (JSON-like) with ``redact`` applied to every string in it, keys included."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {redact_json(k, redact): redact_json(v, redact) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_json(v, redact) for v in value]
+    return value
+
+
+def _install_error_handlers(app: FastAPI, not_found: Any = None, redact: Any = None) -> None:
     """JSON errors for everything; ``not_found(request, status)`` may answer a routing 404 or 405 instead (a
     response, or None for the plain error)."""
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError):
+        if redact is not None:  # a message about a tree file names it relative to <tree_dir>, not by its path
+            exc = ServiceError(exc.status, redact(exc.message), redact_json(exc.detail, redact))
         return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -613,6 +628,16 @@ def _admin_not_found(ingress: Ingress, request: Request, status: int = 404) -> J
     return None
 
 
+def _parse_body_here(ingress: Ingress, scope: dict) -> bool:
+    """Whether the strict JSON check reads this request's body: not for an admin route without the admin token
+    (it gets its 401 without its body being read, as before)."""
+    path = scope.get("path") or ""
+    if path == "/admin" or path.startswith("/admin/"):
+        header = next((v.decode("latin-1") for k, v in scope.get("headers") or [] if k == b"authorization"), None)
+        return ingress.check_admin(header)
+    return True
+
+
 def build_http_app(ingress: Ingress) -> FastAPI:
     """The FastAPI app for ``ingress``: public routes, the admin router, error handlers, the body limit."""
     app = FastAPI(
@@ -623,8 +648,14 @@ def build_http_app(ingress: Ingress) -> FastAPI:
         # scenario it did not name, and before any token check): a trailing slash is a 404, or a 422 for a name.
         redirect_slashes=False,
     )
-    _install_error_handlers(app, not_found=lambda request, status: _admin_not_found(ingress, request, status))
+    _install_error_handlers(app, not_found=lambda request, status: _admin_not_found(ingress, request, status),
+                            redact=ingress.settings.redact_paths)
+    # Outermost last: request id, proxy timeout headers, in-flight bound per client, body size, strict JSON.
+    app.add_middleware(StrictJSONBody, admits=lambda scope: _parse_body_here(ingress, scope))
     app.add_middleware(BodySizeLimit, max_bytes=ingress.limits.max_body_bytes)
+    settings = ingress.settings
+    app.add_middleware(InflightPerClient, limit=settings.max_inflight_per_client, client_ip_header=settings.client_ip_header)
+    app.add_middleware(ProxyHeaderCheck, request_timeout_s=settings.request_timeout_s)
     app.add_middleware(RequestIdCheck)
 
     @app.post("/v1/generate", response_model=GenerateResponse, responses={**_SSE_RESPONSE, **_ERROR_RESPONSES}, tags=["generate"])

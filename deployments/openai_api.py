@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from config import Limits, ScenarioAdapter, scenario_to_dict
 from config.settings import LimitExceeded
+from deployments.json_body import BodyRejected, parse_json
 from deployments.protocol import ChatMessage, GenerateRequest, GenerateResponse, ServiceError, Usage
 
 __all__ = [
@@ -77,16 +78,17 @@ class _OpenAIBody(BaseModel):
     structured_outputs: StructuredOutputs | None = Field(
         default=None, description="Extra field: a one-off constraint (exactly one of choice, json, regex)."
     )
-    max_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate per choice.")
+    # strict, as in GenerateRequest: true is not 1, and floats must be finite
+    max_tokens: int | None = Field(default=None, ge=1, strict=True, description="Most tokens to generate per choice.")
     max_completion_tokens: int | None = Field(
-        default=None, ge=1, description="Same as max_tokens (the newer OpenAI name); wins when both are set."
+        default=None, ge=1, strict=True, description="Same as max_tokens (the newer OpenAI name); wins when both are set."
     )
-    temperature: float | None = Field(default=None, ge=0, le=100, description="0 = greedy.")
-    top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int | None = Field(default=None, ge=0, description="Extra field: keep the k most likely tokens (0 = off).")
-    n: int = Field(default=1, ge=1, description="Number of choices.")
-    seed: int | None = Field(default=None, ge=0, description="Random seed for reproducible sampling.")
-    stream: bool = Field(default=False, description="Stream chunks as server-sent events.")
+    temperature: float | None = Field(default=None, ge=0, le=100, strict=True, allow_inf_nan=False, description="0 = greedy.")
+    top_p: float | None = Field(default=None, gt=0, le=1, strict=True, allow_inf_nan=False, description="Nucleus sampling mass.")
+    top_k: int | None = Field(default=None, ge=0, strict=True, description="Extra field: keep the k most likely tokens (0 = off).")
+    n: int = Field(default=1, ge=1, strict=True, description="Number of choices.")
+    seed: int | None = Field(default=None, ge=0, strict=True, description="Random seed for reproducible sampling.")
+    stream: bool = Field(default=False, strict=True, description="Stream chunks as server-sent events.")
     stream_options: StreamOptions | None = Field(default=None, description="include_usage: a final usage chunk.")
 
 
@@ -258,7 +260,9 @@ def _inline_scenario(
     schema = so.json_
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
+            schema = parse_json(schema, field="structured_outputs.json")  # the body's rules: finite, no dups, ...
+        except BodyRejected as error:
+            raise error.to_service_error() from None
         except json.JSONDecodeError as error:
             raise ServiceError(422, f"structured_outputs.json: not valid JSON: {error}") from None
         except RecursionError:  # deeper than the parser can go, so far deeper than any limit
@@ -282,7 +286,8 @@ def _validated_inline(scenario: dict[str, Any], field: str, limits: Limits | Non
         try:
             limits.check_scenario(scenario)
         except LimitExceeded as error:
-            where = field if error.field == main else f"{field}.{error.field}"
+            inside = error.field == main or error.field.startswith((f"{main}.", f"{main}["))  # schema.allOf[0].pattern
+            where = field + error.field[len(main):] if inside else f"{field}.{error.field}"
             raise ServiceError(422, f"{where}: {error.reason}", {**error.detail(), "field": where}) from None
     try:
         return scenario_to_dict(ScenarioAdapter.validate_python(scenario))

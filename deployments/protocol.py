@@ -115,14 +115,16 @@ class GenerateRequest(_Strict):
     )
     prompt: str | None = Field(default=None, description="Raw prompt text (no chat template).")
     messages: list[ChatMessage] | None = Field(default=None, description="Chat messages (chat template applied).")
-    max_new_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate per output.")
-    temperature: float | None = Field(default=None, ge=0, le=100, description="0 = greedy.")
-    top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int | None = Field(default=None, ge=0, description="Keep the k most likely tokens (0 = off).")
-    n: int = Field(default=1, ge=1, description="Number of outputs (sampled independently).")
-    num_beams: int = Field(default=1, ge=1, description="Beam search width (1 = no beam search).")
-    seed: int | None = Field(default=None, ge=0, description="Random seed for reproducible sampling.")
-    stream: bool = Field(default=False, description="Stream tokens as server-sent events.")
+    # strict: true is not 1 and "3" is not 3 (booleans, numbers and strings do not stand in for each other);
+    # floats must be finite (NaN and infinities are refused).
+    max_new_tokens: int | None = Field(default=None, ge=1, strict=True, description="Most tokens to generate per output.")
+    temperature: float | None = Field(default=None, ge=0, le=100, strict=True, allow_inf_nan=False, description="0 = greedy.")
+    top_p: float | None = Field(default=None, gt=0, le=1, strict=True, allow_inf_nan=False, description="Nucleus sampling mass.")
+    top_k: int | None = Field(default=None, ge=0, strict=True, description="Keep the k most likely tokens (0 = off).")
+    n: int = Field(default=1, ge=1, strict=True, description="Number of outputs (sampled independently).")
+    num_beams: int = Field(default=1, ge=1, strict=True, description="Beam search width (1 = no beam search).")
+    seed: int | None = Field(default=None, ge=0, strict=True, description="Random seed for reproducible sampling.")
+    stream: bool = Field(default=False, strict=True, description="Stream tokens as server-sent events.")
 
     @model_validator(mode="after")
     def _check(self) -> "GenerateRequest":

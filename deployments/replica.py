@@ -230,7 +230,8 @@ class ModelReplica:
         name, version, compiled = await self._resolve_scenario(req)
         messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
         try:
-            prompt_ids = build_prompt_ids(compiled, self.tokenizer, prompt=req.prompt, messages=messages)
+            prompt_ids = build_prompt_ids(compiled, self.tokenizer, prompt=req.prompt, messages=messages,
+                                          special_tokens_in_content=self.settings.allow_special_tokens_in_content)
         except (ValueError, TemplateError) as exc:  # e.g. the chat template refuses the messages
             field = "messages" if messages is not None else "prompt"
             raise ServiceError(422, f"{field}: cannot build the prompt: {exc}", {"field": field}) from None

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 import uuid
 from datetime import datetime, timezone
@@ -114,10 +115,15 @@ def _redis_errors(method):
     def wrapper(self, *args, **kwargs):
         try:
             return method(self, *args, **kwargs)
+        # Redis's own texts name its socket path or host: they go to the log, clients get what happened.
         except (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError) as exc:
-            raise ServiceError(503, f"scenario store unavailable: {exc}") from exc
+            logging.getLogger("ray.serve").warning("scenario store unavailable: %s: %s", type(exc).__name__, exc)
+            what = ("Redis did not answer in time" if isinstance(exc, redis.TimeoutError) else
+                    "Redis is read-only" if isinstance(exc, redis.ReadOnlyError) else "cannot connect to Redis")
+            raise ServiceError(503, f"scenario store unavailable: {what}; retry later") from exc
         except redis.RedisError as exc:
-            raise ServiceError(500, f"scenario store error: {exc}") from exc
+            logging.getLogger("ray.serve").error("scenario store error: %s: %s", type(exc).__name__, exc)
+            raise ServiceError(500, f"scenario store error ({type(exc).__name__}; the manager's log has the detail)") from exc
 
     return wrapper
 

@@ -14,6 +14,7 @@ from .grammar import GrammarSpec, compile_json_schema, compile_regex
 from .labels import LabelTables, build_label_tables
 from .tables import MaskTables, build_tree_tables, content_hash
 from .think import ThinkSpec, compile_think
+from .special_tokens import contains_special_tokens, encode_chat, encode_segments
 
 __all__ = ["CompiledScenario", "Constraint", "build_prompt_ids", "compile_scenario", "eos_token_ids"]
 
@@ -149,6 +150,7 @@ def build_prompt_ids(
     *,
     prompt: str | None = None,
     messages: list[dict] | None = None,
+    special_tokens_in_content: bool = False,
 ) -> list[int]:
     """Token ids of the prompt for one request of a scenario.
 
@@ -157,6 +159,10 @@ def build_prompt_ids(
     marker is appended when the text does not already end with it; otherwise the tree's start token
     is appended when the ids do not already end with it (``append_start_token``). With think mode
     the constraint starts right after the end marker, at the root.
+
+    A special token spelled in the prompt, in a message or in the system prompt (``<|im_end|>``) stays text
+    unless ``special_tokens_in_content``: only the chat template's own markers are control tokens (see
+    :mod:`processors.special_tokens`). Text that spells none is tokenized as it always was.
     """
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt or messages")
@@ -167,12 +173,18 @@ def build_prompt_ids(
         if system and not (msgs and msgs[0].get("role") == "system"):
             msgs.insert(0, {"role": "system", "content": system})
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        contents = [m.get("content") for m in msgs]
     else:
         text = prompt
+        contents = [prompt]
     think = compiled.think if compiled is not None else None
-    if think is not None and not text.endswith(think.begin):
-        text = text + think.begin
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    suffix = think.begin if think is not None and not text.endswith(think.begin) else ""
+    if special_tokens_in_content or not contains_special_tokens(tokenizer, contents):
+        ids = list(tokenizer.encode(text + suffix, add_special_tokens=False))
+    elif messages is not None:
+        ids = encode_chat(tokenizer, msgs, text, suffix)
+    else:
+        ids = encode_segments(tokenizer, [(prompt, False), (suffix, True)])
     if think is None and compiled is not None and compiled.start_token_id is not None:
         if not ids or ids[-1] != compiled.start_token_id:
             ids.append(compiled.start_token_id)

@@ -1,0 +1,114 @@
+"""ASGI middlewares of the ingress that bound what one client can hold: in-flight generations per client, and the
+proxy headers that would lift the request timeout.
+
+* :class:`InflightPerClient`: at most ``max_inflight_per_client`` generation requests (``POST /v1/generate``,
+  ``/v1/completions``, ``/v1/chat/completions``) of one client at a time in this ingress replica; past that a
+  429 with ``Retry-After``. A client is its peer address, or the last address of ``client_ip_header`` when the
+  service runs behind a proxy that sets that header (the peer is then the proxy). A request counts from the
+  moment its headers reach the ingress until its response (a stream included) ends or the client goes away.
+  With several ingress replicas, the bound holds per replica.
+* :class:`ProxyHeaderCheck`: Serve's HTTP proxy lets a client choose its own request timeout
+  (``x-request-timeout-seconds``, where 0 or less means none) and switch off the disconnect check
+  (``x-request-disconnect-disabled: ?1``). Either would let a slow client be held longer than the service's
+  ``request_timeout_s``, so a value that is not a number of seconds in ``(0, request_timeout_s]``, and the
+  disconnect header, are a 422.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from deployments.protocol import ServiceError
+
+__all__ = ["GENERATE_PATHS", "InflightPerClient", "ProxyHeaderCheck"]
+
+GENERATE_PATHS = frozenset({"/v1/generate", "/v1/completions", "/v1/chat/completions"})
+RETRY_AFTER_S = 1
+TIMEOUT_HEADER = b"x-request-timeout-seconds"
+DISCONNECT_HEADER = b"x-request-disconnect-disabled"
+
+
+async def _answer(error: ServiceError, scope, receive, send, headers: dict[str, str] | None = None) -> None:
+    from starlette.responses import JSONResponse
+
+    await JSONResponse(error.to_json(), status_code=error.status, headers=headers)(scope, receive, send)
+
+
+def _header(scope, name: bytes) -> bytes | None:
+    return next((value for key, value in scope.get("headers") or [] if key == name), None)
+
+
+class InflightPerClient:
+    """ASGI middleware: at most ``limit`` generation requests in flight per client (see the module docstring)."""
+
+    def __init__(self, app: Any, limit: int, client_ip_header: str | None = None, paths=GENERATE_PATHS):
+        self.app = app
+        self.limit = int(limit)
+        self.header = client_ip_header.lower().encode("latin-1") if client_ip_header else None
+        self.paths = frozenset(paths)
+        self.inflight: dict[str, int] = {}  # one event loop per ingress replica: no lock needed
+
+    def client_of(self, scope) -> str:
+        if self.header is not None:
+            value = _header(scope, self.header)
+            if value:
+                # a proxy appends the address it saw: the last one is the one this service can trust
+                last = value.decode("latin-1").rsplit(",", 1)[-1].strip()
+                if last:
+                    return last
+        client = scope.get("client")
+        return str(client[0]) if client else "unknown"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in self.paths:
+            return await self.app(scope, receive, send)
+        client = self.client_of(scope)
+        count = self.inflight.get(client, 0)
+        if count >= self.limit:
+            error = ServiceError(
+                429, f"client: {count} requests of this client ({client}) are in flight, the limit "
+                     f"max_inflight_per_client={self.limit}; retry when one has finished",
+                {"field": "client", "limit_name": "max_inflight_per_client", "limit": self.limit},
+            )
+            return await _answer(error, scope, receive, send, {"Retry-After": str(RETRY_AFTER_S)})
+        self.inflight[client] = count + 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            left = self.inflight.get(client, 1) - 1
+            if left > 0:
+                self.inflight[client] = left
+            else:
+                self.inflight.pop(client, None)
+
+
+class ProxyHeaderCheck:
+    """ASGI middleware: refuse the proxy headers that lift the request timeout (see the module docstring)."""
+
+    def __init__(self, app: Any, request_timeout_s: float | None):
+        self.app = app
+        self.request_timeout_s = request_timeout_s
+
+    def _refusal(self, scope) -> ServiceError | None:
+        raw = _header(scope, TIMEOUT_HEADER)
+        if raw is not None:
+            cap = self.request_timeout_s
+            try:
+                value = float(raw.decode("latin-1"))
+            except ValueError:
+                value = math.nan
+            if not (math.isfinite(value) and value > 0 and (cap is None or value <= cap)):
+                bound = f"at most {cap:g} (the service's request_timeout_s)" if cap is not None else "finite"
+                return ServiceError(422, f"x-request-timeout-seconds: give a number of seconds above 0 and {bound}; "
+                                         "the request timeout cannot be lifted", {"field": "x-request-timeout-seconds"})
+        raw = _header(scope, DISCONNECT_HEADER)
+        if raw is not None and raw.strip() != b"?0":
+            return ServiceError(422, "x-request-disconnect-disabled: not accepted (a request ends when its client "
+                                     "goes away)", {"field": "x-request-disconnect-disabled"})
+        return None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (error := self._refusal(scope)) is not None:
+            return await _answer(error, scope, receive, send)
+        return await self.app(scope, receive, send)
