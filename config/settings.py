@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["LimitExceeded", "Limits", "ServerSettings", "json_depth", "regex_repeat"]
+__all__ = ["LimitExceeded", "Limits", "ServerSettings", "json_depth", "regex_repeat", "schema_patterns"]
 
 MAX_SEED = 2**63 - 1
 """Largest ``seed`` a request may give (a signed 64-bit integer; torch generators take no more)."""
@@ -71,16 +71,19 @@ _BRACED_ESCAPES = frozenset("pPxuU")  # \p{L}, \x{10FFFF}, ...: braces that are 
 
 
 def regex_repeat(pattern: str) -> int:
-    """The largest number of times one piece of ``pattern`` may have to be repeated: the product of the
-    counted repetitions (``{n}``, ``{n,}``, ``{n,m}``; the upper bound, or ``n`` when open) along the
-    deepest nesting. ``[0-9]{3}-[0-9]{4}`` gives 4, ``(a{100}){100}`` gives 10000, ``a+`` gives 1.
+    """The size of ``pattern`` with every counted repetition written out: ``{n,m}`` repeats what it applies
+    to ``m`` times (``n`` when open), sequential pieces add up, nested repetitions multiply, each branch of
+    an alternation counts, and every other atom (a character, a class, an escape) is 1; ``*``, ``+`` and
+    ``?`` add nothing. ``[0-9]{3}-[0-9]{4}`` gives 8, ``(a{100}){100}`` 10000, ``"(a{10000})" * 400``
+    4000000, ``a+`` 1.
 
     A grammar engine expands counted repetitions into that many copies, so this is the measure of a
     regex's size that its length does not show (``a{1000000}`` is 10 characters). Syntax errors are
     left to the regex engine: this only scans.
     """
-    frames = [1]  # per open group: the largest repetition product inside it so far
-    last = 0  # repetition product of the atom just read (what a quantifier would apply to); 0: none
+    # Per open group: [size of the finished alternation branches, size of the current branch].
+    frames: list[list[int]] = [[0, 0]]
+    last = 0  # size of the atom or group just read (what a quantifier would apply to); 0: none
     i, n = 0, len(pattern)
     while i < n:
         c = pattern[i]
@@ -90,6 +93,7 @@ def regex_repeat(pattern: str) -> int:
                 close = pattern.find("}", i)
                 i = n if close < 0 else close + 1
             last = 1
+            frames[-1][1] += 1
         elif c == "[":  # a class, possibly with nested classes ([a-z&&[^aeiou]], [[:alpha:]])
             depth, i = 1, i + 1
             if i < n and pattern[i] == "^":
@@ -105,29 +109,81 @@ def regex_repeat(pattern: str) -> int:
                     depth -= 1
                 i += 1
             last = 1
+            frames[-1][1] += 1
         elif c == "(":
-            frames.append(1)
+            frames.append([0, 0])
             last, i = 0, i + 1
         elif c == ")":
-            last = frames.pop() if len(frames) > 1 else 1
-            frames[-1] = max(frames[-1], last)
+            if len(frames) > 1:
+                done, branch = frames.pop()
+                last = min(done + branch, _HUGE)
+            else:  # an unbalanced ')': a literal to this scan
+                last = 1
+            frames[-1][1] = min(frames[-1][1] + last, _HUGE)
             i += 1
         elif c == "{" and last and (match := _COUNTED.match(pattern, i)):
             low, comma, high = match.groups()
             digits = high if comma and high else low
             bound = int(digits) if len(digits) <= 18 else _HUGE  # int() refuses very long digit strings
-            last = min(last * max(bound, 1), _HUGE)
-            frames[-1] = max(frames[-1], last)
+            grown = min(last * max(bound, 1), _HUGE)
+            frames[-1][1] = min(frames[-1][1] - last + grown, _HUGE)
+            last = grown
             i = match.end()
-        elif c in "|*+?":
-            if c == "|":
-                last = 0
+        elif c == "|":
+            frames[-1][0] = min(frames[-1][0] + frames[-1][1], _HUGE)
+            frames[-1][1] = 0
+            last, i = 0, i + 1
+        elif c in "*+?":
             i += 1
         else:
             last, i = 1, i + 1
-        if last:
-            frames[-1] = max(frames[-1], last)
-    return max(frames)
+            frames[-1][1] += 1
+    total = 0
+    for done, branch in frames:  # unclosed groups count too
+        total += done + branch
+    return min(total, _HUGE)
+
+
+def schema_patterns(schema: Any, field: str = "schema"):
+    """The regexes of a JSON schema with the JSON path of each: every ``pattern`` keyword, every key of a
+    ``patternProperties`` (``propertyNames`` is a schema: its ``pattern`` is found like any other).
+
+    Values of ``const``, ``enum``, ``default`` and ``examples`` are data, not schemas, and are skipped;
+    so are the names under ``properties``, ``$defs`` and the like (a property may be called ``pattern``).
+    Iterative, so a deep schema is walked without recursion.
+    """
+    stack: list[tuple[Any, str]] = [(schema, field)]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, list):
+            stack.extend((item, f"{path}[{index}]") for index, item in reversed(list(enumerate(node))))
+            continue
+        if not isinstance(node, Mapping):
+            continue
+        children = []
+        for key, value in node.items():
+            if key in _SCHEMA_DATA:
+                continue
+            where = f"{path}.{key}" if _PLAIN_KEY.fullmatch(str(key)) else f"{path}[{json.dumps(key)}]"
+            if key == "pattern":
+                if isinstance(value, str):
+                    yield where, value
+                else:
+                    children.append((value, where))
+            elif key in _SCHEMA_MAPS and isinstance(value, Mapping):
+                for name, sub in value.items():
+                    sub_path = f"{where}.{name}" if _PLAIN_KEY.fullmatch(str(name)) else f"{where}[{json.dumps(name)}]"
+                    if key == "patternProperties" and isinstance(name, str):
+                        yield f"{where}[{json.dumps(name)}]", name
+                    children.append((sub, sub_path))
+            elif isinstance(value, (Mapping, list)):
+                children.append((value, where))
+        stack.extend(reversed(children))
+
+
+_SCHEMA_DATA = frozenset({"const", "enum", "default", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_PLAIN_KEY = re.compile(r"[A-Za-z_$][A-Za-z0-9_$]*")
 
 
 class Limits(BaseModel):
@@ -148,11 +204,23 @@ class Limits(BaseModel):
     max_regex_length: int = Field(default=4096, ge=1, description="Longest regex pattern.")
     max_regex_repeat: int = Field(
         default=10_000, ge=1,
-        description="Largest counted repetition in a regex: the product of the {n,m} bounds along the deepest "
-        "nesting (a{1000000} and ((a{100}){100}){100} are 1000000).",
+        description="Largest size of a regex with its counted repetitions written out: {n,m} repeats what it "
+        "applies to m times (n when open), sequential pieces add up, nested ones multiply, other atoms count 1 "
+        "(a{1000000} and ((a{100}){100}){100} are 1000000, (a{10000}) written 400 times is 4000000). Applies to a "
+        "regex scenario and to every pattern inside a JSON schema.",
     )
     max_json_depth: int = Field(default=64, ge=4, description="Deepest nesting of a JSON request body.")
-    compile_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False, description="Longest time a scenario may take to compile.")
+    compile_timeout_s: float = Field(
+        default=60.0, gt=0, allow_inf_nan=False,
+        description="Longest time a scenario may take to compile. A JSON-schema or regex grammar is built in a "
+        "separate worker process that is killed at this limit.",
+    )
+    compile_memory_mb: int = Field(
+        default=1024, ge=32,
+        description="Most memory (MiB) one JSON-schema or regex grammar compile may take: the compile worker "
+        "process's address space is limited to its size after start-up plus this; past it the compile fails "
+        "and the worker is replaced, the service is not affected.",
+    )
 
     @model_validator(mode="after")
     def _depths_agree(self) -> "Limits":
@@ -168,7 +236,8 @@ class Limits(BaseModel):
         """Check a scenario body (the raw dict, before validation) against these limits.
 
         Cheap checks only, meant to run before the body is validated or compiled: label count, inline tree
-        keys, schema nesting and size, regex length and repetition, the scenario's own ``max_new_tokens``.
+        keys, schema nesting and size, regex length and repetition (also of the patterns in a schema), the
+        scenario's own ``max_new_tokens``.
         Fields of the wrong type are left to validation. (A tree given as a ``path`` is counted when it is
         loaded: see :meth:`check_tree_keys`.)
 
@@ -199,8 +268,10 @@ class Limits(BaseModel):
             raise LimitExceeded(field, f"{count} keys", "max_tree_keys", self.max_tree_keys)
 
     def check_schema(self, schema: Any, field: str = "schema") -> None:
-        """Raise :class:`LimitExceeded` for a JSON schema nested deeper than ``max_schema_depth`` or larger
-        than ``max_schema_bytes`` (compact JSON, UTF-8). Depth is checked first, without recursion."""
+        """Raise :class:`LimitExceeded` for a JSON schema nested deeper than ``max_schema_depth``, larger
+        than ``max_schema_bytes`` (compact JSON, UTF-8), or with a regex (see :func:`schema_patterns`) over
+        the regex limits, named by its JSON path (``schema.allOf[2].pattern``). Depth is checked first,
+        without recursion."""
         depth = json_depth(schema, stop_at=self.max_schema_depth)
         if depth > self.max_schema_depth:
             raise LimitExceeded(field, f"nesting depth over {self.max_schema_depth}", "max_schema_depth", self.max_schema_depth)
@@ -210,15 +281,18 @@ class Limits(BaseModel):
             return  # not JSON: validation reports it
         if size > self.max_schema_bytes:
             raise LimitExceeded(field, f"{size} bytes", "max_schema_bytes", self.max_schema_bytes)
+        for path, pattern in schema_patterns(schema, field):
+            self.check_regex(pattern, path)
 
     def check_regex(self, pattern: str, field: str = "pattern") -> None:
-        """Raise :class:`LimitExceeded` for a pattern longer than ``max_regex_length`` characters or with a
-        counted repetition (see :func:`regex_repeat`) above ``max_regex_repeat``."""
+        """Raise :class:`LimitExceeded` for a pattern longer than ``max_regex_length`` characters or larger
+        than ``max_regex_repeat`` with its counted repetitions written out (see :func:`regex_repeat`)."""
         if len(pattern) > self.max_regex_length:
             raise LimitExceeded(field, f"{len(pattern)} characters", "max_regex_length", self.max_regex_length)
         repeat = regex_repeat(pattern)
         if repeat > self.max_regex_repeat:
-            raise LimitExceeded(field, f"a counted repetition of {repeat}", "max_regex_repeat", self.max_regex_repeat)
+            raise LimitExceeded(field, f"a size of {repeat} with its counted repetitions written out",
+                                "max_regex_repeat", self.max_regex_repeat)
 
     def check_json_depth(self, body: Any, field: str = "body") -> None:
         """Raise :class:`LimitExceeded` for a JSON body nested deeper than ``max_json_depth``."""

@@ -28,12 +28,14 @@ bodies, and their mapping to and from the native API, are in ``deployments/opena
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
 import sys
 import time
 import uuid
+from collections import OrderedDict
 from contextlib import aclosing
 from typing import Annotated, Any, AsyncIterator, Literal
 
@@ -74,7 +76,9 @@ logger = logging.getLogger("ray.serve")
 ScenarioName = Annotated[str, PathParam(pattern=NAME_PATTERN, description="Scenario name (the store's naming rule).")]
 HEALTH_TIMEOUT_S = 5.0
 # A request whose model replica died (crash, lost node) is sent again this many times; generation has no side effects.
-MODEL_RETRIES = 2
+# A request that was already in flight at an earlier replica death is never sent again (see DeathMemory).
+MODEL_RETRIES = 1
+DEATH_MEMORY_SIZE = 4096  # request fingerprints remembered after a replica death
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _SSE_DONE = "data: [DONE]\n\n"
 
@@ -135,6 +139,40 @@ def _replica_died(exc: BaseException) -> bool:
     died = tuple(c for c in (getattr(ray_exc, "RayActorError", None), getattr(ray_exc, "ActorUnavailableError", None))
                  if isinstance(c, type))
     return isinstance(exc, died)
+
+
+def request_fingerprint(payload: dict[str, Any]) -> str:
+    """What identifies a generate request across retries and resends: its body (without ``stream``), hashed."""
+    body = {k: v for k, v in payload.items() if k != "stream"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class DeathMemory:
+    """Fingerprints of requests that were in flight on a model replica when it died (the newest ``size``).
+
+    A request is retried after a replica death only when its fingerprint was in no earlier death: the same
+    request dying with a second replica (its retry, or the client sending it again) is answered 503, so a
+    request that kills replicas cannot take them down one after another. Per ingress process.
+    """
+
+    def __init__(self, size: int = DEATH_MEMORY_SIZE):
+        self.size = size
+        self._seen: OrderedDict[str, None] = OrderedDict()
+
+    def record(self, fingerprint: str) -> bool:
+        """Note a death with this request in flight; whether the request was in an earlier death too."""
+        seen = fingerprint in self._seen
+        self._seen[fingerprint] = None
+        self._seen.move_to_end(fingerprint)
+        while len(self._seen) > self.size:
+            self._seen.popitem(last=False)
+        return seen
+
+
+def _not_retried(exc: BaseException) -> ServiceError:
+    logger.warning("model replica died (%s) with a request in flight that was in flight at an earlier replica "
+                   "death too; not retried", type(exc).__name__)
+    return ServiceError(503, "this request was in flight when a replica died; not retried", {"retried": False})
 
 
 def _error_response(error: ServiceError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -380,6 +418,7 @@ class Ingress:
         self.manager = manager_handle
         self.model_name = served_model_name(self.settings.model)
         self.created = int(time.time())
+        self.deaths = DeathMemory()  # requests in flight at a model replica's death: retried once, never again
         route_logs_to_serve()
         self._admin_token = resolve_admin_token(self.settings)
         self.http_app = build_http_app(self)
@@ -405,6 +444,7 @@ class Ingress:
 
         Generation has no side effects, so a request whose replica process dies (a crash, a lost node)
         is retried up to ``MODEL_RETRIES`` times; a seeded request gives the same answer on any replica.
+        A request that was in flight at an earlier death is not retried (503, see :class:`DeathMemory`).
         """
         for attempt in range(MODEL_RETRIES + 1):
             try:
@@ -412,6 +452,8 @@ class Ingress:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if _replica_died(exc) and self.deaths.record(request_fingerprint(payload)):
+                    raise _not_retried(exc) from None
                 if attempt < MODEL_RETRIES and _replica_died(exc):
                     logger.warning("model replica died during a request (%s); retrying on another replica "
                                    "(attempt %d of %d)", type(exc).__name__, attempt + 1, MODEL_RETRIES)
@@ -439,6 +481,8 @@ class Ingress:
                 raise
             except Exception as exc:
                 _cancel(stream)
+                if _replica_died(exc) and self.deaths.record(request_fingerprint(request.model_dump())):
+                    raise _not_retried(exc) from None
                 if attempt < MODEL_RETRIES and _replica_died(exc):  # nothing was sent to the client yet
                     logger.warning("model replica died before the first event (%s); retrying", type(exc).__name__)
                     continue

@@ -176,6 +176,12 @@ class ConfigManager:
         # Compiles get their own threads: one that times out keeps running (a thread cannot be
         # stopped) and must not starve the Redis calls, which go to asyncio's default executor.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="config-manager-compile")
+        # JSON-schema and regex grammars are built in a worker process that is killed at the limits
+        # (their cost can explode on a small schema; a thread could not be stopped).
+        from processors.compile_worker import GrammarWorker
+
+        self._grammar_worker = GrammarWorker(tokenizer, timeout_s=self.settings.limits.compile_timeout_s,
+                                             memory_mb=self.settings.limits.compile_memory_mb)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._listener: threading.Thread | None = None
@@ -228,9 +234,14 @@ class ConfigManager:
 
     def _compile_now(self, name: str, scenario):
         from processors import compile_scenario
+        from processors.compile_worker import CompileCrashed, CompileLimitError
 
         try:
-            return compile_scenario(scenario, self.tokenizer)
+            return compile_scenario(scenario, self.tokenizer, grammar_worker=self._grammar_worker)
+        except CompileLimitError as exc:  # "did not compile within 60 s (limits.compile_timeout_s=60)"
+            raise ServiceError(400, f"scenario {name!r} {exc}", {"name": name, **exc.detail()}) from None
+        except CompileCrashed as exc:
+            raise ServiceError(400, f"scenario {name!r} {exc}", {"name": name}) from None
         except (ValueError, OSError) as exc:  # TreeFileError is a ValueError
             raise ServiceError(400, f"scenario {name!r} does not compile for the served tokenizer: {exc}",
                                {"name": name}) from None
@@ -732,6 +743,7 @@ class ConfigManager:
     async def close(self) -> None:
         """Stop the background task and the listener thread (the store and Redis stay as they are)."""
         await asyncio.get_running_loop().run_in_executor(None, self._stop_listener)
+        self._grammar_worker.close()
         task, self._task = self._task, None
         if task is not None and not task.done():
             task.cancel()
@@ -747,6 +759,9 @@ class ConfigManager:
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
+        worker = getattr(self, "_grammar_worker", None)
+        if worker is not None:
+            worker.close()
         if getattr(self, "_embedded", False):
             try:
                 from deployments.redis_server import close_embedded

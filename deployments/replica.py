@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 from config import ServerSettings, load_scenario
 from config.settings import LimitExceeded
 from processors import CompiledScenario, build_prompt_ids, compile_scenario
+from processors.compile_worker import CompileCrashed, CompileLimitError, GrammarWorker
 
 from .engine import DecodeEngine, Job, SamplingParams
 from .metrics import ReplicaMetrics, route_logs_to_serve
@@ -94,6 +95,9 @@ class ModelReplica:
         self._scenarios: dict[str, tuple[int, CompiledScenario]] = {}
         self._lock = threading.Lock()
         self._inline: OrderedDict[str, CompiledScenario] = OrderedDict()
+        # One-off JSON-schema and regex grammars are built in a worker process killed at the compile limits.
+        self._grammar_worker = GrammarWorker(tokenizer, timeout_s=self.settings.limits.compile_timeout_s,
+                                             memory_mb=self.settings.limits.compile_memory_mb)
         self._epoch = -1
         self._manager = manager
         self._stop = threading.Event()
@@ -153,6 +157,7 @@ class ModelReplica:
     def shutdown(self) -> None:
         self._stop.set()
         self.engine.stop()
+        self._grammar_worker.close()
 
     def __del__(self):  # pragma: no cover - best effort
         try:
@@ -188,10 +193,15 @@ class ModelReplica:
                     raise ServiceError(422, f"invalid constraint: {exc}") from None
                 timeout = self.settings.limits.compile_timeout_s
                 try:
-                    async with asyncio.timeout(timeout):  # the thread finishes in the background, unused
-                        compiled = await asyncio.to_thread(compile_scenario, scenario, self.tokenizer)
+                    async with asyncio.timeout(timeout):  # a grammar's worker process is killed at the limit too
+                        compiled = await asyncio.to_thread(compile_scenario, scenario, self.tokenizer,
+                                                           grammar_worker=self._grammar_worker)
                 except TimeoutError:
                     raise ServiceError(400, f"constraint did not compile within {timeout:g} s (limits.compile_timeout_s)") from None
+                except CompileLimitError as exc:  # "exceeded the compile memory limit (limits.compile_memory_mb=1024)"
+                    raise ServiceError(400, f"constraint {exc}", exc.detail()) from None
+                except CompileCrashed as exc:
+                    raise ServiceError(400, f"constraint {exc}") from None
                 except ValueError as exc:
                     raise ServiceError(400, f"constraint does not compile: {exc}") from None
                 except Exception as exc:  # a grammar engine may raise other types on a bad pattern

@@ -90,8 +90,12 @@ class CompiledScenario:
         return (end,) + tuple(t for t in self.eos_token_ids if t != end)
 
 
-def compile_scenario(scenario, tokenizer, *, model_config=None) -> CompiledScenario:
+def compile_scenario(scenario, tokenizer, *, model_config=None, grammar_worker=None) -> CompiledScenario:
     """Compile a ``config`` scenario for ``tokenizer``.
+
+    ``grammar_worker``: a :class:`~processors.compile_worker.GrammarWorker` that builds and checks
+    json/json_schema/regex grammars in its own process, bounded in time and memory (it raises
+    :class:`~processors.compile_worker.CompileLimitError` past a limit); ``None``: in this process.
 
     Raises ``ValueError`` with a message naming the problem (an id outside the vocabulary, a label
     that does not round-trip, an invalid grammar, a think marker that does not tokenize).
@@ -118,11 +122,11 @@ def compile_scenario(scenario, tokenizer, *, model_config=None) -> CompiledScena
             max_labels=scenario.max_labels,
         )
     elif kind == "json_schema":
-        constraint = compile_json_schema(scenario.json_schema, tokenizer, eos_token_id=eos[0])
+        constraint = compile_json_schema(scenario.json_schema, tokenizer, eos_token_id=eos[0], worker=grammar_worker)
     elif kind == "json":
-        constraint = compile_json_schema(None, tokenizer, eos_token_id=eos[0])
+        constraint = compile_json_schema(None, tokenizer, eos_token_id=eos[0], worker=grammar_worker)
     elif kind == "regex":
-        constraint = compile_regex(scenario.pattern, tokenizer, eos_token_id=eos[0])
+        constraint = compile_regex(scenario.pattern, tokenizer, eos_token_id=eos[0], worker=grammar_worker)
     else:  # pragma: no cover - the config models are a closed union
         raise ValueError(f"unknown scenario type {kind!r}")
     think = None

@@ -8,6 +8,10 @@ costs about 0.4 s for a 49k vocabulary).
 JSON grammars are compiled with ``whitespace_flexible: False``: no free whitespace between tokens,
 so a small model cannot loop on spaces until ``max_new_tokens`` (a trap reported by vLLM users).
 Remote ``$ref``s are never fetched: llguidance resolves only local references and refuses others.
+
+Building and checking a grammar is the step whose cost can explode (time and memory exponential in a
+small schema): the service runs it in a bounded worker process (``processors.compile_worker``), passed
+as ``worker=``; without one it runs here.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .base import Cursor, as_ids
+from .compile_worker import build_grammar
 from .masks import ALLOW, BITMASK, Step, bitmask_words
 from .tables import content_hash
 
@@ -86,39 +91,31 @@ class GrammarSpec:
         return self.eos_token_id
 
 
-def _check(kind: str, grammar: str, tokenizer, eos_token_id: int) -> GrammarSpec:
-    import llguidance
+def _grammar(kind: str, source: str, tokenizer, worker) -> str:
+    if worker is None:
+        return build_grammar(kind, source, get_lltokenizer(tokenizer), JSON_OPTIONS)
+    if worker.vocab_size != len(tokenizer):
+        raise ValueError(f"the compile worker was built for a vocabulary of {worker.vocab_size}, "
+                         f"this tokenizer has {len(tokenizer)}")
+    return worker.build(kind, source, JSON_OPTIONS)
 
-    lltok = get_lltokenizer(tokenizer)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
-    if is_error:
-        raise ValueError(f"invalid {kind} constraint: {messages[0] if messages else 'unknown error'}")
+
+def compile_json_schema(schema: dict | None, tokenizer, *, eos_token_id: int, worker=None) -> GrammarSpec:
+    """Compile a JSON schema (``None`` or ``{}``: any JSON value) into a :class:`GrammarSpec`.
+
+    ``worker``: a :class:`~processors.compile_worker.GrammarWorker` to build and check the grammar in its
+    process, within its time and memory limits; ``None``: in this process, unbounded.
+    """
+    kind = "json" if not schema else "json_schema"
+    grammar = _grammar(kind, json.dumps(schema or {}), tokenizer, worker)
     return GrammarSpec(kind=kind, grammar=grammar, eos_token_id=int(eos_token_id), vocab_size=len(tokenizer))
 
 
-def compile_json_schema(schema: dict | None, tokenizer, *, eos_token_id: int) -> GrammarSpec:
-    """Compile a JSON schema (``None`` or ``{}``: any JSON value) into a :class:`GrammarSpec`."""
-    import llguidance
-
-    kind = "json" if not schema else "json_schema"
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema or {}), defaults=dict(JSON_OPTIONS)
-        )
-    except (ValueError, RuntimeError) as exc:
-        raise ValueError(f"invalid JSON schema: {exc}") from exc
-    return _check(kind, grammar, tokenizer, eos_token_id)
-
-
-def compile_regex(pattern: str, tokenizer, *, eos_token_id: int) -> GrammarSpec:
-    """Compile a regular expression (Rust ``regex`` syntax, whole-output match)."""
-    import llguidance
-
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_regex(pattern)
-    except (ValueError, RuntimeError) as exc:
-        raise ValueError(f"invalid regex {pattern!r}: {exc}") from exc
-    return _check("regex", grammar, tokenizer, eos_token_id)
+def compile_regex(pattern: str, tokenizer, *, eos_token_id: int, worker=None) -> GrammarSpec:
+    """Compile a regular expression (Rust ``regex`` syntax, whole-output match); ``worker`` as for
+    :func:`compile_json_schema`."""
+    grammar = _grammar("regex", pattern, tokenizer, worker)
+    return GrammarSpec(kind="regex", grammar=grammar, eos_token_id=int(eos_token_id), vocab_size=len(tokenizer))
 
 
 def new_matcher(spec: GrammarSpec, tokenizer):

@@ -47,6 +47,7 @@ COVERED = {
     "max_regex_repeat": ["test_regex_repeat", "test_regex_repeat_measure"],
     "max_json_depth": ["test_json_depth"],
     "compile_timeout_s": ["test_compile_timeout"],
+    "compile_memory_mb": ["test_compile_memory"],  # more in tests/security/test_compile_bounds.py
 }
 
 
@@ -270,15 +271,17 @@ def test_regex_repeat(live):
 
 
 def test_regex_repeat_measure():
-    """What "complexity" counts: counted repetitions multiplied along the nesting, nothing else."""
-    assert regex_repeat("[0-9]{3}-[0-9]{4}") == 4
+    """What it counts: the size with counted repetitions written out (sequential add up, nested multiply).
+    More cases in tests/unit/test_regex_limits.py."""
+    assert regex_repeat("[0-9]{3}-[0-9]{4}") == 8
     assert regex_repeat("(a{100}){100}") == 10_000
     assert regex_repeat("((a{100}){100}){100}") == 1_000_000
-    assert regex_repeat("(ab|c{7}){3}") == 21
-    assert regex_repeat("a{2,}b{3,5}") == 5
-    assert regex_repeat(r"\p{L}{3}\x{41}") == 3  # braces of an escape are not a repetition
-    assert regex_repeat(r"a\{99\}[{]{2}") == 2  # escaped or in a class: literal braces
-    assert regex_repeat("(a+)*b?") == 1
+    assert regex_repeat("(a{10000})" * 400) == 4_000_000
+    assert regex_repeat("(ab|c{7}){3}") == 27
+    assert regex_repeat("a{2,}b{3,5}") == 7
+    assert regex_repeat(r"\p{L}{3}\x{41}") == 4  # braces of an escape are not a repetition
+    assert regex_repeat(r"a\{99\}[{]{2}") == 7  # escaped or in a class: literal braces
+    assert regex_repeat("(a+)*b?") == 2
     assert regex_repeat("a{" + "9" * 40 + "}") >= 10**18  # no int() of a huge literal, still over any limit
     with pytest.raises(LimitExceeded) as error:
         Limits(max_regex_repeat=50).check_regex("(a{10}){6}")
@@ -399,6 +402,25 @@ def test_compile_timeout(small_manager, tokenizer):
         assert not hasty.store.versions("slow")
     finally:
         small_manager.run(hasty.close())
+
+
+def test_compile_memory(small_manager, tokenizer):
+    """A schema under 1 KB whose grammar wants gigabytes (an allOf of 24 patterns) is a 400 naming the limit; the
+    grammar is built in a worker process, so only that process runs out of memory."""
+    from deployments.manager import ConfigManager
+
+    frugal = ConfigManager(ServerSettings(data_dir=small_manager.settings.data_dir, seed_examples=False,
+                                          limits=Limits(compile_memory_mb=64)),
+                           tokenizer=tokenizer, redis_client=small_manager.store.client, prefix="cs-frugal:")
+    schema = {"type": "string", "allOf": [{"pattern": f"a{{{i},}}"} for i in range(1, 25)]}
+    try:
+        with pytest.raises(ServiceError) as error:
+            small_manager.run(frugal.put("greedy", {"type": "json_schema", "schema": schema}))
+        assert error.value.status == 400 and "compile_memory_mb=64" in error.value.message, error.value.message
+        assert not frugal.store.versions("greedy")
+        assert small_manager.run(frugal.put("fine", {"type": "json_schema", "schema": {"type": "integer"}}))
+    finally:
+        small_manager.run(frugal.close())
 
 
 def test_replica_limits(tokenizer, model):
