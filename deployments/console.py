@@ -11,9 +11,11 @@ from outside the service) talks only to the service's own HTTP API:
   and the tokens it emitted so far, nothing else (not the prompt, not the sampler);
 * rollback to a chosen version (``POST /admin/scenarios/{name}/rollback``).
 
-The admin token is typed into the page, kept in ``sessionStorage`` and sent as ``Authorization: Bearer``; the
-server checks it on every ``/admin`` route as always (the page itself and its files are public and hold no
-data).
+The admin token is typed into the page, kept in the page script's memory only (not in ``sessionStorage``,
+``localStorage`` or a cookie, which any page of this origin could read; a reload forgets it) and sent as
+``Authorization: Bearer``; the server checks it on every ``/admin`` route as always (the page itself and its files
+are public and hold no data). The page's link to ``/docs`` opens a new tab without an opener, and ``/docs`` is
+served by this service under its own CSP (``deployments/docs.py``).
 
 ``inspect`` is an admin route because the allowed sets spell out the scenario (every path of a tree, every
 label), which only admins may read (``GET /admin/scenarios/{name}``).
@@ -174,13 +176,13 @@ class InspectBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    token_ids: list[Annotated[int, Field(ge=0)]] = Field(
+    token_ids: list[Annotated[int, Field(ge=0, strict=True)]] = Field(
         default_factory=list,
         description="The prefix to replay: token ids a row of this scenario emitted (e.g. an output's token_ids). "
                     "At most limits.max_new_tokens ids, each inside the vocabulary.",
     )
-    version: int | None = Field(default=None, ge=1, description="A stored version (default: the one served now).")
-    limit: int = Field(default=100, ge=1, le=MAX_LIMIT, description="Most allowed token ids listed per step.")
+    version: int | None = Field(default=None, ge=1, strict=True, description="A stored version (default: the one served now).")
+    limit: int = Field(default=100, ge=1, le=MAX_LIMIT, strict=True, description="Most allowed token ids listed per step.")
     steps: Literal["all", "last"] = Field(
         default="all", description="all: one entry per token plus the next step; last: only what may come next."
     )

@@ -53,6 +53,7 @@ from config.settings import LimitExceeded
 from deployments.auth import check_bearer, resolve_admin_token
 from deployments.metrics import route_logs_to_serve
 from deployments.console import mount_console
+from deployments.docs import mount_docs
 from deployments.guards import InflightPerClient, ProxyHeaderCheck
 from deployments.json_body import StrictJSONBody
 from deployments.store import NAME_PATTERN, validate_name
@@ -691,6 +692,11 @@ def build_http_app(ingress: Ingress) -> FastAPI:
         # No 307 from '/admin/scenarios/a/' to '/admin/scenarios/a' (a client that follows it would write a
         # scenario it did not name, and before any token check): a trailing slash is a 404, or a 422 for a name.
         redirect_slashes=False,
+        # FastAPI's /docs and /redoc load their scripts from a CDN: /docs is served from deployments/docs-ui/
+        # instead (deployments/docs.py), under a Content-Security-Policy; there is no /redoc.
+        docs_url=None,
+        redoc_url=None,
+        swagger_ui_oauth2_redirect_url=None,
     )
     _install_error_handlers(app, not_found=lambda request, status: _admin_not_found(ingress, request, status),
                             redact=ingress.settings.redact_paths)
@@ -785,5 +791,6 @@ def build_http_app(ingress: Ingress) -> FastAPI:
 
     app.include_router(admin)
     mount_console(app, ingress, require_admin)  # /console and POST /admin/scenarios/{name}/inspect
+    mount_docs(app)  # /docs: Swagger UI from this service
     _with_scenario_components(app)
     return app

@@ -4,7 +4,6 @@
 "use strict";
 
 (function () {
-  const TOKEN_KEY = "constrained-serve.admin-token";
   const TREE_LIMIT = 200; // allowed tokens listed in the tree view
   const PLAY_LIMIT = 50; // allowed tokens listed per playground step
 
@@ -43,21 +42,16 @@
 
   // ------------------------------------------------------------------------------------------ token
 
+  // The admin token lives in this closure only: not in sessionStorage or localStorage, which every page of this
+  // origin can read (/docs among them), nor in a cookie. A reload forgets it; type it again.
+  let adminToken = "";
+
   function token() {
-    try {
-      return sessionStorage.getItem(TOKEN_KEY) || "";
-    } catch (e) {
-      return "";
-    }
+    return adminToken;
   }
 
   function setToken(value) {
-    try {
-      if (value) sessionStorage.setItem(TOKEN_KEY, value);
-      else sessionStorage.removeItem(TOKEN_KEY);
-    } catch (e) {
-      /* storage disabled: the token lives only in the input */
-    }
+    adminToken = value || "";
     renderTokenStatus();
   }
 
