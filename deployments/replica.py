@@ -94,7 +94,7 @@ class ModelReplica:
         self.engine.start()
         self._scenarios: dict[str, tuple[int, CompiledScenario]] = {}
         self._lock = threading.Lock()
-        self._inline: OrderedDict[str, CompiledScenario] = OrderedDict()
+        self._inline: OrderedDict[str, CompiledScenario | tuple] = OrderedDict()  # or a refusal (status, message, detail)
         # One-off JSON-schema and regex grammars are built in a worker process killed at the compile limits.
         self._grammar_worker = GrammarWorker(tokenizer, timeout_s=self.settings.limits.compile_timeout_s,
                                              memory_mb=self.settings.limits.compile_memory_mb)
@@ -186,6 +186,9 @@ class ModelReplica:
                                         "server file ('path'); store a scenario to use a tree file", {"field": "path"})
             key = json.dumps(body, sort_keys=True)
             compiled = self._inline.get(key)
+            if isinstance(compiled, tuple):  # it went past the compile memory limit before, and would again
+                self._inline.move_to_end(key)
+                raise ServiceError(*compiled)
             if compiled is None:
                 try:
                     scenario = load_scenario(body)
@@ -199,7 +202,12 @@ class ModelReplica:
                 except TimeoutError:
                     raise ServiceError(400, f"constraint did not compile within {timeout:g} s (limits.compile_timeout_s)") from None
                 except CompileLimitError as exc:  # "exceeded the compile memory limit (limits.compile_memory_mb=1024)"
-                    raise ServiceError(400, f"constraint {exc}", exc.detail()) from None
+                    refusal = (400, f"constraint {exc}", exc.detail())
+                    if exc.limit_name == "compile_memory_mb":  # deterministic: refuse the same body without a compile
+                        self._inline[key] = refusal
+                        while len(self._inline) > _INLINE_CACHE_SIZE:
+                            self._inline.popitem(last=False)
+                    raise ServiceError(*refusal) from None
                 except CompileCrashed as exc:
                     raise ServiceError(400, f"constraint {exc}") from None
                 except ValueError as exc:

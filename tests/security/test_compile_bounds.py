@@ -176,6 +176,13 @@ def test_replica_one_off_schema_is_a_clean_400_and_the_replica_serves_on(tokeniz
         watch.check()
         assert error.value.status == 400 and error.value.message.startswith("constraint "), error.value.message
         _names_a_compile_limit(error.value.message)
+        if error.value.detail.get("limit_name") == "compile_memory_mb":  # sent again: refused without a compile
+            assert replica._grammar_worker.wait_ready()
+            pid = replica._grammar_worker.pid
+            with pytest.raises(ServiceError) as second:
+                asyncio.run(replica.generate(request))
+            assert second.value.message == error.value.message
+            assert replica._grammar_worker.pid == pid  # the worker was not killed at the limit a second time
         out = asyncio.run(replica.generate({"inline_scenario": {"type": "regex", "pattern": "a{3}"}, "prompt": "x",
                                             "max_new_tokens": 5}))
         assert out["outputs"][0]["text"] == "aaa"
