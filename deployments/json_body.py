@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import sys
@@ -44,6 +45,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _SURROGATE_ESCAPE_STR = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+_THREAD_BYTES = 1 << 20
 
 
 class BodyRejected(ValueError):
@@ -220,7 +222,10 @@ class StrictJSONBody:
         raw = b"".join(chunks)
         if raw.strip():
             try:
-                parse_json(raw)
+                if len(raw) > _THREAD_BYTES:  # a large tree takes a second or more: not on the event loop
+                    await asyncio.to_thread(parse_json, raw)
+                else:
+                    parse_json(raw)
             except BodyRejected as error:
                 from starlette.responses import JSONResponse
 

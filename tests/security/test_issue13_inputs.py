@@ -119,6 +119,12 @@ def test_duplicate_keys_in_an_inline_tree_are_refused(serve_app):
     raw = ('{"type": "tree", "tree": {"start_token_id": 1, "end_token_id": 2, '
            '"prefix_dict": {"1": [3], "1_3": [2], "1": [4]}}}')
     _refused(_put(serve_app, "sec13-dup", raw), "tree.prefix_dict", 'duplicate key "1"')
+    # a large body (checked off the event loop): the repeat far down is found all the same
+    keys = ", ".join(f'"1_{i}": [2]' for i in range(100_000))
+    raw = ('{"type": "tree", "tree": {"start_token_id": 1, "end_token_id": 2, "prefix_dict": {"1": [2], %s, '
+           '"1_99999": [3]}}}' % keys)
+    assert len(raw) > 1 << 20
+    _refused(_put(serve_app, "sec13-dup", raw), "tree.prefix_dict", 'duplicate key "1_99999"')
     _not_stored(serve_app, "sec13-dup")
 
 

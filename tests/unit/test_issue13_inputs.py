@@ -221,3 +221,13 @@ def test_serve_config_bounds_requests_and_idle_connections():
     # the ingress refuses an x-request-timeout-seconds header above the proxy's own timeout
     assert settings.request_timeout_s == options.request_timeout_s
     assert settings.max_inflight_per_client >= 1
+
+
+def test_client_ip_header_counts_the_address_the_proxy_saw():
+    from deployments.guards import InflightPerClient
+
+    behind_proxy = InflightPerClient(None, limit=1, client_ip_header="X-Forwarded-For")
+    scope = {"headers": [(b"x-forwarded-for", b"203.0.113.9, 10.0.0.7")], "client": ("127.0.0.1", 5000)}
+    assert behind_proxy.client_of(scope) == "10.0.0.7"  # earlier entries are the client's own word
+    assert behind_proxy.client_of({"headers": [], "client": ("127.0.0.1", 5000)}) == "127.0.0.1"
+    assert InflightPerClient(None, limit=1).client_of(scope) == "127.0.0.1"  # no header trusted by default
