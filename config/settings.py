@@ -314,7 +314,7 @@ class ServerSettings(BaseModel):
     max_batch_size: int = Field(default=16, ge=1, description="Most rows decoded together in one forward pass per replica.")
     prefix_cache_tokens: int = Field(default=8192, ge=0, description="Prompt-prefix key/value cache per replica, in tokens (0 = off).")
     prefill_chunk_tokens: int = Field(
-        default=512, ge=16,
+        default=256, ge=16,
         description="Prompts longer than this are read this many tokens per engine step, so running requests keep decoding.",
     )
     num_gpus_per_replica: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="GPUs per model replica: 0 on CPU, 1 in production.")

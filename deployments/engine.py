@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from processors import CompiledScenario, GrammarSpec, RowCursor, apply_steps
 from processors.masks import FREE, Step, mask_padded_vocab
@@ -168,6 +169,55 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+class _GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` that appends into spare room instead of concatenating.
+
+    HF's layer copies its whole cache at every step (``torch.cat``), which for a batch holding a long
+    prompt is gigabytes per step. This one keeps ``keys``/``values`` as views of buffers with room to
+    grow (an eighth more, at least 64 positions) and reallocates only when they are full or when
+    ``keys``/``values`` were replaced from outside (row selection, trimming).
+    """
+
+    _kbuf: torch.Tensor | None = None
+    _vbuf: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys, values = self.keys, self.values
+        used = keys.shape[-2] if keys.numel() else 0
+        need = used + key_states.shape[-2]
+        buf = self._kbuf
+        if (
+            buf is None or used == 0 or buf.shape[-2] < need or keys.data_ptr() != buf.data_ptr()
+            or values.data_ptr() != self._vbuf.data_ptr() or keys.shape[0] != buf.shape[0]
+        ):
+            room = need + max(64, need // 8)
+            shape = (key_states.shape[0], key_states.shape[1], room, key_states.shape[3])
+            self._kbuf, self._vbuf = key_states.new_empty(shape), value_states.new_empty(shape)
+            if used:
+                self._kbuf[:, :, :used] = keys
+                self._vbuf[:, :, :used] = values
+        self._kbuf[:, :, used:need] = key_states
+        self._vbuf[:, :, used:need] = value_states
+        self.keys, self.values = self._kbuf[:, :, :need], self._vbuf[:, :, :need]
+        return self.keys, self.values
+
+
+def _cache_of(kv, buffers=None) -> DynamicCache:
+    """A cache holding these per-layer ``(keys, values)`` tensors as they are (no copy), growing in place.
+
+    ``buffers``: per layer, the tensors that ``kv`` are leading views of (with room after them).
+    """
+    cache = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in kv])
+    for i, (layer, (k, v)) in enumerate(zip(cache.layers, kv)):
+        layer.__class__ = _GrowingLayer
+        layer.keys, layer.values = k, v
+        if buffers is not None:
+            layer._kbuf, layer._vbuf = buffers[i]
+    return cache
+
+
 def _release_memory() -> None:
     """Give freed heap pages back to the OS (glibc keeps them after a large prefill otherwise)."""
     try:
@@ -193,7 +243,7 @@ class DecodeEngine:
 
     def __init__(
         self, model, tokenizer, *, max_batch_size: int = 16, eos_token_ids: tuple[int, ...] | None = None,
-        prefix_cache_tokens: int = 8192, prefill_chunk_tokens: int = 512, prepare_threads: int = 2,
+        prefix_cache_tokens: int = 8192, prefill_chunk_tokens: int = 256, prepare_threads: int = 2,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -374,9 +424,7 @@ class DecodeEngine:
 
     @staticmethod
     def _expand_prefix(prefix_kv, b: int) -> DynamicCache:
-        return DynamicCache(ddp_cache_data=[
-            (k.expand(b, -1, -1, -1).contiguous(), v.expand(b, -1, -1, -1).contiguous()) for k, v in prefix_kv
-        ])
+        return _cache_of([(k.expand(b, -1, -1, -1).contiguous(), v.expand(b, -1, -1, -1).contiguous()) for k, v in prefix_kv])
 
     def _prefill(self, admitted: list[tuple[_Pending, list[_Row]]]) -> None:
         """Prefill new prompts (grouped by their cached prefix), then merge into the running batch."""
@@ -466,36 +514,48 @@ class DecodeEngine:
             job.on_event({"type": "error", "message": f"prefill failed: {type(exc).__name__}: {exc}"})
 
     def _join(self, group: list[tuple[Job, list[_Row]]], kv, mask, logits) -> None:
-        """Repeat each prompt's cache, mask and logits for the job's rows and merge them into the batch."""
-        repeats = torch.tensor([job.width for job, _ in group])
-        kv = [(k.repeat_interleave(repeats.to(k.device), dim=0), v.repeat_interleave(repeats.to(v.device), dim=0))
-              for k, v in kv]
-        logits = logits.float().repeat_interleave(repeats.to(logits.device), dim=0)
-        mask = mask.repeat_interleave(repeats.to(mask.device), dim=0)
+        """Merge prompts' caches into the batch, each prompt once per row of its job.
+
+        The merged cache is written once into a zeroed buffer (old rows, then each prompt broadcast to its
+        rows): copying multi-gigabyte caches through repeat/pad/cat temporaries cost seconds per long prompt.
+        """
+        widths = [job.width for job, _ in group]
+        repeats = torch.tensor(widths, device=self.device)
+        new_rows = sum(widths)
         rows = []
         for job, job_rows in group:
             job.remaining = job.n
             if job.num_beams > 1:
                 self._beams[id(job)] = _Beams()
             rows.extend(job_rows)
-        self._merge(kv, mask, logits, rows)
-
-    def _merge(self, kv, mask, logits, rows) -> None:
-        if self._cache is None:
-            self._cache = DynamicCache(ddp_cache_data=kv)
-            self._mask, self._logits, self._rows = mask, logits, rows
-            return
-        old_len, new_len = self._mask.shape[1], mask.shape[1]
+        logits = logits.float().repeat_interleave(repeats.to(logits.device), dim=0)
+        mask = mask.repeat_interleave(repeats.to(mask.device), dim=0)
+        old_rows = len(self._rows) if self._cache is not None else 0
+        old_len = self._mask.shape[1] if old_rows else 0
+        new_len = mask.shape[1]
         total = max(old_len, new_len)
         merged = []
-        for layer, (k, v) in zip(self._cache.layers, kv):
-            ok = F.pad(layer.keys, (0, 0, total - old_len, 0))
-            ov = F.pad(layer.values, (0, 0, total - old_len, 0))
-            merged.append((torch.cat([ok, F.pad(k, (0, 0, total - new_len, 0))]), torch.cat([ov, F.pad(v, (0, 0, total - new_len, 0))])))
-        self._cache = DynamicCache(ddp_cache_data=merged)
-        self._mask = torch.cat([F.pad(self._mask, (total - old_len, 0)), F.pad(mask, (total - new_len, 0))])
-        self._logits = torch.cat([self._logits, logits])
-        self._rows = self._rows + rows
+        for li, (k, v) in enumerate(kv):
+            pair = []
+            for new, old in ((k, self._cache.layers[li].keys if old_rows else None),
+                             (v, self._cache.layers[li].values if old_rows else None)):
+                # room to grow (see _GrowingLayer), so the next steps append without copying
+                out = new.new_zeros((old_rows + new_rows, new.shape[1], total + max(64, total // 8), new.shape[3]))
+                if old is not None:
+                    out[:old_rows, :, total - old_len : total] = old
+                start = old_rows
+                for i, w in enumerate(widths):
+                    out[start : start + w, :, total - new_len : total] = new[i : i + 1]
+                    start += w
+                pair.append(out)
+            merged.append(tuple(pair))
+        if old_rows:
+            self._mask = torch.cat([F.pad(self._mask, (total - old_len, 0)), F.pad(mask, (total - new_len, 0))])
+            self._logits = torch.cat([self._logits, logits])
+            self._rows = self._rows + rows
+        else:
+            self._mask, self._logits, self._rows = mask, logits, rows
+        self._cache = _cache_of([(k[:, :, :total], v[:, :, :total]) for k, v in merged], buffers=merged)
 
     # -- one decode step ------------------------------------------------------------------------
     def _row_steps(self, rows: list[_Row]) -> tuple[list[Step], dict[int, str]]:
