@@ -51,7 +51,7 @@ from .prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DecodeEngine", "Job", "SamplingParams", "sample_row"]
+__all__ = ["DecodeEngine", "Job", "SamplingParams", "sample_row", "sample_rows"]
 
 # Below this temperature sampling is greedy: dividing logits by less overflows float32.
 MIN_TEMPERATURE = 1e-5
@@ -216,6 +216,42 @@ def _cache_of(kv, buffers=None) -> DynamicCache:
         if buffers is not None:
             layer._kbuf, layer._vbuf = buffers[i]
     return cache
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
+    """Sample one token per row of (already masked) ``logits`` with each row's own parameters, on the device.
+
+    Each row draws one uniform number from its own generator (seeded rows reproduce) on the host; the rest is
+    a few batched operations (temperature, top-k, top-p, inverse CDF), so choosing the tokens of a whole batch
+    costs no per-row device round trip. Greedy rows (temperature below ``MIN_TEMPERATURE``) take the argmax.
+    """
+    b, vocab = logits.shape
+    device = logits.device
+    greedy_tok = logits.argmax(dim=-1)
+    greedy_rows = [p.temperature < MIN_TEMPERATURE for p in params]
+    if all(greedy_rows):
+        return greedy_tok
+    temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy_rows)], device=device)
+    x = logits.float()
+    # shift by the max first: (x - max) / t is <= 0, so a small t gives -inf, never +inf or NaN
+    x = (x - x.max(dim=-1, keepdim=True).values) / temps[:, None]
+    u = torch.tensor([float(torch.rand(1, generator=g)) for g in generators], device=device)
+    order = None
+    if any(0 < p.top_k < vocab for p in params) or any(p.top_p < 1.0 for p in params):
+        x, order = torch.sort(x, dim=-1, descending=True)
+        ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+        x = x.masked_fill(torch.arange(vocab, device=device)[None] >= ks[:, None], float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        x = x.masked_fill(probs.cumsum(dim=-1) - probs > top_p[:, None], float("-inf"))  # keep the crossing token
+    probs = torch.softmax(x, dim=-1)
+    cum = probs.cumsum(dim=-1)
+    idx = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True).clamp_(max=vocab - 1)
+    # float rounding at the top of the CDF must never pick a token of probability zero
+    idx = torch.where(probs.gather(1, idx) > 0, idx, probs.argmax(dim=-1, keepdim=True)).squeeze(1)
+    if order is not None:
+        idx = order.gather(1, idx[:, None]).squeeze(1)
+    return torch.where(torch.tensor(greedy_rows, device=device), greedy_tok, idx)
 
 
 def _release_memory() -> None:
@@ -586,39 +622,55 @@ class DecodeEngine:
         t_chain = time.perf_counter() - t0
         # the next batch: (source row index, row object, token)
         nxt: list[tuple[int, _Row, int]] = []
+        sampled: list[int] = []
         beam_groups: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             job = row.job
             if job.num_beams > 1:
                 beam_groups.setdefault(id(job), []).append(i)
-                continue
-            if job.cancelled.is_set():
+            elif job.cancelled.is_set():
                 self._finish(row, "error", "cancelled")
-                continue
-            if i in failed:
+            elif i in failed:
                 self._fail_row(row, failed[i])
-                continue
-            try:
-                token = sample_row(logits[i], job.sampling, row.generator)
-                t1 = time.perf_counter()
-                row.cursor.advance(token)
-                t_chain += time.perf_counter() - t1
-            except Exception as exc:
-                logger.exception("sampling a row failed")
-                self._fail_row(row, f"sampling failed: {type(exc).__name__}: {exc}")
-                continue
-            row.tokens.append(token)
-            job.on_event({"type": "token", "index": row.index, "token_id": token})
-            if row.cursor.finished:
-                self._finish(row, "error" if row.cursor.error else "stop", row.cursor.error)
-            elif len(row.tokens) >= job.max_new_tokens:
-                self._finish(row, "length", row.cursor.error)
             else:
-                nxt.append((i, row, token))
+                sampled.append(i)
+        # everything chosen on the device comes back in one transfer: sampled tokens, then each beam
+        # group's top candidates (scores and flat ids)
+        parts: list[torch.Tensor] = []
+        if sampled:
+            try:
+                parts.append(sample_rows(logits[sampled], [rows[i].job.sampling for i in sampled],
+                                         [rows[i].generator for i in sampled]).double())
+            except Exception:
+                logger.exception("batched sampling failed; sampling row by row")
+                parts.append(self._sample_each(rows, sampled, logits))
+        groups = []
         if beam_groups:
             position = {i: k for k, i in enumerate(beam_at)}
             for idxs in beam_groups.values():
-                nxt.extend(self._beam_step(rows, idxs, logprobs[[position[i] for i in idxs]], failed))
+                job = rows[idxs[0]].job
+                if job.cancelled.is_set():
+                    self._beams.pop(id(job), None)
+                    self._cancelled(job)
+                    continue
+                top = self._beam_candidates(rows, idxs, logprobs[[position[i] for i in idxs]], failed)
+                groups.append((idxs, top[0].numel(), logprobs.shape[1]))
+                parts.extend(top)
+        host = torch.cat(parts).tolist() if parts else []
+        at = 0
+        if sampled:
+            for i, token in zip(sampled, host[: len(sampled)]):
+                row = rows[i]
+                if token != token:  # NaN: this row failed (and finished) in the row-by-row fallback
+                    continue
+                t1 = time.perf_counter()
+                nxt.extend(self._advance_sampled(i, row, int(token)))
+                t_chain += time.perf_counter() - t1
+            at = len(sampled)
+        for idxs, k, vocab in groups:
+            scores, flat_ids = host[at : at + k], host[at + k : at + 2 * k]
+            at += 2 * k
+            nxt.extend(self._beam_select(rows, idxs, scores, [int(f) for f in flat_ids], vocab))
         self.stats["steps"] += 1
         self.stats["rows_decoded"] += len(rows)
         if not nxt:
@@ -646,25 +698,53 @@ class DecodeEngine:
         if self.on_step is not None:
             self.on_step(step_seconds, t_chain)
 
-    def _beam_step(self, rows: list[_Row], idxs: list[int], logprobs: torch.Tensor, failed: dict[int, str]):
+    def _sample_each(self, rows: list[_Row], sampled: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Row-by-row sampling after the batched sampler failed: a row that fails alone gets NaN."""
+        out = []
+        for i in sampled:
+            try:
+                out.append(float(sample_row(logits[i], rows[i].job.sampling, rows[i].generator)))
+            except Exception as exc:
+                logger.exception("sampling a row failed")
+                self._fail_row(rows[i], f"sampling failed: {type(exc).__name__}: {exc}")
+                out.append(float("nan"))
+        return torch.tensor(out, dtype=torch.float64, device=logits.device)
+
+    def _advance_sampled(self, i: int, row: _Row, token: int) -> list[tuple[int, _Row, int]]:
+        job = row.job
+        try:
+            row.cursor.advance(token)
+        except Exception as exc:
+            logger.exception("a row's constraint failed")
+            self._fail_row(row, f"constraint failed: {type(exc).__name__}: {exc}")
+            return []
+        row.tokens.append(token)
+        job.on_event({"type": "token", "index": row.index, "token_id": token})
+        if row.cursor.finished:
+            self._finish(row, "error" if row.cursor.error else "stop", row.cursor.error)
+        elif len(row.tokens) >= job.max_new_tokens:
+            self._finish(row, "length", row.cursor.error)
+        else:
+            return [(i, row, token)]
+        return []
+
+    def _beam_candidates(self, rows: list[_Row], idxs: list[int], logprobs: torch.Tensor, failed: dict[int, str]):
+        """One beam request's best ``2 * num_beams`` candidates as (scores, flat ids), on the device."""
+        for k, i in enumerate(idxs):
+            if i in failed:  # a beam whose cursor failed is dropped; its request goes on with the others
+                logprobs[k] = float("-inf")
+        scores = logprobs + torch.tensor([rows[i].score for i in idxs], dtype=logprobs.dtype, device=logprobs.device)[:, None]
+        flat = scores.view(-1)
+        top_scores, top_ids = torch.topk(flat, min(2 * rows[idxs[0]].job.num_beams, flat.numel()))
+        return top_scores.double(), top_ids.double()
+
+    def _beam_select(self, rows: list[_Row], idxs: list[int], top_scores: list[float], top_ids: list[int], vocab: int):
         """Rank one beam request's candidates; returns the rows that go on as ``(source, row, token)``."""
         job = rows[idxs[0]].job
         beams = self._beams[id(job)]
         width = job.num_beams
-        if job.cancelled.is_set():
-            self._beams.pop(id(job), None)
-            self._cancelled(job)
-            return []
-        for k, i in enumerate(idxs):
-            if i in failed:  # a beam whose cursor failed is dropped; its request goes on with the others
-                logprobs[k] = float("-inf")
-        scores = logprobs + torch.tensor([rows[i].score for i in idxs], dtype=logprobs.dtype)[:, None]
-        flat = scores.view(-1)
-        k = min(2 * width, flat.numel())
-        top_scores, top_ids = torch.topk(flat, k)
-        vocab = scores.shape[1]
         picked: list[tuple[int, int, float]] = []  # (row index, token, score)
-        for rank, (score, flat_id) in enumerate(zip(top_scores.tolist(), top_ids.tolist())):
+        for rank, (score, flat_id) in enumerate(zip(top_scores, top_ids)):
             if score == float("-inf") or len(picked) >= width:
                 break
             src = idxs[flat_id // vocab]

@@ -117,6 +117,34 @@ def test_beam_request_shares_the_batch_and_can_be_cancelled(engine, tokenizer):
     assert time.perf_counter() - cancelled_at < 30
 
 
+def test_batched_sampling_follows_each_rows_parameters(tokenizer):
+    # one batch, four rows with different settings: greedy, a tiny temperature, top-k 1 (greedy too) and
+    # seeded sampling, which must reproduce and stay inside its top-k / top-p set
+    from deployments.engine import sample_rows
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 1000) * 3
+    logits[:, 500:] = float("-inf")  # masked tokens are never drawn
+    best = logits.argmax(dim=-1)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1e-39), SamplingParams(temperature=1.0, top_k=1),
+              SamplingParams(temperature=2.0, top_k=5, top_p=0.9, seed=3)]
+    draws = []
+    for _ in range(2):
+        gens = [None, None, None, torch.Generator().manual_seed(3)]
+        draws.append(sample_rows(logits, params, gens).tolist())
+    assert draws[0] == draws[1]
+    assert draws[0][:3] == best[:3].tolist()
+    top5 = set(torch.topk(logits[3], 5).indices.tolist())
+    seen = set()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        seen.add(sample_rows(logits[3:], params[3:], [gen]).item())
+    assert seen <= top5 and len(seen) >= 2
+    free = SamplingParams(temperature=1.0)
+    many = {sample_rows(logits[:1], [free], [gen]).item() for _ in range(300)}
+    assert max(many) < 500 and len(many) > 5
+
+
 def test_beam_outputs_stay_valid_next_to_sampled_rows(engine, tokenizer):
     labels = compile_scenario(load_scenario({"type": "labels", "labels": LABELS}), tokenizer)
     bg_job, bg = _background(engine, tokenizer, max_new=40)
@@ -153,13 +181,21 @@ def test_sampling_params_refuse_non_finite_values(value):
 def test_a_failing_row_fails_only_its_own_request(engine, tokenizer, monkeypatch):
     # Fault injection (named as such): the sampler raises for the rows of one request, which stands for any
     # per-row failure the engine cannot foresee (a NaN row, a bug in a cursor). The others must not notice.
-    real = engine_module.sample_row
+    # The batched sampler fails for any batch holding such a row, and so does the row-by-row fallback for
+    # exactly those rows.
+    real_rows, real_row = engine_module.sample_rows, engine_module.sample_row
+
+    def faulty_sample_rows(logits, params, generators):
+        if any(p.seed == 4242 for p in params):
+            raise RuntimeError("injected fault")
+        return real_rows(logits, params, generators)
 
     def faulty_sample_row(logits, params, generator):
         if params.seed == 4242:
             raise RuntimeError("injected fault")
-        return real(logits, params, generator)
+        return real_row(logits, params, generator)
 
+    monkeypatch.setattr(engine_module, "sample_rows", faulty_sample_rows)
     monkeypatch.setattr(engine_module, "sample_row", faulty_sample_row)
     _, bg = _background(engine, tokenizer, max_new=30)
     ev = Events()
