@@ -79,12 +79,14 @@ class Waiter:
         self.error = None
 
     def __call__(self, ev):
-        if ev["type"] == "finished":
-            self.finished[ev["index"]] = ev
-        elif ev["type"] == "done":
+        from deployments.engines import DoneEvent, ErrorEvent, FinishedEvent
+
+        if isinstance(ev, FinishedEvent):
+            self.finished[ev.index] = ev
+        elif isinstance(ev, DoneEvent):
             self.done.set()
-        elif ev["type"] == "error":
-            self.error = ev["message"]
+        elif isinstance(ev, ErrorEvent):
+            self.error = ev.message
             self.done.set()
 
 
@@ -92,10 +94,9 @@ def run(engine, jobs_factory, concurrent: bool) -> tuple[float, list[Waiter]]:
     jobs = jobs_factory()
     t0 = time.perf_counter()
     waiters = []
-    for job in jobs:
+    for request in jobs:
         w = Waiter()
-        job.on_event = w
-        engine.submit(job)
+        engine.submit(request, w)
         waiters.append(w)
         if not concurrent:
             assert w.done.wait(3600), "a request did not finish"
@@ -124,7 +125,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     from config import load_scenario
-    from deployments.engine import DecodeEngine, Job, SamplingParams
+    from deployments.engines import EngineRequest, SamplingParams
+    from deployments.engines.transformers import DecodeEngine
     from processors import build_prompt_ids, compile_scenario
 
     model, tokenizer = load(args)
@@ -140,13 +142,13 @@ def main() -> None:
     max_new = args.levels + 1
 
     def beam_jobs():
-        return [Job(prompt_ids=p, compiled=compiled, max_new_tokens=max_new, n=args.beams, num_beams=args.beams)
+        return [EngineRequest(prompt_ids=p, compiled=compiled, max_new_tokens=max_new, n=args.beams, num_beams=args.beams)
                 for p in prompts]
 
     free_prompts = [build_prompt_ids(None, tokenizer, prompt=f"Story number {i}: once upon a time") for i in range(args.clients)]
 
     def free_jobs():
-        return [Job(prompt_ids=p, compiled=None, max_new_tokens=args.free_tokens, sampling=SamplingParams(temperature=0))
+        return [EngineRequest(prompt_ids=p, compiled=None, max_new_tokens=args.free_tokens, sampling=SamplingParams(temperature=0))
                 for p in free_prompts]
 
     def check(waiters) -> tuple[int, int]:
@@ -155,7 +157,7 @@ def main() -> None:
             seen = set()
             for ev in w.finished.values():
                 total += 1
-                ids = ev["token_ids"]
+                ids = ev.token_ids
                 codes = tuple(t - BASE_TOKEN - level * CODES for level, t in enumerate(ids[:-1]))
                 if ids and ids[-1] == end and len(codes) == args.levels and codes in items and codes not in seen:
                     valid += 1
@@ -171,12 +173,12 @@ def main() -> None:
         chain = steps = 0.0
         for _ in range(args.rounds):
             for mode in ("one_at_a_time", "concurrent"):
-                before = dict(engine.stats)
+                before = engine.stats()
                 secs, waiters = run(engine, factory, mode == "concurrent")
                 times[mode].append(secs)
-                chain += engine.stats["chain_seconds"] - before["chain_seconds"]
-                steps += engine.stats["step_seconds"] - before["step_seconds"]
-                tokens += sum(len(ev["token_ids"]) for w in waiters for ev in w.finished.values())
+                chain += engine.stats()["chain_seconds"] - before["chain_seconds"]
+                steps += engine.stats()["step_seconds"] - before["step_seconds"]
+                tokens += sum(len(ev.token_ids) for w in waiters for ev in w.finished.values())
                 if name == "beams":
                     v, t = check(waiters)
                     valid += v

@@ -85,10 +85,10 @@ class RequestRecord:
         self.fallback_rows = 0
         self.failed = False  # set by a stream that ended with an error event instead of raising
 
-    def outputs(self, finished: Mapping[int, Mapping[str, Any]]) -> None:
-        """Count the finished outputs (the engine's ``finished`` events, by output index)."""
-        self.tokens = sum(len(ev.get("token_ids") or ()) for ev in finished.values())
-        self.fallback_rows = sum(1 for ev in finished.values() if ev.get("fell_back"))
+    def outputs(self, finished: Mapping[int, Any]) -> None:
+        """Count the finished outputs (the engine's ``FinishedEvent``s, by output index)."""
+        self.tokens = sum(len(ev.token_ids) for ev in finished.values())
+        self.fallback_rows = sum(1 for ev in finished.values() if ev.fell_back)
 
 
 class ReplicaMetrics:

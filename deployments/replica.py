@@ -24,7 +24,9 @@ from config.settings import LimitExceeded
 from processors import CompiledScenario, build_prompt_ids, compile_scenario
 from processors.compile_worker import CompileCrashed, CompileLimitError, GrammarWorker
 
-from .engine import DecodeEngine, Job, SamplingParams
+from .engines import (
+    DoneEvent, EngineRequest, ErrorEvent, FinishedEvent, SamplingParams, TokenEvent, create_engine,
+)
 from .metrics import ReplicaMetrics, route_logs_to_serve
 from .protocol import GenerateRequest, GenerateResponse, Output, ServiceError, Usage, check_request_limits
 
@@ -85,10 +87,7 @@ class ModelReplica:
         self.model = model
         self.tokenizer = tokenizer
         self.replica_id = f"replica-{uuid.uuid4().hex[:8]}"
-        self.engine = DecodeEngine(
-            model, tokenizer, max_batch_size=self.settings.max_batch_size,
-            prefix_cache_tokens=self.settings.prefix_cache_tokens, prefill_chunk_tokens=self.settings.prefill_chunk_tokens,
-        )
+        self.engine = create_engine(self.settings, model, tokenizer)
         if self.metrics.enabled:
             self.engine.on_step = self.metrics.record_step
         self.engine.start()
@@ -151,7 +150,7 @@ class ModelReplica:
             "epoch": self._epoch,
             "versions": self.versions(),
             "active_rows": self.engine.active_rows,
-            "stats": dict(self.engine.stats),
+            "stats": self.engine.stats(),
         }
 
     def shutdown(self) -> None:
@@ -236,7 +235,7 @@ class ModelReplica:
             seed=req.seed,
         )
 
-    async def _start(self, request: dict) -> tuple[GenerateRequest, str | None, int | None, list[int], Job, asyncio.Queue]:
+    async def _start(self, request: dict) -> tuple[GenerateRequest, str | None, int | None, list[int], EngineRequest]:
         try:
             req = request if isinstance(request, GenerateRequest) else GenerateRequest.model_validate(request)
         except Exception as exc:
@@ -261,27 +260,22 @@ class ModelReplica:
                 {"field": "prompt", "limit_name": "max_prompt_tokens", "limit": limits.max_prompt_tokens},
             )
         max_new, sampling = self._job_params(req, compiled)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        job = Job(
-            prompt_ids=prompt_ids, compiled=compiled, max_new_tokens=max_new, sampling=sampling, n=req.n,
-            num_beams=req.num_beams, on_event=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-        )
-        self.engine.submit(job)
+        engine_request = EngineRequest(prompt_ids=prompt_ids, compiled=compiled, max_new_tokens=max_new,
+                                       sampling=sampling, n=req.n, num_beams=req.num_beams)
         logger.info("generate scenario=%s version=%s n=%d beams=%d prompt_tokens=%d", name, version, req.n, req.num_beams,
                     len(prompt_ids), extra={"scenario": name, "scenario_version": version})
-        return req, name, version, prompt_ids, job, events
+        return req, name, version, prompt_ids, engine_request
 
-    def _response(self, name, version, prompt_ids, outputs: dict[int, dict]) -> GenerateResponse:
+    def _response(self, name, version, prompt_ids, outputs: dict[int, FinishedEvent]) -> GenerateResponse:
         outs = []
         completion = 0
         for index in sorted(outputs):
             ev = outputs[index]
-            ids = ev["token_ids"]
+            ids = ev.token_ids
             completion += len(ids)
             outs.append(Output(
                 text=self.tokenizer.decode(ids, skip_special_tokens=True), token_ids=ids,
-                finish_reason=ev["finish_reason"], error=ev.get("error"),
+                finish_reason=ev.finish_reason, error=ev.error,
             ))
         usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion, total_tokens=len(prompt_ids) + completion)
         return GenerateResponse(scenario=name, version=version, outputs=outs, usage=usage)
@@ -292,20 +286,16 @@ class ModelReplica:
             return await self._generate(request, record)
 
     async def _generate(self, request: dict, record) -> dict:
-        req, name, version, prompt_ids, job, events = await self._start(request)
-        outputs: dict[int, dict] = {}
-        try:
-            while True:
-                ev = await events.get()
-                if ev["type"] == "finished":
-                    outputs[ev["index"]] = ev
-                elif ev["type"] == "done":
+        req, name, version, prompt_ids, engine_request = await self._start(request)
+        outputs: dict[int, FinishedEvent] = {}
+        async with aclosing(self.engine.generate(engine_request)) as events:  # leaving early cancels
+            async for ev in events:
+                if isinstance(ev, FinishedEvent):
+                    outputs[ev.index] = ev
+                elif isinstance(ev, DoneEvent):
                     break
-                elif ev["type"] == "error":
-                    raise ServiceError(500, ev["message"])
-        except asyncio.CancelledError:
-            job.cancelled.set()
-            raise
+                elif isinstance(ev, ErrorEvent):
+                    raise ServiceError(500, ev.message)
         record.outputs(outputs)
         return self._response(name, version, prompt_ids, outputs).model_dump()
 
@@ -317,40 +307,37 @@ class ModelReplica:
                     yield event
 
     async def _generate_stream(self, request: dict, record) -> AsyncIterator[dict]:
-        req, name, version, prompt_ids, job, events = await self._start(request)
-        outputs: dict[int, dict] = {}
+        req, name, version, prompt_ids, engine_request = await self._start(request)
+        outputs: dict[int, FinishedEvent] = {}
         texts: dict[int, list[int]] = {}
         sent: dict[int, str] = {}
         try:
-            while True:
-                ev = await events.get()
-                kind = ev["type"]
-                if kind == "token":
-                    idx = ev["index"]
-                    toks = texts.setdefault(idx, [])
-                    toks.append(ev["token_id"])
-                    full = self.tokenizer.decode(toks, skip_special_tokens=True)
-                    piece = full[len(sent.get(idx, "")):]
-                    if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-                        piece = ""
-                    else:
-                        sent[idx] = full
-                    yield {"type": "token", "index": idx, "token_id": ev["token_id"], "text": piece}
-                elif kind == "finished":
-                    outputs[ev["index"]] = ev
-                    yield {"type": "token", "index": ev["index"], "token_id": None, "text": "", "finish_reason": ev["finish_reason"]}
-                elif kind == "done":
-                    resp = self._response(name, version, prompt_ids, outputs)
-                    yield {"type": "done", "index": 0, "response": resp.model_dump()}
-                    return
-                elif kind == "error":
-                    record.failed = True
-                    yield {"type": "error", "index": 0, "error": ev["message"]}
-                    return
+            async with aclosing(self.engine.generate(engine_request)) as events:  # leaving early cancels
+                async for ev in events:
+                    if isinstance(ev, TokenEvent):
+                        idx = ev.index
+                        toks = texts.setdefault(idx, [])
+                        toks.append(ev.token_id)
+                        full = self.tokenizer.decode(toks, skip_special_tokens=True)
+                        piece = full[len(sent.get(idx, "")):]
+                        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+                            piece = ""
+                        else:
+                            sent[idx] = full
+                        yield {"type": "token", "index": idx, "token_id": ev.token_id, "text": piece}
+                    elif isinstance(ev, FinishedEvent):
+                        outputs[ev.index] = ev
+                        yield {"type": "token", "index": ev.index, "token_id": None, "text": "", "finish_reason": ev.finish_reason}
+                    elif isinstance(ev, DoneEvent):
+                        resp = self._response(name, version, prompt_ids, outputs)
+                        yield {"type": "done", "index": 0, "response": resp.model_dump()}
+                        return
+                    elif isinstance(ev, ErrorEvent):
+                        record.failed = True
+                        yield {"type": "error", "index": 0, "error": ev.message}
+                        return
         finally:
             record.outputs(outputs)
-            if not outputs or len(outputs) < req.n:
-                job.cancelled.set()
 
     async def ping(self) -> str:
         return self.replica_id

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from config import load_scenario
-from deployments.engine import DecodeEngine, Job, SamplingParams
+from deployments.engines import DoneEvent, EngineRequest, ErrorEvent, FinishedEvent, SamplingParams, TokenEvent
+from deployments.engines.transformers import DecodeEngine
 from processors import build_prompt_ids, compile_scenario
 
 pytestmark = pytest.mark.integration
@@ -35,14 +36,14 @@ class Collector:
         self.error: str | None = None
 
     def __call__(self, ev):
-        if ev["type"] == "token":
-            self.tokens.setdefault(ev["index"], []).append(ev["token_id"])
-        elif ev["type"] == "finished":
-            self.finished[ev["index"]] = ev
-        elif ev["type"] == "done":
+        if isinstance(ev, TokenEvent):
+            self.tokens.setdefault(ev.index, []).append(ev.token_id)
+        elif isinstance(ev, FinishedEvent):
+            self.finished[ev.index] = ev
+        elif isinstance(ev, DoneEvent):
             self.done.set()
-        elif ev["type"] == "error":
-            self.error = ev["message"]
+        elif isinstance(ev, ErrorEvent):
+            self.error = ev.message
             self.done.set()
 
     def wait(self, timeout=120):
@@ -74,27 +75,27 @@ def test_rows_joining_a_running_batch_decode_as_alone(engine, model, tokenizer):
     ]
     expected = [_solo_greedy(model, tokenizer, p, 24) for p in prompts]
     collectors = []
-    prefills_before = engine.stats["prefills"]
+    prefills_before = engine.stats()["prefills"]
     for p in prompts:
         c = Collector()
-        engine.submit(Job(prompt_ids=p, compiled=None, max_new_tokens=24, sampling=SamplingParams(temperature=0), on_event=c))
+        engine.submit(EngineRequest(prompt_ids=p, compiled=None, max_new_tokens=24, sampling=SamplingParams(temperature=0)), c)
         collectors.append(c)
         time.sleep(0.4)  # the next one arrives while the previous ones decode
     for c, exp in zip(collectors, expected):
-        assert c.wait()[0]["token_ids"] == exp
-    assert engine.stats["prefills"] - prefills_before >= 2, "jobs should have been admitted at different steps"
+        assert c.wait()[0].token_ids == exp
+    assert engine.stats()["prefills"] - prefills_before >= 2, "jobs should have been admitted at different steps"
 
 
 def test_prefix_cache_reuses_shared_prompt_start_and_changes_nothing(engine, model, tokenizer):
     # chat prompts share the template and the default system prompt: later ones start after it
     prompts = [_chat(tokenizer, q) for q in ("Name a colour.", "Name a fruit, please.", "Name a big city.")]
     expected = [_solo_greedy(model, tokenizer, p, 16) for p in prompts]
-    reused_before = engine.stats["prefix_tokens_reused"]
+    reused_before = engine.stats()["prefix_tokens_reused"]
     for p, exp in zip(prompts, expected):
         c = Collector()
-        engine.submit(Job(prompt_ids=p, compiled=None, max_new_tokens=16, sampling=SamplingParams(temperature=0), on_event=c))
-        assert c.wait()[0]["token_ids"] == exp
-    assert engine.stats["prefix_tokens_reused"] - reused_before >= 2 * engine.prefix_cache.block
+        engine.submit(EngineRequest(prompt_ids=p, compiled=None, max_new_tokens=16, sampling=SamplingParams(temperature=0)), c)
+        assert c.wait()[0].token_ids == exp
+    assert engine.stats()["prefix_tokens_reused"] - reused_before >= 2 * engine.prefix_cache.block
 
 
 def test_mixed_scenarios_share_the_batch_and_stay_valid(engine, tokenizer):
@@ -104,17 +105,17 @@ def test_mixed_scenarios_share_the_batch_and_stay_valid(engine, tokenizer):
     for i in range(6):
         compiled = labels if i % 2 == 0 else regex
         c = Collector()
-        engine.submit(Job(
+        engine.submit(EngineRequest(
             prompt_ids=_chat(tokenizer, f"Answer {i}: which topic, or a number?", compiled), compiled=compiled,
-            max_new_tokens=12, sampling=SamplingParams(temperature=1.5, seed=i), n=2, on_event=c,
-        ))
+            max_new_tokens=12, sampling=SamplingParams(temperature=1.5, seed=i), n=2,
+        ), c)
         jobs.append((compiled, c))
     import re
 
     for compiled, c in jobs:
         for ev in c.wait().values():
-            assert ev["finish_reason"] == "stop", ev
-            text = tokenizer.decode(ev["token_ids"][:-1])
+            assert ev.finish_reason == "stop", ev
+            text = tokenizer.decode(ev.token_ids[:-1])
             if compiled is labels:
                 assert text[1:] in LABELS and text[0] == " ", text
             else:
@@ -126,9 +127,9 @@ def test_seed_reproduces_and_n_rows_differ(engine, tokenizer):
     runs = []
     for _ in range(2):
         c = Collector()
-        engine.submit(Job(prompt_ids=prompt, compiled=None, max_new_tokens=10,
-                          sampling=SamplingParams(temperature=1.2, seed=7), n=3, on_event=c))
-        runs.append({i: ev["token_ids"] for i, ev in c.wait().items()})
+        engine.submit(EngineRequest(prompt_ids=prompt, compiled=None, max_new_tokens=10,
+                          sampling=SamplingParams(temperature=1.2, seed=7), n=3), c)
+        runs.append({i: ev.token_ids for i, ev in c.wait().items()})
     assert runs[0] == runs[1]
     assert len({tuple(v) for v in runs[0].values()}) > 1, "n rows with one seed must not be copies"
 
@@ -136,10 +137,10 @@ def test_seed_reproduces_and_n_rows_differ(engine, tokenizer):
 def test_beam_job_runs_as_its_own_batch(engine, tokenizer):
     labels = compile_scenario(load_scenario({"type": "labels", "labels": LABELS}), tokenizer)
     c = Collector()
-    engine.submit(Job(prompt_ids=_chat(tokenizer, "Topic: a vote in parliament", labels), compiled=labels,
-                      max_new_tokens=12, num_beams=4, n=4, on_event=c))
+    engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Topic: a vote in parliament", labels), compiled=labels,
+                      max_new_tokens=12, num_beams=4, n=4), c)
     outs = c.wait()
-    texts = {tokenizer.decode(ev["token_ids"][:-1])[1:] for ev in outs.values()}
+    texts = {tokenizer.decode(ev.token_ids[:-1])[1:] for ev in outs.values()}
     assert texts <= set(LABELS) and len(texts) == 4
 
 
@@ -147,11 +148,11 @@ def test_failed_prefill_fails_only_its_job(engine, tokenizer):
     # a prompt id outside the embedding table makes the prefill raise: that job gets an error event,
     # it does not hang, and a job decoding at the same time finishes normally
     ok = Collector()
-    engine.submit(Job(prompt_ids=_chat(tokenizer, "Count to twenty."), compiled=None, max_new_tokens=24,
-                      sampling=SamplingParams(temperature=0), on_event=ok))
+    engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Count to twenty."), compiled=None, max_new_tokens=24,
+                      sampling=SamplingParams(temperature=0)), ok)
     time.sleep(0.3)
     bad = Collector()
-    engine.submit(Job(prompt_ids=[1, 10**7], compiled=None, max_new_tokens=4, on_event=bad))
+    engine.submit(EngineRequest(prompt_ids=[1, 10**7], compiled=None, max_new_tokens=4), bad)
     assert bad.done.wait(60), "the failed job must get an event"
     assert bad.error and "prefill failed" in bad.error
-    assert ok.wait()[0]["finish_reason"] in ("stop", "length")
+    assert ok.wait()[0].finish_reason in ("stop", "length")

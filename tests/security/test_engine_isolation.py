@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from config import load_scenario
-from deployments import engine as engine_module
-from deployments.engine import DecodeEngine, Job, SamplingParams
+from deployments.engines.transformers import engine as engine_module
+from deployments.engines import DoneEvent, EngineRequest, ErrorEvent, FinishedEvent, SamplingParams, TokenEvent
+from deployments.engines.transformers import DecodeEngine
 from processors import build_prompt_ids, compile_scenario
 from processors.grammar import compile_regex
 
@@ -35,15 +36,15 @@ class Events:
         self.error: str | None = None
 
     def __call__(self, ev):
-        if ev["type"] == "token":
-            self.tokens.setdefault(ev["index"], []).append(ev["token_id"])
-            self.times.append((time.perf_counter(), ev["index"]))
-        elif ev["type"] == "finished":
-            self.finished[ev["index"]] = ev
-        elif ev["type"] == "done":
+        if isinstance(ev, TokenEvent):
+            self.tokens.setdefault(ev.index, []).append(ev.token_id)
+            self.times.append((time.perf_counter(), ev.index))
+        elif isinstance(ev, FinishedEvent):
+            self.finished[ev.index] = ev
+        elif isinstance(ev, DoneEvent):
             self.done.set()
-        elif ev["type"] == "error":
-            self.error = ev["message"]
+        elif isinstance(ev, ErrorEvent):
+            self.error = ev.message
             self.done.set()
 
     def first_token_at(self) -> float:
@@ -70,12 +71,11 @@ def _chat(tokenizer, text, compiled=None):
     return build_prompt_ids(compiled, tokenizer, messages=[{"role": "user", "content": text}])
 
 
-def _background(engine, tokenizer, max_new=200) -> tuple[Job, Events]:
-    """An ordinary greedy request that decodes for a while."""
+def _background(engine, tokenizer, max_new=200):
+    """An ordinary greedy request that decodes for a while; returns (ticket, events)."""
     ev = Events()
-    job = Job(prompt_ids=_chat(tokenizer, "Count from 1 to 500, separated by commas."), compiled=None,
-              max_new_tokens=max_new, sampling=SamplingParams(temperature=0), on_event=ev)
-    engine.submit(job)
+    job = engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Count from 1 to 500, separated by commas."),
+                                      compiled=None, max_new_tokens=max_new, sampling=SamplingParams(temperature=0)), ev)
     deadline = time.time() + 60
     while not ev.times and time.time() < deadline:
         time.sleep(0.02)
@@ -94,19 +94,17 @@ def test_beam_request_shares_the_batch_and_can_be_cancelled(engine, tokenizer):
     # defect 1: a beam request that cannot end early (no EOS before 1024 tokens is likely) ran alone through
     # generate, blocking every other request until it ended, and ignored cancellation
     beam_ev = Events()
-    beam = Job(prompt_ids=build_prompt_ids(None, tokenizer, prompt="Count from 1 to 10000: 1, 2, 3,"), compiled=None,
-               max_new_tokens=1024, n=8, num_beams=8, on_event=beam_ev)
-    engine.submit(beam)
+    beam = engine.submit(EngineRequest(prompt_ids=build_prompt_ids(None, tokenizer, prompt="Count from 1 to 10000: 1, 2, 3,"),
+                                       compiled=None, max_new_tokens=1024, n=8, num_beams=8), beam_ev)
     time.sleep(1.0)
     other_ev = Events()
-    other = Job(prompt_ids=_chat(tokenizer, "Say hello."), compiled=None, max_new_tokens=8,
-                sampling=SamplingParams(temperature=0), on_event=other_ev)
-    engine.submit(other)
+    engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Say hello."), compiled=None, max_new_tokens=8,
+                                sampling=SamplingParams(temperature=0)), other_ev)
     assert other_ev.done.wait(120), "a short request waited behind a beam request"
-    assert other_ev.error is None and other_ev.finished[0]["finish_reason"] in ("stop", "length")
+    assert other_ev.error is None and other_ev.finished[0].finish_reason in ("stop", "length")
     assert not beam_ev.done.is_set(), "the beam request should still be running (it needs 1024 steps)"
     cancelled_at = time.perf_counter()
-    beam.cancelled.set()
+    beam.cancel()
     assert beam_ev.done.wait(30), "a cancelled beam request went on"
     assert beam_ev.error == "cancelled"
     # its rows leave the batch at the next step
@@ -120,7 +118,7 @@ def test_beam_request_shares_the_batch_and_can_be_cancelled(engine, tokenizer):
 def test_batched_sampling_follows_each_rows_parameters(tokenizer):
     # one batch, four rows with different settings: greedy, a tiny temperature, top-k 1 (greedy too) and
     # seeded sampling, which must reproduce and stay inside its top-k / top-p set
-    from deployments.engine import sample_rows
+    from deployments.engines.transformers import sample_rows
 
     torch.manual_seed(0)
     logits = torch.randn(4, 1000) * 3
@@ -149,13 +147,13 @@ def test_beam_outputs_stay_valid_next_to_sampled_rows(engine, tokenizer):
     labels = compile_scenario(load_scenario({"type": "labels", "labels": LABELS}), tokenizer)
     bg_job, bg = _background(engine, tokenizer, max_new=40)
     ev = Events()
-    engine.submit(Job(prompt_ids=_chat(tokenizer, "Topic: a vote in parliament", labels), compiled=labels,
-                      max_new_tokens=12, num_beams=4, n=3, on_event=ev))
+    engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Topic: a vote in parliament", labels), compiled=labels,
+                      max_new_tokens=12, num_beams=4, n=3), ev)
     outs = ev.wait()
     assert sorted(outs) == [0, 1, 2]
-    texts = [tokenizer.decode(o["token_ids"][:-1]) for o in outs.values()]
+    texts = [tokenizer.decode(o.token_ids[:-1]) for o in outs.values()]
     for o, text in zip(outs.values(), texts):
-        assert o["finish_reason"] == "stop" and text[0] == " " and text[1:] in LABELS, text
+        assert o.finish_reason == "stop" and text[0] == " " and text[1:] in LABELS, text
     assert len(set(texts)) == 3, "returned beams must be different sequences"
     bg.wait()
 
@@ -165,11 +163,10 @@ def test_tiny_temperature_is_greedy_and_fails_nobody(engine, model, tokenizer):
     _, bg = _background(engine, tokenizer, max_new=30)
     prompt = _chat(tokenizer, "Name a colour.")
     ev = Events()
-    engine.submit(Job(prompt_ids=prompt, compiled=None, max_new_tokens=6, sampling=SamplingParams(temperature=1e-39),
-                      on_event=ev))
+    engine.submit(EngineRequest(prompt_ids=prompt, compiled=None, max_new_tokens=6, sampling=SamplingParams(temperature=1e-39)), ev)
     out = ev.wait()[0]
-    assert out["token_ids"] == _solo_greedy(model, prompt, 6, tokenizer.eos_token_id)
-    assert bg.wait()[0]["finish_reason"] in ("stop", "length")
+    assert out.token_ids == _solo_greedy(model, prompt, 6, tokenizer.eos_token_id)
+    assert bg.wait()[0].finish_reason in ("stop", "length")
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("nan"), -1.0])
@@ -199,12 +196,12 @@ def test_a_failing_row_fails_only_its_own_request(engine, tokenizer, monkeypatch
     monkeypatch.setattr(engine_module, "sample_row", faulty_sample_row)
     _, bg = _background(engine, tokenizer, max_new=30)
     ev = Events()
-    engine.submit(Job(prompt_ids=_chat(tokenizer, "Hi."), compiled=None, max_new_tokens=8, n=2,
-                      sampling=SamplingParams(temperature=1.0, seed=4242), on_event=ev))
+    engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Hi."), compiled=None, max_new_tokens=8, n=2,
+                      sampling=SamplingParams(temperature=1.0, seed=4242)), ev)
     assert ev.done.wait(60)
     assert ev.error is None
-    assert all(o["finish_reason"] == "error" and "injected fault" in o["error"] for o in ev.finished.values())
-    assert bg.wait()[0]["finish_reason"] in ("stop", "length")
+    assert all(o.finish_reason == "error" and "injected fault" in o.error for o in ev.finished.values())
+    assert bg.wait()[0].finish_reason in ("stop", "length")
 
 
 def test_long_prompt_keeps_only_last_logits_and_others_keep_decoding(engine, model, tokenizer):
@@ -218,10 +215,10 @@ def test_long_prompt_keeps_only_last_logits_and_others_keep_decoding(engine, mod
         prompt = build_prompt_ids(None, tokenizer, prompt=" ".join(words))[:3000]
         ev = Events()
         submitted = time.perf_counter()
-        engine.submit(Job(prompt_ids=prompt, compiled=None, max_new_tokens=4, n=4,
-                          sampling=SamplingParams(temperature=0), on_event=ev))
+        engine.submit(EngineRequest(prompt_ids=prompt, compiled=None, max_new_tokens=4, n=4,
+                          sampling=SamplingParams(temperature=0)), ev)
         outs = ev.wait()
-        assert len(outs) == 4 and all(len(o["token_ids"]) >= 1 for o in outs.values())
+        assert len(outs) == 4 and all(len(o.token_ids) >= 1 for o in outs.values())
         between = bg.tokens_between(submitted, ev.first_token_at())
         bg.wait()
     finally:
@@ -242,11 +239,11 @@ def test_slow_first_grammar_mask_does_not_stall_other_rows(engine, tokenizer):
     _, bg = _background(engine, tokenizer, max_new=150)
     ev = Events()
     submitted = time.perf_counter()
-    engine.submit(Job(prompt_ids=_chat(tokenizer, "Write the letter a many times."), compiled=compiled,
-                      max_new_tokens=3, n=8, sampling=SamplingParams(temperature=1.0, seed=1), on_event=ev))
+    engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Write the letter a many times."), compiled=compiled,
+                      max_new_tokens=3, n=8, sampling=SamplingParams(temperature=1.0, seed=1)), ev)
     outs = ev.wait()
     for o in outs.values():
-        assert re.fullmatch("a*", tokenizer.decode(o["token_ids"], skip_special_tokens=True)), o
+        assert re.fullmatch("a*", tokenizer.decode(o.token_ids, skip_special_tokens=True)), o
     between = bg.tokens_between(submitted, ev.first_token_at())
     bg.wait()
     assert between >= 3, f"the running request got only {between} tokens while 8 slow first masks were computed"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from deployments.prefix_cache import PrefixCache
+from deployments.engines.transformers.prefix_cache import PrefixCache
 
 
 def _kv(prompt, layers=2):

@@ -1,6 +1,6 @@
 """The decode loop of a model replica: continuous batching over a HuggingFace causal LM.
 
-One engine thread owns the model. Requests (``Job``) arrive on a queue at any time and go through
+One engine thread owns the model. Requests (:class:`EngineRequest`, held as a ``Job``) arrive on a queue at any time and go through
 three stages before they decode:
 
 1. **prepare**: their row cursors are built. A grammar cursor's first mask can take a second or more
@@ -24,76 +24,52 @@ shares forward passes with everyone else and stops at the next step when it is c
 Failures stay with their row: a row whose sampling or cursor fails finishes with ``error``; a failed
 prefill fails only its own jobs; only a failed forward of the whole batch fails the jobs in it.
 
-Nothing here imports Ray: the replica wraps the engine, and tests drive it directly.
+Nothing here imports Ray: the replica knows it only as an :class:`~deployments.engines.protocol.Engine`,
+and tests drive it directly. See ``docs/design.md`` (engine contract).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import math
 import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-from processors import CompiledScenario, GrammarSpec, RowCursor, apply_steps
+from processors import GrammarSpec, RowCursor, apply_steps
 from processors.masks import FREE, Step, mask_padded_vocab
 
+from ..protocol import (
+    DoneEvent, Engine, EngineEvent, EngineRequest, ErrorEvent, FinishedEvent, RequestTicket, TokenEvent,
+)
+from .kv_cache import cache_of, release_memory
 from .prefix_cache import PrefixCache
+from .sampling import sample_row, sample_rows
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DecodeEngine", "Job", "SamplingParams", "sample_row", "sample_rows"]
+__all__ = ["DecodeEngine", "Job"]
 
-# Below this temperature sampling is greedy: dividing logits by less overflows float32.
-MIN_TEMPERATURE = 1e-5
+class Job(RequestTicket):
+    """A submitted :class:`EngineRequest` inside this engine: the request, its callback and its cancel flag."""
 
+    def __init__(self, request: EngineRequest, on_event: Callable[[EngineEvent], None]):
+        self.request = request
+        self.on_event = on_event
+        self.cancelled = threading.Event()
+        self.remaining = 0
+        r = request
+        self.prompt_ids, self.compiled, self.max_new_tokens = r.prompt_ids, r.compiled, r.max_new_tokens
+        self.sampling, self.n, self.num_beams = r.sampling, r.n, r.num_beams
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-row sampling. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` are off."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
-
-
-@dataclass
-class Job:
-    """One request: ``n`` outputs of one prompt under one pinned scenario.
-
-    ``on_event`` is called from the engine thread with dicts:
-    ``{"type": "token", "index", "token_id"}``, ``{"type": "finished", "index", "token_ids",
-    "finish_reason", "error"}``, and last ``{"type": "done"}`` (or ``{"type": "error", "message"}``
-    when the job failed as a whole, ``"cancelled"`` when it was cancelled).
-    """
-
-    prompt_ids: list[int]
-    compiled: CompiledScenario | None
-    max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    n: int = 1
-    num_beams: int = 1
-    on_event: Callable[[dict], None] = lambda event: None
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    remaining: int = 0
+    def cancel(self) -> None:
+        self.cancelled.set()
 
     @property
     def width(self) -> int:
@@ -149,120 +125,9 @@ class _Pending:
         return self.rows.result() if isinstance(self.rows, Future) else self.rows
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Sample one token from one row of (already masked) logits."""
-    if params.temperature < MIN_TEMPERATURE:
-        return int(torch.argmax(logits))
-    logits = logits.float()
-    # shift by the max first: (x - max) / t is <= 0, so a small t gives -inf, never +inf or NaN
-    logits = (logits - logits.max()) / params.temperature
-    if params.top_k and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(dim=-1) - probs > params.top_p  # keep the token that crosses top_p
-        logits = logits.clone()
-        logits[order[drop]] = float("-inf")
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+class DecodeEngine(Engine):
+    name = "transformers"
 
-
-class _GrowingLayer(DynamicLayer):
-    """A ``DynamicLayer`` that appends into spare room instead of concatenating.
-
-    HF's layer copies its whole cache at every step (``torch.cat``), which for a batch holding a long
-    prompt is gigabytes per step. This one keeps ``keys``/``values`` as views of buffers with room to
-    grow (an eighth more, at least 64 positions) and reallocates only when they are full or when
-    ``keys``/``values`` were replaced from outside (row selection, trimming).
-    """
-
-    _kbuf: torch.Tensor | None = None
-    _vbuf: torch.Tensor | None = None
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        keys, values = self.keys, self.values
-        used = keys.shape[-2] if keys.numel() else 0
-        need = used + key_states.shape[-2]
-        buf = self._kbuf
-        if (
-            buf is None or used == 0 or buf.shape[-2] < need or keys.data_ptr() != buf.data_ptr()
-            or values.data_ptr() != self._vbuf.data_ptr() or keys.shape[0] != buf.shape[0]
-        ):
-            room = need + max(64, need // 8)
-            shape = (key_states.shape[0], key_states.shape[1], room, key_states.shape[3])
-            self._kbuf, self._vbuf = key_states.new_empty(shape), value_states.new_empty(shape)
-            if used:
-                self._kbuf[:, :, :used] = keys
-                self._vbuf[:, :, :used] = values
-        self._kbuf[:, :, used:need] = key_states
-        self._vbuf[:, :, used:need] = value_states
-        self.keys, self.values = self._kbuf[:, :, :need], self._vbuf[:, :, :need]
-        return self.keys, self.values
-
-
-def _cache_of(kv, buffers=None) -> DynamicCache:
-    """A cache holding these per-layer ``(keys, values)`` tensors as they are (no copy), growing in place.
-
-    ``buffers``: per layer, the tensors that ``kv`` are leading views of (with room after them).
-    """
-    cache = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in kv])
-    for i, (layer, (k, v)) in enumerate(zip(cache.layers, kv)):
-        layer.__class__ = _GrowingLayer
-        layer.keys, layer.values = k, v
-        if buffers is not None:
-            layer._kbuf, layer._vbuf = buffers[i]
-    return cache
-
-
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
-    """Sample one token per row of (already masked) ``logits`` with each row's own parameters, on the device.
-
-    Each row draws one uniform number from its own generator (seeded rows reproduce) on the host; the rest is
-    a few batched operations (temperature, top-k, top-p, inverse CDF), so choosing the tokens of a whole batch
-    costs no per-row device round trip. Greedy rows (temperature below ``MIN_TEMPERATURE``) take the argmax.
-    """
-    b, vocab = logits.shape
-    device = logits.device
-    greedy_tok = logits.argmax(dim=-1)
-    greedy_rows = [p.temperature < MIN_TEMPERATURE for p in params]
-    if all(greedy_rows):
-        return greedy_tok
-    temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy_rows)], device=device)
-    x = logits.float()
-    # shift by the max first: (x - max) / t is <= 0, so a small t gives -inf, never +inf or NaN
-    x = (x - x.max(dim=-1, keepdim=True).values) / temps[:, None]
-    u = torch.tensor([float(torch.rand(1, generator=g)) for g in generators], device=device)
-    order = None
-    if any(0 < p.top_k < vocab for p in params) or any(p.top_p < 1.0 for p in params):
-        x, order = torch.sort(x, dim=-1, descending=True)
-        ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-        x = x.masked_fill(torch.arange(vocab, device=device)[None] >= ks[:, None], float("-inf"))
-        probs = torch.softmax(x, dim=-1)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        x = x.masked_fill(probs.cumsum(dim=-1) - probs > top_p[:, None], float("-inf"))  # keep the crossing token
-    probs = torch.softmax(x, dim=-1)
-    cum = probs.cumsum(dim=-1)
-    idx = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True).clamp_(max=vocab - 1)
-    # float rounding at the top of the CDF must never pick a token of probability zero
-    idx = torch.where(probs.gather(1, idx) > 0, idx, probs.argmax(dim=-1, keepdim=True)).squeeze(1)
-    if order is not None:
-        idx = order.gather(1, idx[:, None]).squeeze(1)
-    return torch.where(torch.tensor(greedy_rows, device=device), greedy_tok, idx)
-
-
-def _release_memory() -> None:
-    """Give freed heap pages back to the OS (glibc keeps them after a large prefill otherwise)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-class DecodeEngine:
     """Continuous-batching decode loop over ``model`` (see the module docstring).
 
     Args:
@@ -306,9 +171,7 @@ class DecodeEngine:
         self._prepare = ThreadPoolExecutor(max_workers=max(1, prepare_threads), thread_name_prefix="cursor-prepare")
         self._trim_due = False
         self.prefix_cache = PrefixCache(max_tokens=prefix_cache_tokens)
-        # Called from the engine thread after every decode step with (step seconds, chain seconds).
-        self.on_step: Callable[[float, float], None] | None = None
-        self.stats = {
+        self._stats = {
             "steps": 0, "step_seconds": 0.0, "chain_seconds": 0.0, "rows_decoded": 0, "prefills": 0,
             "fallback_rows": 0, "prefill_tokens": 0, "prefix_tokens_reused": 0, "prefill_chunks": 0,
             "failed_rows": 0, "cancelled_jobs": 0,
@@ -328,16 +191,16 @@ class DecodeEngine:
             self._thread = None
         self._prepare.shutdown(wait=False, cancel_futures=True)
 
-    def submit(self, job: Job) -> Job:
-        """Queue a job; events arrive through ``job.on_event`` from the engine thread."""
-        if not job.prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
-        if job.n < 1 or job.num_beams < 1 or job.max_new_tokens < 1:
-            raise ValueError("n, num_beams and max_new_tokens must be >= 1")
-        if job.num_beams > 1 and job.n > job.num_beams:
-            raise ValueError("n must not exceed num_beams with beam search")
+    def submit(self, request: EngineRequest, on_event: Callable[[EngineEvent], None]) -> Job:
+        """Queue a request; its events arrive through ``on_event`` from the engine thread."""
+        if not isinstance(request, EngineRequest):
+            raise TypeError(f"expected an EngineRequest, got {type(request).__name__}")
+        job = Job(request, on_event)
         self._queue.put(job)
         return job
+
+    def stats(self) -> dict:
+        return dict(self._stats)
 
     @property
     def active_rows(self) -> int:
@@ -367,7 +230,7 @@ class DecodeEngine:
                     self._step()
                 elif self._trim_due and self._chunking is None:
                     self._trim_due = False
-                    _release_memory()
+                    release_memory()
             except Exception as exc:  # a failed forward must not kill the replica
                 logger.exception("decode step failed; failing the jobs in the batch")
                 self._fail_all(f"decode failed: {type(exc).__name__}: {exc}")
@@ -375,7 +238,7 @@ class DecodeEngine:
     def _fail_all(self, message: str) -> None:
         jobs = {id(r.job): r.job for r in self._rows}
         for job in jobs.values():
-            job.on_event({"type": "error", "message": message})
+            job.on_event(ErrorEvent(message))
         self._rows, self._cache, self._mask, self._logits = [], None, None, None
         self._beams.clear()
 
@@ -391,7 +254,7 @@ class DecodeEngine:
                 rows = self._new_rows(job, False)
             except Exception as exc:
                 logger.exception("building the rows of a job failed")
-                job.on_event({"type": "error", "message": f"cannot start: {type(exc).__name__}: {exc}"})
+                job.on_event(ErrorEvent(f"cannot start: {type(exc).__name__}: {exc}"))
                 return
         self._waiting.append(_Pending(job, rows))
 
@@ -436,7 +299,7 @@ class DecodeEngine:
                 rows = p.take_rows()
             except Exception as exc:
                 logger.exception("preparing the rows of a job failed")
-                job.on_event({"type": "error", "message": f"cannot start: {type(exc).__name__}: {exc}"})
+                job.on_event(ErrorEvent(f"cannot start: {type(exc).__name__}: {exc}"))
                 continue
             length, kv = self.prefix_cache.lookup(job.prompt_ids)
             if len(job.prompt_ids) - length > self.prefill_chunk_tokens:
@@ -455,12 +318,12 @@ class DecodeEngine:
             self._prefill(admitted)
 
     def _cancelled(self, job: Job) -> None:
-        self.stats["cancelled_jobs"] += 1
-        job.on_event({"type": "error", "message": "cancelled"})
+        self._stats["cancelled_jobs"] += 1
+        job.on_event(ErrorEvent("cancelled"))
 
     @staticmethod
     def _expand_prefix(prefix_kv, b: int) -> DynamicCache:
-        return _cache_of([(k.expand(b, -1, -1, -1).contiguous(), v.expand(b, -1, -1, -1).contiguous()) for k, v in prefix_kv])
+        return cache_of([(k.expand(b, -1, -1, -1).contiguous(), v.expand(b, -1, -1, -1).contiguous()) for k, v in prefix_kv])
 
     def _prefill(self, admitted: list[tuple[_Pending, list[_Row]]]) -> None:
         """Prefill new prompts (grouped by their cached prefix), then merge into the running batch."""
@@ -476,7 +339,7 @@ class DecodeEngine:
             except Exception as exc:  # only these jobs fail; rows already decoding keep going
                 logger.exception("prefill failed")
                 for job, _ in group:
-                    job.on_event({"type": "error", "message": f"prefill failed: {type(exc).__name__}: {exc}"})
+                    job.on_event(ErrorEvent(f"prefill failed: {type(exc).__name__}: {exc}"))
 
     def _prefill_group(self, group: list[tuple[Job, list[_Row]]], prefix_kv) -> None:
         """One forward over the prompts after a shared cached prefix (or whole prompts, left-padded).
@@ -509,9 +372,9 @@ class DecodeEngine:
                 (layer.keys[i : i + 1].index_select(2, cols), layer.values[i : i + 1].index_select(2, cols)) for layer in layers
             ])
         self._join(group, [(layer.keys, layer.values) for layer in layers], mask.to(self.device), out.logits[:, -1, :])
-        self.stats["prefills"] += 1
-        self.stats["prefill_tokens"] += sum(len(r) for r in rests)
-        self.stats["prefix_tokens_reused"] += plen * b
+        self._stats["prefills"] += 1
+        self._stats["prefill_tokens"] += sum(len(r) for r in rests)
+        self._stats["prefix_tokens_reused"] += plen * b
 
     def _prefill_chunk(self) -> None:
         """Read the next chunk of the prompt being prefilled in chunks; join the batch after the last."""
@@ -532,7 +395,7 @@ class DecodeEngine:
                 use_cache=True, logits_to_keep=1,
             )
             p.cache, p.done_tokens = out.past_key_values, end
-            self.stats["prefill_chunks"] += 1
+            self._stats["prefill_chunks"] += 1
             if end < len(job.prompt_ids):
                 return
             self._chunking = None
@@ -541,13 +404,13 @@ class DecodeEngine:
             self.prefix_cache.store(job.prompt_ids, [(layer.keys, layer.values) for layer in layers])
             mask = torch.ones((1, end), dtype=torch.long, device=self.device)
             self._join([(job, p.rows)], [(layer.keys, layer.values) for layer in layers], mask, out.logits[:, -1, :])
-            self.stats["prefills"] += 1
-            self.stats["prefill_tokens"] += end - p.reused
-            self.stats["prefix_tokens_reused"] += p.reused
+            self._stats["prefills"] += 1
+            self._stats["prefill_tokens"] += end - p.reused
+            self._stats["prefix_tokens_reused"] += p.reused
         except Exception as exc:
             logger.exception("chunked prefill failed")
             self._chunking = None
-            job.on_event({"type": "error", "message": f"prefill failed: {type(exc).__name__}: {exc}"})
+            job.on_event(ErrorEvent(f"prefill failed: {type(exc).__name__}: {exc}"))
 
     def _join(self, group: list[tuple[Job, list[_Row]]], kv, mask, logits) -> None:
         """Merge prompts' caches into the batch, each prompt once per row of its job.
@@ -591,7 +454,7 @@ class DecodeEngine:
             self._rows = self._rows + rows
         else:
             self._mask, self._logits, self._rows = mask, logits, rows
-        self._cache = _cache_of([(k[:, :, :total], v[:, :, :total]) for k, v in merged], buffers=merged)
+        self._cache = cache_of([(k[:, :, :total], v[:, :, :total]) for k, v in merged], buffers=merged)
 
     # -- one decode step ------------------------------------------------------------------------
     def _row_steps(self, rows: list[_Row]) -> tuple[list[Step], dict[int, str]]:
@@ -671,8 +534,8 @@ class DecodeEngine:
             scores, flat_ids = host[at : at + k], host[at + k : at + 2 * k]
             at += 2 * k
             nxt.extend(self._beam_select(rows, idxs, scores, [int(f) for f in flat_ids], vocab))
-        self.stats["steps"] += 1
-        self.stats["rows_decoded"] += len(rows)
+        self._stats["steps"] += 1
+        self._stats["rows_decoded"] += len(rows)
         if not nxt:
             self._rows, self._cache, self._mask, self._logits = [], None, None, None
             self._trim_due = True
@@ -693,8 +556,8 @@ class DecodeEngine:
             self._cache = out.past_key_values
             self._logits = out.logits[:, -1, :].float()
         step_seconds = time.perf_counter() - t0
-        self.stats["step_seconds"] += step_seconds
-        self.stats["chain_seconds"] += t_chain
+        self._stats["step_seconds"] += step_seconds
+        self._stats["chain_seconds"] += t_chain
         if self.on_step is not None:
             self.on_step(step_seconds, t_chain)
 
@@ -719,7 +582,7 @@ class DecodeEngine:
             self._fail_row(row, f"constraint failed: {type(exc).__name__}: {exc}")
             return []
         row.tokens.append(token)
-        job.on_event({"type": "token", "index": row.index, "token_id": token})
+        job.on_event(TokenEvent(row.index, token))
         if row.cursor.finished:
             self._finish(row, "error" if row.cursor.error else "stop", row.cursor.error)
         elif len(row.tokens) >= job.max_new_tokens:
@@ -782,10 +645,9 @@ class DecodeEngine:
     def _emit_beams(self, job: Job, beams: _Beams) -> None:
         for index, (_, tokens, reason) in enumerate(beams.hyps[: job.n]):
             for t in tokens:
-                job.on_event({"type": "token", "index": index, "token_id": t})
-            job.on_event({"type": "finished", "index": index, "token_ids": tokens, "finish_reason": reason,
-                          "error": None})
-        job.on_event({"type": "done"})
+                job.on_event(TokenEvent(index, t))
+            job.on_event(FinishedEvent(index, tokens, reason))
+        job.on_event(DoneEvent())
 
     def _trim(self) -> None:
         """Drop leading columns that are padding in every remaining row."""
@@ -798,17 +660,16 @@ class DecodeEngine:
                 layer.values = layer.values[:, :, first:, :]
 
     def _fail_row(self, row: _Row, message: str) -> None:
-        self.stats["failed_rows"] += 1
+        self._stats["failed_rows"] += 1
         self._finish(row, "error", message)
 
     def _finish(self, row: _Row, reason: str, error: str | None) -> None:
         if row.cursor.fell_back:
-            self.stats["fallback_rows"] += 1
+            self._stats["fallback_rows"] += 1
         job = row.job
-        job.on_event({"type": "finished", "index": row.index, "token_ids": list(row.tokens), "finish_reason": reason,
-                      "error": error, "fell_back": row.cursor.fell_back})
+        job.on_event(FinishedEvent(row.index, list(row.tokens), reason, error, row.cursor.fell_back))
         job.remaining -= 1
         if job.remaining == 0:
             if reason == "error" and error == "cancelled":
-                self.stats["cancelled_jobs"] += 1
-            job.on_event({"type": "done"})
+                self._stats["cancelled_jobs"] += 1
+            job.on_event(DoneEvent())
