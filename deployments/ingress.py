@@ -39,7 +39,7 @@ from collections import OrderedDict
 from contextlib import aclosing
 from typing import Annotated, Any, AsyncIterator, Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -75,6 +75,11 @@ __all__ = [
 logger = logging.getLogger("ray.serve")
 
 ScenarioName = Annotated[str, PathParam(pattern=NAME_PATTERN, description="Scenario name (the store's naming rule).")]
+IdempotencyKey = Annotated[str | None, Header(
+    alias="Idempotency-Key",
+    description="Optional, on admin writes: a key of the client's choosing (e.g. a UUID) per intended write. A retry with "
+                "the same key and request gets the first answer (header Idempotent-Replayed: true) instead of a second "
+                "write; the same key with another request is a 422. Remembered 24 h.")]
 HEALTH_TIMEOUT_S = 5.0
 # A request whose model replica died (crash, lost node) is sent again this many times; generation has no side effects.
 # A request that was already in flight at an earlier replica death is never sent again (see DeathMemory).
@@ -750,8 +755,17 @@ def build_http_app(ingress: Ingress) -> FastAPI:
 
     admin = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)], responses={401: {"model": ErrorBody}, **_ERROR_RESPONSES})
 
+    def idempotent(args: tuple, key: str | None) -> tuple:
+        return args if key is None else (*args, key)
+
+    def write_answer(result: Any) -> Any:
+        """A retried write's first answer (the body is the first answer's), marked ``Idempotent-Replayed: true``."""
+        if isinstance(result, dict) and result.pop("replayed", False):
+            return JSONResponse(result, headers={"Idempotent-Replayed": "true"})
+        return result
+
     @admin.put("/scenarios/{name}", response_model=ScenarioVersionOut, openapi_extra=_scenario_openapi_extra())
-    async def put_scenario(request: Request, name: ScenarioName):
+    async def put_scenario(request: Request, name: ScenarioName, idempotency_key: IdempotencyKey = None):
         """Create or replace a scenario; returns once every live replica serves the new version."""
         raw = await request.body()
         limits = ingress.limits
@@ -770,24 +784,24 @@ def build_http_app(ingress: Ingress) -> FastAPI:
             limits.check_json_depth(body)
         except LimitExceeded as error:
             raise ServiceError(error.status, f"invalid scenario: {error}", {"name": name, **error.detail()}) from None
-        return await ingress.call(ingress.manager.put, name, body)
+        return write_answer(await ingress.call(ingress.manager.put, *idempotent((name, body), idempotency_key)))
 
     @admin.get("/scenarios/{name}", response_model=ScenarioOut)
     async def get_scenario(name: ScenarioName, version: int | None = Query(default=None, ge=1, description="A stored version (default: current).")):
         return await ingress.call(ingress.manager.get, name, version)
 
     @admin.delete("/scenarios/{name}", response_model=DeletedOut)
-    async def delete_scenario(name: ScenarioName):
-        result = await ingress.call(ingress.manager.delete, name)
-        return {"name": name, "deleted": True, **(result if isinstance(result, dict) else {})}
+    async def delete_scenario(name: ScenarioName, idempotency_key: IdempotencyKey = None):
+        result = await ingress.call(ingress.manager.delete, *idempotent((name,), idempotency_key))
+        return write_answer({"name": name, "deleted": True, **(result if isinstance(result, dict) else {})})
 
     @admin.get("/scenarios/{name}/versions", response_model=ScenarioVersionsOut)
     async def scenario_versions(name: ScenarioName):
         return {"name": name, "versions": await ingress.call(ingress.manager.versions, name)}
 
     @admin.post("/scenarios/{name}/rollback", response_model=ScenarioVersionOut)
-    async def rollback_scenario(body: RollbackBody, name: ScenarioName):
-        return await ingress.call(ingress.manager.rollback, name, body.version)
+    async def rollback_scenario(body: RollbackBody, name: ScenarioName, idempotency_key: IdempotencyKey = None):
+        return write_answer(await ingress.call(ingress.manager.rollback, *idempotent((name, body.version), idempotency_key)))
 
     app.include_router(admin)
     mount_console(app, ingress, require_admin)  # /console and POST /admin/scenarios/{name}/inspect

@@ -26,7 +26,15 @@ A replica is live while it calls in: one not heard from for ``replica_timeout_s`
 no longer waited for (a poll is cut to half that timeout so a live replica always calls again in
 time). ``put``/``delete``/``rollback`` return once every live replica acknowledged an epoch that
 includes the change (read-your-writes), or raise 504 after ``broadcast_timeout_s`` naming the
-replicas that did not (the version stays stored and they get it when they catch up).
+replicas that did not (the version stays stored and they get it when they catch up). Each takes an
+optional idempotency key (the ``Idempotency-Key`` header): a write that was stored although its
+caller got an error (e.g. this manager died right after the Redis write) is answered, on a retry with
+the same key and request, with its first result instead of being made twice.
+
+A version means the same tokens forever: a tree given as a ``path`` is read once, at the PUT, and its
+content is stored in Redis with the version (``content_sha256`` in the stored body, see
+:mod:`deployments.store`); every later compile of that version (a restart, :meth:`inspect`, a
+rollback) uses that content, through a local copy under ``<data_dir>/tree-content``, never the file.
 
 IMPORTANT for the app builder: every replica holds one long poll open on this deployment, so
 give it ``max_ongoing_requests`` well above the number of model replicas plus concurrent admin
@@ -36,7 +44,9 @@ Changes made behind the manager's back (another process writing Redis) arrive th
 ``cs:changes`` channel, keyspace notifications on the ``current`` pointers when the server allows
 them, and a reconcile every ``reconcile_interval_s`` as the fallback; the background task loads,
 validates, compiles and broadcasts them. A stored version that does not validate or compile is
-logged (and shown in :meth:`health`) and the last good version keeps serving. While Redis is down
+logged (and shown in :meth:`health`, with the version served instead) and the last good version keeps
+serving; also across a restart: a manager that starts while the current version is unusable serves the
+newest usable earlier one (back to the last delete entry), never nothing. While Redis is down
 the replicas keep their tables, admin writes raise 503, and the reconcile loop re-syncs when
 Redis is back (an embedded server that died is started again from its files).
 """
@@ -44,9 +54,15 @@ Redis is back (an embedded server that died is started again from its files).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import hashlib
 import json
 import logging
+import os
+import re
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -61,7 +77,14 @@ from config.settings import LimitExceeded
 from deployments.metrics import ManagerMetrics, route_logs_to_serve
 from deployments.protocol import ServiceError
 from deployments.redis_server import connect_redis, enable_keyspace_notifications, keyspace_notifications_enabled
-from deployments.store import ScenarioStore, validate_name
+from deployments.store import (
+    IDEMPOTENCY_TTL_S,
+    ScenarioStore,
+    content_sha256,
+    request_fingerprint,
+    validate_idempotency_key,
+    validate_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +137,29 @@ def _format_validation_error(body: dict, exc: pydantic.ValidationError) -> tuple
     return f"invalid scenario: {text}", errors
 
 
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _file_sha256(path: str) -> str | None:
+    """SHA-256 (hex) of a file's bytes, read in chunks; None when it cannot be read."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def _fingerprint(action: str, name: str, body: Any) -> str:
+    """The request fingerprint of an admin write (422 for a body that is not JSON)."""
+    try:
+        return request_fingerprint(action, name, body)
+    except (TypeError, ValueError) as exc:
+        raise ServiceError(422, f"the scenario body is not JSON: {exc}") from None
+
+
 def _as_version(version: Any) -> int:
     """A version number from a caller (``"3"`` from a URL is fine); 422 for anything else."""
     try:
@@ -137,6 +183,7 @@ class ConfigManager:
         broadcast_timeout_s: how long a write waits for the replicas' acknowledgements (then 504).
         reconcile_interval_s: period of the fallback check of Redis for external changes.
         prefix: Redis key prefix (see :mod:`deployments.store`).
+        idempotency_ttl_s: how long an admin write's ``Idempotency-Key`` is remembered (24 h).
     """
 
     def __init__(
@@ -149,6 +196,7 @@ class ConfigManager:
         broadcast_timeout_s: float = 30.0,
         reconcile_interval_s: float = 5.0,
         prefix: str = "cs:",
+        idempotency_ttl_s: float = IDEMPOTENCY_TTL_S,
     ):
         self.settings = settings if isinstance(settings, ServerSettings) else ServerSettings.from_args(settings)
         route_logs_to_serve()
@@ -162,7 +210,7 @@ class ConfigManager:
         self._embedded = redis_client is None and not self.settings.redis_url
         if redis_client is None:
             redis_client = connect_redis(self.settings.redis_url, self.settings.data_dir)
-        self.store = ScenarioStore(redis_client, prefix=prefix)
+        self.store = ScenarioStore(redis_client, prefix=prefix, idempotency_ttl_s=idempotency_ttl_s)
         self.keyspace_notifications = keyspace_notifications_enabled(redis_client)
         self.replica_timeout_s = float(replica_timeout_s)
         self.broadcast_timeout_s = float(broadcast_timeout_s)
@@ -198,8 +246,18 @@ class ConfigManager:
     # ------------------------------------------------------------------ validate and compile
 
     def _validate(self, name: str, body: Any):
+        """The scenario of ``body`` (422 when invalid). A tree stored with the content of its file
+        (``content_sha256``) gets ``path`` pointing at that content (see :meth:`_content_file`), never
+        at the file it was read from."""
         if not isinstance(body, dict):
             raise ServiceError(422, f"a scenario body must be a JSON object, got {type(body).__name__}")
+        sha = None
+        if "content_sha256" in body:
+            body = dict(body)
+            sha = body.pop("content_sha256")
+            if not isinstance(sha, str) or not _SHA256_HEX.fullmatch(sha):
+                raise ServiceError(422, "invalid scenario: content_sha256: expected 64 lowercase hex digits",
+                                   {"name": name, "field": "content_sha256"})
         limits = self.settings.limits
         try:
             # Before anything walks the body recursively (json.dumps, validation, the schema checker).
@@ -216,13 +274,98 @@ class ConfigManager:
         except pydantic.ValidationError as exc:
             message, errors = _format_validation_error(body, exc)
             raise ServiceError(422, message, {"name": name, "errors": errors}) from None
+        if sha is not None:
+            if scenario.type != "tree" or scenario.path is None:
+                raise ServiceError(422, "invalid scenario: content_sha256: only a tree given by path has stored "
+                                        "content", {"name": name, "field": "content_sha256"})
+            # The content stored at the PUT; the path is only where it was read from (it may be gone).
+            return scenario.model_copy(update={"path": self._content_file(name, sha)})
         if scenario.type == "tree" and scenario.path is not None:
             # An admin names a file on the manager's host: only files under the tree directory.
-            try:
-                scenario = scenario.model_copy(update={"path": self.settings.resolve_tree_path(scenario.path)})
-            except ValueError as exc:
-                raise ServiceError(422, f"invalid scenario: path: {exc}", {"name": name, "field": "path"}) from None
+            scenario = scenario.model_copy(update={"path": self._tree_path(name, scenario.path)})
         return scenario
+
+    def _tree_path(self, name: str, path: str) -> str:
+        try:
+            return self.settings.resolve_tree_path(path)
+        except ValueError as exc:
+            raise ServiceError(422, f"invalid scenario: path: {exc}", {"name": name, "field": "path"}) from None
+
+    # ------------------------------------------------------------------ tree content
+
+    @property
+    def _content_dir(self) -> str:
+        """Local copies of stored tree content, one file per SHA-256 (Redis keeps the originals)."""
+        return os.path.join(self.settings.data_dir, "tree-content")
+
+    def _pin_tree_file(self, name: str, body: Any) -> Any:
+        """For a tree given by ``path`` (and no ``content_sha256`` yet): read the file ONCE, into a local copy
+        named by its SHA-256, and return the body to store: ``path`` resolved (where the content came from)
+        plus ``content_sha256``. Every compile of that version, now and after any restart, reads the copy
+        (or the bytes stored in Redis), never the file again. Any other body is returned as it is.
+        Runs in a worker thread; the file is streamed (a tree file may be tens of MB)."""
+        if not (isinstance(body, dict) and body.get("type") == "tree" and isinstance(body.get("path"), str)
+                and body["path"].strip() and "content_sha256" not in body and body.get("tree") is None):
+            return body  # validation reports anything wrong with it
+        source = self._tree_path(name, body["path"])
+        os.makedirs(self._content_dir, exist_ok=True)
+        digest = hashlib.sha256()
+        fd, tmp = tempfile.mkstemp(dir=self._content_dir, prefix=".incoming-")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                try:
+                    with open(source, "rb") as handle:
+                        for chunk in iter(lambda: handle.read(1 << 20), b""):
+                            digest.update(chunk)
+                            out.write(chunk)
+                except OSError as exc:
+                    raise ServiceError(400, f"scenario {name!r} does not compile for the served tokenizer: tree file "
+                                            f"{source}: {exc.strerror or exc}", {"name": name, "field": "path"}) from None
+            sha = digest.hexdigest()
+            os.replace(tmp, os.path.join(self._content_dir, f"{sha}.json"))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return {**body, "path": source, "content_sha256": sha}
+
+    def _content_file(self, name: str, sha: str) -> str:
+        """The local copy of the tree content ``sha`` (checked against its hash), fetched from Redis when
+        this host has none. 422 when Redis has no such content either."""
+        local = os.path.join(self._content_dir, f"{sha}.json")
+        if _file_sha256(local) == sha:
+            return local
+        data = self.store.content(sha)
+        if data is None:
+            raise ServiceError(422, f"content_sha256: no tree content {sha} is stored; leave content_sha256 out to "
+                                    "store the file named by path", {"name": name, "field": "content_sha256"})
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise ServiceError(500, f"stored tree content {self.store.content_key(sha)} does not match its hash",
+                               {"name": name})
+        os.makedirs(self._content_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self._content_dir, prefix=".incoming-")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+            os.replace(tmp, local)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return local
+
+    def _stored_content(self, body: Any) -> bytes | None:
+        """The bytes of the local copy a pinned tree body refers to (to store them with the version)."""
+        sha = content_sha256(body)
+        if sha is None:
+            return None
+        local = os.path.join(self._content_dir, f"{sha}.json")
+        try:
+            with open(local, "rb") as handle:
+                data = handle.read()
+        except OSError:
+            return None  # the store then requires the content to be in Redis already
+        return data if hashlib.sha256(data).hexdigest() == sha else None
 
     def _check_compiled(self, name: str, scenario, compiled) -> None:
         """Limits that need the compiled form: the keys of a tree given as a ``path`` (counted once loaded)."""
@@ -253,8 +396,14 @@ class ConfigManager:
     def _prepare(self, name: str, body: Any):
         """Validate (422) and compile (400) a body; runs in a worker thread (a large tree takes a while)."""
         scenario = self._validate(name, body)
-        compiled = self._compile_now(name, scenario)
-        self._check_compiled(name, scenario, compiled)
+        try:
+            compiled = self._compile_now(name, scenario)
+            self._check_compiled(name, scenario, compiled)
+        except ServiceError as exc:
+            sha = content_sha256(body)
+            if sha is not None and isinstance(body.get("path"), str):  # name the admin's file, not the local copy
+                exc.message = exc.message.replace(scenario.path, f"{body['path']} (stored content {sha[:12]})")
+            raise
         return compiled
 
     def _compile_blocking(self, name: str, body: Any):
@@ -310,6 +459,9 @@ class ConfigManager:
             logger.error("scenario %r version %s in Redis is not usable: %s; %s", name, version, message,
                          f"still serving version {served.version}" if served else "it is not served")
         self._errors[name] = {"version": version, "error": message}
+        served = self._served.get(name)
+        if served is not None:
+            self._errors[name]["serving"] = served.version
 
     def _load_initial(self) -> None:
         try:
@@ -329,11 +481,39 @@ class ConfigManager:
                     raise ServiceError(500, f"version {version} has no scenario body")
                 compiled = self._compile_blocking(name, record["scenario"])
             except ServiceError as exc:
+                # Keep the last good version across restarts: a scenario that had one is never a 404
+                # because of what another tool wrote into Redis since.
+                good = self._last_good_blocking(name, version)
+                if good is not None:
+                    self._install(name, good[0], good[1], _object_ref(good[1]))
                 self._refuse(name, version, exc.message)
                 continue
             self._install(name, version, compiled, _object_ref(compiled))
         logger.info("serving %d scenario(s): %s", len(self._served),
                     ", ".join(f"{n} v{s.version}" for n, s in sorted(self._served.items())) or "none")
+
+    def _last_good_blocking(self, name: str, bad_version: int | None):
+        """``(version, compiled)`` of the newest version of ``name`` before ``bad_version`` (any, when the
+        pointer itself is unusable) that compiles, looking back no further than the last delete entry (before
+        it the scenario did not exist); None when there is none."""
+        try:
+            history = self.store.versions(name)
+        except ServiceError:
+            return None
+        for entry in reversed(history):
+            version = entry["version"]
+            if bad_version is not None and version >= bad_version:
+                continue
+            if entry["action"] == "delete":
+                return None
+            try:
+                record = self.store.get(name, version)
+                if record is None or record["scenario"] is None:
+                    raise ServiceError(500, f"version {version} has no scenario body")
+                return version, self._compile_blocking(name, record["scenario"])
+            except ServiceError as exc:
+                logger.warning("scenario %r version %d is not usable either: %s", name, version, exc.message)
+        return None
 
     def _seed_examples(self) -> None:
         from deployments.examples import example_scenarios
@@ -349,30 +529,60 @@ class ConfigManager:
 
     # ------------------------------------------------------------------ admin API
 
-    async def put(self, name: str, body: dict) -> dict[str, Any]:
+    async def put(self, name: str, body: dict, idempotency_key: str | None = None) -> dict[str, Any]:
         """Validate, compile, store a new version of ``name`` and wait until every live replica
         serves it. Returns ``{"name", "version"}``. 422: invalid name or body; 400: does not
-        compile (nothing stored in either case); 503: Redis down; 504: replicas did not ack."""
+        compile (nothing stored in either case); 503: Redis down; 504: replicas did not ack.
+
+        A tree given as ``path`` is read once, here, and its content stored with the version
+        (``content_sha256`` in the stored body): that version means those tokens forever. A body that
+        already has ``content_sha256`` (e.g. one read back with :meth:`get`) uses the stored content.
+
+        ``idempotency_key`` (the ``Idempotency-Key`` header): when a write with this key and the same
+        request was already made (its client got a 503 although the write was stored, and retries), nothing
+        is written again: the answer is the first write's, with ``"replayed": True``. The same key with
+        another request is a 422."""
         started = time.monotonic()
         self._ensure_started()
         validate_name(name)
-        compiled = await self._compile(name, body)
+        fingerprint = None
+        if idempotency_key is not None:
+            validate_idempotency_key(idempotency_key)
+            fingerprint = await asyncio.to_thread(_fingerprint, "put", name, body)
+            first = await self._store(self.store.idempotent_result, idempotency_key, fingerprint)
+            if first is not None:
+                return await self._replay(first)
+        stored = await asyncio.to_thread(self._pin_tree_file, name, body)
+        compiled = await self._compile(name, stored)
+        content = await self._store(self._stored_content, stored)
         async with self._lock:
-            version = await self._store(self.store.put, name, body)
-            self._install(name, version, compiled, await self._store(_object_ref, compiled))
-            epoch = self._bump()
+            version = await self._store(functools.partial(
+                self.store.put, name, stored, idempotency_key=idempotency_key, fingerprint=fingerprint,
+                content=content))
+            if not version.replayed:
+                self._install(name, version, compiled, await self._store(_object_ref, compiled))
+                epoch = self._bump()
+        if version.replayed:  # the same request, sent again while the first one was still running
+            return await self._replay({"action": "put", "name": name, "version": int(version)})
         logger.info("stored scenario %r version %d", name, version)
         await self._wait_for_acks(epoch, name, version)
         self.metrics.swapped(name, "put", started)
-        return {"name": name, "version": version}
+        return {"name": name, "version": int(version)}
 
-    async def rollback(self, name: str, version: int) -> dict[str, Any]:
+    async def rollback(self, name: str, version: int, idempotency_key: str | None = None) -> dict[str, Any]:
         """Store a NEW version of ``name`` with the body of ``version`` (compiled and broadcast like a
-        put). Returns ``{"name", "version", "from_version"}``."""
+        put; a tree read from a file gets the content stored with ``version``, not today's file). Returns
+        ``{"name", "version", "from_version"}``. ``idempotency_key`` as for :meth:`put`."""
         started = time.monotonic()
         self._ensure_started()
         validate_name(name)
         version = _as_version(version)
+        if idempotency_key is not None:
+            validate_idempotency_key(idempotency_key)
+            first = await self._store(self.store.idempotent_result, idempotency_key,
+                                      request_fingerprint("rollback", name, None, version))
+            if first is not None:
+                return await self._replay(first)
         record = await self._store(self.store.get, name, version)
         if record is None:
             await self._not_found(name, version)
@@ -381,29 +591,63 @@ class ConfigManager:
                                     "there is no body to roll back to")
         compiled = await self._compile(name, record["scenario"])
         async with self._lock:
-            new_version = await self._store(self.store.rollback, name, version)
-            self._install(name, new_version, compiled, await self._store(_object_ref, compiled))
-            epoch = self._bump()
+            new_version = await self._store(functools.partial(
+                self.store.rollback, name, version, idempotency_key=idempotency_key))
+            if not new_version.replayed:
+                self._install(name, new_version, compiled, await self._store(_object_ref, compiled))
+                epoch = self._bump()
+        if new_version.replayed:
+            return await self._replay({"action": "rollback", "name": name, "version": int(new_version),
+                                       "from_version": version})
         logger.info("rolled scenario %r back to the body of version %d as version %d", name, version, new_version)
         await self._wait_for_acks(epoch, name, new_version)
         self.metrics.swapped(name, "rollback", started)
-        return {"name": name, "version": new_version, "from_version": version}
+        return {"name": name, "version": int(new_version), "from_version": version}
 
-    async def delete(self, name: str) -> dict[str, Any]:
+    async def delete(self, name: str, idempotency_key: str | None = None) -> dict[str, Any]:
         """Delete ``name`` (a delete entry in its history) and wait until no live replica serves it.
-        Returns ``{"name", "version", "deleted": True}`` where version is the delete entry's."""
+        Returns ``{"name", "version", "deleted": True}`` where version is the delete entry's.
+        ``idempotency_key`` as for :meth:`put` (a retried delete gets its first answer, not a 404)."""
         started = time.monotonic()
         self._ensure_started()
         validate_name(name)
+        if idempotency_key is not None:
+            validate_idempotency_key(idempotency_key)
+            first = await self._store(self.store.idempotent_result, idempotency_key,
+                                      request_fingerprint("delete", name))
+            if first is not None:
+                return await self._replay(first)
         async with self._lock:
-            version = await self._store(self.store.delete, name)
-            self._served.pop(name, None)
-            self._errors.pop(name, None)
-            epoch = self._bump()
+            version = await self._store(functools.partial(self.store.delete, name, idempotency_key=idempotency_key))
+            if not version.replayed:
+                self._served.pop(name, None)
+                self._errors.pop(name, None)
+                epoch = self._bump()
+        if version.replayed:
+            return await self._replay({"action": "delete", "name": name, "version": int(version)})
         logger.info("deleted scenario %r (version %d)", name, version)
         await self._wait_for_acks(epoch, name, version)
         self.metrics.swapped(name, "delete", started)
-        return {"name": name, "version": version, "deleted": True}
+        return {"name": name, "version": int(version), "deleted": True}
+
+    async def _replay(self, first: dict[str, Any]) -> dict[str, Any]:
+        """The answer to a retried write: the first write's result (plus ``"replayed": True``), once the
+        replicas serve what is current (the first attempt may have stored its version and died before
+        broadcasting it; a new manager loaded it at start, this one picks it up now)."""
+        name, version, action = first["name"], int(first["version"]), first["action"]
+        served = self._served.get(name)
+        behind = (name in self._served) if action == "delete" else (served is None or served.version < version)
+        if behind:
+            await self.sync_from_store()
+        logger.info("answered a retried %s of scenario %r with its first result (version %d)", action, name, version)
+        await self._wait_for_acks(self._epoch, name, version)
+        result: dict[str, Any] = {"name": name, "version": version}
+        if action == "rollback":
+            result["from_version"] = first.get("from_version")
+        if action == "delete":
+            result["deleted"] = True
+        result["replayed"] = True
+        return result
 
     async def get(self, name: str, version: int | None = None) -> dict[str, Any]:
         """The stored record ``{"name", "version", "scenario", "created_at", "action"}`` of the
@@ -435,7 +679,8 @@ class ConfigManager:
         """What a row of ``name`` may emit after ``token_ids``, step by step (the web console's tree view and
         playground; see :func:`deployments.console.replay` for the result). Read-only.
 
-        ``version`` None is the version served now; another stored version is compiled for the occasion.
+        ``version`` None is the version served now; another stored version is compiled for the occasion, from
+        what was stored (a tree read from a file: the content stored at its PUT, not the file today).
         404: unknown name or version; 409: a delete entry; 422: an id outside the vocabulary."""
         self._ensure_started()
         validate_name(name)
@@ -764,8 +1009,8 @@ class ConfigManager:
             worker.close()
         if getattr(self, "_embedded", False):
             try:
-                from deployments.redis_server import close_embedded
+                from deployments.redis_server import close_embedded_from_finalizer
 
-                close_embedded(self.settings.data_dir)
+                close_embedded_from_finalizer(self.settings.data_dir)
             except Exception:  # pragma: no cover - interpreter shutdown
                 pass

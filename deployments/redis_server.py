@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "close_embedded",
+    "close_embedded_from_finalizer",
     "connect_redis",
     "embedded_server_pid",
     "enable_keyspace_notifications",
@@ -176,14 +177,32 @@ def close_embedded(data_dir: str | None = None, *, timeout_s: float = 10.0) -> N
     A later :func:`connect_redis` on the same directory starts it again from those files.
     """
     with _EMBEDDED_LOCK:
-        if data_dir is None:
-            paths = list(_EMBEDDED)
-        else:
-            paths = [os.path.abspath(os.path.expanduser(data_dir))]
-        for path in paths:
-            client = _EMBEDDED.pop(path, None)
-            if client is not None:
-                _shutdown(client, timeout_s)
+        _close_locked(data_dir, timeout_s)
+
+
+def close_embedded_from_finalizer(data_dir: str | None) -> None:
+    """:func:`close_embedded` for a ``__del__``: it never waits for the registry lock. A finalizer runs
+    wherever the garbage collector happens to run, also inside :func:`connect_redis` of the same thread
+    while it holds that (non-reentrant) lock, where waiting would deadlock; then the close runs in a
+    thread of its own once the lock is free."""
+    if _EMBEDDED_LOCK.acquire(blocking=False):
+        try:
+            _close_locked(data_dir, 10.0)
+        finally:
+            _EMBEDDED_LOCK.release()
+    else:
+        threading.Thread(target=close_embedded, args=(data_dir,), daemon=True, name="close-embedded-redis").start()
+
+
+def _close_locked(data_dir: str | None, timeout_s: float) -> None:
+    if data_dir is None:
+        paths = list(_EMBEDDED)
+    else:
+        paths = [os.path.abspath(os.path.expanduser(data_dir))]
+    for path in paths:
+        client = _EMBEDDED.pop(path, None)
+        if client is not None:
+            _shutdown(client, timeout_s)
 
 
 def _shutdown(client, timeout_s: float) -> None:

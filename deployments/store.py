@@ -13,16 +13,28 @@ Redis is the source of truth; the config manager compiles what is stored here. K
                                    type and scenario (the body as JSON; not on a delete entry),
                                    from_version (rollback only)
     P w:<id>             STRING  version made by the write call <id> (kept 1 hour): a retried call is applied once
+    P i:<key>            HASH    an admin write made with the idempotency key <key> (kept ``idempotency_ttl_s``,
+                                   24 h by default): fingerprint (of the request), action, name, version,
+                                   from_version; a retry with the key is answered with this version
+    P c:<sha256>         STRING  the bytes of a tree file as they were read at the PUT that stored it, under
+                                   their SHA-256 (hex); written once, never changed or removed
     P changes            pub/sub channel: {"name", "version", "action"} after every write
+
+A tree scenario given as a ``path`` is stored with the content of the file: its body keeps ``path``
+(where the content was read from, for display) and adds ``content_sha256``, the key of the bytes in
+``P c:<sha256>``. A version therefore means the same tokens forever, whatever happens to the file.
 
 A write (put, rollback, delete) is one Lua script: it takes the next number with INCR (skipping any
 version key that already exists, so a record is never overwritten), writes the record, moves the
-``current`` pointer and the live-name set, appends to the history and publishes the change, all
-atomically. A write that reaches the server after its deadline (its caller has given up and answered
-503) is dropped, and a retry of one that was applied returns the same version. Two concurrent
-writers therefore get distinct versions, both land in the history, and ``current`` always names the
-newest write. Names are checked against :data:`NAME_PATTERN` because
-they become parts of keys and URLs.
+``current`` pointer and the live-name set, appends to the history, records the idempotency key and
+publishes the change, all atomically; a put that refers to tree content stores the bytes in the same
+script (or checks that they are stored). A write that reaches the server after its deadline (its
+caller has given up and answered 503) is dropped, and a retry of one that was applied returns the
+same version. A write with an idempotency key that was already used for the same request is not
+applied again: it returns the first write's version (``WriteResult.replayed``); the key used for a
+different request is a ``ServiceError(422)``. Two concurrent writers therefore get distinct versions,
+both land in the history, and ``current`` always names the newest write. Names are checked against
+:data:`NAME_PATTERN` because they become parts of keys and URLs.
 
 Redis being unreachable surfaces as ``ServiceError(503)``; a record that is not what this module
 writes (another tool wrote garbage) as ``ServiceError(500)`` naming the key.
@@ -31,6 +43,7 @@ writes (another tool wrote garbage) as ``ServiceError(500)`` naming the key.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import re
@@ -39,10 +52,12 @@ from datetime import datetime, timezone
 from typing import Any
 
 import redis
+from redis.client import NEVER_DECODE
 
 from deployments.protocol import ServiceError
 
-__all__ = ["NAME_PATTERN", "ScenarioStore", "validate_name"]
+__all__ = ["IDEMPOTENCY_TTL_S", "NAME_PATTERN", "ScenarioStore", "WriteResult", "content_sha256",
+           "request_fingerprint", "validate_idempotency_key", "validate_name"]
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 _NAME_RE = re.compile(NAME_PATTERN)
@@ -57,20 +72,45 @@ _NAME_RULE = (
 WRITE_DEADLINE_S = 3.0
 UPLOAD_BYTES_PER_S = 10e6
 
+# Seconds an idempotency key is remembered after the write it made.
+IDEMPOTENCY_TTL_S = 24 * 3600
+IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,200}$"  # printable ASCII without spaces, as a header value
+_IDEMPOTENCY_KEY_RE = re.compile(IDEMPOTENCY_KEY_PATTERN)
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+# Script answers: {status, version}
+WRITTEN, REPLAYED, NOT_LIVE, TOO_LATE, NO_CONTENT, KEY_REUSED = 1, 2, -1, -2, -3, -4
+
 _WRITE_SCRIPT = """
--- KEYS: seq, current, history, names, all, write id
--- ARGV: version key prefix, name, action, created_at, type, body, from_version, channel, deadline (ms)
+-- KEYS: seq, current, history, names, all, write id, idempotency key, content key
+-- ARGV: version key prefix, name, action, created_at, type, body, from_version, channel, deadline (ms),
+--       fingerprint ('' = no idempotency key), idempotency ttl (s),
+--       content mode ('' = none, 'check' = must be stored, 'set' = store ARGV[13] unless stored), content
 local done = redis.call('GET', KEYS[6])
 if done then
-  return tonumber(done)  -- a retry of a write that was applied: the same version, not a second one
+  return {1, tonumber(done)}  -- a retry of a write call that was applied: the same version, not a second one
 end
 local now = redis.call('TIME')
 if tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) > tonumber(ARGV[9]) then
-  return -2  -- the writer has given up on this call (the server was hung): never apply it late
+  return {-2, 0}  -- the writer has given up on this call (the server was hung): never apply it late
+end
+if ARGV[10] ~= '' then
+  local seen = redis.call('HMGET', KEYS[7], 'fingerprint', 'version')
+  if seen[1] then
+    if seen[1] ~= ARGV[10] then
+      return {-4, 0}  -- the key was used for another request
+    end
+    return {2, tonumber(seen[2])}  -- a retried request: its first result, nothing written again
+  end
 end
 local name, action = ARGV[2], ARGV[3]
 if action == 'delete' and redis.call('SISMEMBER', KEYS[4], name) == 0 then
-  return -1
+  return {-1, 0}
+end
+if ARGV[12] == 'set' then
+  redis.call('SET', KEYS[8], ARGV[13], 'NX')
+elseif ARGV[12] == 'check' and redis.call('EXISTS', KEYS[8]) == 0 then
+  return {-3, 0}
 end
 local v, vkey
 repeat
@@ -96,9 +136,50 @@ else
   redis.call('SADD', KEYS[4], name)
 end
 redis.call('SET', KEYS[6], v, 'EX', 3600)
+if ARGV[10] ~= '' then
+  redis.call('HSET', KEYS[7], 'fingerprint', ARGV[10], 'action', action, 'name', name, 'version', v,
+             'from_version', ARGV[7])
+  redis.call('EXPIRE', KEYS[7], tonumber(ARGV[11]))
+end
 redis.call('PUBLISH', ARGV[8], cjson.encode({name = name, version = v, action = action}))
-return v
+return {1, v}
 """
+
+
+class WriteResult(int):
+    """The version number a write made (an ``int``); ``replayed`` is True when the write was not applied
+    because its idempotency key names an earlier write of the same request, whose version this is."""
+
+    replayed: bool
+
+    def __new__(cls, version: int, replayed: bool = False) -> "WriteResult":
+        result = super().__new__(cls, version)
+        result.replayed = bool(replayed)
+        return result
+
+
+def validate_idempotency_key(key: Any) -> str:
+    """Return ``key`` if it can be an idempotency key (1 to 200 printable ASCII characters, no spaces),
+    else raise ``ServiceError(422)``."""
+    if not isinstance(key, str) or not _IDEMPOTENCY_KEY_RE.fullmatch(key):
+        raise ServiceError(422, "invalid Idempotency-Key: 1 to 200 printable ASCII characters without spaces "
+                                "(e.g. a UUID)", {"field": "Idempotency-Key"})
+    return key
+
+
+def request_fingerprint(action: str, name: str, body: Any = None, from_version: int | None = None) -> str:
+    """SHA-256 (hex) of an admin write request as the client sent it: the action, the name, the body (keys
+    sorted, so their order does not matter) and the rolled-back version. An idempotency key may only be
+    reused for a request with the same fingerprint."""
+    text = json.dumps([action, name, body, from_version], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def content_sha256(body: Any) -> str | None:
+    """The ``content_sha256`` of a tree body stored with the content of its file, else None."""
+    if isinstance(body, dict) and body.get("type") == "tree" and isinstance(body.get("content_sha256"), str):
+        return body["content_sha256"]
+    return None
 
 
 def validate_name(name: Any) -> str:
@@ -147,9 +228,10 @@ class ScenarioStore:
         store.get("sentiment")["version"] == v
     """
 
-    def __init__(self, redis_client: redis.Redis, prefix: str = "cs:"):
+    def __init__(self, redis_client: redis.Redis, prefix: str = "cs:", *, idempotency_ttl_s: float = IDEMPOTENCY_TTL_S):
         self.client = redis_client
         self.prefix = prefix
+        self.idempotency_ttl_s = max(1.0, float(idempotency_ttl_s))
         self.channel = f"{prefix}changes"
         self._script = redis_client.register_script(_WRITE_SCRIPT)
 
@@ -174,9 +256,21 @@ class ScenarioStore:
     def all_key(self) -> str:
         return f"{self.prefix}all"
 
+    def content_key(self, sha256: str) -> str:
+        """The key of stored tree-file content (see :meth:`content`)."""
+        return f"{self.prefix}c:{sha256}"
+
+    def idempotency_key(self, key: str) -> str:
+        """The key that remembers the write made with the idempotency key ``key``."""
+        return f"{self.prefix}i:{key}"
+
     # ------------------------------------------------------------------ writes
 
-    def _write(self, name: str, action: str, body: dict | None = None, from_version: int | None = None) -> int:
+    # ------------------------------------------------------------------ writes
+
+    def _write(self, name: str, action: str, body: dict | None = None, from_version: int | None = None, *,
+               idempotency_key: str | None = None, fingerprint: str | None = None,
+               content: bytes | None = None) -> WriteResult:
         validate_name(name)
         if body is not None:
             if not isinstance(body, dict):
@@ -186,45 +280,88 @@ class ScenarioStore:
             kind = kind if isinstance(kind, str) else ""
         else:
             text, kind = "", ""
+        if idempotency_key is None:
+            fingerprint = None
+        else:
+            validate_idempotency_key(idempotency_key)
+            if fingerprint is None:
+                fingerprint = request_fingerprint(action, name, body, from_version)
+        sha = content_sha256(body)
+        mode, data = "", b""
+        if sha is not None:
+            mode = "check"
+            if content is not None:
+                if hashlib.sha256(content).hexdigest() != sha:
+                    raise ServiceError(500, f"tree content does not match its content_sha256 {sha}", {"name": name})
+                if not self.client.exists(self.content_key(sha)):  # stored once, not sent again
+                    mode, data = "set", content
+        elif content is not None:
+            raise ServiceError(500, "tree content given for a body without content_sha256", {"name": name})
+        wid = f"{self.prefix}w:{uuid.uuid4().hex}"
         keys = [self._key(name, "seq"), self._key(name, "current"), self._key(name, "history"),
-                self.names_key, self.all_key, f"{self.prefix}w:{uuid.uuid4().hex}"]
+                self.names_key, self.all_key, wid,
+                self.idempotency_key(idempotency_key) if idempotency_key is not None else wid,
+                self.content_key(sha) if sha is not None else wid]
         # A write that reaches the server after this instant is dropped: a call that timed out (and
         # answered 503) never takes effect later, when a hung server wakes up and runs its backlog. The
         # instant is in the server's clock (its TIME now), so clock skew between hosts does not matter.
         seconds, micros = self.client.time()
         deadline_ms = int(seconds) * 1000 + int(micros) // 1000 + int(
-            (WRITE_DEADLINE_S + len(text) / UPLOAD_BYTES_PER_S) * 1000)
+            (WRITE_DEADLINE_S + (len(text) + len(data)) / UPLOAD_BYTES_PER_S) * 1000)
         args = [self._key(name, "v:"), name, action, _now(), kind, text,
-                "" if from_version is None else str(int(from_version)), self.channel, str(deadline_ms)]
-        version = int(self._script(keys=keys, args=args, client=self.client))
-        if version == -2:
+                "" if from_version is None else str(int(from_version)), self.channel, str(deadline_ms),
+                fingerprint or "", str(int(self.idempotency_ttl_s)), mode, data]
+        status, version = (int(x) for x in self._script(keys=keys, args=args, client=self.client))
+        if status == TOO_LATE:
             raise ServiceError(503, "scenario store unavailable: Redis did not run the write in time; "
                                     "it was not applied")
-        return version
+        if status == KEY_REUSED:
+            raise self._key_reused(idempotency_key)
+        if status == NO_CONTENT:
+            raise ServiceError(422, f"content_sha256: no tree content {sha} is stored; leave content_sha256 out "
+                                    "to store the file named by path", {"name": name, "field": "content_sha256"})
+        if status == NOT_LIVE:
+            return WriteResult(-1)
+        return WriteResult(version, replayed=status == REPLAYED)
+
+    @staticmethod
+    def _key_reused(key: str | None) -> ServiceError:
+        return ServiceError(422, f"Idempotency-Key {key!r} was already used for a different request (another "
+                                 "scenario, action or body); use a new key for a new request",
+                            {"field": "Idempotency-Key"})
 
     @_redis_errors
-    def put(self, name: str, body: dict) -> int:
-        """Store ``body`` as the new current version of ``name``; return its version number."""
-        return self._write(name, "put", body)
+    def put(self, name: str, body: dict, *, idempotency_key: str | None = None, fingerprint: str | None = None,
+            content: bytes | None = None) -> WriteResult:
+        """Store ``body`` as the new current version of ``name``; return its version number.
+
+        ``idempotency_key``: a write already made with this key for the same request (same
+        ``fingerprint``, by default :func:`request_fingerprint` of this put) is not made again: its version
+        is returned with ``replayed`` set; a key used for another request is a 422. ``content``: the tree
+        file bytes a body with ``content_sha256`` refers to, stored with the version unless already stored;
+        without it, such a body is refused (422) unless its content is stored.
+        """
+        return self._write(name, "put", body, idempotency_key=idempotency_key, fingerprint=fingerprint,
+                           content=content)
 
     @_redis_errors
-    def delete(self, name: str) -> int:
+    def delete(self, name: str, *, idempotency_key: str | None = None) -> WriteResult:
         """Record a delete entry and drop ``name`` from the live names; return the entry's version.
 
         The history stays; a later :meth:`put` continues the numbering. Raises ``ServiceError(404)``
-        when ``name`` is not live.
+        when ``name`` is not live (unless ``idempotency_key`` names this delete, already made).
         """
-        version = self._write(name, "delete")
+        version = self._write(name, "delete", idempotency_key=idempotency_key)
         if version < 0:
             raise ServiceError(404, f"scenario {name!r} does not exist", {"known": self.names()})
         return version
 
     @_redis_errors
-    def rollback(self, name: str, version: int) -> int:
+    def rollback(self, name: str, version: int, *, idempotency_key: str | None = None) -> WriteResult:
         """Store a NEW version of ``name`` whose body is that of ``version``; return its number.
 
         Raises ``ServiceError(404)`` when ``version`` does not exist and ``ServiceError(409)`` when
-        it is a delete entry (it has no body to restore).
+        it is a delete entry (it has no body to restore). ``idempotency_key`` as for :meth:`put`.
         """
         record = self.get(name, version)
         if record is None:
@@ -233,7 +370,35 @@ class ScenarioStore:
         if record["scenario"] is None:
             raise ServiceError(409, f"version {version} of scenario {name!r} is a delete entry; "
                                     "there is no body to roll back to")
-        return self._write(name, "rollback", record["scenario"], from_version=int(version))
+        return self._write(name, "rollback", record["scenario"], from_version=int(version),
+                           idempotency_key=idempotency_key,
+                           fingerprint=request_fingerprint("rollback", name, None, int(version)))
+
+    @_redis_errors
+    def idempotent_result(self, key: str, fingerprint: str) -> dict[str, Any] | None:
+        """The write made earlier with idempotency key ``key``: ``{"action", "name", "version"}`` (plus
+        ``from_version`` for a rollback), or None when the key is unknown (or expired). Raises
+        ``ServiceError(422)`` when the key was used for a request with another ``fingerprint``."""
+        validate_idempotency_key(key)
+        raw = self.client.hgetall(self.idempotency_key(key))
+        if not raw:
+            return None
+        if raw.get("fingerprint") != fingerprint:
+            raise self._key_reused(key)
+        try:
+            result: dict[str, Any] = {"action": raw["action"], "name": raw["name"], "version": int(raw["version"])}
+            if raw.get("from_version"):
+                result["from_version"] = int(raw["from_version"])
+        except (KeyError, ValueError) as exc:
+            raise ServiceError(500, f"stored idempotency record {self.idempotency_key(key)} is corrupt: {exc}") from None
+        return result
+
+    @_redis_errors
+    def content(self, sha256: str) -> bytes | None:
+        """The tree-file bytes stored under ``sha256`` (hex), or None when nothing is."""
+        if not isinstance(sha256, str) or not _SHA256_RE.fullmatch(sha256):
+            return None
+        return self.client.execute_command("GET", self.content_key(sha256), **{NEVER_DECODE: []})
 
     @_redis_errors
     def publish_change(self, name: str, version: int | None = None, action: str = "put") -> int:
