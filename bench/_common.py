@@ -302,7 +302,7 @@ def tree_namespace(entries, *, start_token_id: int, end_token_id: int, sep: str 
 
 
 def write_tree_json(path: str | os.PathLike, entries, *, start_token_id: int, end_token_id: int, sep: str = "_") -> int:
-    """Stream a tree file (DESIGN.md format) to ``path``; returns the number of keys written."""
+    """Stream a tree file (docs/design.md format) to ``path``; returns the number of keys written."""
     n = 0
     with open(path, "w") as fh:
         fh.write(f'{{"start_token_id": {start_token_id}, "end_token_id": {end_token_id}, "sep": {json.dumps(sep)}, "prefix_dict": {{')

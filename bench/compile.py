@@ -1,7 +1,7 @@
 """Compile time and peak memory: a 10^6-key tree file and a 10^5-label set.
 
 (a) Tree. A synthetic prefix dict of ``--tree-keys`` keys (root with ~300 candidates, depth 4-8, ids
-spread over a 49,152-id vocabulary) is written as a tree JSON file (DESIGN.md format), then each
+spread over a 49,152-id vocabulary) is written as a tree JSON file (docs/design.md format), then each
 phase runs in a fresh subprocess:
 
 * ``load``:  ``config.load_tree(path, vocab_size=V)`` (streaming ijson parse + every validation rule);

@@ -1,7 +1,7 @@
 """Hot swap: how long a PUT of a new tree version takes until EVERY model replica serves it.
 
 The whole app runs in-process on Ray Serve with TWO model replicas (as in ``tests/serve``). For
-synthetic trees of 10^3 and 10^5 ``prefix_dict`` keys (the tree file format of DESIGN.md, ids below
+synthetic trees of 10^3 and 10^5 ``prefix_dict`` keys (the tree file format of docs/design.md, ids below
 49,152, end token 2, root key ``str(start)`` with ``start`` = the chat template's last token), new
 versions are PUT inline (JSON body, serialized before the clock starts) one after another, ``--pause``
 seconds apart (untimed, so background work set off by one PUT does not land in the next); each

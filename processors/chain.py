@@ -113,12 +113,16 @@ class RowCursor(Cursor):
         think = self.think
         if think is not None and not think.in_answer:
             think.advance(token)
+            if token in self.stop_ids:  # banned while thinking; emitted anyway, it still ends the row
+                self.done = True
             return
         if self.constraint is not None:
             self.constraint.advance(token)
             if self.constraint.finished:
                 self.done = True
                 return
+        elif think is not None:
+            think.advance(token)  # answering without a constraint: the re-entry ban
         if token in self.stop_ids:
             self.done = True
 

@@ -183,8 +183,10 @@ class GrammarCursor(Cursor):
             return
         if self.error is not None:
             return
-        if not self.matcher.consume_token(token):
-            self.error = f"token {token} rejected by the grammar: {self.matcher.get_error()}; forcing the end token"
+        if not 0 <= token < self.spec.vocab_size or not self.matcher.consume_token(token):
+            # llguidance's message carries its whole parser state; the first line names the problem
+            detail = (self.matcher.get_error() or "outside the vocabulary").splitlines()[0][:200]
+            self.error = f"token {token} rejected by the grammar: {detail}; forcing the end token"
 
     def copy(self) -> "GrammarCursor":
         new = GrammarCursor(self.spec, matcher=self.matcher.deep_copy())

@@ -20,7 +20,7 @@ from .tables import content_hash
 
 __all__ = ["ThinkCursor", "ThinkModeLogitsProcessor", "ThinkSpec", "compile_think"]
 
-THINKING, FORCING, ANSWER = 0, 1, 2
+THINKING, FORCING, ANSWER, FAILED = 0, 1, 2, 3  # FAILED: an invalid token was seen; only the end token now
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,8 @@ class ThinkCursor(Cursor):
 
     def step(self) -> Step:
         fb = self.end_token_id
+        if self.phase == FAILED:
+            return Step(ALLOW, as_ids([fb]), fb)
         if self.phase == THINKING:
             if self.thought >= self.spec.max_thinking_tokens:
                 return Step(ALLOW, as_ids([self.spec.end_ids[0]]), self.spec.end_ids[0])
@@ -101,17 +103,31 @@ class ThinkCursor(Cursor):
     def advance(self, token: int) -> None:
         spec = self.spec
         if self.phase == THINKING:
-            if token == spec.end_ids[0]:
+            if token in self.stop_ids:
+                self._fail(f"stop token {token} emitted while thinking (stop tokens are banned until the end marker)")
+            elif token == spec.end_ids[0]:
                 self.pos = 1
                 self.phase = ANSWER if len(spec.end_ids) == 1 else FORCING
+            elif self.thought >= spec.max_thinking_tokens:
+                self._fail(f"token {token} emitted where the end marker token {spec.end_ids[0]} was forced "
+                           "(thinking budget spent)")
             else:
                 self.thought += 1
         elif self.phase == FORCING:
-            if token != spec.end_ids[self.pos] and self.error is None:
-                self.error = f"token {token} emitted where the end marker token {spec.end_ids[self.pos]} was forced"
+            if token != spec.end_ids[self.pos]:
+                self._fail(f"token {token} emitted where the end marker token {spec.end_ids[self.pos]} was forced")
+                return
             self.pos += 1
             if self.pos == len(spec.end_ids):
                 self.phase = ANSWER
+        elif self.phase == ANSWER and token in self._answer_ban:
+            self._fail(f"token {token} would reopen the think block after it ended")
+
+    def _fail(self, message: str) -> None:
+        """An invalid token: record it; from now on only the end token is allowed."""
+        if self.error is None:
+            self.error = message
+        self.phase = FAILED
 
     def copy(self) -> "ThinkCursor":
         new = ThinkCursor.__new__(ThinkCursor)

@@ -7,8 +7,11 @@ the engine answers with typed events, in this order per request:
 * :class:`TokenEvent` for each sampled token of output ``index`` (sampled rows: as they are produced; beam
   search: for the returned sequences once the search ends),
 * :class:`FinishedEvent` once per output (its tokens, ``finish_reason`` ``stop`` / ``length`` / ``error``),
-* :class:`DoneEvent` last; or a single :class:`ErrorEvent` instead when the request failed as a whole
-  (``message == "cancelled"`` after a cancel).
+* :class:`DoneEvent` last; or a single :class:`ErrorEvent` instead when the request failed as a whole.
+
+After a cancel, a request still waiting, prefilling or searching beams ends with ``ErrorEvent("cancelled")``;
+sampled rows already decoding end with ``FinishedEvent(finish_reason="error", error="cancelled")`` each, then
+``DoneEvent``.
 
 Engines must keep one request's failure to that request (see ``docs/design.md``, "Engine contract").
 Two ways to run a request: :meth:`Engine.submit` from any thread with a callback (called on the engine's

@@ -284,8 +284,7 @@ def test_every_allowed_token_advances_cleanly(kind):
         walk(kind, seed, hook)
 
 
-@kinds(ALL_KINDS, xfail_thinking="ThinkCursor records no error for a banned token (a stop token while thinking, a "
-                                 "marker token in a free answer) and goes on after a wrong forced end-marker token")
+@kinds(ALL_KINDS)
 def test_token_outside_the_allowed_set_falls_back_to_the_end_token(kind):
     checked = []
 

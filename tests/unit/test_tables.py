@@ -1,6 +1,6 @@
 """Tree tables (``build_tree_tables``/``MaskTables``) and ``TreeLogitsProcessor`` against the tree-file semantics.
 
-The oracle is the spec itself in plain Python with strings (DESIGN.md, "Tree file format"): state starts at
+The oracle is the spec itself in plain Python with strings (docs/design.md, "Tree file format"): state starts at
 ``str(start)``; allowed = ``prefix_dict[state]`` or only the end token when missing/empty; after ``t`` the state
 is ``state + sep + str(t)``; after the end token the row is finished.
 """

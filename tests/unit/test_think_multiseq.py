@@ -154,7 +154,8 @@ def test_wrong_token_while_forcing_is_reported(tok, eos):
     cursor.advance(T_CLOSE)
     cursor.advance(tid("ok"))  # interference: "\n\n" was forced
     assert cursor.error is not None and str(NLNL) in cursor.error
-    assert cursor.in_answer
+    # the Cursor contract (processors/base.py): after an invalid token only the end token is allowed
+    assert not cursor.in_answer and cursor.step().payload.tolist() == [eos]
 
 
 def test_think_copy_is_independent(tok, eos):

@@ -638,8 +638,15 @@ class DecodeEngine(Engine):
             seen.add(src)
         out = []
         for slot, ((src, token, score), cursor) in enumerate(zip(picked, cursors)):
-            cursor.advance(token)
+            try:
+                cursor.advance(token)
+            except Exception:  # a beam whose constraint fails is dropped; the request goes on with the others
+                logger.exception("a beam's constraint failed")
+                continue
             out.append((src, _Row(job, slot, cursor, None, rows[src].tokens + [token], score), token))
+        if not out:
+            self._beams.pop(id(job), None)
+            self._emit_beams(job, beams)
         return out
 
     def _emit_beams(self, job: Job, beams: _Beams) -> None:
