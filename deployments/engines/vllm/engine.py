@@ -1,0 +1,399 @@
+"""The vLLM backend: vLLM's V1 engine in processes of its own, our processor chain inside it.
+
+:class:`VLLMEngine` implements :class:`~deployments.engines.protocol.Engine` over vLLM's ``AsyncLLM``. vLLM
+runs its engine core (scheduler, KV cache) in a child process of the replica and the model in a worker
+process under it; the replica's process keeps only the client side and an asyncio loop on a thread of its
+own ("the engine's thread": every event callback runs there).
+
+One :class:`EngineRequest` becomes one vLLM request per output row (``n`` rows: ``n`` requests, row ``i``
+seeded with ``seed + i`` as in the transformers backend; prefix caching shares the prompt). Each row of a
+constrained request carries ``extra_args[EXTRA_KEY] = {"key", "path"}`` naming its pinned
+:class:`processors.CompiledScenario` (:mod:`.handoff`); :class:`.processor.ChainLogitsProcessor` masks it in
+vLLM's batch with the same :class:`processors.RowCursor` the transformers backend uses, so think gating,
+trees with their own end token, labels, grammars and the finished-row rule behave the same. Stops are ours
+alone: ``ignore_eos`` and ``stop_token_ids`` = the scenario's stop tokens (tree end token first) or the
+tokenizer's EOS for free text.
+
+The replica also replays every row's tokens through a cursor of its own (``advance`` only; no grammar
+masks are computed here): that gives each output's ``error`` and ``fell_back`` exactly as the transformers
+backend reports them, and a row whose cursor raises finishes with ``error``.
+
+Grammar rows (json / json_schema / regex) without think mode may instead go to vLLM's own structured
+outputs with the ``guidance`` backend (``grammar_backend="guidance"``): the same llguidance grammar string
+(compact whitespace, compiled by our compile step), so the same outputs are allowed; see the README for the
+measured choice.
+
+Beam search is refused (:class:`UnsupportedRequest`, HTTP 400 naming the transformers backend): vLLM's beam
+search is a client-side loop over single-token requests whose logprobs are taken before logits processors,
+so it cannot rank constrained candidates the way the transformers backend does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+from processors import GrammarSpec, RowCursor
+
+from ...protocol import ServiceError
+from ..protocol import (
+    DoneEvent, Engine, EngineEvent, EngineRequest, ErrorEvent, FinishedEvent, RequestTicket, TokenEvent,
+)
+from .handoff import EXTRA_KEY, ScenarioFiles
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["UnsupportedRequest", "VLLMEngine", "model_directory"]
+
+GIB = 1 << 30
+
+
+class UnsupportedRequest(ServiceError, ValueError):
+    """A request this backend does not run (a 4xx for the client, a ``ValueError`` for the engine contract)."""
+
+    def __init__(self, message: str, detail: dict | None = None):
+        ServiceError.__init__(self, 400, message, detail)
+
+
+def model_directory(model_setting: str | None) -> str:
+    """The checkpoint directory vLLM loads for the ``model`` setting.
+
+    A checkpoint directory is used as is; a GGUF model (the default) uses the float32 checkpoint that
+    :mod:`deployments.model_loader` caches on its first load (the replica loads the model before its engine).
+    """
+    from ...model_loader import _read_manifest, gguf_cache_dir, resolve_model
+
+    source = resolve_model(model_setting)
+    if source.kind == "checkpoint":
+        return source.directory
+    entry = gguf_cache_dir(source)
+    if _read_manifest(entry, source) is None:
+        from ...model_loader import load_model
+
+        load_model(model_setting)  # writes the cache entry
+        if _read_manifest(entry, source) is None:
+            raise RuntimeError("the vllm engine needs the de-quantized checkpoint of the GGUF model, and the model "
+                               "cache could not be written (see the log; CONSTRAINED_SERVE_CACHE sets its place)")
+    return str(entry)
+
+
+def guidance_params(spec: GrammarSpec, params_cls):
+    """vLLM structured-output parameters that build the same llguidance grammar as ``spec``, or ``None``.
+
+    Our compile step makes a one-entry llguidance grammar: a JSON schema carrying its own options
+    (``x-guidance: {whitespace_flexible: false}``) or a Lark rule ``start: /regex/``. vLLM's guidance backend
+    turns ``json=`` into ``grammar_from_json_schema`` (the schema's own options win over its defaults) and
+    ``grammar=`` Lark text into ``grammar_from_lark``: the same grammar again.
+    """
+    try:
+        grammars = json.loads(spec.grammar)["grammars"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if len(grammars) != 1:
+        return None
+    entry = grammars[0]
+    if entry.get("json_schema") is not None and entry.get("lark_grammar") is None:
+        return params_cls(json=entry["json_schema"])
+    if entry.get("lark_grammar") is not None and entry.get("json_schema") is None:
+        return params_cls(grammar=entry["lark_grammar"])
+    return None
+
+
+class _Job(RequestTicket):
+    """One submitted request: its rows' tasks on the engine loop and its cancel flag."""
+
+    def __init__(self, engine: "VLLMEngine", request: EngineRequest, on_event: Callable[[EngineEvent], None]):
+        self.engine = engine
+        self.request = request
+        self._on_event = on_event
+        self.id = uuid.uuid4().hex
+        self.cancelled = threading.Event()
+        self.tasks: list[asyncio.Task] = []
+        self.ended = False
+
+    def emit(self, event: EngineEvent) -> None:
+        if self.ended:
+            return
+        if isinstance(event, (DoneEvent, ErrorEvent)):
+            self.ended = True
+        try:
+            self._on_event(event)
+        except Exception:  # a consumer's failure must not stop the other rows
+            logger.exception("an event callback failed")
+
+    def cancel(self) -> None:
+        if self.cancelled.is_set():
+            return
+        self.cancelled.set()
+        loop = self.engine._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._cancel_tasks)
+
+    def _cancel_tasks(self) -> None:
+        for task in self.tasks:
+            task.cancel()  # AsyncLLM.generate aborts its request when cancelled
+
+
+class VLLMEngine(Engine):
+    """vLLM's ``AsyncLLM`` behind the engine contract (see the module docstring).
+
+    Args:
+        model_dir: a HuggingFace checkpoint directory (see :func:`model_directory`).
+        tokenizer: the replica's tokenizer (the same files): EOS ids and the replica's replay cursors.
+        max_batch_size: vLLM's ``max_num_seqs`` (rows decoded together).
+        max_model_len: longest prompt + output, in tokens.
+        kv_cache_gb: KV cache size (GiB).
+        enforce_eager: run the model eagerly (no torch.compile: a faster start, fewer tokens/s).
+        dtype: the model's dtype in vLLM (``float32`` matches the transformers backend).
+        grammar_backend: ``chain`` (our cursors in the logits processor) or ``guidance`` (vLLM's structured
+            outputs, for grammar rows without think mode).
+        cpu_threads: on CPU, threads of vLLM's model worker, bound to cores ``0..cpu_threads-1`` (``None``:
+            vLLM's choice, the cores of one NUMA node but one).
+        engine_kwargs: more ``AsyncEngineArgs`` fields.
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self, model_dir: str, tokenizer, *, max_batch_size: int = 16, max_model_len: int = 4096,
+        kv_cache_gb: float = 2.0, enforce_eager: bool = False, dtype: str = "float32",
+        grammar_backend: str = "chain", cpu_threads: int | None = None, engine_kwargs: dict[str, Any] | None = None,
+    ):
+        if grammar_backend not in ("chain", "guidance"):
+            raise ValueError(f"grammar_backend must be 'chain' or 'guidance', got {grammar_backend!r}")
+        self.model_dir = model_dir
+        self.tokenizer = tokenizer
+        self.eos_token_ids = (int(tokenizer.eos_token_id),)
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        self.kv_cache_gb = kv_cache_gb
+        self.enforce_eager = enforce_eager
+        self.dtype = dtype
+        self.grammar_backend = grammar_backend
+        self.cpu_threads = cpu_threads
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.llm = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._files: ScenarioFiles | None = None
+        self._active = 0
+        self._start_lock = threading.Lock()
+        self._stats = {
+            "requests": 0, "rows": 0, "tokens": 0, "cancelled_jobs": 0, "failed_rows": 0, "fallback_rows": 0,
+            "guidance_rows": 0, "failed_jobs": 0, "start_seconds": 0.0,
+        }
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> "VLLMEngine":
+        with self._start_lock:
+            if self.llm is not None:
+                return self
+            t0 = time.perf_counter()
+            self._files = ScenarioFiles()
+            if self.cpu_threads:  # read by vLLM's CPU worker (inherited by the processes it spawns)
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{self.cpu_threads - 1}"
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine", daemon=True)
+            self._thread.start()
+            try:
+                asyncio.run_coroutine_threadsafe(self._create(), self._loop).result()
+            except BaseException:
+                self.stop()
+                raise
+            self._stats["start_seconds"] = round(time.perf_counter() - t0, 1)
+            logger.info("vllm engine started in %.1f s (%s)", self._stats["start_seconds"], self.model_dir)
+        return self
+
+    def engine_args(self):
+        from vllm.config import StructuredOutputsConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        from .processor import FQCN
+
+        kwargs: dict[str, Any] = dict(
+            model=self.model_dir, tokenizer=self.model_dir, dtype=self.dtype, max_model_len=self.max_model_len,
+            max_num_seqs=self.max_batch_size, kv_cache_memory_bytes=int(self.kv_cache_gb * GIB),
+            enforce_eager=self.enforce_eager, logits_processors=[FQCN], enable_prefix_caching=True,
+            # our processor reads each row's output tokens as they are: no placeholders of async scheduling
+            async_scheduling=False, disable_log_stats=True, seed=0,
+            structured_outputs_config=StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True),
+        )
+        kwargs.update(self.engine_kwargs)
+        return AsyncEngineArgs(**kwargs)
+
+    async def _create(self) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.llm = AsyncLLM.from_engine_args(self.engine_args())
+
+    def stop(self, timeout: float = 10.0) -> None:
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            try:
+                llm.shutdown()
+            except Exception:  # pragma: no cover
+                logger.warning("vllm shutdown failed", exc_info=True)
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        if self._files is not None:
+            self._files.close()
+            self._files = None
+
+    # -- requests -------------------------------------------------------------------------------
+    def submit(self, request: EngineRequest, on_event: Callable[[EngineEvent], None]) -> _Job:
+        if not isinstance(request, EngineRequest):
+            raise TypeError(f"expected an EngineRequest, got {type(request).__name__}")
+        if request.num_beams > 1:
+            raise UnsupportedRequest(
+                "num_beams > 1 (beam search) is not supported by the vllm engine backend; send num_beams 1, or use "
+                "a deployment with the transformers engine backend (setting engine: transformers)",
+                {"field": "num_beams", "engine": "vllm", "supported_by": "transformers"},
+            )
+        if self.llm is None or self._loop is None:
+            raise RuntimeError("the vllm engine is not started")
+        job = _Job(self, request, on_event)
+        self._stats["requests"] += 1
+        asyncio.run_coroutine_threadsafe(self._run_job(job), self._loop)
+        return job
+
+    def _row_params(self, request: EngineRequest) -> list:
+        """vLLM's sampling parameters for each row of ``request``."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        compiled = request.compiled
+        s = request.sampling
+        extra = None
+        structured = None
+        if compiled is None:
+            stops = list(self.eos_token_ids)
+        else:
+            stops = list(compiled.stop_token_ids)
+            if self.grammar_backend == "guidance" and compiled.think is None and isinstance(compiled.constraint, GrammarSpec):
+                structured = guidance_params(compiled.constraint, StructuredOutputsParams)
+            if structured is None:
+                extra = {EXTRA_KEY: self._files.ref(compiled)}
+        rows = []
+        for i in range(request.n):
+            rows.append(SamplingParams(
+                n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                seed=None if s.seed is None else s.seed + i, max_tokens=request.max_new_tokens,
+                ignore_eos=True, stop_token_ids=stops, detokenize=False, skip_special_tokens=False,
+                output_kind=RequestOutputKind.DELTA, extra_args=extra, structured_outputs=structured,
+            ))
+        return rows
+
+    async def _run_job(self, job: _Job) -> None:
+        request = job.request
+        try:
+            if job.cancelled.is_set():
+                raise asyncio.CancelledError
+            rows = self._row_params(request)
+        except asyncio.CancelledError:
+            self._stats["cancelled_jobs"] += 1
+            job.emit(ErrorEvent("cancelled"))
+            return
+        except Exception as exc:
+            logger.exception("preparing a vllm request failed")
+            self._stats["failed_jobs"] += 1
+            job.emit(ErrorEvent(f"cannot start: {type(exc).__name__}: {exc}"))
+            return
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+        job.tasks = [asyncio.ensure_future(self._run_row(job, i, prompt, params)) for i, params in enumerate(rows)]
+        if job.cancelled.is_set():
+            job._cancel_tasks()
+        results = await asyncio.gather(*job.tasks, return_exceptions=True)
+        if job.cancelled.is_set():
+            self._stats["cancelled_jobs"] += 1
+            job.emit(ErrorEvent("cancelled"))
+            return
+        fatal = [r for r in results if isinstance(r, BaseException)]
+        if fatal:
+            self._stats["failed_jobs"] += 1
+            exc = fatal[0]
+            job.emit(ErrorEvent(f"generation failed: {type(exc).__name__}: {exc}"))
+            return
+        job.emit(DoneEvent())
+
+    async def _run_row(self, job: _Job, index: int, prompt, params) -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        request = job.request
+        compiled = request.compiled
+        cursor = RowCursor(compiled, self.tokenizer, eos_token_ids=self.eos_token_ids)
+        replay_masks = not (compiled is not None and isinstance(compiled.constraint, GrammarSpec))
+        if params.structured_outputs is not None:
+            self._stats["guidance_rows"] += 1
+        tokens: list[int] = []
+        failure: str | None = None
+        reason = "error"
+        self._stats["rows"] += 1
+        self._active += 1
+        try:
+            async for out in self.llm.generate(prompt, params, request_id=f"{job.id}-{index}"):
+                completion = out.outputs[0]
+                for token in completion.token_ids:
+                    tokens.append(token)
+                    self._stats["tokens"] += 1
+                    if failure is None:
+                        try:
+                            if replay_masks:
+                                cursor.step()  # trees and labels note a fallback when they compute a step
+                            cursor.advance(token)
+                        except Exception as exc:
+                            logger.exception("a row's constraint failed")
+                            failure = f"constraint failed: {type(exc).__name__}: {exc}"
+                    job.emit(TokenEvent(index, token))
+                if out.finished:
+                    reason = completion.finish_reason or "error"
+        except asyncio.CancelledError:
+            raise
+        except EngineDeadError:
+            raise
+        except Exception as exc:  # this row only (e.g. vLLM refused its parameters)
+            logger.exception("a vllm row failed")
+            failure = f"generation failed: {type(exc).__name__}: {exc}"
+        finally:
+            self._active -= 1
+        if failure is not None:
+            self._stats["failed_rows"] += 1
+            finish, error = "error", failure
+        elif reason == "stop":
+            finish, error = ("error" if cursor.error else "stop"), cursor.error
+        elif reason == "length":
+            finish, error = "length", cursor.error
+        else:  # "abort" and anything else vLLM may say
+            self._stats["failed_rows"] += 1
+            finish, error = "error", cursor.error or f"vllm finished the row with {reason!r}"
+        if cursor.fell_back:
+            self._stats["fallback_rows"] += 1
+        job.emit(FinishedEvent(index, tokens, finish, error, cursor.fell_back))
+
+    # -- reports --------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        out = dict(self._stats)
+        out["scenario_files"] = len(self._files) if self._files is not None else 0
+        return out
+
+    @property
+    def active_rows(self) -> int:
+        return self._active
+
+    def health(self) -> dict[str, Any]:
+        llm = self.llm
+        return {
+            "engine": self.name, "active_rows": self.active_rows, "stats": self.stats(),
+            "running": llm is not None and not llm.errored,
+        }

@@ -1,0 +1,172 @@
+"""Our processor chain as a vLLM logits processor (the batch-level V1 interface).
+
+vLLM builds one :class:`ChainLogitsProcessor` per model runner (in its worker process) when the engine is
+created with ``logits_processors=[FQCN]``. A request that carries ``SamplingParams.extra_args[EXTRA_KEY]``
+(``{"key": <CompiledScenario.version>, "path": <pickle file>}``) gets a :class:`processors.RowCursor` when it
+joins the persistent batch (``update_state``: added / removed / moved rows); every step ``apply`` first
+advances each cursor by the row's new output tokens (vLLM hands over a live reference to each request's
+output ids) and then masks the batch's logits with :func:`processors.apply_steps`, one call for all rows,
+whatever their scenarios. Rows without the key are left alone.
+
+The compiled scenario travels as a file, not inside the request: the replica (:mod:`.handoff`) pickles each
+scenario version once into a directory of its own and names it by its content hash; the processor loads a
+version the first time a row needs it and keeps the last :data:`CACHE_SIZE` in memory. A request keeps the
+version it was admitted with: a new version is a new key.
+
+A cursor that raises forces its row's end token (the replica's replay of the same tokens reports the
+failure, see :mod:`.engine`); one row's failure never touches another row.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+from processors import RowCursor, apply_steps
+from processors.masks import ALLOW, FREE, Step, mask_padded_vocab
+
+from .handoff import EXTRA_KEY, load_compiled
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm import SamplingParams
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CACHE_SIZE", "ChainLogitsProcessor", "FQCN"]
+
+#: how vLLM finds this class (``logits_processors=[FQCN]``)
+FQCN = "deployments.engines.vllm.processor:ChainLogitsProcessor"
+#: compiled scenario versions kept in memory per worker
+CACHE_SIZE = 64
+
+_FREE = Step(FREE, None, 0)
+
+
+class _Row:
+    __slots__ = ("cursor", "output_ids", "consumed", "broken")
+
+    def __init__(self, cursor: RowCursor, output_ids: list[int]):
+        self.cursor = cursor
+        self.output_ids = output_ids  # vLLM's live list of the request's output tokens
+        self.consumed = 0
+        self.broken: Step | None = None  # set once the cursor raised: the end token only, from then on
+
+
+class ChainLogitsProcessor(LogitsProcessor):
+    """Masks each constrained row of vLLM's batch with that row's own :class:`processors.RowCursor`."""
+
+    def __init__(self, vllm_config: "VllmConfig", device: torch.device, is_pin_memory: bool):
+        self.device = device
+        self.rows: dict[int, _Row] = {}
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._tokenizer = None
+        self._tokenizer_path = vllm_config.model_config.tokenizer
+        self.vocab_size: int | None = None
+        self.stats = {"rows": 0, "steps": 0, "chain_seconds": 0.0, "loads": 0, "failed_rows": 0}
+        try:  # grammar rows need the tokenizer (and its llguidance form): build both now, not at a first request
+            self._load_tokenizer()
+        except Exception:  # pragma: no cover - a grammar row retries and reports it
+            logger.warning("could not load the tokenizer for grammar rows at start", exc_info=True)
+
+    # -- vLLM interface ---------------------------------------------------------------------------
+    @classmethod
+    def validate_params(cls, sampling_params: "SamplingParams") -> None:
+        extra = (sampling_params.extra_args or {}).get(EXTRA_KEY)
+        if extra is None:
+            return
+        if not (isinstance(extra, dict) and isinstance(extra.get("key"), str) and isinstance(extra.get("path"), str)):
+            raise ValueError(f"extra_args[{EXTRA_KEY!r}] must be {{'key': str, 'path': str}}")
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # it changes which token is the most likely
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is not None:
+            process_dict_updates(self.rows, batch_update, self._new_row)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.rows:
+            return logits
+        t0 = time.perf_counter()
+        n = logits.shape[0]
+        steps = [_FREE] * n
+        for index, row in self.rows.items():
+            if index < n:
+                steps[index] = self._row_step(row)
+        apply_steps(logits, steps)
+        mask_padded_vocab(logits, self.vocab_size)
+        self.stats["steps"] += 1
+        self.stats["chain_seconds"] += time.perf_counter() - t0
+        return logits
+
+    # -- rows -------------------------------------------------------------------------------------
+    def _new_row(self, params: "SamplingParams", prompt_ids: list[int] | None, output_ids: list[int]) -> _Row | None:
+        extra = (params.extra_args or {}).get(EXTRA_KEY)
+        if extra is None:
+            return None
+        compiled = self._scenario(extra["key"], extra["path"])
+        tokenizer = self._load_tokenizer() if _needs_tokenizer(compiled) else None
+        self.stats["rows"] += 1
+        # a request that comes back after a preemption brings the tokens it already has: _row_step replays them
+        return _Row(RowCursor(compiled, tokenizer), output_ids)
+
+    def _row_step(self, row: _Row) -> Step:
+        if row.broken is not None:
+            return row.broken
+        cursor = row.cursor
+        try:
+            out = row.output_ids
+            while row.consumed < len(out):
+                token = out[row.consumed]
+                row.consumed += 1
+                if token >= 0:  # placeholders of tokens not yet known (async scheduling) are never consumed
+                    cursor.advance(token)
+            return cursor.step()
+        except Exception:
+            logger.exception("a row's constraint failed; forcing its end token")
+            self.stats["failed_rows"] += 1
+            end = cursor.end_token_id
+            row.broken = Step(ALLOW, None, end)  # an empty ALLOW keeps only the fallback: the end token
+            return row.broken
+
+    # -- scenarios and the tokenizer ---------------------------------------------------------------
+    def _scenario(self, key: str, path: str):
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled
+        compiled = load_compiled(path, key)
+        with self._lock:
+            self._compiled[key] = compiled
+            while len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+            self.stats["loads"] += 1
+        return compiled
+
+    def _load_tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            from processors import get_lltokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path, local_files_only=True)
+            get_lltokenizer(tokenizer)  # built once, cached per tokenizer object
+            self.vocab_size = len(tokenizer)
+            self._tokenizer = tokenizer
+        return self._tokenizer
+
+
+def _needs_tokenizer(compiled) -> bool:
+    from processors import GrammarSpec
+
+    return compiled is not None and isinstance(compiled.constraint, GrammarSpec)
