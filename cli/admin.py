@@ -12,6 +12,10 @@ Commands map one to one onto routes (see the README's "Using the service"):
 ``try NAME PROMPT``                ``POST /v1/generate`` (public), optionally streamed (SSE)
 =================================  ============================================================
 
+The writes (``put``, ``delete``, ``rollback``) send an ``Idempotency-Key`` header, one new key per
+command, and retry an HTTP 503 ("retry later") up to ``--retries`` times with the same key: a write
+that was stored although the answer was a 503 is not made twice; the retry gets the first answer.
+
 Only ``httpx`` and ``tqdm`` are imported (no server code), so the tool starts fast and runs anywhere.
 Every failure is one line on stderr and an exit code from :data:`EXIT_CODES`; the admin token is never
 printed (messages pass through :func:`_redact` on the way out).
@@ -24,6 +28,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -38,6 +43,8 @@ DEFAULT_CONNECT_TIMEOUT_S = 5.0
 PROGRESS_MIN_BYTES = 1 << 20
 UPLOAD_CHUNK_BYTES = 1 << 16
 MAX_KNOWN_SHOWN = 20
+DEFAULT_RETRIES = 3  # retries of a write answered 503, with the same Idempotency-Key
+RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0)  # before retry 1, 2, 3, 4 and later (or the service's Retry-After, up to 30 s)
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -124,8 +131,10 @@ def _http_error(response: httpx.Response) -> CliError:
 class AdminClient:
     """A thin synchronous client for the service; every transport failure becomes a :class:`CliError`."""
 
-    def __init__(self, url: str, token: str | None, timeout: float, connect_timeout: float):
+    def __init__(self, url: str, token: str | None, timeout: float, connect_timeout: float,
+                 retries: int = DEFAULT_RETRIES):
         self.url = url.rstrip("/")
+        self.retries = max(0, int(retries))
         self.shown_url = _display_url(self.url)
         self.token = token
         self.timeout = timeout
@@ -162,13 +171,34 @@ class AdminClient:
                             "in HTTP headers", EXIT_USAGE)
         return CliError(f"connection to {self.shown_url} failed: {type(exc).__name__}: {exc}", EXIT_ERROR)
 
-    def request(self, method: str, path: str, *, admin: bool = True, **kwargs: Any) -> Any:
-        """Send one request and return the JSON answer; errors raise :class:`CliError`."""
+    def request(self, method: str, path: str, *, admin: bool = True, idempotent: bool = False,
+                content_factory: Any = None, **kwargs: Any) -> Any:
+        """Send one request and return the JSON answer; errors raise :class:`CliError`.
+
+        ``idempotent``: an admin write; it carries a new ``Idempotency-Key`` and is sent again with the
+        same key (up to ``retries`` times) while the service answers 503, so a write that was stored
+        although its answer was a 503 is answered with its first result, never made twice.
+        ``content_factory()`` makes the body of each attempt (a streamed body can be sent once only)."""
         headers = {**self._headers(admin), **kwargs.pop("headers", {})}
-        try:
-            response = self.http.request(method, path, headers=headers, **kwargs)
-        except httpx.HTTPError as exc:
-            raise self._transport_error(exc) from None
+        if idempotent:
+            headers["Idempotency-Key"] = str(uuid.uuid4())
+        attempt = 0
+        while True:
+            if content_factory is not None:
+                kwargs["content"] = content_factory(attempt)
+            try:
+                response = self.http.request(method, path, headers=headers, **kwargs)
+            except httpx.HTTPError as exc:
+                raise self._transport_error(exc) from None
+            if response.status_code == 503 and idempotent and attempt < self.retries:
+                delay = _retry_delay(response, attempt)
+                message, _ = _error_message(response)
+                print(f"cs-admin: HTTP 503: {message.splitlines()[0] if message else 'unavailable'}; retrying in "
+                      f"{delay:g} s with the same Idempotency-Key ({attempt + 1} of {self.retries})", file=sys.stderr)
+                time.sleep(delay)
+                attempt += 1
+                continue
+            break
         if response.status_code >= 400:
             raise _http_error(response)
         try:
@@ -200,6 +230,15 @@ class AdminClient:
                     yield event
         except httpx.HTTPError as exc:
             raise self._transport_error(exc) from None
+
+
+def _retry_delay(response: httpx.Response, attempt: int) -> float:
+    """Seconds before retry ``attempt + 1``: the service's ``Retry-After`` (seconds, up to 30), else
+    :data:`RETRY_DELAYS_S`."""
+    try:
+        return min(30.0, max(0.0, float(response.headers["Retry-After"])))
+    except (KeyError, ValueError):
+        return RETRY_DELAYS_S[min(attempt, len(RETRY_DELAYS_S) - 1)]
 
 
 def scenario_path(name: str, suffix: str = "") -> str:
@@ -304,15 +343,22 @@ def cmd_put(client: AdminClient, args: argparse.Namespace) -> int:
             raise CliError(f"{'stdin' if args.file == '-' else args.file} is empty: expected a scenario JSON object",
                            EXIT_USAGE)
         show = args.progress if args.progress is not None else size >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
-        progress = None
-        if show:
-            from tqdm import tqdm
-
-            progress = tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                            desc=f"upload {args.name}", dynamic_ncols=True)
         # A sized stream: Content-Length lets the service refuse an oversized body (413) before reading it.
         wrap = (TREE_BODY_HEAD, TREE_BODY_TAIL) if args.tree else (b"", b"")
-        answer = client.request("PUT", scenario_path(args.name), content=_chunks(content, size, progress, wrap),
+
+        def body(attempt: int) -> Iterator[bytes]:
+            """The body streamed again from the start for each attempt (a retry after a 503)."""
+            progress = None
+            if attempt and handle is not None:
+                handle.seek(0)
+            elif not attempt and show:
+                from tqdm import tqdm
+
+                progress = tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                                desc=f"upload {args.name}", dynamic_ncols=True)
+            return _chunks(content, size, progress, wrap)
+
+        answer = client.request("PUT", scenario_path(args.name), idempotent=True, content_factory=body,
                                 headers={"Content-Type": "application/json",
                                          "Content-Length": str(size + len(wrap[0]) + len(wrap[1]))})
     finally:
@@ -326,7 +372,7 @@ def cmd_put(client: AdminClient, args: argparse.Namespace) -> int:
 
 
 def cmd_delete(client: AdminClient, args: argparse.Namespace) -> int:
-    answer = client.request("DELETE", scenario_path(args.name))
+    answer = client.request("DELETE", scenario_path(args.name), idempotent=True)
     if args.json:
         _print_json(answer)
     else:
@@ -349,7 +395,8 @@ def cmd_versions(client: AdminClient, args: argparse.Namespace) -> int:
 
 
 def cmd_rollback(client: AdminClient, args: argparse.Namespace) -> int:
-    answer = client.request("POST", scenario_path(args.name, "/rollback"), json={"version": args.version})
+    answer = client.request("POST", scenario_path(args.name, "/rollback"), idempotent=True,
+                            json={"version": args.version})
     if args.json:
         _print_json(answer)
     else:
@@ -455,6 +502,9 @@ def _add_common(parser: argparse.ArgumentParser, *, on_command: bool) -> None:
     group.add_argument("--connect-timeout", type=_positive_float, default=d(DEFAULT_CONNECT_TIMEOUT_S), metavar="S",
                        help=f"seconds to wait for a connection (default: {DEFAULT_CONNECT_TIMEOUT_S:g})")
     group.add_argument("--json", action="store_true", default=d(False), help="print the service's raw JSON")
+    group.add_argument("--retries", type=int, default=d(DEFAULT_RETRIES), metavar="N",
+                       help=f"retries of a write (put, delete, rollback) answered 503, with the same Idempotency-Key "
+                            f"(default: {DEFAULT_RETRIES}; 0: none)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -543,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         token = _resolve_token(args)
         url = args.url or os.environ.get("CS_URL") or DEFAULT_URL
-        client = AdminClient(url, token, _resolve_timeout(args), args.connect_timeout)
+        client = AdminClient(url, token, _resolve_timeout(args), args.connect_timeout, args.retries)
         try:
             return COMMANDS[args.command](client, args)
         finally:
