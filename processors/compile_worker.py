@@ -374,6 +374,10 @@ def _die_with_parent() -> None:
 
 def _worker_main() -> None:
     _die_with_parent()
+    try:  # a long compile must not take CPU from decoding: the worker yields to the serving processes
+        os.nice(10)
+    except OSError:
+        pass
     fd_in = sys.stdin.fileno()
     fd_out = os.dup(sys.stdout.fileno())  # the protocol's own descriptor; stray prints go to stderr
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
