@@ -18,4 +18,5 @@ def available() -> bool:
     """Whether vLLM can be imported here."""
     import importlib.util
 
-    return importlib.util.find_spec("vllm") is not None
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None  # not a namespace package of the same name

@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["UnsupportedRequest", "VLLMEngine", "model_directory"]
 
 GIB = 1 << 30
+#: vLLM's largest temperature; above it the logits processor scales the logits (see .processor)
+MAX_VLLM_TEMPERATURE = 2.0
 
 
 class UnsupportedRequest(ServiceError, ValueError):
@@ -234,20 +236,31 @@ class VLLMEngine(Engine):
 
     def stop(self, timeout: float = 10.0) -> None:
         llm, self.llm = self.llm, None
-        if llm is not None:
-            try:
-                llm.shutdown()
+        loop, self._loop = self._loop, None
+        if loop is not None and loop.is_running():
+            try:  # on the loop: vLLM's output handler is a task there
+                asyncio.run_coroutine_threadsafe(self._shutdown(llm), loop).result(timeout + 30)
             except Exception:  # pragma: no cover
                 logger.warning("vllm shutdown failed", exc_info=True)
-        loop, self._loop = self._loop, None
-        if loop is not None:
             loop.call_soon_threadsafe(loop.stop)
+        elif llm is not None:
+            llm.shutdown()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
         if self._files is not None:
             self._files.close()
             self._files = None
+
+    @staticmethod
+    async def _shutdown(llm) -> None:
+        if llm is not None:
+            llm.shutdown()
+        current = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not current]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- requests -------------------------------------------------------------------------------
     def submit(self, request: EngineRequest, on_event: Callable[[EngineEvent], None]) -> _Job:
@@ -283,10 +296,15 @@ class VLLMEngine(Engine):
                 structured = guidance_params(compiled.constraint, StructuredOutputsParams)
             if structured is None:
                 extra = {EXTRA_KEY: self._files.ref(compiled)}
+        temperature = s.temperature
+        if temperature > MAX_VLLM_TEMPERATURE:  # vLLM refuses more; the processor scales the logits instead
+            extra = dict(extra or {EXTRA_KEY: {}})
+            extra[EXTRA_KEY] = dict(extra[EXTRA_KEY], scale=MAX_VLLM_TEMPERATURE / temperature)
+            temperature = MAX_VLLM_TEMPERATURE
         rows = []
         for i in range(request.n):
             rows.append(SamplingParams(
-                n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                n=1, temperature=temperature, top_p=s.top_p, top_k=s.top_k,
                 seed=None if s.seed is None else s.seed + i, max_tokens=request.max_new_tokens,
                 ignore_eos=True, stop_token_ids=stops, detokenize=False, skip_special_tokens=False,
                 output_kind=RequestOutputKind.DELTA, extra_args=extra, structured_outputs=structured,

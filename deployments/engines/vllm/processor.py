@@ -6,7 +6,9 @@ created with ``logits_processors=[FQCN]``. A request that carries ``SamplingPara
 joins the persistent batch (``update_state``: added / removed / moved rows); every step ``apply`` first
 advances each cursor by the row's new output tokens (vLLM hands over a live reference to each request's
 output ids) and then masks the batch's logits with :func:`processors.apply_steps`, one call for all rows,
-whatever their scenarios. Rows without the key are left alone.
+whatever their scenarios. Rows without the key are left alone. An entry may also carry ``"scale"``: vLLM
+accepts temperatures up to 2 only, so a row sampled at ``T > 2`` runs at 2 with its logits multiplied by
+``2 / T`` here (after the mask): the same distribution as dividing by ``T``.
 
 The compiled scenario travels as a file, not inside the request: the replica (:mod:`.handoff`) pickles each
 scenario version once into a directory of its own and names it by its content hash; the processor loads a
@@ -51,10 +53,11 @@ _FREE = Step(FREE, None, 0)
 
 
 class _Row:
-    __slots__ = ("cursor", "output_ids", "consumed", "broken")
+    __slots__ = ("cursor", "output_ids", "consumed", "broken", "scale")
 
-    def __init__(self, cursor: RowCursor, output_ids: list[int]):
-        self.cursor = cursor
+    def __init__(self, cursor: RowCursor | None, output_ids: list[int], scale: float | None = None):
+        self.cursor = cursor  # None: a row that only needs its logits scaled
+        self.scale = scale
         self.output_ids = output_ids  # vLLM's live list of the request's output tokens
         self.consumed = 0
         self.broken: Step | None = None  # set once the cursor raised: the end token only, from then on
@@ -83,8 +86,14 @@ class ChainLogitsProcessor(LogitsProcessor):
         extra = (sampling_params.extra_args or {}).get(EXTRA_KEY)
         if extra is None:
             return
-        if not (isinstance(extra, dict) and isinstance(extra.get("key"), str) and isinstance(extra.get("path"), str)):
-            raise ValueError(f"extra_args[{EXTRA_KEY!r}] must be {{'key': str, 'path': str}}")
+        ok = isinstance(extra, dict) and (
+            ("key" not in extra and "path" not in extra)
+            or (isinstance(extra.get("key"), str) and isinstance(extra.get("path"), str))
+        )
+        scale = extra.get("scale") if isinstance(extra, dict) else None
+        if not ok or (scale is not None and not (isinstance(scale, float) and 0 < scale <= 1)):
+            raise ValueError(f"extra_args[{EXTRA_KEY!r}] must be {{'key': str, 'path': str, 'scale': float in (0, 1]}} "
+                             "(key and path together or neither, each part optional)")
 
     def is_argmax_invariant(self) -> bool:
         return False  # it changes which token is the most likely
@@ -99,11 +108,17 @@ class ChainLogitsProcessor(LogitsProcessor):
         t0 = time.perf_counter()
         n = logits.shape[0]
         steps = [_FREE] * n
+        scaled: list[tuple[int, float]] = []
         for index, row in self.rows.items():
             if index < n:
-                steps[index] = self._row_step(row)
+                if row.cursor is not None:
+                    steps[index] = self._row_step(row)
+                if row.scale is not None:
+                    scaled.append((index, row.scale))
         apply_steps(logits, steps)
         mask_padded_vocab(logits, self.vocab_size)
+        for index, scale in scaled:  # temperatures above vLLM's 2: logits * (2 / T), then vLLM divides by 2
+            logits[index] *= scale
         self.stats["steps"] += 1
         self.stats["chain_seconds"] += time.perf_counter() - t0
         return logits
@@ -113,11 +128,14 @@ class ChainLogitsProcessor(LogitsProcessor):
         extra = (params.extra_args or {}).get(EXTRA_KEY)
         if extra is None:
             return None
-        compiled = self._scenario(extra["key"], extra["path"])
-        tokenizer = self._load_tokenizer() if _needs_tokenizer(compiled) else None
+        cursor = None
+        if "key" in extra:
+            compiled = self._scenario(extra["key"], extra["path"])
+            tokenizer = self._load_tokenizer() if _needs_tokenizer(compiled) else None
+            # a request that comes back after a preemption brings the tokens it already has: _row_step replays them
+            cursor = RowCursor(compiled, tokenizer)
         self.stats["rows"] += 1
-        # a request that comes back after a preemption brings the tokens it already has: _row_step replays them
-        return _Row(RowCursor(compiled, tokenizer), output_ids)
+        return _Row(cursor, output_ids, extra.get("scale"))
 
     def _row_step(self, row: _Row) -> Step:
         if row.broken is not None:

@@ -1,0 +1,86 @@
+"""Helpers of the vLLM tier: an event collector and the per-kind output checks."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import pytest
+
+from deployments.engines import DoneEvent, ErrorEvent, FinishedEvent, TokenEvent
+
+#: vLLM settings of every engine this tier starts (small, quick to start)
+VLLM_TEST_SETTINGS = {"vllm_enforce_eager": True, "vllm_kv_cache_gb": 0.5}
+
+
+class Collector:
+    """A request's events: tokens per output, finished events, the end (``DoneEvent`` or ``ErrorEvent``)."""
+
+    def __init__(self):
+        self.tokens: dict[int, list[int]] = {}
+        self.finished: dict[int, FinishedEvent] = {}
+        self.events: list = []
+        self.done = threading.Event()
+        self.error: str | None = None
+
+    def __call__(self, ev):
+        self.events.append(ev)
+        if isinstance(ev, TokenEvent):
+            self.tokens.setdefault(ev.index, []).append(ev.token_id)
+        elif isinstance(ev, FinishedEvent):
+            self.finished[ev.index] = ev
+        elif isinstance(ev, DoneEvent):
+            self.done.set()
+        elif isinstance(ev, ErrorEvent):
+            self.error = ev.message
+            self.done.set()
+
+    def wait(self, timeout: float = 300) -> dict[int, FinishedEvent]:
+        assert self.done.wait(timeout), "request did not finish"
+        assert self.error is None, self.error
+        return self.finished
+
+
+def check_output(kind: str, body: dict, text: str, token_ids: list[int], finish_reason: str, tokenizer) -> None:
+    """Assert that one output satisfies the scenario ``body`` (``kind`` its type); ``text`` without special tokens."""
+    import jsonschema
+
+    from config import is_tree_path
+
+    eos = tokenizer.eos_token_id
+    think = body.get("think")
+    if think is not None:
+        end_ids = tokenizer.encode(think.get("end", "</think>\n\n"), add_special_tokens=False)
+        pos = next((i for i in range(len(token_ids)) if token_ids[i: i + len(end_ids)] == end_ids), None)
+        assert pos is not None, f"no think end marker in {tokenizer.decode(token_ids)!r}"
+        assert pos <= think["max_thinking_tokens"], f"thought {pos} tokens, budget {think['max_thinking_tokens']}"
+        assert eos not in token_ids[:pos], "a row must not end while thinking"
+        token_ids = token_ids[pos + len(end_ids):]
+        text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    if kind == "tree":
+        assert finish_reason == "stop" and is_tree_path(body["tree"], token_ids), (token_ids, finish_reason)
+        assert token_ids[-1] == body["tree"]["end_token_id"]
+        return
+    if kind == "labels":
+        assert finish_reason == "stop" and token_ids[-1] == eos, (text, finish_reason)
+        labels = body["labels"]
+        if body.get("multi_label"):
+            parts = [p.strip() for p in text.split(body.get("separator", ","))]
+            assert all(p in labels for p in parts) and len(parts) == len(set(parts)), parts
+            assert len(parts) <= body.get("max_labels", len(labels)), parts
+        else:
+            assert text.startswith(" ") and text[1:] in labels, text
+        return
+    if kind == "regex":
+        assert finish_reason == "stop" and re.fullmatch(body["pattern"], text), (text, finish_reason)
+        return
+    if kind in ("json", "json_schema"):
+        if finish_reason == "length":
+            return  # cut by the budget: valid as far as it goes (the cursor reported no error)
+        assert finish_reason == "stop", (text, finish_reason)
+        value = json.loads(text)
+        if kind == "json_schema":
+            jsonschema.validate(value, body["schema"])
+        return
+    raise AssertionError(f"unknown kind {kind}")
