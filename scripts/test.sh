@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# Set up the environment (scripts/setup.sh) and run the test suite. Extra arguments go to pytest.
+# Set up the environment (scripts/setup.sh) and run the test suite, then the vLLM tier (scripts/test_vllm.sh).
+# Extra arguments go to the main pytest run.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 echo "test: running pytest"
-exec .venv/bin/python -m pytest tests -q -rs "$@"
+status=0
+.venv/bin/python -m pytest tests -q -rs "$@" || status=$?
+# The vLLM engine backend's tier runs in its own virtualenv (.venv-vllm; tests/vllm skip in .venv).
+# SKIP_VLLM=1 leaves it out.
+if [ "${SKIP_VLLM:-}" != "1" ]; then
+    bash scripts/test_vllm.sh || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
+fi
+exit "$status"
