@@ -7,9 +7,10 @@ three stages before they decode:
    (a long counted repetition), so grammar jobs are prepared on a small thread pool and their first
    masks computed there (llguidance releases the GIL); other rows keep decoding meanwhile.
 2. **prefill**: waiting prompts are read in one batched, left-padded forward, keeping the logits of
-   the last position only. A prompt longer than ``prefill_chunk_tokens`` is read one chunk per
-   engine iteration, with a decode step of the running batch after each chunk, so a long prompt
-   never holds the other rows for more than one chunk.
+   the last position only. A prompt longer than ``prefill_chunk_tokens`` is read one chunk at a
+   time, each chunk followed by decode steps of the running batch that last at least as long as the
+   chunk did, so a long prompt never holds the other rows for more than one chunk and slows their
+   steps at most twofold.
 3. **decode**: the prompt's key/value cache joins the running batch and from then on every active
    row shares the same forward pass. Each step the processor chain masks every row's logits with that
    row's own pinned scenario (:class:`processors.RowCursor`); sampled rows draw with their own
@@ -170,6 +171,7 @@ class DecodeEngine(Engine):
         self._thread: threading.Thread | None = None
         self._prepare = ThreadPoolExecutor(max_workers=max(1, prepare_threads), thread_name_prefix="cursor-prepare")
         self._trim_due = False
+        self._chunk_debt = 0.0  # seconds of decoding owed to the running rows after the last prefill chunk
         self.prefix_cache = PrefixCache(max_tokens=prefix_cache_tokens)
         self._stats = {
             "steps": 0, "step_seconds": 0.0, "chain_seconds": 0.0, "rows_decoded": 0, "prefills": 0,
@@ -224,10 +226,17 @@ class DecodeEngine(Engine):
                 except queue.Empty:
                     pass
                 self._admit()
-                if self._chunking is not None:
+                # A long prompt is read in chunks, each followed by decode steps of the running rows lasting at
+                # least as long as the chunk did: prefill takes at most half of the engine's time while others
+                # decode, so their steps slow down at most 2x and the prompt still moves at half speed.
+                if self._chunking is not None and (self._chunk_debt <= 0 or not self._rows):
+                    t0 = time.perf_counter()
                     self._prefill_chunk()
+                    self._chunk_debt = time.perf_counter() - t0
                 if self._rows:
+                    t0 = time.perf_counter()
                     self._step()
+                    self._chunk_debt -= time.perf_counter() - t0
                 elif self._trim_due and self._chunking is None:
                     self._trim_due = False
                     release_memory()
