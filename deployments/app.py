@@ -2,8 +2,9 @@
 
 Three deployments, each a plain class made a deployment here (so each stays constructible without Serve):
 
-* ``ConfigManager`` (1 replica, no CPU reserved): Redis <-> compiled tables <-> replicas. Every model replica
-  keeps a long poll open on it and admin calls wait on it, hence its high ``max_ongoing_requests``.
+* ``ConfigManager`` (``deployments/manager/``; 1 replica, no CPU reserved): Redis <-> compiled tables <-> replicas.
+  Every model replica keeps a long poll open on it and admin calls wait on it, hence its high
+  ``max_ongoing_requests``.
 * ``ModelReplica`` (``num_replicas``, CPUs/GPUs from the settings): the model and the decode loop.
 * ``Ingress`` (no CPU reserved): the FastAPI app, handed to Serve through ``__serve_build_asgi_app__``.
 

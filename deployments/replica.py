@@ -11,6 +11,7 @@ new version never changes a request in flight.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import threading
@@ -42,24 +43,19 @@ __all__ = ["ModelReplica", "ServeModelReplica"]
 _INLINE_CACHE_SIZE = 64
 
 
-def _resolve(value):
-    """An ObjectRef from the manager, or the compiled object itself (manager run without Ray)."""
-    if isinstance(value, CompiledScenario):
-        return value
-    import ray
+async def _fetch(ref) -> CompiledScenario:
+    """The tables of a snapshot entry: an ObjectRef from the manager (awaited: ``ray.get`` without blocking the
+    event loop), or the compiled object itself (a manager run without Ray)."""
+    if isinstance(ref, CompiledScenario):
+        return ref
+    return await ref
 
-    return ray.get(value)
 
-
-def _call(handle_method, *args, **kwargs):
-    """Call a manager method through a Serve handle (``.remote().result()``) or directly."""
-    remote = getattr(handle_method, "remote", None)
-    if remote is not None:
-        return remote(*args, **kwargs).result()
-    result = handle_method(*args, **kwargs)
-    if asyncio.iscoroutine(result):
-        return asyncio.run(result)
-    return result
+async def _ask(manager_method, *args):
+    """Call a manager method and await its answer: through a Serve handle (``.remote()``) or directly."""
+    remote = getattr(manager_method, "remote", None)
+    result = remote(*args) if remote is not None else manager_method(*args)
+    return await result if inspect.isawaitable(result) else result
 
 
 class ModelReplica:
@@ -102,16 +98,20 @@ class ModelReplica:
         self._stop = threading.Event()
         self.model_name = self.settings.model or "SmolLM2-135M-Instruct"
         if manager is not None and register:
-            self._install(_call(manager.register, self.replica_id))
-            self._start_poller()
-            logger.info("%s ready (%d scenarios)", self.replica_id, len(self._scenarios))
-
-    def _start_poller(self) -> None:
-        self._poller = threading.Thread(target=self._poll_loop, name="scenario-poll", daemon=True)
-        self._poller.start()
+            asyncio.run(self._register())  # a plain constructor (tests, a driver): on an event loop of its own
 
     # -- scenario tables ------------------------------------------------------------------------
-    def _install(self, snapshot: dict | None, *, ack: bool = True) -> None:
+    async def _register(self) -> None:
+        """The one registration path (this constructor runs it with ``asyncio.run``, ServeModelReplica's async
+        constructor awaits it): register with the manager, install and acknowledge the current snapshot (so a
+        replica started after a PUT serves the current versions at once), then start the poll thread."""
+        await self._apply(await _ask(self._manager.register, self.replica_id))
+        self._poller = threading.Thread(target=self._poll_loop, name="scenario-poll", daemon=True)
+        self._poller.start()
+        logger.info("%s ready (%d scenarios)", self.replica_id, len(self._scenarios))
+
+    async def _apply(self, snapshot: dict | None) -> None:
+        """Serve a snapshot from the manager (fetching only the tables of changed versions) and acknowledge it."""
         if not snapshot:
             return
         new: dict[str, tuple[int, CompiledScenario]] = {}
@@ -121,23 +121,26 @@ class ModelReplica:
             if current is not None and current[0] == version:
                 new[name] = current  # unchanged: keep the object, no fetch
             else:
-                new[name] = (version, _resolve(entry["ref"]))
+                new[name] = (version, await _fetch(entry["ref"]))
         with self._lock:
             self._scenarios = new
             self._epoch = int(snapshot.get("epoch", self._epoch))
         self.metrics.set_versions({name: v for name, (v, _) in new.items()})
-        if ack and self._manager is not None:
-            _call(self._manager.ack, self.replica_id, self._epoch, self.versions())
+        await _ask(self._manager.ack, self.replica_id, self._epoch, self.versions())
 
     def _poll_loop(self) -> None:
+        """Thread: the long poll, on an event loop of its own (the replica's loop serves requests)."""
+        asyncio.run(self._poll())
+
+    async def _poll(self) -> None:
         while not self._stop.is_set():
             try:
-                snapshot = _call(self._manager.wait_for_update, self.replica_id, self._epoch)
+                snapshot = await _ask(self._manager.wait_for_update, self.replica_id, self._epoch)
                 if snapshot:
-                    self._install(snapshot)
+                    await self._apply(snapshot)
             except Exception:
                 logger.warning("%s: scenario poll failed; retrying", self.replica_id, exc_info=True)
-                self._stop.wait(1.0)
+                await asyncio.to_thread(self._stop.wait, 1.0)
 
     def versions(self) -> dict[str, int]:
         """The scenario versions this replica serves now."""
@@ -347,8 +350,8 @@ class ServeModelReplica(ModelReplica):
     """The Serve deployment of :class:`ModelReplica`.
 
     Serve runs a constructor on the replica's event loop, where a blocking ``handle.remote().result()``
-    is refused; this async constructor registers with the manager and installs the current snapshot
-    with ``await`` before the replica takes requests. Later updates come from the poll thread.
+    is refused; this async constructor awaits :meth:`ModelReplica._register` (the same registration as a
+    plain :class:`ModelReplica`'s) before the replica takes requests. Later updates come from the poll thread.
     """
 
     async def __init__(self, settings: dict, manager):  # type: ignore[misc]
@@ -357,11 +360,4 @@ class ServeModelReplica(ModelReplica):
         from ray import serve
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        snapshot = await manager.register.remote(self.replica_id)
-        for entry in (snapshot or {}).get("scenarios", {}).values():
-            if not isinstance(entry["ref"], CompiledScenario):
-                entry["ref"] = await entry["ref"]
-        self._install(snapshot, ack=False)
-        await manager.ack.remote(self.replica_id, self._epoch, self.versions())
-        self._start_poller()
-        logger.info("%s ready (%d scenarios)", self.replica_id, len(self._scenarios))
+        await self._register()

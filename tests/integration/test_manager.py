@@ -90,7 +90,7 @@ async def ready(manager: ConfigManager, *replicas: FakeReplica) -> None:
     """Wait until every replica registered and acknowledged the manager's current state."""
     async def acked():
         view = await manager.replica_versions()
-        return all(r.rid in view and view[r.rid]["epoch"] == manager._epoch for r in replicas)
+        return all(r.rid in view and view[r.rid]["epoch"] == manager.registry.epoch for r in replicas)
 
     await until(acked, what="replicas to acknowledge")
 
@@ -430,14 +430,14 @@ def test_garbage_in_redis_is_refused_and_the_last_good_version_keeps_serving(man
         # A good write repairs it: numbering skips the garbage versions 2..4 that exist.
         assert (await manager.put("s", LABELS_2))["version"] == 5
         assert replica.versions() == {"s": 5}
-        await until(lambda: not (manager._errors), what="errors to clear")
+        await until(lambda: not (manager.scenarios.errors), what="errors to clear")
         assert (await manager.health())["status"] == "ok"
 
     run(manager, body, ("r1", {}))
 
 
 def _error_version(manager, name):
-    entry = manager._errors.get(name)
+    entry = manager.scenarios.errors.get(name)
     return entry["version"] if entry is not None else "none"
 
 
@@ -450,7 +450,7 @@ def test_examples_are_seeded_only_on_an_empty_store(tokenizer, data_dir, client,
     assert [(s["name"], s["type"], s["version"]) for s in listing] == [
         ("person", "json_schema", 1), ("sentiment", "labels", 1), ("topics", "tree", 1)]
 
-    topics = manager._served["topics"].compiled
+    topics = manager.scenarios.served["topics"].compiled
     messages = [{"role": "user", "content": "What is this about?"}]
     prompt = build_prompt_ids(topics, tokenizer, messages=messages)
     with_system = [{"role": "system", "content": topics.settings["system_prompt"]}] + messages

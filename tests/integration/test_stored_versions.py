@@ -56,7 +56,7 @@ async def root_ids(manager: ConfigManager, name: str, version: int | None = None
 
 def served_root_ids(manager: ConfigManager, name: str) -> tuple[int, list[int]]:
     """What the manager hands to replicas for ``name``: (version, root candidates of those tables)."""
-    served = manager._served[name]
+    served = manager.scenarios.served[name]
     tables = served.compiled.constraint
     return served.version, sorted(int(c) for c in tables.allowed(tables.root))
 
@@ -102,7 +102,7 @@ def test_tree_by_path_is_stored_and_survives_file_changes_and_restarts(tokenizer
     os.remove(path)
     third = new_manager(tokenizer, data_dir)
     assert served_root_ids(third, "t") == (3, [10, 11])
-    assert not third._errors
+    assert not third.scenarios.errors
 
     async def without_the_file():
         assert await root_ids(third, "t", 2) == [20, 21]

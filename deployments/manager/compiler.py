@@ -1,0 +1,298 @@
+"""The config manager's compile step: a scenario body -> its compiled tables for the served tokenizer, or a refusal.
+
+Every compile the manager makes goes through :meth:`StoredScenarioCompiler.compile` (async) or
+:meth:`StoredScenarioCompiler.compile_blocking` (at start), which run :meth:`StoredScenarioCompiler._prepare`
+on the compiler's own threads, one at a time, bounded by ``limits.compile_timeout_s``:
+``_validate`` (422: limits, ``config.load_scenario``, a tree path confined to ``tree_dir``) ->
+``_compile_now`` (400: ``processors.compile_scenario``, grammars in the :class:`GrammarWorker` process) ->
+``_check_compiled`` (limits that need the compiled form). ``_compile_now`` is the one place that calls the
+processors.
+
+It also pins tree files: a tree given as a ``path`` is read once, at the PUT, into a local copy named by its
+SHA-256 (:meth:`StoredScenarioCompiler.pin_tree_file`); a stored body carrying ``content_sha256`` compiles that
+content (the local copy, fetched from Redis when this host has none), never the file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pydantic
+
+from config import SCENARIO_TYPES, ServerSettings, load_scenario
+from config.settings import LimitExceeded
+from deployments.protocol import ServiceError
+from deployments.store import ScenarioStore, content_sha256
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StoredScenarioCompiler"]
+
+
+def _format_validation_error(body: dict, exc: pydantic.ValidationError) -> tuple[str, list[dict]]:
+    errors = []
+    for err in exc.errors():
+        loc = list(err.get("loc", ()))
+        if loc and loc[0] == body.get("type"):  # the discriminated union puts the tag first
+            loc = loc[1:]
+        where = ".".join(str(p) for p in loc)
+        if not where and str(err.get("type", "")).startswith("union_tag"):
+            where = "type"
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        if err.get("type") == "union_tag_not_found":
+            msg = (f"missing: a scenario body needs \"type\", one of {', '.join(SCENARIO_TYPES)} (a bare tree file "
+                   "goes under \"tree\": {\"type\": \"tree\", \"tree\": {...}}; cs-admin put --tree does that)")
+        errors.append({"field": where or None, "message": msg})
+    text = "; ".join(f"{e['field']}: {e['message']}" if e["field"] else e["message"] for e in errors[:5])
+    if len(errors) > 5:
+        text += f"; and {len(errors) - 5} more"
+    return f"invalid scenario: {text}", errors
+
+
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _file_sha256(path: str) -> str | None:
+    """SHA-256 (hex) of a file's bytes, read in chunks; None when it cannot be read."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+class StoredScenarioCompiler:
+    """Validates and compiles scenario bodies for the served tokenizer (422 invalid, 400 does not compile), off the
+    event loop and bounded in time; pins tree files to their content.
+
+    Args:
+        settings: the manager's :class:`config.ServerSettings` (limits, ``tree_dir``, ``data_dir``).
+        tokenizer: the served model's tokenizer.
+        store: the :class:`~deployments.store.ScenarioStore` holding stored tree content.
+    """
+
+    def __init__(self, settings: ServerSettings, tokenizer, store: ScenarioStore):
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.store = store
+        # Compiles get their own threads: one that times out keeps running (a thread cannot be
+        # stopped) and must not starve the Redis calls, which go to asyncio's default executor.
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="config-manager-compile")
+        # JSON-schema and regex grammars are built in a worker process that is killed at the limits
+        # (their cost can explode on a small schema; a thread could not be stopped).
+        from processors.compile_worker import GrammarWorker
+
+        self._grammar_worker = GrammarWorker(tokenizer, timeout_s=settings.limits.compile_timeout_s,
+                                             memory_mb=settings.limits.compile_memory_mb)
+        self.new_loop()
+
+    def new_loop(self) -> None:
+        """A new event loop (tests): asyncio primitives are tied to one."""
+        self._gate = asyncio.Lock()
+
+    def close(self) -> None:
+        self._grammar_worker.close()
+
+    # ------------------------------------------------------------------ validate
+
+    def _validate(self, name: str, body: Any):
+        """The scenario of ``body`` (422 when invalid). A tree stored with the content of its file
+        (``content_sha256``) gets ``path`` pointing at that content (see :meth:`content_file`), never
+        at the file it was read from."""
+        if not isinstance(body, dict):
+            raise ServiceError(422, f"a scenario body must be a JSON object, got {type(body).__name__}")
+        sha = None
+        if "content_sha256" in body:
+            body = dict(body)
+            sha = body.pop("content_sha256")
+            if not isinstance(sha, str) or not _SHA256_HEX.fullmatch(sha):
+                raise ServiceError(422, "invalid scenario: content_sha256: expected 64 lowercase hex digits",
+                                   {"name": name, "field": "content_sha256"})
+        limits = self.settings.limits
+        try:
+            # Before anything walks the body recursively (json.dumps, validation, the schema checker).
+            limits.check_scenario(body)  # first: it names the limit of the field (schema depth, ...)
+            limits.check_json_depth(body)
+        except LimitExceeded as exc:
+            raise ServiceError(exc.status, f"invalid scenario: {exc}", {"name": name, **exc.detail()}) from None
+        try:
+            json.dumps(body)
+        except (TypeError, ValueError) as exc:
+            raise ServiceError(422, f"the scenario body is not JSON: {exc}") from None
+        try:
+            scenario = load_scenario(body)
+        except pydantic.ValidationError as exc:
+            message, errors = _format_validation_error(body, exc)
+            raise ServiceError(422, message, {"name": name, "errors": errors}) from None
+        if sha is not None:
+            if scenario.type != "tree" or scenario.path is None:
+                raise ServiceError(422, "invalid scenario: content_sha256: only a tree given by path has stored "
+                                        "content", {"name": name, "field": "content_sha256"})
+            # The content stored at the PUT; the path is only where it was read from (it may be gone).
+            return scenario.model_copy(update={"path": self.content_file(name, sha)})
+        if scenario.type == "tree" and scenario.path is not None:
+            # An admin names a file on the manager's host: only files under the tree directory.
+            scenario = scenario.model_copy(update={"path": self._tree_path(name, scenario.path)})
+        return scenario
+
+    def _tree_path(self, name: str, path: str) -> str:
+        try:
+            return self.settings.resolve_tree_path(path)
+        except ValueError as exc:
+            raise ServiceError(422, f"invalid scenario: path: {exc}", {"name": name, "field": "path"}) from None
+
+    # ------------------------------------------------------------------ tree content
+
+    @property
+    def _content_dir(self) -> str:
+        """Local copies of stored tree content, one file per SHA-256 (Redis keeps the originals)."""
+        return os.path.join(self.settings.data_dir, "tree-content")
+
+    def pin_tree_file(self, name: str, body: Any) -> Any:
+        """For a tree given by ``path`` (and no ``content_sha256`` yet): read the file ONCE, into a local copy
+        named by its SHA-256, and return the body to store: ``path`` resolved (where the content came from)
+        plus ``content_sha256``. Every compile of that version, now and after any restart, reads the copy
+        (or the bytes stored in Redis), never the file again. Any other body is returned as it is.
+        Runs in a worker thread; the file is streamed (a tree file may be tens of MB)."""
+        if not (isinstance(body, dict) and body.get("type") == "tree" and isinstance(body.get("path"), str)
+                and body["path"].strip() and "content_sha256" not in body and body.get("tree") is None):
+            return body  # validation reports anything wrong with it
+        source = self._tree_path(name, body["path"])
+        os.makedirs(self._content_dir, exist_ok=True)
+        digest = hashlib.sha256()
+        fd, tmp = tempfile.mkstemp(dir=self._content_dir, prefix=".incoming-")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                try:
+                    with open(source, "rb") as handle:
+                        for chunk in iter(lambda: handle.read(1 << 20), b""):
+                            digest.update(chunk)
+                            out.write(chunk)
+                except OSError as exc:
+                    raise ServiceError(400, f"scenario {name!r} does not compile for the served tokenizer: tree file "
+                                            f"{source}: {exc.strerror or exc}", {"name": name, "field": "path"}) from None
+            sha = digest.hexdigest()
+            os.replace(tmp, os.path.join(self._content_dir, f"{sha}.json"))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return {**body, "path": source, "content_sha256": sha}
+
+    def content_file(self, name: str, sha: str) -> str:
+        """The local copy of the tree content ``sha`` (checked against its hash), fetched from Redis when
+        this host has none. 422 when Redis has no such content either."""
+        local = os.path.join(self._content_dir, f"{sha}.json")
+        if _file_sha256(local) == sha:
+            return local
+        data = self.store.content(sha)
+        if data is None:
+            raise ServiceError(422, f"content_sha256: no tree content {sha} is stored; leave content_sha256 out to "
+                                    "store the file named by path", {"name": name, "field": "content_sha256"})
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise ServiceError(500, f"stored tree content {self.store.content_key(sha)} does not match its hash",
+                               {"name": name})
+        os.makedirs(self._content_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self._content_dir, prefix=".incoming-")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+            os.replace(tmp, local)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return local
+
+    def stored_content(self, body: Any) -> bytes | None:
+        """The bytes of the local copy a pinned tree body refers to (to store them with the version)."""
+        sha = content_sha256(body)
+        if sha is None:
+            return None
+        local = os.path.join(self._content_dir, f"{sha}.json")
+        try:
+            with open(local, "rb") as handle:
+                data = handle.read()
+        except OSError:
+            return None  # the store then requires the content to be in Redis already
+        return data if hashlib.sha256(data).hexdigest() == sha else None
+
+    # ------------------------------------------------------------------ compile
+
+    def _check_compiled(self, name: str, scenario, compiled) -> None:
+        """Limits that need the compiled form: the keys of a tree given as a ``path`` (counted once loaded)."""
+        if scenario.type == "tree" and scenario.path is not None:
+            try:
+                self.settings.limits.check_tree_keys(int(compiled.constraint.offsets.size) - 1, "path")
+            except LimitExceeded as exc:
+                raise ServiceError(exc.status, f"tree file {scenario.path}: {exc}", {"name": name, **exc.detail()}) from None
+
+    def _compile_now(self, name: str, scenario):
+        """The compile itself (400 when it fails): the one call into ``processors``."""
+        from processors import compile_scenario
+        from processors.compile_worker import CompileCrashed, CompileLimitError
+
+        try:
+            return compile_scenario(scenario, self.tokenizer, grammar_worker=self._grammar_worker)
+        except CompileLimitError as exc:  # "did not compile within 60 s (limits.compile_timeout_s=60)"
+            raise ServiceError(400, f"scenario {name!r} {exc}", {"name": name, **exc.detail()}) from None
+        except CompileCrashed as exc:
+            raise ServiceError(400, f"scenario {name!r} {exc}", {"name": name}) from None
+        except (ValueError, OSError) as exc:  # TreeFileError is a ValueError
+            raise ServiceError(400, f"scenario {name!r} does not compile for the served tokenizer: {exc}",
+                               {"name": name}) from None
+        except Exception as exc:  # a grammar engine may raise other types on a bad pattern
+            logger.warning("compiling scenario %r failed", name, exc_info=True)
+            raise ServiceError(400, f"scenario {name!r} does not compile: {type(exc).__name__}: {exc}",
+                               {"name": name}) from None
+
+    def _prepare(self, name: str, body: Any):
+        """Validate (422) and compile (400) a body; runs in a worker thread (a large tree takes a while)."""
+        scenario = self._validate(name, body)
+        try:
+            compiled = self._compile_now(name, scenario)
+            self._check_compiled(name, scenario, compiled)
+        except ServiceError as exc:
+            sha = content_sha256(body)
+            if sha is not None and isinstance(body.get("path"), str):  # name the admin's file, not the local copy
+                exc.message = exc.message.replace(scenario.path, f"{body['path']} (stored content {sha[:12]})")
+            raise
+        return compiled
+
+    # ------------------------------------------------------------------ entry points
+
+    def compile_blocking(self, name: str, body: Any):
+        """:meth:`compile` for a caller without an event loop (the manager's start)."""
+        timeout = self.settings.limits.compile_timeout_s
+        future = self._pool.submit(self._prepare, name, body)
+        try:
+            return future.result(timeout=timeout)
+        except TimeoutError:
+            raise ServiceError(400, f"scenario {name!r} did not compile within {timeout:g} s "
+                                    "(limits.compile_timeout_s)", {"name": name}) from None
+
+    async def compile(self, name: str, body: Any):
+        """Validate and compile ``body`` off the event loop, bounded by ``limits.compile_timeout_s``."""
+        timeout = self.settings.limits.compile_timeout_s
+        async with self._gate:  # one compile at a time: the tokenizer is shared
+            future = asyncio.get_running_loop().run_in_executor(self._pool, self._prepare, name, body)
+            try:
+                async with asyncio.timeout(timeout):
+                    return await future
+            except TimeoutError:
+                # The worker thread cannot be stopped; it finishes in the background, unused.
+                raise ServiceError(400, f"scenario {name!r} did not compile within {timeout:g} s "
+                                        "(limits.compile_timeout_s)", {"name": name}) from None
+

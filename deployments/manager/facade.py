@@ -1,0 +1,419 @@
+"""The config manager: Redis <-> compiled tables <-> model replicas.
+
+:class:`ConfigManager` is a plain class (the app builder wraps it with ``serve.deployment``; run it
+as ONE replica). It is the only writer of compiled tables: it validates and compiles a scenario
+before anything is stored, stores it in Redis (:class:`~deployments.store.ScenarioStore`), puts
+the compiled tables in the Ray object store once per version, and broadcasts them to the model
+replicas. It is the facade the ingress and the replicas call; the work is done by its parts:
+
+* :class:`~deployments.manager.compiler.StoredScenarioCompiler`: validate and compile a body (422/400), bounded;
+  pins a tree file to its content at the PUT (a version means the same tokens forever).
+* :class:`~deployments.manager.served.ServedScenarios`: what is served now, and the refused versions.
+* :class:`~deployments.manager.registry.ReplicaRegistry`: the replicas' long poll, acks and liveness, and
+  waiting for acks (the protocol is described there).
+* :class:`~deployments.manager.reconciler.StoreReconciler`: the load at start, the change listener and the
+  reconcile loop, the embedded-Redis restart, refusing unusable stored versions.
+
+``put``/``delete``/``rollback`` return once every live replica acknowledged an epoch that includes the change
+(read-your-writes), or raise 504 after ``broadcast_timeout_s``; a retry with the same ``Idempotency-Key`` gets
+the first write's answer instead of a second version.
+
+IMPORTANT for the app builder: every replica holds one long poll open on this deployment, so
+give it ``max_ongoing_requests`` well above the number of model replicas plus concurrent admin
+calls (e.g. 1000); Serve's default (5) would queue acks behind polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from typing import Any
+
+from config import ServerSettings
+from deployments.metrics import ManagerMetrics, route_logs_to_serve
+from deployments.protocol import ServiceError
+from deployments.redis_server import connect_redis
+from deployments.store import (
+    IDEMPOTENCY_TTL_S,
+    ScenarioStore,
+    request_fingerprint,
+    validate_idempotency_key,
+    validate_name,
+)
+
+from .compiler import StoredScenarioCompiler
+from .reconciler import StoreReconciler
+from .registry import ReplicaRegistry
+from .served import ServedScenarios, object_ref
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ConfigManager"]
+
+
+def _fingerprint(action: str, name: str, body: Any) -> str:
+    """The request fingerprint of an admin write (422 for a body that is not JSON)."""
+    try:
+        return request_fingerprint(action, name, body)
+    except (TypeError, ValueError) as exc:
+        raise ServiceError(422, f"the scenario body is not JSON: {exc}") from None
+
+
+def _as_version(version: Any) -> int:
+    """A version number from a caller (``"3"`` from a URL is fine); 422 for anything else."""
+    try:
+        number = int(version)
+    except (TypeError, ValueError):
+        number = 0
+    if number < 1 or isinstance(version, bool) or (isinstance(version, float) and not version.is_integer()):
+        raise ServiceError(422, f"invalid version {version!r}: versions are integers from 1", {"field": "version"})
+    return number
+
+
+def _setting(part: str, attr: str) -> property:
+    """A constructor setting kept by one of the manager's parts, readable and settable on the manager."""
+    return property(lambda self: getattr(getattr(self, part), attr),
+                    lambda self, value: setattr(getattr(self, part), attr, float(value)))
+
+
+class ConfigManager:
+    """The facade the ingress and the replicas call: admin writes and reads, the replica protocol, health.
+
+    Args:
+        settings: :class:`config.ServerSettings` (or the builder's ``args`` dict).
+        tokenizer: the served model's tokenizer; loaded from ``settings.model`` when None.
+        redis_client: a ``redis.Redis`` (``decode_responses=True``); from ``settings.redis_url``
+            or the embedded server under ``settings.data_dir`` when None.
+        replica_timeout_s: a replica not heard from for this long is dropped.
+        broadcast_timeout_s: how long a write waits for the replicas' acknowledgements (then 504).
+        reconcile_interval_s: period of the fallback check of Redis for external changes.
+        prefix: Redis key prefix (see :mod:`deployments.store`).
+        idempotency_ttl_s: how long an admin write's ``Idempotency-Key`` is remembered (24 h).
+    """
+
+    def __init__(
+        self,
+        settings: ServerSettings | dict,
+        *,
+        tokenizer=None,
+        redis_client=None,
+        replica_timeout_s: float = 15.0,
+        broadcast_timeout_s: float = 30.0,
+        reconcile_interval_s: float = 5.0,
+        prefix: str = "cs:",
+        idempotency_ttl_s: float = IDEMPOTENCY_TTL_S,
+    ):
+        self.settings = settings if isinstance(settings, ServerSettings) else ServerSettings.from_args(settings)
+        route_logs_to_serve()
+        self.metrics = ManagerMetrics()
+        if tokenizer is None:
+            from deployments.model_loader import load_tokenizer
+
+            tokenizer = load_tokenizer(self.settings.model)
+        self.tokenizer = tokenizer
+        # Only an embedded server we started ourselves is restarted when it dies (and stopped by __del__).
+        self._embedded = redis_client is None and not self.settings.redis_url
+        if redis_client is None:
+            redis_client = connect_redis(self.settings.redis_url, self.settings.data_dir)
+        self.store = ScenarioStore(redis_client, prefix=prefix, idempotency_ttl_s=idempotency_ttl_s)
+        self.scenarios = ServedScenarios()
+        self.registry = ReplicaRegistry(self.scenarios.tables, replica_timeout_s=replica_timeout_s,
+                                        broadcast_timeout_s=broadcast_timeout_s)
+        self.compiler = StoredScenarioCompiler(self.settings, tokenizer, self.store)
+        self.reconciler = StoreReconciler(self.store, self.scenarios, self.compiler, self.registry,
+                                          settings=self.settings, embedded=self._embedded,
+                                          interval_s=reconcile_interval_s)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.reconciler.load()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # started by the first async call
+        else:
+            self._ensure_started()
+
+    replica_timeout_s = _setting("registry", "replica_timeout_s")
+    broadcast_timeout_s = _setting("registry", "broadcast_timeout_s")
+    reconcile_interval_s = _setting("reconciler", "interval_s")
+
+    @property
+    def keyspace_notifications(self) -> bool:
+        """Whether Redis sends keyspace events (else changes by other processes arrive by channel or reconcile)."""
+        return self.reconciler.keyspace_notifications
+
+    # ------------------------------------------------------------------ admin API
+
+    async def put(self, name: str, body: dict, idempotency_key: str | None = None) -> dict[str, Any]:
+        """Validate, compile, store a new version of ``name`` and wait until every live replica
+        serves it. Returns ``{"name", "version"}``. 422: invalid name or body; 400: does not
+        compile (nothing stored in either case); 503: Redis down; 504: replicas did not ack.
+
+        A tree given as ``path`` is read once, here, and its content stored with the version
+        (``content_sha256`` in the stored body): that version means those tokens forever. A body that
+        already has ``content_sha256`` (e.g. one read back with :meth:`get`) uses the stored content.
+
+        ``idempotency_key`` (the ``Idempotency-Key`` header): when a write with this key and the same
+        request was already made (its client got a 503 although the write was stored, and retries), nothing
+        is written again: the answer is the first write's, with ``"replayed": True``. The same key with
+        another request is a 422."""
+        started = time.monotonic()
+        self._ensure_started()
+        validate_name(name)
+        fingerprint = None
+        if idempotency_key is not None:
+            validate_idempotency_key(idempotency_key)
+            fingerprint = await asyncio.to_thread(_fingerprint, "put", name, body)
+            first = await asyncio.to_thread(self.store.idempotent_result, idempotency_key, fingerprint)
+            if first is not None:
+                return await self._replay(first)
+        stored = await asyncio.to_thread(self.compiler.pin_tree_file, name, body)
+        compiled = await self.compiler.compile(name, stored)
+        content = await asyncio.to_thread(self.compiler.stored_content, stored)
+        async with self.scenarios.lock:
+            version = await asyncio.to_thread(functools.partial(
+                self.store.put, name, stored, idempotency_key=idempotency_key, fingerprint=fingerprint,
+                content=content))
+            if not version.replayed:
+                self.scenarios.install(name, version, compiled, await asyncio.to_thread(object_ref, compiled))
+                epoch = self.registry.bump()
+        if version.replayed:  # the same request, sent again while the first one was still running
+            return await self._replay({"action": "put", "name": name, "version": int(version)})
+        logger.info("stored scenario %r version %d", name, version)
+        await self.registry.wait_for_acks(epoch, name, version)
+        self.metrics.swapped(name, "put", started)
+        return {"name": name, "version": int(version)}
+
+    async def rollback(self, name: str, version: int, idempotency_key: str | None = None) -> dict[str, Any]:
+        """Store a NEW version of ``name`` with the body of ``version`` (compiled and broadcast like a
+        put; a tree read from a file gets the content stored with ``version``, not today's file). Returns
+        ``{"name", "version", "from_version"}``. ``idempotency_key`` as for :meth:`put`."""
+        started = time.monotonic()
+        self._ensure_started()
+        validate_name(name)
+        version = _as_version(version)
+        if idempotency_key is not None:
+            validate_idempotency_key(idempotency_key)
+            first = await asyncio.to_thread(self.store.idempotent_result, idempotency_key,
+                                            request_fingerprint("rollback", name, None, version))
+            if first is not None:
+                return await self._replay(first)
+        record = await asyncio.to_thread(self.store.get, name, version)
+        if record is None:
+            await self._not_found(name, version)
+        if record["scenario"] is None:
+            raise ServiceError(409, f"version {version} of scenario {name!r} is a delete entry; "
+                                    "there is no body to roll back to")
+        compiled = await self.compiler.compile(name, record["scenario"])
+        async with self.scenarios.lock:
+            new_version = await asyncio.to_thread(functools.partial(
+                self.store.rollback, name, version, idempotency_key=idempotency_key))
+            if not new_version.replayed:
+                self.scenarios.install(name, new_version, compiled, await asyncio.to_thread(object_ref, compiled))
+                epoch = self.registry.bump()
+        if new_version.replayed:
+            return await self._replay({"action": "rollback", "name": name, "version": int(new_version),
+                                       "from_version": version})
+        logger.info("rolled scenario %r back to the body of version %d as version %d", name, version, new_version)
+        await self.registry.wait_for_acks(epoch, name, new_version)
+        self.metrics.swapped(name, "rollback", started)
+        return {"name": name, "version": int(new_version), "from_version": version}
+
+    async def delete(self, name: str, idempotency_key: str | None = None) -> dict[str, Any]:
+        """Delete ``name`` (a delete entry in its history) and wait until no live replica serves it.
+        Returns ``{"name", "version", "deleted": True}`` where version is the delete entry's.
+        ``idempotency_key`` as for :meth:`put` (a retried delete gets its first answer, not a 404)."""
+        started = time.monotonic()
+        self._ensure_started()
+        validate_name(name)
+        if idempotency_key is not None:
+            validate_idempotency_key(idempotency_key)
+            first = await asyncio.to_thread(self.store.idempotent_result, idempotency_key,
+                                            request_fingerprint("delete", name))
+            if first is not None:
+                return await self._replay(first)
+        async with self.scenarios.lock:
+            version = await asyncio.to_thread(
+                functools.partial(self.store.delete, name, idempotency_key=idempotency_key))
+            if not version.replayed:
+                self.scenarios.remove(name)
+                epoch = self.registry.bump()
+        if version.replayed:
+            return await self._replay({"action": "delete", "name": name, "version": int(version)})
+        logger.info("deleted scenario %r (version %d)", name, version)
+        await self.registry.wait_for_acks(epoch, name, version)
+        self.metrics.swapped(name, "delete", started)
+        return {"name": name, "version": int(version), "deleted": True}
+
+    async def _replay(self, first: dict[str, Any]) -> dict[str, Any]:
+        """The answer to a retried write: the first write's result (plus ``"replayed": True``), once the
+        replicas serve what is current (the first attempt may have stored its version and died before
+        broadcasting it; a new manager loaded it at start, this one picks it up now)."""
+        name, version, action = first["name"], int(first["version"]), first["action"]
+        served = self.scenarios.served.get(name)
+        behind = (name in self.scenarios.served) if action == "delete" else (
+            served is None or served.version < version)
+        if behind:
+            await self.sync_from_store()
+        logger.info("answered a retried %s of scenario %r with its first result (version %d)", action, name, version)
+        await self.registry.wait_for_acks(self.registry.epoch, name, version)
+        result: dict[str, Any] = {"name": name, "version": version}
+        if action == "rollback":
+            result["from_version"] = first.get("from_version")
+        if action == "delete":
+            result["deleted"] = True
+        result["replayed"] = True
+        return result
+
+    async def get(self, name: str, version: int | None = None) -> dict[str, Any]:
+        """The stored record ``{"name", "version", "scenario", "created_at", "action"}`` of the
+        current version (or of ``version``). 404 when there is none."""
+        self._ensure_started()
+        validate_name(name)
+        version = None if version is None else _as_version(version)
+        record = await asyncio.to_thread(self.store.get, name, version)
+        if record is None:
+            await self._not_found(name, version)
+        return record
+
+    async def versions(self, name: str) -> list[dict[str, Any]]:
+        """The history of ``name`` (also after a delete), oldest first."""
+        self._ensure_started()
+        validate_name(name)
+        history = await asyncio.to_thread(self.store.versions, name)
+        if not history:
+            await self._not_found(name, None)
+        return history
+
+    async def list(self) -> list[dict[str, Any]]:
+        """``[{"name", "type", "version"}]`` of the scenarios being served (works while Redis is down)."""
+        self._ensure_started()
+        return self.scenarios.listing()
+
+    async def inspect(self, name: str, version: int | None = None, token_ids=(), limit: int = 100,
+                      last_only: bool = False) -> dict[str, Any]:
+        """What a row of ``name`` may emit after ``token_ids``, step by step (the web console's tree view and
+        playground; see :func:`deployments.console.replay` for the result). Read-only.
+
+        ``version`` None is the version served now; another stored version is compiled for the occasion, from
+        what was stored (a tree read from a file: the content stored at its PUT, not the file today).
+        404: unknown name or version; 409: a delete entry; 422: an id outside the vocabulary."""
+        self._ensure_started()
+        validate_name(name)
+        served = self.scenarios.served.get(name)
+        if version is None and served is None:
+            await self._not_found(name, None)
+        version = served.version if version is None else _as_version(version)
+        if served is not None and served.version == version:
+            # With Ray the object store holds the tables (awaiting the ref is ray.get without blocking).
+            compiled = served.compiled if served.compiled is not None else await served.ref
+        else:
+            record = await asyncio.to_thread(self.store.get, name, version)
+            if record is None:
+                await self._not_found(name, version)
+            if record["scenario"] is None:
+                raise ServiceError(409, f"version {version} of scenario {name!r} is a delete entry; it allows nothing",
+                                   {"name": name, "version": version})
+            compiled = await self.compiler.compile(name, record["scenario"])
+        from deployments.console import replay
+
+        report = await asyncio.to_thread(replay, compiled, self.tokenizer, list(token_ids),
+                                         limit=int(limit), last_only=bool(last_only))
+        return {"name": name, "version": version, "type": compiled.kind, **report}
+
+    async def _not_found(self, name: str, version) -> None:
+        known = sorted(self.scenarios.served)
+        if version is None:
+            raise ServiceError(404, f"unknown scenario {name!r}", {"known": known})
+        history = await asyncio.to_thread(self.store.versions, name)
+        if not history:
+            raise ServiceError(404, f"unknown scenario {name!r}", {"known": known})
+        raise ServiceError(404, f"scenario {name!r} has no version {version}",
+                           {"known": known, "versions": [h["version"] for h in history]})
+
+    # ------------------------------------------------------------------ replica protocol (see registry.py)
+
+    async def register(self, replica_id: str) -> dict[str, Any]:
+        """A replica (re)starts: returns the current snapshot; the replica acks once it serves it."""
+        self._ensure_started()
+        return await self.registry.register(replica_id)
+
+    async def wait_for_update(self, replica_id: str, epoch: int, timeout_s: float = 10.0) -> dict[str, Any] | None:
+        """Long poll: the snapshot as soon as the manager's epoch differs from ``epoch`` (normally:
+        is greater), or ``None`` after ``timeout_s`` (cut to half of ``replica_timeout_s``)."""
+        self._ensure_started()
+        return await self.registry.wait_for_update(replica_id, epoch, timeout_s)
+
+    async def ack(self, replica_id: str, epoch: int, versions: dict[str, int]) -> None:
+        """A replica serves the snapshot of ``epoch`` (``versions``: what it now serves)."""
+        await self.registry.ack(replica_id, epoch, versions)
+
+    async def replica_versions(self) -> dict[str, dict[str, Any]]:
+        """``{replica_id: {"epoch", "versions", "last_seen"}}`` for the live replicas."""
+        return self.registry.view()
+
+    # ------------------------------------------------------------------ health
+
+    async def health(self) -> dict[str, Any]:
+        """Redis reachability, served scenarios and versions, refused versions, replicas."""
+        self._ensure_started()
+        try:
+            await asyncio.to_thread(self.store.ping)
+            redis_ok, error = True, None
+        except ServiceError as exc:
+            redis_ok, error = False, exc.message
+        errors = self.scenarios.errors
+        return {
+            "status": "ok" if redis_ok and not errors else "degraded",
+            "redis": {"ok": redis_ok, "error": error, "embedded": self._embedded,
+                      "keyspace_notifications": self.keyspace_notifications},
+            "epoch": self.registry.epoch,
+            "scenarios": self.scenarios.versions(),
+            "errors": {n: dict(e) for n, e in sorted(errors.items())},
+            "replicas": self.registry.view(),
+        }
+
+    async def sync_from_store(self) -> bool:
+        """Bring the served state in line with Redis now (the background loop does this on every
+        change notification and every ``reconcile_interval_s``). Returns whether anything changed."""
+        return await self.reconciler.sync()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _ensure_started(self) -> None:
+        """Run the reconciler on the running event loop (again after a new loop: asyncio primitives are tied to
+        one, so every part renews its own)."""
+        loop = asyncio.get_running_loop()
+        if self.reconciler.running_on(loop):
+            return
+        if self._loop is not None and self._loop is not loop:
+            self.reconciler.stop_listener()
+            for part in (self.scenarios, self.registry, self.compiler, self.reconciler):
+                part.new_loop()
+        self._loop = loop
+        self.reconciler.start(loop)
+
+    async def close(self) -> None:
+        """Stop the background task and the listener thread (the store and Redis stay as they are)."""
+        await asyncio.get_running_loop().run_in_executor(None, self.reconciler.stop_listener)
+        self.compiler.close()
+        await self.reconciler.cancel_task()
+
+    def __del__(self):
+        """Serve calls this on a graceful shutdown: stop listening, and stop the embedded Redis
+        this manager started (its files stay; the next start reads them). A manager that dies
+        without it leaves the server running, and the next one reuses it."""
+        reconciler = getattr(self, "reconciler", None)
+        if reconciler is not None:
+            reconciler.stop_event.set()
+        compiler = getattr(self, "compiler", None)
+        if compiler is not None:
+            compiler.close()
+        if getattr(self, "_embedded", False):
+            try:
+                from deployments.redis_server import close_embedded_from_finalizer
+
+                close_embedded_from_finalizer(self.settings.data_dir)
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass

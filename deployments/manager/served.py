@@ -1,0 +1,81 @@
+"""What the config manager serves now: one compiled version per scenario name, and the stored versions it refused."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ServedScenario", "ServedScenarios", "object_ref"]
+
+
+@dataclass
+class ServedScenario:
+    version: int
+    kind: str
+    compiled: Any  # the CompiledScenario without Ray; None with Ray (the object store holds it)
+    ref: Any  # ObjectRef when Ray is initialized, else the compiled object itself
+
+
+def object_ref(compiled):
+    """The tables in Ray's object store when this manager is a Ray actor (its replicas are other processes),
+    else the object itself (a manager constructed in a plain process, e.g. in tests, even if that process
+    is a Ray driver)."""
+    ray = sys.modules.get("ray")  # not imported means not initialized: keep the import cost out of tests
+    if ray is not None and ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        return ray.put(compiled)
+    return compiled
+
+
+class ServedScenarios:
+    """The served table: ``name -> ServedScenario`` (what every replica gets in a snapshot) and ``name -> refusal``
+    for a stored version that did not validate or compile (the last good version keeps serving).
+
+    ``lock`` is held from a Redis write to the install of what it wrote (by an admin write) and around reading
+    Redis's current pointers (by the reconciler), so a version is never compiled and installed twice.
+    """
+
+    def __init__(self):
+        self.served: dict[str, ServedScenario] = {}
+        self.errors: dict[str, dict[str, Any]] = {}  # name -> {"version", "error"[, "serving"]}: stored, not served
+        self.new_loop()
+
+    def new_loop(self) -> None:
+        """A new event loop (tests): asyncio primitives are tied to one."""
+        self.lock = asyncio.Lock()
+
+    def install(self, name: str, version: int, compiled, ref) -> None:
+        # With Ray the object store holds the tables; keeping the Python object too would double
+        # the manager's memory for large trees.
+        kept = compiled if ref is compiled else None
+        self.served[name] = ServedScenario(int(version), compiled.kind, kept, ref)
+        self.errors.pop(name, None)
+
+    def remove(self, name: str) -> None:
+        self.served.pop(name, None)
+        self.errors.pop(name, None)
+
+    def refuse(self, name: str, version, message: str) -> None:
+        """``version`` of ``name`` in Redis is not usable: remember why (shown in health); what served keeps serving."""
+        if self.errors.get(name, {}).get("version", object()) != version:
+            served = self.served.get(name)
+            logger.error("scenario %r version %s in Redis is not usable: %s; %s", name, version, message,
+                         f"still serving version {served.version}" if served else "it is not served")
+        self.errors[name] = {"version": version, "error": message}
+        served = self.served.get(name)
+        if served is not None:
+            self.errors[name]["serving"] = served.version
+
+    def tables(self) -> dict[str, dict[str, Any]]:
+        """``{name: {"version", "ref"}}``: the scenarios part of a replica snapshot."""
+        return {n: {"version": s.version, "ref": s.ref} for n, s in sorted(self.served.items())}
+
+    def versions(self) -> dict[str, int]:
+        return {n: s.version for n, s in sorted(self.served.items())}
+
+    def listing(self) -> list[dict[str, Any]]:
+        return [{"name": n, "type": s.kind, "version": s.version} for n, s in sorted(self.served.items())]
