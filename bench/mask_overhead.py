@@ -108,7 +108,7 @@ class NaiveTrie:
         trie = cls(tree.end_token_id)
         nodes = {}
         keys, offsets, cands = tree.keys, tree.offsets.tolist(), tree.candidates.tolist()
-        for i, key in enumerate(keys):
+        for key in keys:
             nodes[key] = TrieNode()
         sep, end = tree.sep, tree.end_token_id
         for i, key in enumerate(keys):

@@ -84,7 +84,7 @@ def test_generate_returns_a_request_id_that_tags_ingress_and_replica_lines(serve
     assert request_id and len(request_id) >= 16, r.headers
     needle = f"generate scenario={SCENARIO} version={version}"
     for deployment in ("Ingress", "ModelReplica"):
-        for line, record in wait_for_lines(deployment, request_id, needle):
+        for _line, record in wait_for_lines(deployment, request_id, needle):
             _check_scenario_fields(record, SCENARIO, version)
 
 
@@ -105,7 +105,7 @@ def test_streamed_generate_logs_scenario_and_version(serve_app, version):
     assert r.status_code == 200 and r.headers["x-request-id"] == request_id
     assert b"[DONE]" in b"".join(r.iter_lines())
     for deployment in ("Ingress", "ModelReplica"):
-        for line, record in wait_for_lines(deployment, request_id, f"generate scenario={SCENARIO} version={version}"):
+        for _line, record in wait_for_lines(deployment, request_id, f"generate scenario={SCENARIO} version={version}"):
             _check_scenario_fields(record, SCENARIO, version)
 
 

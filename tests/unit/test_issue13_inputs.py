@@ -74,7 +74,7 @@ def test_lone_surrogates_in_nested_fields_and_keys():
 
 def test_duplicate_keys_are_refused_naming_the_object_and_key():
     raw = b'{"type": "tree", "tree": {"start_token_id": 1, "end_token_id": 2, "prefix_dict": {"1": [3], "1_3": [2], "1": [4]}}}'
-    error = _rejected(raw, "tree.prefix_dict", 'duplicate key "1"', "2 times")
+    _rejected(raw, "tree.prefix_dict", 'duplicate key "1"', "2 times")
     _rejected(b'{"prompt": "a", "prompt": "b"}', "body", 'duplicate key "prompt"')
 
 

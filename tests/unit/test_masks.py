@@ -203,5 +203,5 @@ def test_check_scores_names_expected_and_actual():
 
 def test_step_is_frozen():
     step = Step(ALLOW, ids(1), 0)
-    with pytest.raises(Exception):
+    with pytest.raises(AttributeError):  # dataclasses.FrozenInstanceError
         step.kind = BAN  # type: ignore[misc]

@@ -216,7 +216,7 @@ def _chain_tree(n: int):
     """A chain of n states, each with 3 candidates (one continues)."""
     prefix = {}
     key = "1"
-    for i in range(n):
+    for _ in range(n):
         prefix[key] = [3, 4, 2]
         key = key + "_3"
     return tree_data(prefix, 1, 2)
