@@ -318,6 +318,7 @@ def build_tree_file(tokenizer, items: InputItems, *, source: str, output: str, s
     rejected or could not be encoded; else 0.
     """
     from deployments.examples import chat_root_token_id
+    from processors.tokenizer_info import TokenizerInfo
 
     check_sep(sep)
     def chat_root() -> int:
@@ -328,9 +329,10 @@ def build_tree_file(tokenizer, items: InputItems, *, source: str, output: str, s
     start_id = resolve_token(tokenizer, start, option="--start-token", default=chat_root)
 
     def eos() -> int:
-        if tokenizer.eos_token_id is None:
+        eos_ids = TokenizerInfo.of(tokenizer).eos_token_ids
+        if not eos_ids:
             raise ValueError("the tokenizer has no eos_token_id")
-        return int(tokenizer.eos_token_id)
+        return eos_ids[0]
 
     end_id = resolve_token(tokenizer, end, option="--end-token", default=eos)
     report = BuildReport(source=source, output=output, read=items.read, blank=items.blank, implied=items.implied,

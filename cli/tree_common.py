@@ -91,7 +91,9 @@ def _first_line(error: BaseException) -> str:
 
 def vocab_size(tokenizer) -> int:
     """The vocabulary size the service checks ids against (``len(tokenizer)``, added tokens included)."""
-    return len(tokenizer)
+    from processors.tokenizer_info import TokenizerInfo
+
+    return TokenizerInfo.of(tokenizer).vocab_size
 
 
 def resolve_token(tokenizer, value: str | None, *, option: str, default) -> int:
@@ -120,10 +122,12 @@ def resolve_token(tokenizer, value: str | None, *, option: str, default) -> int:
 
 def describe_token(tokenizer, token_id: int) -> str:
     """``198 ('\\n')``: an id with its decoded text, for reports."""
-    if not 0 <= token_id < vocab_size(tokenizer):
+    from processors.tokenizer_info import TokenizerInfo
+
+    info = TokenizerInfo.of(tokenizer)
+    if not 0 <= token_id < info.vocab_size:
         return f"{token_id} (outside the vocabulary)"
-    text = tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    return f"{token_id} ({text!r})"
+    return f"{token_id} ({info.token_text(token_id)!r})"
 
 
 def decode_ids(tokenizer, ids: list[int]) -> str:

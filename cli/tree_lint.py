@@ -145,6 +145,7 @@ def lint_tree_file(path: str, tokenizer, *, sample: int = 10, seed: int = 0, max
                    show_progress: bool = False) -> LintReport:
     """Check the tree file at ``path`` for ``tokenizer``; see the module docstring for the codes."""
     from config import Limits
+    from config.settings import LimitExceeded
 
     limits = Limits()
     budget = max_new_tokens if max_new_tokens is not None else limits.default_max_new_tokens
@@ -158,7 +159,9 @@ def lint_tree_file(path: str, tokenizer, *, sample: int = 10, seed: int = 0, max
                         sep=sep, keys=len(tree), seed=seed, budget=budget)
     if start == end:
         report.warn("start-is-end", f"start_token_id and end_token_id are both {start}")
-    if len(tree) > limits.max_tree_keys:
+    try:
+        limits.check_tree_keys(len(tree), "path")  # the service's check of a tree file, with its default limit
+    except LimitExceeded:
         report.warn("too-many-keys", f"{len(tree)} keys: more than the service's default max_tree_keys "
                     f"({limits.max_tree_keys})")
     _check_special(tree, tokenizer, report)

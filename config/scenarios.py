@@ -13,6 +13,16 @@ A scenario is discriminated by ``type``:
 Every kind may also carry ``think`` (a thinking budget), a ``system_prompt``, a ``description`` and generation
 defaults (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``).
 
+The union :data:`Scenario` is the one map from a ``type`` name to its config model (:func:`scenario_model`); each
+model carries what is specific to its kind on the config side: the cheap limit checks of a raw body
+(:meth:`ScenarioBase.check_limits`), whether a one-off (unstored) body may use it as given
+(:meth:`ScenarioBase.check_one_off`) and the field that holds the constraint (``constraint_field``). The compile
+side of each kind is in ``processors/kinds/``.
+
+:func:`parse_scenario` is the first stage of the scenario pipeline (shape -> limits -> validation), pure Python so
+that the ingress can run it too; every failure is one :class:`ScenarioError`. ``processors.pipeline`` adds the
+compile stage.
+
 Example::
 
     >>> s = load_scenario({"type": "labels", "labels": ["positive", "negative"]})
@@ -26,26 +36,38 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, WithJsonSchema, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, ValidationError, WithJsonSchema, model_validator,
+)
 
 from config.tree_file import DEFAULT_SEP, load_tree
+
+if TYPE_CHECKING:
+    from config.settings import Limits
 
 __all__ = [
     "JsonScenario",
     "JsonSchemaScenario",
     "LabelsScenario",
     "RegexScenario",
+    "SCENARIO_TYPES",
     "Scenario",
     "ScenarioAdapter",
     "ScenarioBase",
+    "ScenarioError",
     "ThinkConfig",
     "TreeScenario",
     "TreeSpec",
+    "check_scenario_body",
     "load_scenario",
+    "parse_scenario",
+    "scenario_model",
     "scenario_to_dict",
+    "validate_scenario_body",
 ]
 
 
@@ -82,6 +104,20 @@ class ScenarioBase(ConfigModel):
     top_p: float | None = Field(default=None, gt=0, le=1, strict=True, allow_inf_nan=False,
                                 description="Default nucleus sampling mass, in (0, 1].")
     top_k: int | None = Field(default=None, ge=0, strict=True, description="Default top-k cutoff (0 = no cutoff).")
+
+    #: the field holding the constraint itself (``labels``, ``schema``, ...), for naming it in messages; None: none
+    constraint_field: ClassVar[str | None] = None
+
+    @classmethod
+    def check_limits(cls, body: Mapping[str, Any], limits: Limits) -> None:
+        """The cheap limit checks of this kind on a raw body (before validation; wrongly typed fields are left to
+        validation). Raises ``config.settings.LimitExceeded`` naming the field. Called by
+        :meth:`config.Limits.check_scenario`."""
+
+    @classmethod
+    def check_one_off(cls, body: Mapping[str, Any]) -> None:
+        """Refuse (:class:`ScenarioError`) what a one-off constraint, compiled on a model replica for one
+        request, may not use (a server file). Default: anything a stored scenario may use."""
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> ScenarioBase:
@@ -128,6 +164,21 @@ class TreeScenario(ScenarioBase):
         default=True, strict=True, description="Append start_token_id to the prompt when it does not already end with it."
     )
 
+    constraint_field: ClassVar[str | None] = "tree"
+
+    @classmethod
+    def check_limits(cls, body: Mapping[str, Any], limits: Limits) -> None:
+        # A tree given as a path is counted once loaded (processors.kinds.tree checks the compiled tables).
+        tree = body.get("tree")
+        if isinstance(tree, Mapping) and isinstance(tree.get("prefix_dict"), Mapping):
+            limits.check_tree_keys(len(tree["prefix_dict"]), "tree.prefix_dict")
+
+    @classmethod
+    def check_one_off(cls, body: Mapping[str, Any]) -> None:
+        if body.get("path") is not None:
+            raise ScenarioError("invalid", "a one-off tree must be given inline ('tree'), not as a server file "
+                                           "('path'); store a scenario to use a tree file", field="path")
+
     @model_validator(mode="after")
     def _tree_or_path(self) -> TreeScenario:
         if (self.tree is None) == (self.path is None):
@@ -145,6 +196,14 @@ class LabelsScenario(ScenarioBase):
     multi_label: bool = Field(default=False, strict=True, description="Allow several labels joined by separator.")
     separator: str = Field(default=",", min_length=1, description="Joins labels when multi_label is true.")
     max_labels: int | None = Field(default=None, ge=1, strict=True, description="Most labels per answer (multi_label only).")
+
+    constraint_field: ClassVar[str | None] = "labels"
+
+    @classmethod
+    def check_limits(cls, body: Mapping[str, Any], limits: Limits) -> None:
+        labels = body.get("labels")
+        if isinstance(labels, list):
+            limits.check_labels(len(labels), "labels")
 
     @model_validator(mode="after")
     def _check_labels(self) -> LabelsScenario:
@@ -175,6 +234,13 @@ class JsonSchemaScenario(ScenarioBase):
     type: Literal["json_schema"] = Field(description="Scenario kind.")
     json_schema: dict[str, Any] = Field(alias="schema", description="The JSON Schema the output must satisfy.")
 
+    constraint_field: ClassVar[str | None] = "schema"
+
+    @classmethod
+    def check_limits(cls, body: Mapping[str, Any], limits: Limits) -> None:
+        if "schema" in body:
+            limits.check_schema(body["schema"], "schema")
+
     @model_validator(mode="after")
     def _check_schema(self) -> JsonSchemaScenario:
         from jsonschema.exceptions import SchemaError
@@ -202,14 +268,31 @@ class RegexScenario(ScenarioBase):
     type: Literal["regex"] = Field(description="Scenario kind.")
     pattern: str = Field(min_length=1, description="The regular expression the whole output must match.")
 
+    constraint_field: ClassVar[str | None] = "pattern"
+
+    @classmethod
+    def check_limits(cls, body: Mapping[str, Any], limits: Limits) -> None:
+        pattern = body.get("pattern")
+        if isinstance(pattern, str):
+            limits.check_regex(pattern, "pattern")
+
 
 Scenario = Annotated[
     Union[TreeScenario, LabelsScenario, JsonSchemaScenario, JsonScenario, RegexScenario],
     Field(discriminator="type"),
 ]
-#: the values of ``type``, in the order of the union
-SCENARIO_TYPES: tuple[str, ...] = ("tree", "labels", "json_schema", "json", "regex")
 ScenarioAdapter: TypeAdapter[Scenario] = TypeAdapter(Scenario, config=ConfigDict(title="Scenario"))
+#: ``type`` name -> config model, from the union (the only place the names are written down)
+_MODELS: dict[str, type[ScenarioBase]] = {
+    get_args(model.model_fields["type"].annotation)[0]: model for model in get_args(get_args(Scenario)[0])
+}
+#: the values of ``type``, in the order of the union
+SCENARIO_TYPES: tuple[str, ...] = tuple(_MODELS)
+
+
+def scenario_model(type_name: Any) -> type[ScenarioBase] | None:
+    """The config model of the scenario kind ``type_name`` (None for anything else)."""
+    return _MODELS.get(type_name) if isinstance(type_name, str) else None
 
 
 def _read_mapping(path: Path) -> dict[str, Any]:
@@ -266,3 +349,130 @@ def load_scenario(source: dict[str, Any] | str | os.PathLike[str]) -> Scenario:
 def scenario_to_dict(scenario: ScenarioBase) -> dict[str, Any]:
     """A JSON-ready dict of the scenario (aliases such as ``schema``, no ``None`` fields), for storage."""
     return scenario.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+# --------------------------------------------------------------------------------------------- the pipeline's first stage
+
+
+class ScenarioError(ValueError):
+    """A scenario body that cannot be served, with the one message that names the failure.
+
+    Raised by every stage of the scenario pipeline (:func:`parse_scenario` here, the compile stage in
+    ``processors.pipeline``). The HTTP edge picks the status from :attr:`kind` (``deployments.scenario_errors``);
+    :meth:`describe` gives the text every caller shows.
+
+    Attributes:
+        kind: ``"invalid"`` (breaks a rule of its config model), ``"limit"`` (past a ``Limits`` field),
+            ``"compile"`` (does not compile for the tokenizer, or past ``compile_memory_mb``) or ``"timeout"``
+            (past ``compile_timeout_s``).
+        message: the failure (``labels: 5 labels exceeds the limit max_labels=4``, ``does not compile for the
+            served tokenizer: ...``).
+        field: the offending field, when one is known.
+        reason: the message without the field (limits).
+        detail: structured detail for an error body (``field``, ``limit_name``, ``limit``, ``errors``).
+        locs: for ``invalid``, the location of each validation error inside the body (the ``type`` tag left out).
+    """
+
+    KINDS = ("invalid", "limit", "compile", "timeout")
+
+    def __init__(self, kind: str, message: str, *, field: str | None = None, reason: str | None = None,
+                 detail: dict[str, Any] | None = None, locs: list[tuple] | None = None):
+        if kind not in self.KINDS:
+            raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
+        super().__init__(message)
+        self.kind, self.message, self.field = kind, message, field
+        self.reason = reason if reason is not None else message
+        self.detail = dict(detail or {})
+        if field is not None:
+            self.detail.setdefault("field", field)
+        self.locs = list(locs or [])
+
+    def __reduce__(self):  # keep the fields when pickled across Ray processes
+        return (_rebuild_error, (self.kind, self.message, self.field, self.reason, self.detail, self.locs))
+
+    def describe(self, noun: str = "scenario", name: str | None = None) -> str:
+        """The text to show: ``invalid scenario: <message>`` for a body that is invalid or past a limit,
+        ``scenario 'x' <message>`` (or ``constraint <message>``, ``noun="constraint"``) for one that does not
+        compile."""
+        if self.kind in ("invalid", "limit"):
+            return f"invalid {noun}: {self.message}"
+        return f"{noun} {name!r} {self.message}" if name is not None else f"{noun} {self.message}"
+
+
+def _rebuild_error(kind, message, field, reason, detail, locs) -> ScenarioError:
+    return ScenarioError(kind, message, field=field, reason=reason, detail=detail, locs=locs)
+
+
+def _join(parts: list[str]) -> str:
+    """Up to five messages, then a count of the rest."""
+    return "; ".join(parts[:5]) + (f"; and {len(parts) - 5} more" if len(parts) > 5 else "")
+
+
+def _invalid(body: Mapping[str, Any], error: ValidationError) -> ScenarioError:
+    """One :class:`ScenarioError` for pydantic's errors: each names its field inside the body."""
+    errors: list[dict[str, Any]] = []
+    locs: list[tuple] = []
+    parts: list[str] = []
+    for err in error.errors():
+        loc = tuple(err.get("loc", ()))
+        if loc and loc[0] == body.get("type"):  # the discriminated union puts the tag first
+            loc = loc[1:]
+        where = ".".join(str(p) for p in loc)
+        if not where and str(err.get("type", "")).startswith("union_tag"):
+            where = "type"
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        if err.get("type") == "union_tag_not_found":
+            msg = (f"missing: a scenario body needs \"type\", one of {', '.join(SCENARIO_TYPES)} (a bare tree file "
+                   "goes under \"tree\": {\"type\": \"tree\", \"tree\": {...}}; cs-admin put --tree does that)")
+        errors.append({"field": where or None, "message": msg})
+        locs.append(loc)
+        parts.append(f"{where}: {msg}" if where else msg)
+    return ScenarioError("invalid", _join(parts), detail={"errors": errors}, locs=locs)
+
+
+def check_scenario_body(body: Any, limits: Limits | None = None, *, one_off: bool = False,
+                        field: str = "body") -> None:
+    """The cheap checks of a raw scenario body, before anything walks it recursively: a JSON object, the
+    ``limits`` (:meth:`config.Limits.check_scenario`, then the nesting depth, named ``field``), and with
+    ``one_off`` what a one-off constraint may not use (:meth:`ScenarioBase.check_one_off`).
+
+    Raises:
+        ScenarioError: ``invalid`` or ``limit``.
+    """
+    from config.settings import LimitExceeded
+
+    if not isinstance(body, Mapping):
+        raise ScenarioError("invalid", f"a scenario body must be a JSON object, got {type(body).__name__}")
+    if limits is not None:
+        try:
+            limits.check_scenario(body)  # first: it names the limit of the field (schema depth, ...)
+            limits.check_json_depth(body, field)
+        except LimitExceeded as exc:
+            raise ScenarioError("limit", str(exc), field=exc.field, reason=exc.reason, detail=exc.detail()) from None
+    if one_off:
+        model = scenario_model(body.get("type"))
+        if model is not None:
+            model.check_one_off(body)
+
+
+def parse_scenario(body: Any, limits: Limits | None = None, *, one_off: bool = False, field: str = "body") -> Scenario:
+    """Stage one of the scenario pipeline: :func:`check_scenario_body`, then validation into its config model.
+
+    Raises:
+        ScenarioError: ``invalid`` (the message names each bad field, ``errors`` in its detail) or ``limit``.
+    """
+    check_scenario_body(body, limits, one_off=one_off, field=field)
+    try:
+        json.dumps(body)
+    except (TypeError, ValueError) as exc:
+        raise ScenarioError("invalid", f"the scenario body is not JSON: {exc}") from None
+    return validate_scenario_body(body)
+
+
+def validate_scenario_body(body: Mapping[str, Any]) -> Scenario:
+    """Validate a checked body (see :func:`parse_scenario`) into its config model; :class:`ScenarioError`
+    (``invalid``) naming each bad field."""
+    try:
+        return ScenarioAdapter.validate_python(body if isinstance(body, dict) else dict(body))
+    except ValidationError as exc:
+        raise _invalid(body, exc) from None

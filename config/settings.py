@@ -235,32 +235,30 @@ class Limits(BaseModel):
     def check_scenario(self, body: Mapping[str, Any]) -> None:
         """Check a scenario body (the raw dict, before validation) against these limits.
 
-        Cheap checks only, meant to run before the body is validated or compiled: label count, inline tree
-        keys, schema nesting and size, regex length and repetition (also of the patterns in a schema), the
-        scenario's own ``max_new_tokens``.
+        Cheap checks only, meant to run before the body is validated or compiled: those of its kind (the
+        config model's ``check_limits``: label count, inline tree keys, schema nesting and size, regex length
+        and repetition, also of the patterns in a schema), then the scenario's own ``max_new_tokens``.
         Fields of the wrong type are left to validation. (A tree given as a ``path`` is counted when it is
         loaded: see :meth:`check_tree_keys`.)
 
         Raises:
             LimitExceeded: naming the field and the limit.
         """
+        from config.scenarios import scenario_model  # config.scenarios uses these limits; import at call time
+
         if not isinstance(body, Mapping):
             return
-        kind = body.get("type")
-        labels = body.get("labels")
-        if kind == "labels" and isinstance(labels, list) and len(labels) > self.max_labels:
-            raise LimitExceeded("labels", f"{len(labels)} labels", "max_labels", self.max_labels)
-        tree = body.get("tree")
-        if kind == "tree" and isinstance(tree, Mapping) and isinstance(tree.get("prefix_dict"), Mapping):
-            self.check_tree_keys(len(tree["prefix_dict"]), "tree.prefix_dict")
-        if kind == "json_schema" and "schema" in body:
-            self.check_schema(body["schema"], "schema")
-        pattern = body.get("pattern")
-        if kind == "regex" and isinstance(pattern, str):
-            self.check_regex(pattern, "pattern")
+        model = scenario_model(body.get("type"))
+        if model is not None:
+            model.check_limits(body, self)
         max_new = body.get("max_new_tokens")
         if isinstance(max_new, int) and not isinstance(max_new, bool) and max_new > self.max_new_tokens:
             raise LimitExceeded("max_new_tokens", str(max_new), "max_new_tokens", self.max_new_tokens)
+
+    def check_labels(self, count: int, field: str = "labels") -> None:
+        """Raise :class:`LimitExceeded` when a label set has more than ``max_labels`` labels."""
+        if count > self.max_labels:
+            raise LimitExceeded(field, f"{count} labels", "max_labels", self.max_labels)
 
     def check_tree_keys(self, count: int, field: str = "tree.prefix_dict") -> None:
         """Raise :class:`LimitExceeded` when a tree has more than ``max_tree_keys`` keys."""

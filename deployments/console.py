@@ -98,10 +98,13 @@ def replay(
 
     The replay stops at the first token the step did not allow (``error`` names it, and that step is the last
     one reported). ``last_only`` reports only the last step (the tree view's question: what comes next).
-    Raises ``ServiceError(422)`` for an id outside the vocabulary.
+    Raises ``ServiceError(422)`` for an id outside the vocabulary. ``tokenizer``: a tokenizer or its
+    ``processors.TokenizerInfo``.
     """
-    from processors import RowCursor
+    from processors import RowCursor, TokenizerInfo
     from processors.masks import ALLOW, BAN, BITMASK
+
+    info = TokenizerInfo.of(tokenizer)
 
     vocab = int(compiled.vocab_size)
     tokens = [int(t) for t in token_ids]
@@ -114,11 +117,10 @@ def replay(
     def entry(token: int) -> dict[str, Any]:
         text = texts.get(token)
         if text is None:
-            text = texts[token] = tokenizer.decode([token], skip_special_tokens=False,
-                                                   clean_up_tokenization_spaces=False)
+            text = texts[token] = info.token_text(token)
         return {"id": token, "text": text}
 
-    cursor = RowCursor(compiled, tokenizer)
+    cursor = RowCursor(compiled, info)
     steps: list[dict[str, Any]] = []
     error = None
     for index in range(len(tokens) + 1):

@@ -19,10 +19,10 @@ from typing import Any, AsyncIterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from config import Limits, ScenarioAdapter, scenario_to_dict
-from config.settings import LimitExceeded
+from config import Limits, ScenarioError, parse_scenario, scenario_model, scenario_to_dict
 from deployments.json_body import BodyRejected, parse_json
 from deployments.protocol import ChatMessage, GenerateRequest, GenerateResponse, ServiceError, Usage
+from deployments.scenario_errors import SCENARIO_ERROR_STATUS
 
 __all__ = [
     "ChatCompletionRequest",
@@ -278,28 +278,34 @@ def _inline_scenario(
 def _validated_inline(scenario: dict[str, Any], field: str, limits: Limits | None = None) -> dict[str, Any]:
     """Check a one-off scenario here (cheap), so a bad schema or label list is a 422 naming the OpenAI field.
 
-    ``limits`` (the stored scenarios' limits: label count, schema depth and size, regex length and repetition)
-    are checked first, before the schema checker walks a possibly deep schema.
+    The first stage of the scenario pipeline (``config.parse_scenario``: ``limits`` first, the stored scenarios'
+    limits: label count, schema depth and size, regex length and repetition, before the schema checker walks a
+    possibly deep schema; then validation); its error names the scenario's field, renamed here to the OpenAI field
+    that holds it (``schema.allOf[0].pattern`` -> ``response_format.json_schema.schema.allOf[0].pattern``).
     """
-    main = {"labels": "labels", "regex": "pattern", "json_schema": "schema"}.get(scenario["type"])
-    if limits is not None:
-        try:
-            limits.check_scenario(scenario)
-        except LimitExceeded as error:
-            inside = error.field == main or error.field.startswith((f"{main}.", f"{main}["))  # schema.allOf[0].pattern
-            where = field + error.field[len(main):] if inside else f"{field}.{error.field}"
-            raise ServiceError(422, f"{where}: {error.reason}", {**error.detail(), "field": where}) from None
     try:
-        return scenario_to_dict(ScenarioAdapter.validate_python(scenario))
-    except ValidationError as error:
-        parts = []
-        for item in error.errors():
-            loc = [str(p) for p in item["loc"][1:]]  # [0] is the discriminator tag
-            if loc and loc[0] == main:  # `field` already names it
-                loc = loc[1:]
-            msg = str(item["msg"]).removeprefix("Value error, ")
-            parts.append(f"{'.'.join([field, *loc])}: {msg}")
-        raise ServiceError(422, "; ".join(parts[:5]) or f"{field}: invalid constraint") from None
+        return scenario_to_dict(parse_scenario(scenario, limits, one_off=True))
+    except ScenarioError as error:
+        raise _openai_error(error, field, getattr(scenario_model(scenario["type"]), "constraint_field", None)) from None
+
+
+def _openai_error(error: ScenarioError, field: str, main: str | None) -> ServiceError:
+    """``error`` with its fields named as the client sent them: ``main`` (the scenario's field holding the
+    constraint) is ``field``."""
+    status = SCENARIO_ERROR_STATUS[error.kind]
+    if error.kind == "limit":
+        inner = error.field or ""
+        inside = main is not None and (inner == main or inner.startswith((f"{main}.", f"{main}[")))
+        where = field + inner[len(main):] if inside else f"{field}.{inner}"
+        return ServiceError(status, f"{where}: {error.reason}", {**error.detail, "field": where})
+    parts = []
+    for loc, item in zip(error.locs, error.detail.get("errors", ())):
+        loc = [str(p) for p in loc]
+        if loc and loc[0] == main:  # `field` already names it
+            loc = loc[1:]
+        parts.append(f"{'.'.join([field, *loc])}: {item['message']}")
+    message = "; ".join(parts[:5]) + (f"; and {len(parts) - 5} more" if len(parts) > 5 else "")
+    return ServiceError(status, message or f"{field}: {error.message}")
 
 
 def openai_to_generate(

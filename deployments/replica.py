@@ -12,24 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import threading
 import uuid
-from collections import OrderedDict
 from contextlib import aclosing
 from typing import Any, AsyncIterator
 
-from config import ServerSettings, load_scenario
-from config.settings import LimitExceeded
-from processors import CompiledScenario, build_prompt_ids, compile_scenario
-from processors.compile_worker import CompileCrashed, CompileLimitError, GrammarWorker
+from config import ScenarioError, ServerSettings
+from processors import CompiledScenario, ScenarioCompiler, build_prompt_ids
 
 from .engines import (
     DoneEvent, EngineRequest, ErrorEvent, FinishedEvent, SamplingParams, TokenEvent, create_engine,
 )
 from .metrics import ReplicaMetrics, route_logs_to_serve
 from .protocol import GenerateRequest, GenerateResponse, Output, ServiceError, Usage, check_request_limits
+from .scenario_errors import scenario_service_error
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +86,10 @@ class ModelReplica:
         self.engine.start()
         self._scenarios: dict[str, tuple[int, CompiledScenario]] = {}
         self._lock = threading.Lock()
-        self._inline: OrderedDict[str, CompiledScenario | tuple] = OrderedDict()  # or a refusal (status, message, detail)
-        # One-off JSON-schema and regex grammars are built in a worker process killed at the compile limits.
-        self._grammar_worker = GrammarWorker(tokenizer, timeout_s=self.settings.limits.compile_timeout_s,
-                                             memory_mb=self.settings.limits.compile_memory_mb)
+        # One-off constraints: the scenario pipeline, its JSON-schema and regex grammars built in a worker process
+        # killed at the compile limits, the last _INLINE_CACHE_SIZE bodies kept compiled.
+        self._compiler = ScenarioCompiler(tokenizer, self.settings.limits, cache_size=_INLINE_CACHE_SIZE)
+        self._grammar_worker = self._compiler.grammar_worker
         self._epoch = -1
         self._manager = manager
         self._stop = threading.Event()
@@ -177,51 +174,10 @@ class ModelReplica:
                 raise ServiceError(404, f"unknown scenario {req.scenario!r}", {"known": known})
             return req.scenario, entry[0], entry[1]
         if req.inline_scenario is not None:
-            body = req.inline_scenario
-            try:  # the same limits as a stored scenario, before anything walks the body recursively
-                self.settings.limits.check_scenario(body)
-                self.settings.limits.check_json_depth(body, "inline_scenario")
-            except LimitExceeded as exc:
-                raise ServiceError(exc.status, f"invalid constraint: {exc}", exc.detail()) from None
-            if body.get("type") == "tree" and body.get("path") is not None:
-                raise ServiceError(422, "invalid constraint: a one-off tree must be given inline ('tree'), not as a "
-                                        "server file ('path'); store a scenario to use a tree file", {"field": "path"})
-            key = json.dumps(body, sort_keys=True)
-            compiled = self._inline.get(key)
-            if isinstance(compiled, tuple):  # it went past the compile memory limit before, and would again
-                self._inline.move_to_end(key)
-                raise ServiceError(*compiled)
-            if compiled is None:
-                try:
-                    scenario = load_scenario(body)
-                except Exception as exc:
-                    raise ServiceError(422, f"invalid constraint: {exc}") from None
-                timeout = self.settings.limits.compile_timeout_s
-                try:
-                    async with asyncio.timeout(timeout):  # a grammar's worker process is killed at the limit too
-                        compiled = await asyncio.to_thread(compile_scenario, scenario, self.tokenizer,
-                                                           grammar_worker=self._grammar_worker)
-                except TimeoutError:
-                    raise ServiceError(400, f"constraint did not compile within {timeout:g} s (limits.compile_timeout_s)") from None
-                except CompileLimitError as exc:  # "exceeded the compile memory limit (limits.compile_memory_mb=1024)"
-                    refusal = (400, f"constraint {exc}", exc.detail())
-                    if exc.limit_name == "compile_memory_mb":  # deterministic: refuse the same body without a compile
-                        self._inline[key] = refusal
-                        while len(self._inline) > _INLINE_CACHE_SIZE:
-                            self._inline.popitem(last=False)
-                    raise ServiceError(*refusal) from None
-                except CompileCrashed as exc:
-                    raise ServiceError(400, f"constraint {exc}") from None
-                except ValueError as exc:
-                    raise ServiceError(400, f"constraint does not compile: {exc}") from None
-                except Exception as exc:  # a grammar engine may raise other types on a bad pattern
-                    logger.warning("compiling a one-off constraint failed", exc_info=True)
-                    raise ServiceError(400, f"constraint does not compile: {type(exc).__name__}: {exc}") from None
-                self._inline[key] = compiled
-                while len(self._inline) > _INLINE_CACHE_SIZE:
-                    self._inline.popitem(last=False)
-            else:
-                self._inline.move_to_end(key)
+            try:  # the same limits and messages as a stored scenario; a tree file is for stored scenarios only
+                compiled = await self._compiler.prepare(req.inline_scenario, one_off=True, field="inline_scenario")
+            except ScenarioError as exc:
+                raise scenario_service_error(exc, "constraint") from None
             return None, None, compiled
         return None, None, None
 

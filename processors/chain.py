@@ -17,35 +17,33 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from . import registry
 from .base import Cursor, CursorLogitsProcessor, as_ids
 from .compile import CompiledScenario
-from .grammar import GrammarCursor, GrammarSpec
-from .labels import LabelCursor, LabelTables
 from .masks import ALLOW, FREE, Step, mask_padded_vocab
-from .tables import MaskTables
 from .think import ThinkCursor
-from .tree import TreeCursor
+from .tokenizer_info import TokenizerInfo
 
 __all__ = ["ConstrainedLogitsProcessor", "RowCursor", "constraint_cursor"]
 
 
 def constraint_cursor(constraint, tokenizer=None) -> Cursor:
-    """A fresh cursor for a compiled constraint."""
-    if isinstance(constraint, MaskTables):
-        return TreeCursor(constraint)
-    if isinstance(constraint, LabelTables):
-        if not constraint.multi_label:
-            return TreeCursor(constraint.tables)
-        return LabelCursor(constraint)
-    if isinstance(constraint, GrammarSpec):
-        if tokenizer is None:
-            raise ValueError("a json/json_schema/regex scenario needs tokenizer= to build its matcher")
-        return GrammarCursor(constraint, tokenizer)
-    raise TypeError(f"unsupported constraint {type(constraint).__name__}")
+    """A fresh cursor for a compiled constraint, made by its kind (:func:`processors.registry.kind_of`).
+
+    ``tokenizer``: a tokenizer or its :class:`TokenizerInfo`; needed by kinds whose cursor is a grammar matcher.
+    """
+    info = TokenizerInfo.of(tokenizer) if tokenizer is not None else None
+    return registry.kind_of(constraint).cursor(constraint, info)
 
 
 class RowCursor(Cursor):
-    """One row of the chain: think cursor + constraint cursor + finished flag."""
+    """One row of the chain: think cursor + constraint cursor + finished flag.
+
+    Args:
+        compiled: the row's scenario, or ``None`` for free text.
+        tokenizer: a tokenizer or its :class:`TokenizerInfo` (grammar kinds need it for their matcher).
+        eos_token_ids: the stop tokens of a free-text row.
+    """
 
     def __init__(self, compiled: CompiledScenario | None, tokenizer=None, *, eos_token_ids: Sequence[int] = ()):
         self.compiled = compiled
@@ -143,7 +141,8 @@ class ConstrainedLogitsProcessor(CursorLogitsProcessor):
         compiled_or_list_per_row: one :class:`CompiledScenario` for every row, or a list with one
             entry per input row (``None`` for an unconstrained row). Rows that ``generate``
             expands for ``num_return_sequences``/``num_beams`` inherit their input row's entry.
-        tokenizer: needed for json/json_schema/regex scenarios (llguidance matchers).
+        tokenizer: a tokenizer or its :class:`TokenizerInfo`; needed for json/json_schema/regex scenarios
+            (llguidance matchers), and it gives the vocabulary size and the EOS of free rows.
         prompt_len: length of the (left-padded) prompt; ``None``: the length at the first call.
         eos_token_ids: EOS ids for unconstrained rows (default: taken from the compiled scenarios,
             else ``tokenizer.eos_token_id``).
@@ -174,19 +173,20 @@ class ConstrainedLogitsProcessor(CursorLogitsProcessor):
             per_row = list(compiled_or_list_per_row)
             if not per_row:
                 raise ValueError("compiled_or_list_per_row must not be empty")
+        info = TokenizerInfo.of(tokenizer) if tokenizer is not None else None
         for i, c in enumerate(per_row):
             if c is not None and not isinstance(c, CompiledScenario):
                 raise TypeError(f"row {i}: expected CompiledScenario or None, got {type(c).__name__}")
-            if c is not None and tokenizer is not None and c.vocab_size != len(tokenizer):
+            if c is not None and info is not None and c.vocab_size != info.vocab_size:
                 raise ValueError(
-                    f"row {i}: scenario compiled for a vocabulary of {c.vocab_size}, tokenizer has {len(tokenizer)}"
+                    f"row {i}: scenario compiled for a vocabulary of {c.vocab_size}, tokenizer has {info.vocab_size}"
                 )
         if eos_token_ids is None:
             first = next((c for c in per_row if c is not None), None)
             if first is not None:
                 eos_token_ids = first.eos_token_ids
-            elif tokenizer is not None and tokenizer.eos_token_id is not None:
-                eos_token_ids = (tokenizer.eos_token_id,)
+            elif info is not None and info.eos_token_ids:
+                eos_token_ids = info.eos_token_ids[:1]
             else:
                 raise ValueError("eos_token_ids is required when no row has a scenario and no tokenizer is given")
         eos = tuple(int(t) for t in eos_token_ids)
@@ -194,8 +194,8 @@ class ConstrainedLogitsProcessor(CursorLogitsProcessor):
         self.eos_token_ids = eos
         sizes = {c.vocab_size for c in per_row if c is not None}
         #: ids at or above this exist only in padded logits (e.g. Qwen: 151,936 logits, ~151,665 tokens)
-        self.vocab_size = len(tokenizer) if tokenizer is not None else (max(sizes) if sizes else None)
-        factories = [(lambda c=c: RowCursor(c, tokenizer, eos_token_ids=eos)) for c in per_row]
+        self.vocab_size = info.vocab_size if info is not None else (max(sizes) if sizes else None)
+        factories = [(lambda c=c: RowCursor(c, info, eos_token_ids=eos)) for c in per_row]
         super().__init__(factories, prompt_len=prompt_len)
 
     def __call__(self, input_ids, scores):

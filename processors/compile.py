@@ -2,39 +2,35 @@
 
 :func:`compile_scenario` turns a validated ``config`` scenario into a :class:`CompiledScenario`:
 immutable, picklable, versioned by content, tied to one tokenizer's vocabulary. This is the unit
-the config manager compiles once and ships to every replica.
+the config manager compiles once and ships to every replica. The scenario's kind (looked up in
+:mod:`processors.registry`) compiles the constraint; think mode and the generation defaults are the
+same for every kind. Limits, timeouts and one message per failure are added by
+:mod:`processors.pipeline`, which the services use.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
-from .grammar import GrammarSpec, compile_json_schema, compile_regex
-from .labels import LabelTables, build_label_tables
-from .tables import MaskTables, build_tree_tables, content_hash
+from . import registry
+from .tables import content_hash
 from .think import ThinkSpec, compile_think
 from .special_tokens import contains_special_tokens, encode_chat, encode_segments
+from .tokenizer_info import TokenizerInfo, hf_tokenizer
 
 __all__ = ["CompiledScenario", "Constraint", "build_prompt_ids", "compile_scenario", "eos_token_ids"]
 
-Constraint = Union[MaskTables, LabelTables, GrammarSpec]
+#: a compiled constraint: an instance of its kind's ``compiled_type`` (MaskTables, LabelTables, GrammarSpec, ...)
+Constraint = Any
 
 
 def eos_token_ids(tokenizer, model_config=None) -> tuple[int, ...]:
     """The model's EOS ids: the tokenizer's, plus those of a generation config when given."""
-    ids: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    extra = getattr(model_config, "eos_token_id", None) if model_config is not None else None
-    if isinstance(extra, int):
-        extra = [extra]
-    for t in extra or []:
-        if int(t) not in ids:
-            ids.append(int(t))
+    ids = TokenizerInfo.of(tokenizer, model_config=model_config).eos_token_ids
     if not ids:
         raise ValueError("the tokenizer has no eos_token_id; set one")
-    return tuple(ids)
+    return ids
 
 
 @dataclass(frozen=True)
@@ -43,8 +39,8 @@ class CompiledScenario:
 
     Args:
         kind: the scenario ``type``.
-        constraint: :class:`MaskTables` (tree), :class:`LabelTables` (labels), :class:`GrammarSpec`
-            (json / json_schema / regex).
+        constraint: what the kind compiled (:class:`MaskTables` for a tree, :class:`LabelTables` for labels,
+            :class:`GrammarSpec` for json / json_schema / regex), or ``None``.
         think: compiled think settings, or ``None``.
         eos_token_ids: the model's EOS ids (a finished row may emit only its end token).
         vocab_size: the tokenizer vocabulary the scenario was compiled for.
@@ -91,7 +87,7 @@ class CompiledScenario:
 
 
 def compile_scenario(scenario, tokenizer, *, model_config=None, grammar_worker=None) -> CompiledScenario:
-    """Compile a ``config`` scenario for ``tokenizer``.
+    """Compile a ``config`` scenario for ``tokenizer`` (a tokenizer or its :class:`TokenizerInfo`).
 
     ``grammar_worker``: a :class:`~processors.compile_worker.GrammarWorker` that builds and checks
     json/json_schema/regex grammars in its own process, bounded in time and memory (it raises
@@ -100,50 +96,24 @@ def compile_scenario(scenario, tokenizer, *, model_config=None, grammar_worker=N
     Raises ``ValueError`` with a message naming the problem (an id outside the vocabulary, a label
     that does not round-trip, an invalid grammar, a think marker that does not tokenize).
     """
-    from config import load_tree
-
-    vocab = len(tokenizer)
-    eos = eos_token_ids(tokenizer, model_config)
-    kind = scenario.type
-    start = None
-    if kind == "tree":
-        tree = load_tree(scenario.tree if scenario.tree is not None else scenario.path, vocab_size=vocab)
-        constraint: Constraint | None = build_tree_tables(tree, vocab)
-        if scenario.append_start_token:
-            start = int(tree.start_token_id)
-    elif kind == "labels":
-        constraint = build_label_tables(
-            list(scenario.labels),
-            tokenizer,
-            eos_token_id=eos[0],
-            vocab_size=vocab,
-            multi_label=scenario.multi_label,
-            separator=scenario.separator,
-            max_labels=scenario.max_labels,
-        )
-    elif kind == "json_schema":
-        constraint = compile_json_schema(scenario.json_schema, tokenizer, eos_token_id=eos[0], worker=grammar_worker)
-    elif kind == "json":
-        constraint = compile_json_schema(None, tokenizer, eos_token_id=eos[0], worker=grammar_worker)
-    elif kind == "regex":
-        constraint = compile_regex(scenario.pattern, tokenizer, eos_token_id=eos[0], worker=grammar_worker)
-    else:  # pragma: no cover - the config models are a closed union
-        raise ValueError(f"unknown scenario type {kind!r}")
+    info = TokenizerInfo.of(tokenizer, model_config=model_config)
+    eos = eos_token_ids(info)
+    built = registry.get(scenario.type).compile(scenario, info, worker=grammar_worker)
     think = None
     if scenario.think is not None:
-        think = compile_think(scenario.think.max_thinking_tokens, scenario.think.begin, scenario.think.end, tokenizer)
+        think = compile_think(scenario.think.max_thinking_tokens, scenario.think.begin, scenario.think.end, info)
     settings = {
         k: getattr(scenario, k)
         for k in ("max_new_tokens", "temperature", "top_p", "top_k", "system_prompt")
         if getattr(scenario, k, None) is not None
     }
     return CompiledScenario(
-        kind=kind,
-        constraint=constraint,
+        kind=scenario.type,
+        constraint=built.constraint,
         think=think,
         eos_token_ids=eos,
-        vocab_size=vocab,
-        start_token_id=start,
+        vocab_size=info.vocab_size,
+        start_token_id=built.start_token_id,
         settings=settings,
     )
 
@@ -167,7 +137,9 @@ def build_prompt_ids(
     A special token spelled in the prompt, in a message or in the system prompt (``<|im_end|>``) stays text
     unless ``special_tokens_in_content``: only the chat template's own markers are control tokens (see
     :mod:`processors.special_tokens`). Text that spells none is tokenized as it always was.
+    ``tokenizer``: a tokenizer or its :class:`TokenizerInfo`.
     """
+    tokenizer = hf_tokenizer(tokenizer)
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt or messages")
     settings = compiled.settings if compiled is not None else {}

@@ -157,7 +157,8 @@ class GrammarWorker:
     """A warm worker process that builds and checks grammars for one tokenizer, within limits.
 
     Args:
-        tokenizer: a HF fast tokenizer (the worker gets its JSON form, not the object).
+        tokenizer: a HF fast tokenizer or its ``TokenizerInfo`` (the worker gets the tokenizer's JSON form, not
+            the object).
         timeout_s: a compile taking longer is killed (:class:`CompileTimeout`).
         memory_mb: the memory a compile may take above the worker's own after start-up
             (:class:`CompileMemoryExceeded`); ``None``: no limit.
@@ -168,6 +169,9 @@ class GrammarWorker:
     """
 
     def __init__(self, tokenizer, *, timeout_s: float, memory_mb: int | None, start: bool = True):
+        from processors.tokenizer_info import hf_tokenizer  # the parent side only: the worker imports no project code
+
+        tokenizer = hf_tokenizer(tokenizer)
         self.timeout_s = float(timeout_s)
         self.memory_mb = memory_mb
         try:

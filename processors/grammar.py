@@ -2,8 +2,9 @@
 
 A :class:`GrammarSpec` is the compiled, picklable form: the llguidance grammar string, checked
 against the tokenizer at compile time. Matchers (per-row parser state) are created from it on the
-replica that decodes, with an ``LLTokenizer`` built once per tokenizer and cached (building one
-costs about 0.4 s for a 49k vocabulary).
+replica that decodes, with the ``LLTokenizer`` of its :class:`~processors.tokenizer_info.TokenizerInfo`
+(built once per tokenizer: about 0.4 s for a 49k vocabulary). Every function here takes a tokenizer or
+its ``TokenizerInfo``.
 
 JSON grammars are compiled with ``whitespace_flexible: False``: no free whitespace between tokens,
 so a small model cannot loop on spaces until ``max_new_tokens`` (a trap reported by vLLM users).
@@ -17,8 +18,6 @@ as ``worker=``; without one it runs here.
 from __future__ import annotations
 
 import json
-import threading
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +26,7 @@ from .base import Cursor, as_ids
 from .compile_worker import build_grammar
 from .masks import ALLOW, BITMASK, Step, bitmask_words
 from .tables import content_hash
+from .tokenizer_info import TokenizerInfo
 
 __all__ = [
     "GrammarCursor",
@@ -37,33 +37,15 @@ __all__ = [
     "new_matcher",
 ]
 
-_LLTOK_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_LLTOK_BY_ID: dict[int, object] = {}
-_LLTOK_LOCK = threading.Lock()
-
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 def get_lltokenizer(tokenizer):
-    """The llguidance tokenizer for an HF fast tokenizer (cached per tokenizer object).
+    """The llguidance tokenizer of a tokenizer (built once per tokenizer: :attr:`TokenizerInfo.lltokenizer`).
 
     Its EOS is the tokenizer's ``eos_token_id``: llguidance allows it once the grammar accepts.
     """
-    import llguidance.hf
-
-    with _LLTOK_LOCK:
-        try:
-            cached = _LLTOK_CACHE.get(tokenizer)
-        except TypeError:  # not weak-referenceable
-            cached = _LLTOK_BY_ID.get(id(tokenizer))
-        if cached is not None:
-            return cached
-        lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=tokenizer.eos_token_id)
-        try:
-            _LLTOK_CACHE[tokenizer] = lltok
-        except TypeError:
-            _LLTOK_BY_ID[id(tokenizer)] = lltok
-        return lltok
+    return TokenizerInfo.of(tokenizer).lltokenizer
 
 
 @dataclass(frozen=True)
@@ -91,12 +73,12 @@ class GrammarSpec:
         return self.eos_token_id
 
 
-def _grammar(kind: str, source: str, tokenizer, worker) -> str:
+def _grammar(kind: str, source: str, info: TokenizerInfo, worker) -> str:
     if worker is None:
-        return build_grammar(kind, source, get_lltokenizer(tokenizer), JSON_OPTIONS)
-    if worker.vocab_size != len(tokenizer):
+        return build_grammar(kind, source, info.lltokenizer, JSON_OPTIONS)
+    if worker.vocab_size != info.vocab_size:
         raise ValueError(f"the compile worker was built for a vocabulary of {worker.vocab_size}, "
-                         f"this tokenizer has {len(tokenizer)}")
+                         f"this tokenizer has {info.vocab_size}")
     return worker.build(kind, source, JSON_OPTIONS)
 
 
@@ -106,23 +88,25 @@ def compile_json_schema(schema: dict | None, tokenizer, *, eos_token_id: int, wo
     ``worker``: a :class:`~processors.compile_worker.GrammarWorker` to build and check the grammar in its
     process, within its time and memory limits; ``None``: in this process, unbounded.
     """
+    info = TokenizerInfo.of(tokenizer)
     kind = "json" if not schema else "json_schema"
-    grammar = _grammar(kind, json.dumps(schema or {}), tokenizer, worker)
-    return GrammarSpec(kind=kind, grammar=grammar, eos_token_id=int(eos_token_id), vocab_size=len(tokenizer))
+    grammar = _grammar(kind, json.dumps(schema or {}), info, worker)
+    return GrammarSpec(kind=kind, grammar=grammar, eos_token_id=int(eos_token_id), vocab_size=info.vocab_size)
 
 
 def compile_regex(pattern: str, tokenizer, *, eos_token_id: int, worker=None) -> GrammarSpec:
     """Compile a regular expression (Rust ``regex`` syntax, whole-output match); ``worker`` as for
     :func:`compile_json_schema`."""
-    grammar = _grammar("regex", pattern, tokenizer, worker)
-    return GrammarSpec(kind="regex", grammar=grammar, eos_token_id=int(eos_token_id), vocab_size=len(tokenizer))
+    info = TokenizerInfo.of(tokenizer)
+    grammar = _grammar("regex", pattern, info, worker)
+    return GrammarSpec(kind="regex", grammar=grammar, eos_token_id=int(eos_token_id), vocab_size=info.vocab_size)
 
 
 def new_matcher(spec: GrammarSpec, tokenizer):
-    """A fresh llguidance matcher for one row."""
+    """A fresh llguidance matcher for one row (``tokenizer``: a tokenizer or its ``TokenizerInfo``)."""
     import llguidance
 
-    lltok = get_lltokenizer(tokenizer)
+    lltok = TokenizerInfo.of(tokenizer).lltokenizer
     if spec.vocab_size != lltok.vocab_size:
         raise ValueError(
             f"grammar was compiled for a vocabulary of {spec.vocab_size}, this tokenizer has {lltok.vocab_size}"
@@ -136,7 +120,13 @@ def fill_bitmask(matcher, out: np.ndarray) -> None:
 
 
 class GrammarCursor(Cursor):
-    """Per-row llguidance matcher. EOS is allowed (and then required) once the grammar accepts."""
+    """Per-row llguidance matcher. EOS is allowed (and then required) once the grammar accepts.
+
+    Args:
+        spec: the compiled grammar.
+        tokenizer: a tokenizer or its :class:`TokenizerInfo` (for the matcher); not needed with ``matcher``.
+        matcher: an llguidance matcher to continue from (``copy``).
+    """
 
     def __init__(self, spec: GrammarSpec, tokenizer=None, *, matcher=None):
         self.spec = spec

@@ -21,12 +21,16 @@ import numpy as np
 from .base import Cursor, as_ids
 from .masks import ALLOW, Step
 from .tables import DONE, LEAF, MaskTables, _freeze, content_hash
+from .tokenizer_info import hf_tokenizer
 
 __all__ = ["LabelCursor", "LabelTables", "build_label_tables", "tokenize_continuation"]
 
 
 def tokenize_continuation(tokenizer, text: str, *, what: str) -> list[int]:
-    """Token ids of ``text`` as it appears after other text; refuse a lossy round trip."""
+    """Token ids of ``text`` as it appears after other text; refuse a lossy round trip.
+
+    ``tokenizer``: a tokenizer or its :class:`~processors.tokenizer_info.TokenizerInfo`."""
+    tokenizer = hf_tokenizer(tokenizer)
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise ValueError(f"{what} {text!r} tokenizes to nothing")
@@ -103,7 +107,9 @@ def build_label_tables(
     separator: str = ",",
     max_labels: int | None = None,
 ) -> LabelTables:
-    """Tokenize ``labels`` as continuations and compile them into :class:`LabelTables`."""
+    """Tokenize ``labels`` as continuations and compile them into :class:`LabelTables` (``tokenizer``: a
+    tokenizer or its :class:`~processors.tokenizer_info.TokenizerInfo`)."""
+    tokenizer = hf_tokenizer(tokenizer)
     if not labels:
         raise ValueError("labels must not be empty")
     seen: set[str] = set()

@@ -51,7 +51,8 @@ class ThinkSpec:
 
 
 def compile_think(max_thinking_tokens: int, begin: str, end: str, tokenizer) -> ThinkSpec:
-    """Tokenize the markers (refusing markers that do not survive a round trip)."""
+    """Tokenize the markers (refusing markers that do not survive a round trip); ``tokenizer``: a tokenizer or
+    its :class:`~processors.tokenizer_info.TokenizerInfo`."""
     from .labels import tokenize_continuation
 
     return ThinkSpec(

@@ -1,0 +1,91 @@
+"""The constraint-kind contract: what one scenario ``type`` provides, written once.
+
+A kind is the compile side of one scenario ``type`` (its spec is a ``config`` model): it turns a validated
+spec into an immutable compiled object for one tokenizer, makes a fresh per-row cursor from that object, and
+names the limits of its spec. One module per kind under ``processors/kinds/`` registers one instance with
+:func:`processors.registry.register`; :mod:`processors.registry` is the only place that maps ``type`` names to
+kinds. Adding a kind: its config model (``config/scenarios.py``, a member of the ``Scenario`` union) and its
+module here; nothing else switches on the name.
+
+The same shape as vLLM's structured-output backends (``v1/structured_output/backend_types.py``: a backend
+compiles a grammar, a per-request object accepts tokens and fills the bitmask) and xgrammar's
+``GrammarCompiler`` -> ``CompiledGrammar`` -> ``GrammarMatcher``.
+
+What the rest of the service relies on:
+
+* ``compile`` is pure: same spec and tokenizer, same compiled object (equal ``version``); it raises
+  ``ValueError`` naming the problem (the pipeline turns it into one ``ScenarioError``). Expensive grammar work
+  goes through ``worker`` (a :class:`~processors.compile_worker.GrammarWorker`) when one is given.
+* the compiled object is immutable and picklable (the manager ships it to replicas through Ray's object
+  store), has ``version`` (a content hash) and ``end_token_id`` (the token that ends a row).
+* ``cursor`` follows the :class:`~processors.base.Cursor` contract (docs/design.md, section 7.3). Its steps are
+  :class:`~processors.masks.Step`\\ s, which is all the console's inspect/replay needs: it steps a fresh
+  :class:`~processors.chain.RowCursor` and lists each step's allowed ids, so a kind adds nothing for it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, get_args
+
+if TYPE_CHECKING:
+    from config import Limits, ScenarioBase
+    from processors.base import Cursor
+    from processors.compile_worker import GrammarWorker
+    from processors.tokenizer_info import TokenizerInfo
+
+__all__ = ["CompileResult", "ConstraintKind"]
+
+
+class CompileResult(NamedTuple):
+    """What :meth:`ConstraintKind.compile` gives the compiled scenario.
+
+    Args:
+        constraint: the compiled object (an instance of the kind's ``compiled_type``).
+        start_token_id: a token to append to the prompt (a tree's root with ``append_start_token``), else None.
+    """
+
+    constraint: Any
+    start_token_id: int | None = None
+
+
+class ConstraintKind(ABC):
+    """One scenario kind: spec (config model) -> compiled object -> per-row cursor.
+
+    Class attributes:
+        config_model: the ``config.scenarios`` model of the spec; its ``type`` literal is the kind's name.
+        compiled_type: the class of the compiled objects (several kinds may share one, e.g. the grammar kinds).
+        needs_tokenizer: whether :meth:`cursor` needs the tokenizer info (a grammar matcher does; tables do not).
+    """
+
+    config_model: ClassVar[type[ScenarioBase]]
+    compiled_type: ClassVar[type]
+    needs_tokenizer: ClassVar[bool] = False
+
+    @property
+    def type_name(self) -> str:
+        """The scenario ``type`` this kind compiles (from its config model)."""
+        return get_args(self.config_model.model_fields["type"].annotation)[0]
+
+    def check_limits(self, body: Mapping[str, Any], limits: Limits) -> None:
+        """The cheap limit checks of a raw body of this kind, before validation (``LimitExceeded``). They live
+        on the config model, so that ``config.Limits.check_scenario`` (the ingress, no torch) runs the same."""
+        self.config_model.check_limits(body, limits)
+
+    @abstractmethod
+    def compile(self, scenario: Any, info: TokenizerInfo, *, worker: GrammarWorker | None = None) -> CompileResult:
+        """Compile a validated spec for one tokenizer. Raises ``ValueError`` (or ``OSError`` for a file) naming
+        the problem; a :class:`~processors.compile_worker.CompileLimitError` past the worker's limits."""
+
+    def check_compiled(self, scenario: Any, constraint: Any, limits: Limits) -> None:
+        """Limits that need the compiled form (``LimitExceeded``); e.g. the keys of a tree read from a file."""
+        return None
+
+    @abstractmethod
+    def cursor(self, constraint: Any, info: TokenizerInfo | None) -> Cursor:
+        """A fresh cursor at the start of ``constraint``. ``info`` is None when the caller has no tokenizer
+        (only kinds with ``needs_tokenizer`` refuse that)."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.type_name!r}>"

@@ -1,0 +1,46 @@
+"""The ``json_schema`` and ``json`` kinds: llguidance grammars (:class:`~processors.grammar.GrammarSpec`) for a
+JSON Schema, or for any JSON value."""
+
+from __future__ import annotations
+
+from config import JsonSchemaScenario, JsonScenario
+
+from ..grammar import GrammarCursor, GrammarSpec, compile_json_schema
+from ..registry import register
+from .base import CompileResult, ConstraintKind
+
+
+class GrammarKind(ConstraintKind):
+    """A kind compiled into a checked llguidance grammar; the cursor is a per-row matcher (bitmask steps)."""
+
+    compiled_type = GrammarSpec
+    needs_tokenizer = True
+
+    def cursor(self, constraint, info) -> GrammarCursor:
+        if info is None:
+            raise ValueError(f"a {constraint.kind} scenario needs tokenizer= (a tokenizer or a TokenizerInfo) "
+                             "to build its matcher")
+        return GrammarCursor(constraint, info)
+
+
+class JsonSchemaKind(GrammarKind):
+    """JSON documents valid under a schema (no free whitespace; remote ``$ref``\\ s are never fetched)."""
+
+    config_model = JsonSchemaScenario
+
+    def compile(self, scenario, info, *, worker=None) -> CompileResult:
+        return CompileResult(compile_json_schema(scenario.json_schema, info, eos_token_id=info.eos_token_id,
+                                                 worker=worker))
+
+
+class JsonKind(GrammarKind):
+    """Any JSON value."""
+
+    config_model = JsonScenario
+
+    def compile(self, scenario, info, *, worker=None) -> CompileResult:
+        return CompileResult(compile_json_schema(None, info, eos_token_id=info.eos_token_id, worker=worker))
+
+
+register(JsonSchemaKind())
+register(JsonKind())

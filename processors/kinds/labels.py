@@ -1,0 +1,30 @@
+"""The ``labels`` kind: a label set compiled into a token trie (:class:`~processors.labels.LabelTables`)."""
+
+from __future__ import annotations
+
+from config import LabelsScenario
+
+from ..base import Cursor
+from ..labels import LabelCursor, LabelTables, build_label_tables
+from ..registry import register
+from ..tree import TreeCursor
+from .base import CompileResult, ConstraintKind
+
+
+class LabelsKind(ConstraintKind):
+    """One label (the trie walked as a tree) or several joined by a separator (:class:`LabelCursor`)."""
+
+    config_model = LabelsScenario
+    compiled_type = LabelTables
+
+    def compile(self, scenario, info, *, worker=None) -> CompileResult:
+        return CompileResult(build_label_tables(
+            list(scenario.labels), info, eos_token_id=info.eos_token_id, vocab_size=info.vocab_size,
+            multi_label=scenario.multi_label, separator=scenario.separator, max_labels=scenario.max_labels,
+        ))
+
+    def cursor(self, constraint, info) -> Cursor:
+        return LabelCursor(constraint) if constraint.multi_label else TreeCursor(constraint.tables)
+
+
+register(LabelsKind())
