@@ -2,7 +2,7 @@
 special tokens in message content (with the real tokenizer), error texts without internal paths, the HTTP
 timeouts in serve_config.yaml.
 
-The same rules over real HTTP against the shared Serve app are in ``tests/security/test_issue13_inputs.py``.
+The same rules over real HTTP against the shared Serve app are in ``tests/security/test_input_rules_http.py``.
 """
 
 from __future__ import annotations
