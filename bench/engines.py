@@ -21,10 +21,14 @@ per-round ratios (the verdict uses it: the same requests on both sides).
 
 Threads: vLLM's CPU worker and the transformers replica get the same ``--threads`` (default: all cores).
 
+``--grammar-ab`` measures only grammar rows inside one vLLM engine: our chain against vLLM's guidance structured
+outputs (same grammar), alternated, with the outputs compared token for token.
+
 Run (in .venv-vllm, which has both backends and vLLM's server)::
 
     .venv-vllm/bin/python bench/engines.py                 # ~15 min here (two vLLM starts with torch.compile)
     .venv-vllm/bin/python bench/engines.py --enforce-eager --rounds 1 --requests 16   # a quick look
+    .venv-vllm/bin/python bench/engines.py --grammar-ab     # chain or guidance for grammar rows
 
 Last line of stdout: the result as JSON.
 """
@@ -37,7 +41,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -60,6 +63,7 @@ SCHEMA = {
     "required": ["name", "age", "city"],
     "additionalProperties": False,
 }
+REGEX = "[0-9]{3}-[0-9]{3}-[0-9]{4}"
 SYSTEMS = {"transformers": "transformers", "vllm": "vllm-backend", "vllm-guidance": "vllm-backend-guidance"}
 #: ours / vLLM's server, the issue's targets
 TARGETS = {"transformers": 0.6, "vllm-backend": 0.95, "vllm-backend-guidance": 0.95}
@@ -198,6 +202,77 @@ class VLLMServer:
         self._log.close()
 
 
+# --------------------------------------------------------------------------- grammar rows: chain or guidance
+
+
+def grammar_ab(args) -> dict:
+    """One VLLMEngine (no Ray, no HTTP): the JSON-schema and regex workloads with grammar rows masked by our
+    chain, then by vLLM's guidance structured outputs (the engine's ``grammar_backend`` switched between
+    batches), alternating for ``--rounds`` rounds. Both must give the same tokens (same grammar, greedy)."""
+    import threading as _threading
+
+    from config import load_scenario
+    from deployments.engines import DoneEvent, EngineRequest, ErrorEvent, FinishedEvent, SamplingParams
+    from deployments.engines.vllm import VLLMEngine, model_directory
+    from deployments.model_loader import load_tokenizer
+    from processors import build_prompt_ids, compile_scenario
+
+    if args.threads:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
+    tok = load_tokenizer(None)
+    scen = {"json": compile_scenario(load_scenario({"type": "json_schema", "schema": SCHEMA}), tok),
+            "regex": compile_scenario(load_scenario({"type": "regex", "pattern": REGEX}), tok)}
+    engine = VLLMEngine(model_directory(None), tok, max_batch_size=args.concurrency, max_model_len=2048,
+                        kv_cache_gb=args.kv_cache_gb, enforce_eager=args.enforce_eager).start()
+
+    def batch(kind: str) -> tuple[float, int, list]:
+        compiled = scen[kind]
+        texts = prompts("json", args.requests) if kind == "json" else [f"A phone number for {t}." for t in
+                                                                         prompts("free", args.requests)]
+        done = [_threading.Event() for _ in texts]
+        outs: list = [None] * len(texts)
+        t0 = time.perf_counter()
+        for i, text in enumerate(texts):
+            def on_event(ev, i=i):
+                if isinstance(ev, FinishedEvent):
+                    outs[i] = (tuple(ev.token_ids), ev.finish_reason, ev.error)
+                elif isinstance(ev, (DoneEvent, ErrorEvent)):
+                    done[i].set()
+            ids = build_prompt_ids(compiled, tok, messages=[{"role": "user", "content": text}])
+            engine.submit(EngineRequest(prompt_ids=ids, compiled=compiled, max_new_tokens=args.json_tokens,
+                                        sampling=SamplingParams(temperature=0)), on_event)
+        for ev in done:
+            ev.wait(600)
+        wall = time.perf_counter() - t0
+        return wall, sum(len(o[0]) for o in outs if o), outs
+
+    rows: dict = {}
+    same = True
+    try:
+        for kind in scen:  # warm-up: the grammar in vLLM's cache, shapes compiled
+            for backend in ("chain", "guidance"):
+                engine.grammar_backend = backend
+                batch(kind)
+        for r in range(args.rounds):
+            for kind in scen:
+                order = ["chain", "guidance"] if (r + len(rows)) % 2 == 0 else ["guidance", "chain"]
+                outs_by = {}
+                for backend in order:
+                    engine.grammar_backend = backend
+                    wall, tokens, outs = batch(kind)
+                    outs_by[backend] = outs
+                    rows.setdefault(f"{backend}/{kind}", []).append(round(tokens / wall, 1))
+                    bad = sum(1 for o in outs if o is None or o[2] is not None or o[1] != "stop")
+                    log(f"round {r} {backend:8s} {kind:5s} {tokens / wall:7.1f} tok/s  ({bad} not stopped cleanly)")
+                same = same and outs_by["chain"] == outs_by["guidance"]
+    finally:
+        engine.stop()
+    summary = {k: median(v) for k, v in rows.items()}
+    return {"tokens_per_s": {k: round(v, 1) for k, v in summary.items()},
+            "guidance_over_chain": {kind: ratio(summary[f"guidance/{kind}"], summary[f"chain/{kind}"]) for kind in scen},
+            "identical_outputs": same, "rounds": rows}
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -215,7 +290,14 @@ def main() -> None:
     ap.add_argument("--backends", default="transformers,vllm,vllm-guidance",
                     help="our backends, one phase each, in this order: transformers, vllm (vllm_grammar: chain), "
                          "vllm-guidance (vllm_grammar: guidance)")
+    ap.add_argument("--grammar-ab", action="store_true",
+                    help="only the engine-level A/B of grammar rows: our chain against vLLM's guidance backend")
     args = ap.parse_args()
+    if args.grammar_ab:
+        result = grammar_ab(args)
+        log(json.dumps({k: v for k, v in result.items() if k != "rounds"}))
+        emit(result)
+        return
 
     from deployments.engines.vllm import model_directory
 

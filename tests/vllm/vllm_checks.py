@@ -6,7 +6,6 @@ import json
 import re
 import threading
 
-import pytest
 
 from deployments.engines import DoneEvent, ErrorEvent, FinishedEvent, TokenEvent
 
