@@ -333,7 +333,9 @@ class _TreeBuilder:
             logger.warning("%s: %s", source, message)
         offsets.flags.writeable = False
         candidates.flags.writeable = False
-        return TreeData(start, ids["end_token_id"], sep, self.keys, offsets, candidates, tuple(warnings))
+        end = ids["end_token_id"]
+        assert start is not None and end is not None  # a missing id was reported as a problem above
+        return TreeData(start, end, sep, self.keys, offsets, candidates, tuple(warnings))
 
     def _check_duplicates(self) -> None:
         # Sorting 8-byte hashes costs a fraction of the memory of a set of a million keys; only keys whose

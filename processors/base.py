@@ -34,8 +34,16 @@ class Cursor(ABC):
     records a readable :attr:`error`.
     """
 
-    #: the token that ends this row; always allowed when nothing else is
-    end_token_id: int
+    @property
+    def end_token_id(self) -> int:
+        """The token that ends this row; always allowed when nothing else is."""
+        raise NotImplementedError
+
+    @property
+    def fell_back(self) -> bool:
+        """True when a table had no entry for the row's state and it fell back to its end token (not an error)."""
+        return False
+
     #: description of the first invalid token seen, or ``None``
     error: str | None = None
 
@@ -116,6 +124,7 @@ class CursorLogitsProcessor:
     def _reorder(self, input_ids: torch.Tensor) -> bool:
         """Match each row to the previous row it extends; False when some row matches none."""
         prev = self._prev
+        assert prev is not None and self.cursors is not None
         cur = input_ids[:, :-1]
         eq = (cur[:, None, :] == prev[None, :, :]).all(dim=-1)
         if not bool(eq.any(dim=1).all()):
@@ -150,6 +159,7 @@ class CursorLogitsProcessor:
             else:
                 self._restart(input_ids)
         self._prev = input_ids.detach().clone()
+        assert self.cursors is not None
         return self.cursors
 
     def reset(self) -> None:

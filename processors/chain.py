@@ -49,20 +49,24 @@ class RowCursor(Cursor):
         self.compiled = compiled
         if compiled is not None:
             self.stop_ids = frozenset(compiled.stop_token_ids)
-            self.end_token_id = compiled.end_token_id
+            self._end_token_id = compiled.end_token_id
             self.constraint = constraint_cursor(compiled.constraint, tokenizer) if compiled.constraint is not None else None
             self.think = ThinkCursor(compiled.think, compiled.stop_token_ids) if compiled.think is not None else None
         else:
             if not eos_token_ids:
                 raise ValueError("an unconstrained row needs eos_token_ids")
             self.stop_ids = frozenset(int(t) for t in eos_token_ids)
-            self.end_token_id = int(eos_token_ids[0])
+            self._end_token_id = int(eos_token_ids[0])
             self.constraint = None
             self.think = None
         self.done = False
         self.generated = 0
         self._end = Step(ALLOW, as_ids([self.end_token_id]), self.end_token_id)
         self._free = Step(FREE, None, self.end_token_id)
+
+    @property
+    def end_token_id(self) -> int:
+        return self._end_token_id
 
     @property
     def finished(self) -> bool:

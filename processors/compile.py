@@ -160,7 +160,7 @@ def build_prompt_ids(
     elif messages is not None:
         ids = encode_chat(tokenizer, msgs, text, suffix)
     else:
-        ids = encode_segments(tokenizer, [(prompt, False), (suffix, True)])
+        ids = encode_segments(tokenizer, [(prompt or "", False), (suffix, True)])
     if think is None and compiled is not None and compiled.start_token_id is not None:
         if not ids or ids[-1] != compiled.start_token_id:
             ids.append(compiled.start_token_id)

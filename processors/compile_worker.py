@@ -68,7 +68,7 @@ def build_grammar(kind: str, source: str, lltok, json_options: dict | None = Non
             raise ValueError(f"invalid regex {source!r}: {exc}") from exc
     else:
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=dict(json_options or {}))
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=dict(json_options or {}))  # type: ignore[arg-type]
         except (ValueError, RuntimeError) as exc:
             raise ValueError(f"invalid JSON schema: {exc}") from exc
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
@@ -182,7 +182,7 @@ class GrammarWorker:
             self._unusable, start = f"grammars need a HF fast tokenizer ({type(exc).__name__}: {exc})", False
         self._cond = threading.Condition()
         self._proc: subprocess.Popen | None = None
-        self._stderr = None
+        self._stderr: Any = None
         self._want = bool(start)  # the keeper should start a worker
         self._start_error: Exception | None = None
         self._keeper: threading.Thread | None = None
@@ -234,6 +234,7 @@ class GrammarWorker:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env, close_fds=True,
         )
         self._proc, self._stderr = proc, stderr
+        assert proc.stdin is not None and proc.stdout is not None  # PIPE
         try:
             _send(proc.stdin.fileno(), {"tokenizer": self._tok_json, "n_vocab": self.vocab_size,
                                         "eos": self.eos_token_id, "memory_mb": self.memory_mb})
@@ -260,7 +261,8 @@ class GrammarWorker:
             pass
         for pipe in (proc.stdin, proc.stdout):
             try:
-                pipe.close()
+                if pipe is not None:
+                    pipe.close()
             except OSError:
                 pass
         tail = ""
@@ -329,6 +331,7 @@ class GrammarWorker:
             if not self._running(time.monotonic() + _START_TIMEOUT_S):
                 raise RuntimeError(str(self._start_error or "the grammar compile worker did not start in time"))
             proc = self._proc
+            assert proc is not None and proc.stdin is not None and proc.stdout is not None  # _running() said so
             try:
                 _send(proc.stdin.fileno(), {"kind": kind, "source": source, "json_options": json_options})
                 reply = _recv(proc.stdout.fileno(), time.monotonic() + self.timeout_s)
@@ -348,7 +351,7 @@ class GrammarWorker:
                 if (reply is not None and reply.get("memory")) or any(s in tail for s in _MEMORY_SIGNS):
                     raise CompileMemoryExceeded(f"exceeded the compile memory limit "
                                                 f"(limits.compile_memory_mb={self.memory_mb})",
-                                                "compile_memory_mb", self.memory_mb)
+                                                "compile_memory_mb", self.memory_mb or 0)
                 how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
                 raise CompileCrashed(f"crashed the grammar compile process ({how})")
             if "error" in reply:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import cast
+
 import numpy as np
 
 from .base import Cursor, as_ids
@@ -162,13 +164,13 @@ def build_label_tables(
     edge_next = [c for _, _, c in parent_edges]
     edge_lo = [node_lo[c] for _, _, c in parent_edges]
     edge_hi = [node_hi[c] for _, _, c in parent_edges]
-    for node, lab in enumerate(terminal):
-        if lab >= 0:
+    for node, label_index in enumerate(terminal):
+        if label_index >= 0:
             edge_state.append(node)
             edge_token.append(eos_token_id)
             edge_next.append(DONE)
-            edge_lo.append(lab)
-            edge_hi.append(lab + 1)
+            edge_lo.append(label_index)
+            edge_hi.append(label_index + 1)
     state_arr = np.asarray(edge_state, dtype=np.int64)
     token_arr = np.asarray(edge_token, dtype=np.int64)
     order = np.lexsort((token_arr, state_arr))
@@ -292,7 +294,7 @@ class LabelCursor(Cursor):
         if token == lt.end_token_id:
             # EOS always ends the row; where it was not allowed (mid-label, inside the separator, a
             # repeated label) it is reported like any other invalid token
-            if state >= 0 and self.error is None and token not in self.step().payload:
+            if state >= 0 and self.error is None and token not in cast(np.ndarray, self.step().payload):
                 self.error = f"end token {token} does not complete a new label in state {state}; the row ended early"
             term = int(lt.terminal[state]) if state >= 0 and self.sep_pos is None else -1
             if term >= 0:

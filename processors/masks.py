@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import cast
+
 import numpy as np
 import torch
 
@@ -125,7 +127,7 @@ def apply_steps(scores: torch.Tensor, steps: list[Step]) -> torch.Tensor:
         if kind == ALLOW:
             ids = step.payload
             n = 0 if ids is None else len(ids)
-            if n == 0:
+            if ids is None or n == 0:
                 ids = np.array([step.fallback], dtype=np.int64)
                 n = 1
             allow_rows.append(row)
@@ -133,7 +135,7 @@ def apply_steps(scores: torch.Tensor, steps: list[Step]) -> torch.Tensor:
             allow_lens.append(n)
         elif kind == BITMASK:
             bm_rows.append(row)
-            bm_words.append(step.payload)
+            bm_words.append(cast(np.ndarray, step.payload))
         elif kind == BAN:
             if step.payload is not None and len(step.payload):
                 ban_rows.append(row)

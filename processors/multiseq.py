@@ -21,11 +21,15 @@ class MultiSeqCursor(Cursor):
         self.eos_ids = frozenset(int(t) for t in eos_token_ids)
         if not self.eos_ids:
             raise ValueError("eos_token_ids must name at least one token")
-        self.end_token_id = min(self.eos_ids)
+        self._end_token_id = min(self.eos_ids)
         self.error = None
         self.done = False
         self._free = Step(FREE, None, self.end_token_id)
         self._end = Step(ALLOW, as_ids([self.end_token_id]), self.end_token_id)
+
+    @property
+    def end_token_id(self) -> int:
+        return self._end_token_id
 
     @property
     def finished(self) -> bool:

@@ -20,18 +20,22 @@ __all__ = ["TreeCursor", "TreeLogitsProcessor"]
 class TreeCursor(Cursor):
     """Per-row position in a :class:`MaskTables` tree (or label trie without multi-label rules)."""
 
-    __slots__ = ("tables", "state", "fell_back", "error", "_end_step")
+    __slots__ = ("tables", "state", "_fell_back", "error", "_end_step")
 
     def __init__(self, tables: MaskTables):
         self.tables = tables
         self.state = tables.root
-        self.fell_back = tables.root == LEAF
+        self._fell_back = tables.root == LEAF
         self.error = None
         self._end_step = Step(ALLOW, as_ids([tables.end_token_id]), tables.end_token_id)
 
     @property
     def end_token_id(self) -> int:
         return self.tables.end_token_id
+
+    @property
+    def fell_back(self) -> bool:
+        return self._fell_back
 
     @property
     def finished(self) -> bool:
@@ -43,7 +47,7 @@ class TreeCursor(Cursor):
             return self._end_step
         ids = self.tables.allowed(state)
         if ids.size == 0:
-            self.fell_back = True
+            self._fell_back = True
             return self._end_step
         return Step(ALLOW, ids, self.tables.end_token_id)
 
@@ -67,14 +71,14 @@ class TreeCursor(Cursor):
             return
         nxt = int(self.tables.next_state[i])
         if nxt == LEAF:
-            self.fell_back = True
+            self._fell_back = True
         self.state = nxt
 
     def copy(self) -> "TreeCursor":
         new = TreeCursor.__new__(TreeCursor)
         new.tables = self.tables
         new.state = self.state
-        new.fell_back = self.fell_back
+        new._fell_back = self._fell_back
         new.error = self.error
         new._end_step = self._end_step
         return new
