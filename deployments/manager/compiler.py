@@ -4,9 +4,8 @@ Every compile the manager makes goes through :meth:`StoredScenarioCompiler.compi
 :meth:`StoredScenarioCompiler.compile_blocking` (at start), which run :meth:`StoredScenarioCompiler._prepare`
 on the compiler's own threads, one at a time, bounded by ``limits.compile_timeout_s``:
 ``_validate`` (422: limits, ``config.load_scenario``, a tree path confined to ``tree_dir``) ->
-``_compile_now`` (400: ``processors.compile_scenario``, grammars in the :class:`GrammarWorker` process) ->
-``_check_compiled`` (limits that need the compiled form). ``_compile_now`` is the one place that calls the
-processors.
+``_compile_now`` (400: ``processors.pipeline.ScenarioCompiler.compile_now``: grammars in its bounded worker
+process, each kind's limits on the compiled form). ``_compile_now`` is the one place that calls the processors.
 
 It also pins tree files: a tree given as a ``path`` is read once, at the PUT, into a local copy named by its
 SHA-256 (:meth:`StoredScenarioCompiler.pin_tree_file`); a stored body carrying ``content_sha256`` compiles that
@@ -18,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import re
@@ -26,36 +24,14 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import pydantic
-
-from config import SCENARIO_TYPES, ServerSettings, load_scenario
-from config.settings import LimitExceeded
+from config import ScenarioError, ServerSettings
 from deployments.protocol import ServiceError
+from deployments.scenario_errors import scenario_service_error
 from deployments.store import ScenarioStore, content_sha256
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["StoredScenarioCompiler"]
-
-
-def _format_validation_error(body: dict, exc: pydantic.ValidationError) -> tuple[str, list[dict]]:
-    errors = []
-    for err in exc.errors():
-        loc = list(err.get("loc", ()))
-        if loc and loc[0] == body.get("type"):  # the discriminated union puts the tag first
-            loc = loc[1:]
-        where = ".".join(str(p) for p in loc)
-        if not where and str(err.get("type", "")).startswith("union_tag"):
-            where = "type"
-        msg = str(err.get("msg", "")).removeprefix("Value error, ")
-        if err.get("type") == "union_tag_not_found":
-            msg = (f"missing: a scenario body needs \"type\", one of {', '.join(SCENARIO_TYPES)} (a bare tree file "
-                   "goes under \"tree\": {\"type\": \"tree\", \"tree\": {...}}; cs-admin put --tree does that)")
-        errors.append({"field": where or None, "message": msg})
-    text = "; ".join(f"{e['field']}: {e['message']}" if e["field"] else e["message"] for e in errors[:5])
-    if len(errors) > 5:
-        text += f"; and {len(errors) - 5} more"
-    return f"invalid scenario: {text}", errors
 
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -90,12 +66,11 @@ class StoredScenarioCompiler:
         # Compiles get their own threads: one that times out keeps running (a thread cannot be
         # stopped) and must not starve the Redis calls, which go to asyncio's default executor.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="config-manager-compile")
-        # JSON-schema and regex grammars are built in a worker process that is killed at the limits
-        # (their cost can explode on a small schema; a thread could not be stopped).
-        from processors.compile_worker import GrammarWorker
+        # The scenario pipeline: limits, validation, compile (JSON-schema and regex grammars in a worker process
+        # killed at the limits: their cost can explode on a small schema; a thread could not be stopped).
+        from processors import ScenarioCompiler
 
-        self._grammar_worker = GrammarWorker(tokenizer, timeout_s=settings.limits.compile_timeout_s,
-                                             memory_mb=settings.limits.compile_memory_mb)
+        self.pipeline = ScenarioCompiler(tokenizer, settings.limits, executor=self._pool)
         self.new_loop()
 
     def new_loop(self) -> None:
@@ -103,7 +78,7 @@ class StoredScenarioCompiler:
         self._gate = asyncio.Lock()
 
     def close(self) -> None:
-        self._grammar_worker.close()
+        self.pipeline.close()
 
     # ------------------------------------------------------------------ validate
 
@@ -120,22 +95,10 @@ class StoredScenarioCompiler:
             if not isinstance(sha, str) or not _SHA256_HEX.fullmatch(sha):
                 raise ServiceError(422, "invalid scenario: content_sha256: expected 64 lowercase hex digits",
                                    {"name": name, "field": "content_sha256"})
-        limits = self.settings.limits
         try:
-            # Before anything walks the body recursively (json.dumps, validation, the schema checker).
-            limits.check_scenario(body)  # first: it names the limit of the field (schema depth, ...)
-            limits.check_json_depth(body)
-        except LimitExceeded as exc:
-            raise ServiceError(exc.status, f"invalid scenario: {exc}", {"name": name, **exc.detail()}) from None
-        try:
-            json.dumps(body)
-        except (TypeError, ValueError) as exc:
-            raise ServiceError(422, f"the scenario body is not JSON: {exc}") from None
-        try:
-            scenario = load_scenario(body)
-        except pydantic.ValidationError as exc:
-            message, errors = _format_validation_error(body, exc)
-            raise ServiceError(422, message, {"name": name, "errors": errors}) from None
+            scenario = self.pipeline.parse(body)  # limits first (before anything walks the body), then validation
+        except ScenarioError as exc:
+            raise scenario_service_error(exc, "scenario", name=name) from None
         if sha is not None:
             if scenario.type != "tree" or scenario.path is None:
                 raise ServiceError(422, "invalid scenario: content_sha256: only a tree given by path has stored "
@@ -231,39 +194,18 @@ class StoredScenarioCompiler:
 
     # ------------------------------------------------------------------ compile
 
-    def _check_compiled(self, name: str, scenario, compiled) -> None:
-        """Limits that need the compiled form: the keys of a tree given as a ``path`` (counted once loaded)."""
-        if scenario.type == "tree" and scenario.path is not None:
-            try:
-                self.settings.limits.check_tree_keys(int(compiled.constraint.offsets.size) - 1, "path")
-            except LimitExceeded as exc:
-                raise ServiceError(exc.status, f"tree file {scenario.path}: {exc}", {"name": name, **exc.detail()}) from None
-
     def _compile_now(self, name: str, scenario):
-        """The compile itself (400 when it fails): the one call into ``processors``."""
-        from processors import compile_scenario
-        from processors.compile_worker import CompileCrashed, CompileLimitError
-
+        """The compile itself and the limits of its result (400 / 422): the one call into ``processors``."""
         try:
-            return compile_scenario(scenario, self.tokenizer, grammar_worker=self._grammar_worker)
-        except CompileLimitError as exc:  # "did not compile within 60 s (limits.compile_timeout_s=60)"
-            raise ServiceError(400, f"scenario {name!r} {exc}", {"name": name, **exc.detail()}) from None
-        except CompileCrashed as exc:
-            raise ServiceError(400, f"scenario {name!r} {exc}", {"name": name}) from None
-        except (ValueError, OSError) as exc:  # TreeFileError is a ValueError
-            raise ServiceError(400, f"scenario {name!r} does not compile for the served tokenizer: {exc}",
-                               {"name": name}) from None
-        except Exception as exc:  # a grammar engine may raise other types on a bad pattern
-            logger.warning("compiling scenario %r failed", name, exc_info=True)
-            raise ServiceError(400, f"scenario {name!r} does not compile: {type(exc).__name__}: {exc}",
-                               {"name": name}) from None
+            return self.pipeline.compile_now(scenario)
+        except ScenarioError as exc:
+            raise scenario_service_error(exc, "scenario", name=name) from None
 
     def _prepare(self, name: str, body: Any):
         """Validate (422) and compile (400) a body; runs in a worker thread (a large tree takes a while)."""
         scenario = self._validate(name, body)
         try:
             compiled = self._compile_now(name, scenario)
-            self._check_compiled(name, scenario, compiled)
         except ServiceError as exc:
             sha = content_sha256(body)
             if sha is not None and isinstance(body.get("path"), str):  # name the admin's file, not the local copy
@@ -275,24 +217,15 @@ class StoredScenarioCompiler:
 
     def compile_blocking(self, name: str, body: Any):
         """:meth:`compile` for a caller without an event loop (the manager's start)."""
-        timeout = self.settings.limits.compile_timeout_s
-        future = self._pool.submit(self._prepare, name, body)
         try:
-            return future.result(timeout=timeout)
-        except TimeoutError:
-            raise ServiceError(400, f"scenario {name!r} did not compile within {timeout:g} s "
-                                    "(limits.compile_timeout_s)", {"name": name}) from None
+            return self.pipeline.run_bounded_blocking(self._prepare, name, body)
+        except ScenarioError as exc:  # the time limit
+            raise scenario_service_error(exc, "scenario", name=name) from None
 
     async def compile(self, name: str, body: Any):
         """Validate and compile ``body`` off the event loop, bounded by ``limits.compile_timeout_s``."""
-        timeout = self.settings.limits.compile_timeout_s
         async with self._gate:  # one compile at a time: the tokenizer is shared
-            future = asyncio.get_running_loop().run_in_executor(self._pool, self._prepare, name, body)
             try:
-                async with asyncio.timeout(timeout):
-                    return await future
-            except TimeoutError:
-                # The worker thread cannot be stopped; it finishes in the background, unused.
-                raise ServiceError(400, f"scenario {name!r} did not compile within {timeout:g} s "
-                                        "(limits.compile_timeout_s)", {"name": name}) from None
-
+                return await self.pipeline.run_bounded(self._prepare, name, body)
+            except ScenarioError as exc:  # the time limit; the thread finishes in the background, unused
+                raise scenario_service_error(exc, "scenario", name=name) from None
