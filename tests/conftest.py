@@ -36,5 +36,15 @@ def model():
     return load_model()
 
 
+@pytest.fixture
+def data_dir(tmp_path):
+    """A data directory whose embedded Redis (started by a manager under test) is shut down afterwards."""
+    from deployments.redis_server import close_embedded
+
+    path = str(tmp_path / "data")
+    yield path
+    close_embedded(path)
+
+
 # The shared Ray Serve app (one start-up for tests/serve and tests/security).
 from serve_app import ADMIN_TOKEN, APP_NAME, ServeApp, serve_app  # noqa: E402,F401
