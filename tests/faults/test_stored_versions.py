@@ -20,7 +20,7 @@ from deployments.protocol import ServiceError
 from deployments.redis_server import connect_redis
 from deployments.store import ScenarioStore
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.faults
 
 ROOT, END = 1, 2
 
