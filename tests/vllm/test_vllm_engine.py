@@ -116,6 +116,29 @@ def test_tree_end_token_is_not_eos_and_every_path_is_reached(engine, tokenizer, 
     assert all(ev.token_ids[-1] == tree["end_token_id"] != tokenizer.eos_token_id for ev in finished.values())
 
 
+def test_fallback_of_an_incomplete_tree_is_reported_as_by_the_transformers_backend(engine, tokenizer, model):
+    """A tree path that reaches a state with no entry: only the end token is left there, the output stops and says
+    it fell back, on both backends alike."""
+    from deployments.engines.transformers import DecodeEngine
+
+    root = chat_root_token_id(tokenizer)
+    ids = tokenizer.encode(" Hello", add_special_tokens=False)
+    tree = {"start_token_id": root, "end_token_id": tokenizer.eos_token_id, "prefix_dict": {str(root): ids[:1]}}
+    c = compile_scenario(load_scenario({"type": "tree", "tree": tree}), tokenizer)
+    reference = DecodeEngine(model, tokenizer, max_batch_size=4).start()
+    try:
+        outs = []
+        for eng in (engine, reference):
+            col = Collector()
+            eng.submit(EngineRequest(prompt_ids=_prompt(tokenizer, c, "Greet me."), compiled=c, max_new_tokens=8,
+                                     sampling=SamplingParams(temperature=1.0, seed=5)), col)
+            ev = col.wait()[0]
+            outs.append((ev.token_ids, ev.finish_reason, ev.error, ev.fell_back))
+    finally:
+        reference.stop()
+    assert outs[0] == outs[1] == ([ids[0], tokenizer.eos_token_id], "stop", None, True)
+
+
 def test_seeds_reproduce_and_rows_differ(engine, tokenizer, compiled):
     runs = []
     for _ in range(2):
@@ -221,3 +244,52 @@ def test_health_and_stats_are_json(engine):
     assert health["engine"] == "vllm" and health["running"] is True
     json.dumps(health)
     assert health["stats"]["rows"] > 0 and health["stats"]["failed_rows"] == 0
+
+
+OWNER_SCRIPT = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from deployments.model_loader import load_tokenizer
+from deployments.engines.vllm import VLLMEngine, model_directory
+if __name__ == "__main__":
+    eng = VLLMEngine(model_directory(None), load_tokenizer(None), enforce_eager=True, kv_cache_gb=0.25,
+                     max_model_len=512).start()
+    print("READY", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_vllm_processes_end_when_their_replica_is_killed(tmp_path):
+    """A replica killed with SIGKILL cannot stop vLLM: its engine core and worker notice and end themselves."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    script = tmp_path / "owner.py"
+    script.write_text(OWNER_SCRIPT.format(root=str(Path(__file__).resolve().parents[2])))
+    out = tmp_path / "owner.log"  # vLLM logs to stdout too: a file, not a pipe that could fill up
+    with open(out, "w") as log:
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 300
+        while "READY" not in out.read_text() and proc.poll() is None and time.time() < deadline:
+            time.sleep(1)
+        assert "READY" in out.read_text(), out.read_text()[-2000:]
+        children = psutil.Process(proc.pid).children(recursive=True)
+        names = [c.name() for c in children]
+        assert any("EngineCore" in n for n in names) and any("Worker" in n for n in names), names
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        deadline = time.time() + 60
+        while time.time() < deadline and any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
+            time.sleep(0.5)
+        left = [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        assert not left, f"vLLM processes left behind: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

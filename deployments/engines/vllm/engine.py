@@ -45,7 +45,7 @@ from ...protocol import ServiceError
 from ..protocol import (
     DoneEvent, Engine, EngineEvent, EngineRequest, ErrorEvent, FinishedEvent, RequestTicket, TokenEvent,
 )
-from .handoff import EXTRA_KEY, ScenarioFiles
+from .handoff import EXTRA_KEY, OWNER_ENV, ScenarioFiles, owner_marker
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +200,8 @@ class VLLMEngine(Engine):
             self._files = ScenarioFiles()
             if self.cpu_threads:  # read by vLLM's CPU worker (inherited by the processes it spawns)
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{self.cpu_threads - 1}"
+            # vLLM's processes end themselves when this process dies without stopping them (see .processor)
+            os.environ[OWNER_ENV] = owner_marker()
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine", daemon=True)
             self._thread.start()

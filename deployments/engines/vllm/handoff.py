@@ -18,10 +18,19 @@ import shutil
 import tempfile
 import threading
 
-__all__ = ["EXTRA_KEY", "ScenarioFiles", "load_compiled"]
+__all__ = ["EXTRA_KEY", "OWNER_ENV", "ScenarioFiles", "load_compiled", "owner_marker"]
 
 #: the key of our entry in ``SamplingParams.extra_args``
 EXTRA_KEY = "constrained_serve"
+#: environment variable naming the replica process (``pid:start time``) to vLLM's processes (see .processor)
+OWNER_ENV = "CONSTRAINED_SERVE_VLLM_OWNER"
+
+
+def owner_marker() -> str:
+    """``pid:start time`` of this process (the start time tells a reused pid apart)."""
+    import psutil
+
+    return f"{os.getpid()}:{psutil.Process().create_time():.2f}"
 
 
 class ScenarioFiles:

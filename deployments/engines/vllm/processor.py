@@ -22,6 +22,8 @@ failure, see :mod:`.engine`); one row's failure never touches another row.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from collections import OrderedDict
@@ -34,7 +36,7 @@ from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 from processors import RowCursor, apply_steps
 from processors.masks import ALLOW, FREE, Step, mask_padded_vocab
 
-from .handoff import EXTRA_KEY, load_compiled
+from .handoff import EXTRA_KEY, OWNER_ENV, load_compiled
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm import SamplingParams
@@ -75,6 +77,7 @@ class ChainLogitsProcessor(LogitsProcessor):
         self._tokenizer_path = vllm_config.model_config.tokenizer
         self.vocab_size: int | None = None
         self.stats = {"rows": 0, "steps": 0, "chain_seconds": 0.0, "loads": 0, "failed_rows": 0}
+        watch_owner()
         try:  # grammar rows need the tokenizer (and its llguidance form): build both now, not at a first request
             self._load_tokenizer()
         except Exception:  # pragma: no cover - a grammar row retries and reports it
@@ -182,6 +185,48 @@ class ChainLogitsProcessor(LogitsProcessor):
             self.vocab_size = len(tokenizer)
             self._tokenizer = tokenizer
         return self._tokenizer
+
+
+_watching = False
+
+
+def watch_owner(interval: float = 1.0) -> None:
+    """End vLLM's engine process and this worker when the replica that started them is gone.
+
+    vLLM's engine core does not notice a client that died without shutting it down (a replica killed with
+    SIGKILL): it and its worker would stay behind, holding the model and the KV cache. The replica names
+    itself in :data:`OWNER_ENV` (``pid:start time``); this thread, in the worker, checks it every ``interval``
+    seconds and then kills the engine core (this worker's parent) and exits.
+    """
+    global _watching
+    spec = os.environ.get(OWNER_ENV)
+    if _watching or not spec:
+        return
+    _watching = True
+    import psutil
+
+    pid_text, _, started = spec.partition(":")
+    owner, parent = int(pid_text), os.getppid()
+
+    def gone() -> bool:
+        try:
+            proc = psutil.Process(owner)
+            return proc.status() == psutil.STATUS_ZOMBIE or (started and f"{proc.create_time():.2f}" != started)
+        except psutil.NoSuchProcess:
+            return True
+
+    def run() -> None:
+        while not gone():
+            time.sleep(interval)
+        logger.warning("the replica process %d is gone: stopping vLLM's engine core (pid %d) and this worker", owner, parent)
+        if parent not in (owner, 1):
+            try:
+                os.kill(parent, signal.SIGKILL)
+            except OSError:
+                pass
+        os._exit(0)
+
+    threading.Thread(target=run, name="owner-watch", daemon=True).start()
 
 
 def _needs_tokenizer(compiled) -> bool:
