@@ -9,12 +9,12 @@ package imports no torch.
 from __future__ import annotations
 
 from .protocol import (
-    DoneEvent, Engine, EngineEvent, EngineRequest, ErrorEvent, FinishedEvent, RequestTicket, SamplingParams,
-    TokenEvent,
+    DoneEvent, Engine, EngineEvent, EngineRequest, ErrorEvent, EventCollector, FinishedEvent, RequestTicket,
+    SamplingParams, TokenEvent,
 )
 
 __all__ = [
-    "DoneEvent", "Engine", "EngineEvent", "EngineRequest", "ErrorEvent", "FinishedEvent", "RequestTicket",
+    "DoneEvent", "Engine", "EngineEvent", "EngineRequest", "ErrorEvent", "EventCollector", "FinishedEvent", "RequestTicket",
     "SamplingParams", "TokenEvent", "create_engine",
 ]
 

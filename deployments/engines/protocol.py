@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Union
@@ -33,6 +35,7 @@ __all__ = [
     "EngineEvent",
     "EngineRequest",
     "ErrorEvent",
+    "EventCollector",
     "FinishedEvent",
     "RequestTicket",
     "SamplingParams",
@@ -107,6 +110,53 @@ class ErrorEvent:
 
 
 EngineEvent = Union[TokenEvent, FinishedEvent, DoneEvent, ErrorEvent]
+
+
+class EventCollector:
+    """An ``on_event`` callback for :meth:`Engine.submit` that gathers one request's events.
+
+    ``tokens`` (per output index), ``times`` (arrival time and index of every token), ``finished`` (the
+    :class:`FinishedEvent` per index), ``error`` (an :class:`ErrorEvent`'s message) and ``done`` (set by the
+    last event). Read them after ``done`` is set, or use :meth:`wait`.
+    """
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, list[int]] = {}
+        self.times: list[tuple[float, int]] = []
+        self.finished: dict[int, FinishedEvent] = {}
+        self.error: str | None = None
+        self.done = threading.Event()
+
+    def __call__(self, event: EngineEvent) -> None:
+        if isinstance(event, TokenEvent):
+            self.tokens.setdefault(event.index, []).append(event.token_id)
+            self.times.append((time.perf_counter(), event.index))
+        elif isinstance(event, FinishedEvent):
+            self.finished[event.index] = event
+        elif isinstance(event, DoneEvent):
+            self.done.set()
+        elif isinstance(event, ErrorEvent):
+            self.error = event.message
+            self.done.set()
+
+    def wait(self, timeout: float | None = None) -> dict[int, FinishedEvent]:
+        """The finished outputs by index once the request ended; raises ``TimeoutError`` if it has not ended
+        in ``timeout`` seconds and ``RuntimeError`` if it failed as a whole."""
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"the request did not end within {timeout} s")
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        return self.finished
+
+    def first_token_at(self) -> float:
+        """Arrival time (``time.perf_counter``) of the first token."""
+        if not self.times:
+            raise RuntimeError("no token yet")
+        return self.times[0][0]
+
+    def tokens_between(self, start: float, end: float) -> int:
+        """How many tokens arrived strictly between two ``time.perf_counter`` readings."""
+        return sum(1 for t, _ in self.times if start < t < end)
 
 
 class RequestTicket(ABC):

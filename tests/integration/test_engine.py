@@ -6,14 +6,13 @@ scenarios share forward passes and each stays valid for its own scenario, seeds 
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import torch
 
 from config import load_scenario
-from deployments.engines import DoneEvent, EngineRequest, ErrorEvent, FinishedEvent, SamplingParams, TokenEvent
+from deployments.engines import EngineRequest, EventCollector, SamplingParams
 from deployments.engines.transformers import DecodeEngine
 from processors import build_prompt_ids, compile_scenario
 
@@ -26,30 +25,7 @@ def _chat(tokenizer, text, compiled=None):
     return build_prompt_ids(compiled, tokenizer, messages=[{"role": "user", "content": text}])
 
 
-class Collector:
-    """Gathers a job's events; ``wait`` returns {index: finished-event}."""
-
-    def __init__(self):
-        self.finished: dict[int, dict] = {}
-        self.tokens: dict[int, list[int]] = {}
-        self.done = threading.Event()
-        self.error: str | None = None
-
-    def __call__(self, ev):
-        if isinstance(ev, TokenEvent):
-            self.tokens.setdefault(ev.index, []).append(ev.token_id)
-        elif isinstance(ev, FinishedEvent):
-            self.finished[ev.index] = ev
-        elif isinstance(ev, DoneEvent):
-            self.done.set()
-        elif isinstance(ev, ErrorEvent):
-            self.error = ev.message
-            self.done.set()
-
-    def wait(self, timeout=120):
-        assert self.done.wait(timeout), "job did not finish"
-        assert self.error is None, self.error
-        return self.finished
+Collector = EventCollector
 
 
 @pytest.fixture(scope="module")

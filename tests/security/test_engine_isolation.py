@@ -9,7 +9,6 @@ being admitted, not in seconds, so the assertions do not depend on the machine's
 from __future__ import annotations
 
 import re
-import threading
 import time
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 
 from config import load_scenario
 from deployments.engines.transformers import engine as engine_module
-from deployments.engines import DoneEvent, EngineRequest, ErrorEvent, FinishedEvent, SamplingParams, TokenEvent
+from deployments.engines import EngineRequest, EventCollector, SamplingParams
 from deployments.engines.transformers import DecodeEngine
 from processors import build_prompt_ids, compile_scenario
 from processors.grammar import compile_regex
@@ -25,39 +24,7 @@ from processors.grammar import compile_regex
 LABELS = ["Sports", "Technology", "Politics", "New York City"]
 
 
-class Events:
-    """A job's events with arrival times; ``wait`` returns {index: finished event}."""
-
-    def __init__(self):
-        self.finished: dict[int, dict] = {}
-        self.tokens: dict[int, list[int]] = {}
-        self.times: list[tuple[float, int]] = []  # (arrival, index) of every token event
-        self.done = threading.Event()
-        self.error: str | None = None
-
-    def __call__(self, ev):
-        if isinstance(ev, TokenEvent):
-            self.tokens.setdefault(ev.index, []).append(ev.token_id)
-            self.times.append((time.perf_counter(), ev.index))
-        elif isinstance(ev, FinishedEvent):
-            self.finished[ev.index] = ev
-        elif isinstance(ev, DoneEvent):
-            self.done.set()
-        elif isinstance(ev, ErrorEvent):
-            self.error = ev.message
-            self.done.set()
-
-    def first_token_at(self) -> float:
-        assert self.times, "no token yet"
-        return self.times[0][0]
-
-    def tokens_between(self, start: float, end: float) -> int:
-        return sum(1 for t, _ in self.times if start < t < end)
-
-    def wait(self, timeout=180):
-        assert self.done.wait(timeout), "job did not finish"
-        assert self.error is None, self.error
-        return self.finished
+Events = EventCollector
 
 
 @pytest.fixture(scope="module")
