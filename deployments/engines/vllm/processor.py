@@ -103,7 +103,7 @@ class ChainLogitsProcessor(LogitsProcessor):
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is not None:
-            process_dict_updates(self.rows, batch_update, self._new_row)
+            process_dict_updates(self.rows, batch_update, self._safe_new_row)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.rows:
@@ -114,11 +114,19 @@ class ChainLogitsProcessor(LogitsProcessor):
         scaled: list[tuple[int, float]] = []
         for index, row in self.rows.items():
             if index < n:
-                if row.cursor is not None:
+                if row.cursor is not None or row.broken is not None:
                     steps[index] = self._row_step(row)
                 if row.scale is not None:
                     scaled.append((index, row.scale))
-        apply_steps(logits, steps)
+        try:
+            apply_steps(logits, steps)
+        except Exception:  # never let vLLM's engine die of it: every constrained row gets its end token
+            logger.exception("masking the batch failed; ending its constrained rows")
+            for index, row in self.rows.items():
+                if index < n and row.cursor is not None:
+                    row.broken = Step(ALLOW, None, row.cursor.end_token_id)
+                    steps[index] = row.broken
+            apply_steps(logits, steps)
         mask_padded_vocab(logits, self.vocab_size)
         for index, scale in scaled:  # temperatures above vLLM's 2: logits * (2 / T), then vLLM divides by 2
             logits[index] *= scale
@@ -127,6 +135,19 @@ class ChainLogitsProcessor(LogitsProcessor):
         return logits
 
     # -- rows -------------------------------------------------------------------------------------
+    def _safe_new_row(self, params: "SamplingParams", prompt_ids: list[int] | None, output_ids: list[int]) -> _Row | None:
+        """:meth:`_new_row`, or a row held to the EOS token when it cannot be built (an exception here would
+        end vLLM's whole engine): the replica's replay then reports the row as an ``error`` output."""
+        try:
+            return self._new_row(params, prompt_ids, output_ids)
+        except Exception:
+            logger.exception("building a row's cursor failed; ending the row")
+            self.stats["failed_rows"] += 1
+            row = _Row(None, output_ids)
+            eos = self._tokenizer.eos_token_id if self._tokenizer is not None else (params.stop_token_ids or [0])[-1]
+            row.broken = Step(ALLOW, None, int(eos))
+            return row
+
     def _new_row(self, params: "SamplingParams", prompt_ids: list[int] | None, output_ids: list[int]) -> _Row | None:
         extra = (params.extra_args or {}).get(EXTRA_KEY)
         if extra is None:
@@ -144,6 +165,7 @@ class ChainLogitsProcessor(LogitsProcessor):
         if row.broken is not None:
             return row.broken
         cursor = row.cursor
+        assert cursor is not None
         try:
             out = row.output_ids
             while row.consumed < len(out):

@@ -1,0 +1,122 @@
+"""ChainLogitsProcessor driven as vLLM drives it (real vLLM BatchUpdate / SamplingParams, the real tokenizer and
+compiled scenarios), without starting an engine: rows follow vLLM's batch (added, swapped, removed), a row advances
+by its live output list, a row whose scenario cannot be loaded ends with EOS instead of taking vLLM down, the
+temperature scale, and the parameter check.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm.v1.engine.async_llm", reason="the vLLM tier runs in .venv-vllm: bash scripts/test_vllm.sh")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality  # noqa: E402
+
+from config import load_scenario  # noqa: E402
+from deployments.engines.vllm.handoff import EXTRA_KEY, ScenarioFiles  # noqa: E402
+from deployments.engines.vllm.processor import ChainLogitsProcessor  # noqa: E402
+from processors import RowCursor, bitmask_to_ids, compile_scenario  # noqa: E402
+from processors.masks import ALLOW, BITMASK  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+LABELS = ["Sports", "Technology", "Politics", "New York City"]
+
+
+@pytest.fixture(scope="module")
+def setup(tokenizer):
+    from deployments.engines.vllm import model_directory
+
+    files = ScenarioFiles()
+    proc = ChainLogitsProcessor(SimpleNamespace(model_config=SimpleNamespace(tokenizer=model_directory(None))),
+                                torch.device("cpu"), False)
+    labels = compile_scenario(load_scenario({"type": "labels", "labels": LABELS}), tokenizer)
+    regex = compile_scenario(load_scenario({"type": "regex", "pattern": "[0-9]{2}"}), tokenizer)
+    yield proc, files, labels, regex
+    files.close()
+
+
+def _allowed(logits_row: torch.Tensor) -> set[int]:
+    return set(torch.isfinite(logits_row).nonzero().flatten().tolist())
+
+
+def _expected(cursor: RowCursor) -> set[int]:
+    step = cursor.step()
+    if step.kind == ALLOW:
+        return {int(t) for t in step.payload}
+    assert step.kind == BITMASK
+    return {int(t) for t in bitmask_to_ids(step.payload)}
+
+
+def _update(proc, size, added=(), removed=(), moved=()):
+    proc.update_state(BatchUpdate(batch_size=size, removed=list(removed), added=list(added), moved=list(moved)))
+
+
+def test_rows_follow_the_batch_and_their_output_lists(setup, tokenizer):
+    proc, files, labels, regex = setup
+    vocab = len(tokenizer)
+    out_labels, out_free, out_regex = [], [], []
+    _update(proc, 3, added=[
+        (0, SamplingParams(extra_args={EXTRA_KEY: files.ref(labels)}), [1], out_labels),
+        (1, SamplingParams(), [1], out_free),
+        (2, SamplingParams(extra_args={EXTRA_KEY: files.ref(regex)}), [1], out_regex),
+    ])
+    ref_labels, ref_regex = RowCursor(labels, tokenizer), RowCursor(regex, tokenizer)
+    logits = proc.apply(torch.zeros(3, vocab))
+    assert _allowed(logits[0]) == _expected(ref_labels)
+    assert _allowed(logits[1]) == set(range(vocab))  # a row without our entry is left alone
+    assert _allowed(logits[2]) == _expected(ref_regex)
+
+    # vLLM swaps rows 0 and 2 and each request gets its next token: the masks follow their requests
+    _update(proc, 3, moved=[(0, 2, MoveDirectionality.SWAP)])
+    first = tokenizer.encode(" Sports", add_special_tokens=False)[0]
+    digit = tokenizer.encode("4", add_special_tokens=False)[0]
+    out_labels.append(first)
+    out_regex.append(digit)
+    ref_labels.advance(first)
+    ref_regex.advance(digit)
+    logits = proc.apply(torch.zeros(3, vocab))
+    assert _allowed(logits[2]) == _expected(ref_labels)
+    assert _allowed(logits[0]) == _expected(ref_regex)
+
+    # the labels request leaves; vLLM moves the last row down into its place
+    _update(proc, 2, removed=[2])
+    logits = proc.apply(torch.zeros(2, vocab))
+    assert _allowed(logits[0]) == _expected(ref_regex) and _allowed(logits[1]) == set(range(vocab))
+    _update(proc, 0, removed=[0, 1])
+    assert not proc.rows
+
+
+def test_a_row_whose_scenario_cannot_be_loaded_ends_with_eos_and_others_go_on(setup, tokenizer):
+    proc, files, labels, _ = setup
+    broken = {"key": "0" * 24, "path": files.dir + "/missing.pkl"}  # a version never written (nor cached)
+    _update(proc, 2, added=[(0, SamplingParams(extra_args={EXTRA_KEY: broken}), [1], []),
+                            (1, SamplingParams(extra_args={EXTRA_KEY: files.ref(labels)}), [1], [])])
+    logits = proc.apply(torch.zeros(2, len(tokenizer)))
+    assert _allowed(logits[0]) == {tokenizer.eos_token_id}
+    assert _allowed(logits[1]) == _expected(RowCursor(labels, tokenizer))
+    _update(proc, 0, removed=[0, 1])
+
+
+def test_temperature_scale_multiplies_the_row_after_the_mask(setup, tokenizer):
+    proc, files, labels, _ = setup
+    _update(proc, 2, added=[(0, SamplingParams(extra_args={EXTRA_KEY: {"scale": 0.25}}), [1], []),
+                            (1, SamplingParams(extra_args={EXTRA_KEY: {**files.ref(labels), "scale": 0.5}}), [1], [])])
+    base = torch.randn(2, len(tokenizer))
+    logits = proc.apply(base.clone())
+    assert torch.allclose(logits[0], base[0] * 0.25)
+    allowed = sorted(_expected(RowCursor(labels, tokenizer)))
+    assert torch.allclose(logits[1, allowed], base[1, allowed] * 0.5)
+    assert np.isneginf(logits[1].numpy()).sum() == len(tokenizer) - len(allowed)
+    _update(proc, 0, removed=[0, 1])
+
+
+@pytest.mark.parametrize("extra", [{"key": "x"}, {"path": "/x"}, {"scale": 2.0}, {"scale": "1"}, "text"])
+def test_malformed_extra_args_are_refused(extra):
+    with pytest.raises(ValueError):
+        ChainLogitsProcessor.validate_params(SamplingParams(extra_args={EXTRA_KEY: extra}))
