@@ -19,7 +19,9 @@ text); tokens/s counts the completion tokens the server reports, req/s the reque
 of a workload's batch. Ratios: ours / vLLM's server per workload; ``req_per_s_paired`` is the median of the
 per-round ratios (the verdict uses it: the same requests on both sides).
 
-Threads: vLLM's CPU worker and the transformers replica get the same ``--threads`` (default: all cores).
+Threads: vLLM's CPU worker and the transformers replica get the same ``--threads`` (default: all cores). Ray
+starts its workers (our replicas and the vLLM processes a replica starts) at nice 15 unless told otherwise, while
+vLLM's server and this client run at 0: the bench starts Ray with ``RAY_worker_niceness=0`` (``--ray-niceness``).
 
 ``--grammar-ab`` measures only grammar rows inside one vLLM engine: our chain against vLLM's guidance structured
 outputs (same grammar), alternated, with the outputs compared token for token.
@@ -290,6 +292,8 @@ def main() -> None:
     ap.add_argument("--backends", default="transformers,vllm,vllm-guidance",
                     help="our backends, one phase each, in this order: transformers, vllm (vllm_grammar: chain), "
                          "vllm-guidance (vllm_grammar: guidance)")
+    ap.add_argument("--ray-niceness", type=int, default=0,
+                    help="nice value of Ray's workers (Ray's default is 15; vLLM's server runs at 0)")
     ap.add_argument("--grammar-ab", action="store_true",
                     help="only the engine-level A/B of grammar rows: our chain against vLLM's guidance backend")
     args = ap.parse_args()
@@ -308,6 +312,9 @@ def main() -> None:
     server = VLLMServer(model_dir, max_num_seqs=args.concurrency, kv_cache_gb=args.kv_cache_gb,
                         max_model_len=max_model_len, enforce_eager=args.enforce_eager, env=threads_env)
     results: dict = {"config": {k: v for k, v in vars(args).items()}, "phases": {}}
+    # Ray runs its workers (our replicas, and the vLLM processes a replica starts) at nice 15 by default; vLLM's
+    # server and this client run at 0. The same priority for both sides (--ray-niceness 15 keeps Ray's default).
+    os.environ["RAY_worker_niceness"] = str(args.ray_niceness)
     try:
         with ServeBench(num_cpus=4) as bench:
             server_start = None
