@@ -4,41 +4,23 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 
-
-from deployments.engines import DoneEvent, ErrorEvent, FinishedEvent, TokenEvent
+from deployments.engines import EventCollector
 
 #: vLLM settings of every engine this tier starts (small, quick to start)
 VLLM_TEST_SETTINGS = {"vllm_enforce_eager": True, "vllm_kv_cache_gb": 0.5}
 
 
-class Collector:
-    """A request's events: tokens per output, finished events, the end (``DoneEvent`` or ``ErrorEvent``)."""
+class Collector(EventCollector):
+    """The engine contract's collector, also keeping every event in order (``events``)."""
 
     def __init__(self):
-        self.tokens: dict[int, list[int]] = {}
-        self.finished: dict[int, FinishedEvent] = {}
+        super().__init__()
         self.events: list = []
-        self.done = threading.Event()
-        self.error: str | None = None
 
     def __call__(self, ev):
         self.events.append(ev)
-        if isinstance(ev, TokenEvent):
-            self.tokens.setdefault(ev.index, []).append(ev.token_id)
-        elif isinstance(ev, FinishedEvent):
-            self.finished[ev.index] = ev
-        elif isinstance(ev, DoneEvent):
-            self.done.set()
-        elif isinstance(ev, ErrorEvent):
-            self.error = ev.message
-            self.done.set()
-
-    def wait(self, timeout: float = 300) -> dict[int, FinishedEvent]:
-        assert self.done.wait(timeout), "request did not finish"
-        assert self.error is None, self.error
-        return self.finished
+        super().__call__(ev)
 
 
 def check_output(kind: str, body: dict, text: str, token_ids: list[int], finish_reason: str, tokenizer) -> None:
