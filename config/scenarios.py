@@ -104,6 +104,12 @@ class ScenarioBase(ConfigModel):
     top_p: float | None = Field(default=None, gt=0, le=1, strict=True, allow_inf_nan=False,
                                 description="Default nucleus sampling mass, in (0, 1].")
     top_k: int | None = Field(default=None, ge=0, strict=True, description="Default top-k cutoff (0 = no cutoff).")
+    strict: bool | None = Field(  # None (left out when stored) reads as false
+        default=None, strict=True,
+        description="Refuse the scenario instead of serving an approximation of it: a JSON schema with keywords "
+                    "the grammar cannot enforce (they are otherwise checked after generation, and the output "
+                    "regenerated) is refused, naming them.",
+    )
 
     #: the field holding the constraint itself (``labels``, ``schema``, ...), for naming it in messages; None: none
     constraint_field: ClassVar[str | None] = None
