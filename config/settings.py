@@ -351,6 +351,11 @@ class ServerSettings(BaseModel):
                     "(e.g. {\"manager\": {\"control\": 0.01}} with a node started with --resources '{\"control\": 1}').",
     )
     seed_examples: bool = Field(default=True, description="Store the example scenarios on first start (empty Redis).")
+    history_bodies: int = Field(
+        default=20, ge=0,
+        description="Newest versions per scenario that keep their body in Redis (0 = all). Older versions keep "
+                    "their metadata (listed with pruned: true); reading or rolling back to one is a 410.",
+    )
     http_host: str = Field(default="127.0.0.1", description="Where Serve's HTTP proxy listens.")
     http_port: int = Field(default=8000, ge=1, le=65535, description="Serve's HTTP port.")
     request_timeout_s: float | None = Field(

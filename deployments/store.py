@@ -8,23 +8,39 @@ Redis is the source of truth; the config manager compiles what is stored here. K
     P s:N:seq            STRING  last version number handed out for N (INCR)
     P s:N:current        STRING  version currently in force; absent while N is deleted
     P s:N:history        LIST    every version number of N, oldest first
-    P s:N:v:n            HASH    one version, written once and never changed:
-                                   version, action (put | rollback | delete), created_at (ISO 8601 UTC),
-                                   type and scenario (the body as JSON; not on a delete entry),
-                                   from_version (rollback only)
+    P s:N:bodies         LIST    the versions of N that still hold a body, oldest first (bounded history)
+    P s:N:v:n            HASH    one version, written once; only pruning changes it later:
+                                   version, action (put | patch | rollback | delete), created_at (ISO 8601 UTC),
+                                   type and scenario (the body as JSON; not on a delete entry) or, for a body
+                                   over BODY_INLINE_BYTES, body_sha256 (the body is stored content),
+                                   from_version (rollback only), refs (the content SHA-256s it refers to),
+                                   pruned (when its body was dropped: the instant; scenario/body_sha256/refs gone)
     P w:<id>             STRING  version made by the write call <id> (kept 1 hour): a retried call is applied once
     P i:<key>            HASH    an admin write made with the idempotency key <key> (kept ``idempotency_ttl_s``,
                                    24 h by default): fingerprint (of the request), action, name, version,
                                    from_version; a retry with the key is answered with this version
-    P c:<sha256>         STRING  the bytes of a tree file as they were read at the PUT that stored it, under
-                                   their SHA-256 (hex); written once, never changed or removed
+    P c:<sha256>:m       HASH    stored content (a tree file as read at the PUT, a catalog, a large body) under
+                                   the SHA-256 (hex) of its bytes: size, chunks, encoding (zlib | raw)
+    P c:<sha256>:<i>     STRING  chunk i of that content (compressed), at most CHUNK_BYTES (1 MiB) each
+    P c:<sha256>:refs    SET     the versions ("N:n") whose bodies refer to it; when pruning empties it, the
+                                   content is removed
+    P c:<sha256>         STRING  content written before chunking (one value; read, never written now)
     P changes            pub/sub channel: {"name", "version", "action"} after every write
 
 A tree scenario given as a ``path`` is stored with the content of the file: its body keeps ``path``
 (where the content was read from, for display) and adds ``content_sha256``, the key of the bytes in
 ``P c:<sha256>``. A version therefore means the same tokens forever, whatever happens to the file.
 
-A write (put, rollback, delete) is one Lua script: it takes the next number with INCR (skipping any
+Large values never block Redis for other clients: content is compressed and cut into chunks of at most 1 MiB,
+written one SET each in a pipeline (no transaction) BEFORE the write script runs; the script then writes the
+manifest ``P c:<sha>:m`` together with the version that refers to it. A reader finds the manifest only once every
+chunk is there, so it never sees content half-written; chunks of a write that failed are overwritten by its retry
+(their keys name the content's hash). History is bounded: with ``history_bodies`` N > 0 the script drops, in the
+same write, the body of every version older than the newest N that have one (``P s:N:bodies``); such a version
+keeps its metadata and is listed with ``pruned: true``; :meth:`ScenarioStore.get` returns it with ``scenario:
+None, pruned: True``, and a rollback to it is a 410. Content no version refers to any more is removed with it.
+
+A write (put, patch, rollback, delete) is one Lua script: it takes the next number with INCR (skipping any
 version key that already exists, so a record is never overwritten), writes the record, moves the
 ``current`` pointer and the live-name set, appends to the history, records the idempotency key and
 publishes the change, all atomically; a put that refers to tree content stores the bytes in the same
@@ -32,7 +48,8 @@ script (or checks that they are stored). A write that reaches the server after i
 caller has given up and answered 503) is dropped, and a retry of one that was applied returns the
 same version. A write with an idempotency key that was already used for the same request is not
 applied again: it returns the first write's version (``WriteResult.replayed``); the key used for a
-different request is a ``ServiceError(422)``. Two concurrent writers therefore get distinct versions,
+different request is a ``ServiceError(422)``. A write with ``expect_current`` (a PATCH) is applied only while
+that version is current, else it raises :class:`BaseChanged` (409) and writes nothing. Two concurrent writers therefore get distinct versions,
 both land in the history, and ``current`` always names the newest write. Names are checked against
 :data:`NAME_PATTERN` because they become parts of keys and URLs.
 
@@ -48,6 +65,7 @@ import json
 import logging
 import re
 import uuid
+import zlib
 from datetime import datetime, timezone
 from typing import Any
 
@@ -56,7 +74,7 @@ from redis.client import NEVER_DECODE
 
 from deployments.protocol import ServiceError
 
-__all__ = ["IDEMPOTENCY_TTL_S", "NAME_PATTERN", "ScenarioStore", "WriteResult", "content_sha256",
+__all__ = ["BaseChanged", "HISTORY_BODIES", "IDEMPOTENCY_TTL_S", "NAME_PATTERN", "ScenarioStore", "WriteResult", "content_sha256", "pruned_error",
            "request_fingerprint", "validate_idempotency_key", "validate_name"]
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -72,6 +90,13 @@ _NAME_RULE = (
 WRITE_DEADLINE_S = 3.0
 UPLOAD_BYTES_PER_S = 10e6
 
+# Stored content (tree files, catalogs, large bodies) is compressed and cut into values of at most this many bytes.
+CHUNK_BYTES = 1 << 20
+# A scenario body whose JSON is larger than this is stored as chunked content, not in the version's hash.
+BODY_INLINE_BYTES = 256 * 1024
+# Default number of newest bodies kept per scenario (older versions keep their metadata; 0 keeps all).
+HISTORY_BODIES = 20
+
 # Seconds an idempotency key is remembered after the write it made.
 IDEMPOTENCY_TTL_S = 24 * 3600
 IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,200}$"  # printable ASCII without spaces, as a header value
@@ -79,13 +104,14 @@ _IDEMPOTENCY_KEY_RE = re.compile(IDEMPOTENCY_KEY_PATTERN)
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 # Script answers: {status, version}
-WRITTEN, REPLAYED, NOT_LIVE, TOO_LATE, NO_CONTENT, KEY_REUSED = 1, 2, -1, -2, -3, -4
+WRITTEN, REPLAYED, NOT_LIVE, TOO_LATE, NO_CONTENT, KEY_REUSED, BASE_CHANGED = 1, 2, -1, -2, -3, -4, -5
 
 _WRITE_SCRIPT = """
--- KEYS: seq, current, history, names, all, write id, idempotency key, content key
--- ARGV: version key prefix, name, action, created_at, type, body, from_version, channel, deadline (ms),
---       fingerprint ('' = no idempotency key), idempotency ttl (s),
---       content mode ('' = none, 'check' = must be stored, 'set' = store ARGV[13] unless stored), content
+-- KEYS: seq, current, history, names, all, write id, idempotency key, bodies
+-- ARGV: version key prefix, name, action, created_at, type, body ('' when stored as content), from_version,
+--       channel, deadline (ms), fingerprint ('' = no idempotency key), idempotency ttl (s),
+--       content refs (JSON [[sha, manifest or false], ...]), content key prefix, expected current ('' = any),
+--       bodies to keep (0 = all), body sha256 ('' = the body is inline)
 local done = redis.call('GET', KEYS[6])
 if done then
   return {1, tonumber(done)}  -- a retry of a write call that was applied: the same version, not a second one
@@ -107,10 +133,23 @@ local name, action = ARGV[2], ARGV[3]
 if action == 'delete' and redis.call('SISMEMBER', KEYS[4], name) == 0 then
   return {-1, 0}
 end
-if ARGV[12] == 'set' then
-  redis.call('SET', KEYS[8], ARGV[13], 'NX')
-elseif ARGV[12] == 'check' and redis.call('EXISTS', KEYS[8]) == 0 then
-  return {-3, 0}
+if ARGV[14] ~= '' then
+  local cur = redis.call('GET', KEYS[2])
+  if cur ~= ARGV[14] then
+    return {-5, tonumber(cur) or 0}  -- the scenario changed since the caller read it
+  end
+end
+local cprefix = ARGV[13]
+local refs = cjson.decode(ARGV[12])
+for _, ref in ipairs(refs) do
+  local sha, manifest = ref[1], ref[2]
+  if manifest then
+    if redis.call('EXISTS', cprefix .. sha .. ':m') == 0 then
+      redis.call('HSET', cprefix .. sha .. ':m', 'size', manifest[1], 'chunks', manifest[2], 'encoding', manifest[3])
+    end
+  elseif redis.call('EXISTS', cprefix .. sha .. ':m') == 0 and redis.call('EXISTS', cprefix .. sha) == 0 then
+    return {-3, 0}
+  end
 end
 local v, vkey
 repeat
@@ -120,10 +159,22 @@ until redis.call('EXISTS', vkey) == 0
 local fields = {'version', v, 'action', action, 'created_at', ARGV[4]}
 if action ~= 'delete' then
   table.insert(fields, 'type'); table.insert(fields, ARGV[5])
-  table.insert(fields, 'scenario'); table.insert(fields, ARGV[6])
+  if ARGV[16] ~= '' then
+    table.insert(fields, 'body_sha256'); table.insert(fields, ARGV[16])
+  else
+    table.insert(fields, 'scenario'); table.insert(fields, ARGV[6])
+  end
 end
 if ARGV[7] ~= '' then
   table.insert(fields, 'from_version'); table.insert(fields, ARGV[7])
+end
+local shas = {}
+for _, ref in ipairs(refs) do
+  table.insert(shas, ref[1])
+  redis.call('SADD', cprefix .. ref[1] .. ':refs', name .. ':' .. v)
+end
+if #shas > 0 then
+  table.insert(fields, 'refs'); table.insert(fields, table.concat(shas, ','))
 end
 redis.call('HSET', vkey, unpack(fields))
 redis.call('RPUSH', KEYS[3], v)
@@ -134,6 +185,28 @@ if action == 'delete' then
 else
   redis.call('SET', KEYS[2], v)
   redis.call('SADD', KEYS[4], name)
+  -- bounded history: the oldest bodies beyond the newest ARGV[15] are dropped, their metadata stays
+  redis.call('RPUSH', KEYS[8], v)
+  local keep = tonumber(ARGV[15])
+  while keep > 0 and redis.call('LLEN', KEYS[8]) > keep do
+    local old = redis.call('LPOP', KEYS[8])
+    local okey = ARGV[1] .. old
+    local oldrefs = redis.call('HGET', okey, 'refs')
+    redis.call('HDEL', okey, 'scenario', 'body_sha256', 'refs')
+    redis.call('HSET', okey, 'pruned', ARGV[4])
+    if oldrefs then
+      for sha in string.gmatch(oldrefs, '[^,]+') do
+        local rkey = cprefix .. sha .. ':refs'
+        if redis.call('SREM', rkey, name .. ':' .. old) == 1 and redis.call('SCARD', rkey) == 0 then
+          local chunks = tonumber(redis.call('HGET', cprefix .. sha .. ':m', 'chunks') or '0')
+          for i = 0, chunks - 1 do
+            redis.call('UNLINK', cprefix .. sha .. ':' .. i)
+          end
+          redis.call('UNLINK', cprefix .. sha .. ':m', rkey)
+        end
+      end
+    end
+  end
 end
 redis.call('SET', KEYS[6], v, 'EX', 3600)
 if ARGV[10] ~= '' then
@@ -144,6 +217,18 @@ end
 redis.call('PUBLISH', ARGV[8], cjson.encode({name = name, version = v, action = action}))
 return {1, v}
 """
+
+
+class BaseChanged(ServiceError):
+    """A conditional write (``expect_current``) found another version in force: nothing was written (409).
+    ``current`` is the version in force (None when the scenario is deleted)."""
+
+    def __init__(self, name: str, expected: int | None, current: int | None):
+        self.current = current
+        super().__init__(409, f"scenario {name!r} changed underneath: the write was based on version {expected}, "
+                              f"the current version is {current if current is not None else 'none (deleted)'}; "
+                              "nothing was written: read the current version and send the change again",
+                         {"name": name, "field": "base_version", "base_version": expected, "current_version": current})
 
 
 class WriteResult(int):
@@ -180,6 +265,13 @@ def content_sha256(body: Any) -> str | None:
     if isinstance(body, dict) and body.get("type") == "tree" and isinstance(body.get("content_sha256"), str):
         return body["content_sha256"]
     return None
+
+
+def pruned_error(name: str, version: int) -> ServiceError:
+    """The 410 for a version whose body was dropped by the bounded history (``history_bodies``)."""
+    return ServiceError(410, f"version {version} of scenario {name!r} no longer has its body: the history keeps "
+                             "the newest bodies only (setting history_bodies); its metadata is still listed",
+                        {"name": name, "version": version, "pruned": True})
 
 
 def validate_name(name: Any) -> str:
@@ -228,9 +320,11 @@ class ScenarioStore:
         store.get("sentiment")["version"] == v
     """
 
-    def __init__(self, redis_client: redis.Redis, prefix: str = "cs:", *, idempotency_ttl_s: float = IDEMPOTENCY_TTL_S):
+    def __init__(self, redis_client: redis.Redis, prefix: str = "cs:", *, idempotency_ttl_s: float = IDEMPOTENCY_TTL_S,
+                 history_bodies: int | None = 0):
         self.client = redis_client
         self.prefix = prefix
+        self.history_bodies = max(0, int(history_bodies or 0))
         self.idempotency_ttl_s = max(1.0, float(idempotency_ttl_s))
         self.channel = f"{prefix}changes"
         self._script = redis_client.register_script(_WRITE_SCRIPT)
@@ -270,7 +364,7 @@ class ScenarioStore:
 
     def _write(self, name: str, action: str, body: dict | None = None, from_version: int | None = None, *,
                idempotency_key: str | None = None, fingerprint: str | None = None,
-               content: bytes | None = None) -> WriteResult:
+               content: bytes | None = None, expect_current: int | None = None) -> WriteResult:
         validate_name(name)
         if body is not None:
             if not isinstance(body, dict):
@@ -286,31 +380,42 @@ class ScenarioStore:
             validate_idempotency_key(idempotency_key)
             if fingerprint is None:
                 fingerprint = request_fingerprint(action, name, body, from_version)
+        refs: list[list[Any]] = []  # [sha, manifest or False]: content this version refers to
+        uploaded = 0
         sha = content_sha256(body)
-        mode, data = "", b""
         if sha is not None:
-            mode = "check"
+            manifest: Any = False
             if content is not None:
                 if hashlib.sha256(content).hexdigest() != sha:
                     raise ServiceError(500, f"tree content does not match its content_sha256 {sha}", {"name": name})
-                if not self.client.exists(self.content_key(sha)):  # stored once, not sent again
-                    mode, data = "set", content
+                if not self._content_stored(sha):  # stored once, not sent again
+                    manifest = self._put_chunks(sha, content)
+                    uploaded += len(content)
+            refs.append([sha, manifest])
         elif content is not None:
             raise ServiceError(500, "tree content given for a body without content_sha256", {"name": name})
+        body_sha = ""
+        raw_text = text.encode("utf-8", "surrogatepass")
+        if len(raw_text) > BODY_INLINE_BYTES:  # a large body (an inline tree) goes to chunks like tree content
+            body_sha = hashlib.sha256(raw_text).hexdigest()
+            refs.append([body_sha, False if self._content_stored(body_sha) else self._put_chunks(body_sha, raw_text)])
+            uploaded, text = uploaded + len(raw_text), ""
         wid = f"{self.prefix}w:{uuid.uuid4().hex}"
         keys = [self._key(name, "seq"), self._key(name, "current"), self._key(name, "history"),
                 self.names_key, self.all_key, wid,
                 self.idempotency_key(idempotency_key) if idempotency_key is not None else wid,
-                self.content_key(sha) if sha is not None else wid]
+                self._key(name, "bodies")]
         # A write that reaches the server after this instant is dropped: a call that timed out (and
         # answered 503) never takes effect later, when a hung server wakes up and runs its backlog. The
         # instant is in the server's clock (its TIME now), so clock skew between hosts does not matter.
         seconds, micros = self.client.time()
         deadline_ms = int(seconds) * 1000 + int(micros) // 1000 + int(
-            (WRITE_DEADLINE_S + (len(text) + len(data)) / UPLOAD_BYTES_PER_S) * 1000)
+            (WRITE_DEADLINE_S + (len(text) + uploaded) / UPLOAD_BYTES_PER_S) * 1000)
         args = [self._key(name, "v:"), name, action, _now(), kind, text,
                 "" if from_version is None else str(int(from_version)), self.channel, str(deadline_ms),
-                fingerprint or "", str(int(self.idempotency_ttl_s)), mode, data]
+                fingerprint or "", str(int(self.idempotency_ttl_s)), json.dumps(refs), f"{self.prefix}c:",
+                "" if expect_current is None else str(int(expect_current)), str(int(self.history_bodies or 0)),
+                body_sha]
         status, version = (int(x) for x in self._script(keys=keys, args=args, client=self.client))
         if status == TOO_LATE:
             raise ServiceError(503, "scenario store unavailable: Redis did not run the write in time; "
@@ -320,9 +425,59 @@ class ScenarioStore:
         if status == NO_CONTENT:
             raise ServiceError(422, f"content_sha256: no tree content {sha} is stored; leave content_sha256 out "
                                     "to store the file named by path", {"name": name, "field": "content_sha256"})
+        if status == BASE_CHANGED:
+            raise BaseChanged(name, expect_current, version or None)
         if status == NOT_LIVE:
             return WriteResult(-1)
         return WriteResult(version, replayed=status == REPLAYED)
+
+    # ------------------------------------------------------------------ chunked content
+
+    def _content_stored(self, sha: str) -> bool:
+        return bool(self.client.exists(self.content_key(sha) + ":m", self.content_key(sha)))
+
+    def _put_chunks(self, sha: str, data: bytes) -> list[str]:
+        """Write ``data`` (compressed) as chunks of at most :data:`CHUNK_BYTES` under ``P c:<sha>:<i>`` and return
+        its manifest ``[size, chunks, encoding]``; the manifest key itself is written by the write script,
+        with the version that refers to it, so no reader ever sees content whose chunks are not all there.
+        One SET per chunk in a pipeline without a transaction: Redis serves other clients between chunks."""
+        packed = zlib.compress(data, 1)
+        encoding = "zlib"
+        if len(packed) >= len(data):
+            packed, encoding = data, "raw"
+        base = self.content_key(sha)
+        pipe = self.client.pipeline(transaction=False)
+        count = 0
+        for count, start in enumerate(range(0, len(packed), CHUNK_BYTES), start=1):
+            pipe.set(f"{base}:{count - 1}", packed[start:start + CHUNK_BYTES])
+        if count == 0:  # empty content: one empty chunk
+            pipe.set(f"{base}:0", b"")
+            count = 1
+        pipe.execute()
+        return [str(len(data)), str(count), encoding]
+
+    def _read_content(self, sha: str) -> bytes | None:
+        """The bytes stored under ``sha``: chunked (manifest ``P c:<sha>:m``) or, as written before chunking,
+        one string ``P c:<sha>``; None when neither exists."""
+        base = self.content_key(sha)
+        manifest = self.client.hgetall(base + ":m")
+        if not manifest:
+            return self.client.execute_command("GET", base, **{NEVER_DECODE: []})
+        try:
+            size, chunks, encoding = int(manifest["size"]), int(manifest["chunks"]), manifest["encoding"]
+        except (KeyError, ValueError):
+            raise ServiceError(500, f"stored content manifest {base}:m is corrupt") from None
+        pipe = self.client.pipeline(transaction=False)
+        for i in range(chunks):
+            pipe.execute_command("GET", f"{base}:{i}", **{NEVER_DECODE: []})
+        parts = pipe.execute()
+        if any(part is None for part in parts):
+            raise ServiceError(500, f"stored content {base} is missing chunks")
+        packed = b"".join(parts)
+        data = zlib.decompress(packed) if encoding == "zlib" else packed
+        if len(data) != size:
+            raise ServiceError(500, f"stored content {base} has {len(data)} bytes, its manifest says {size}")
+        return data
 
     @staticmethod
     def _key_reused(key: str | None) -> ServiceError:
@@ -332,17 +487,21 @@ class ScenarioStore:
 
     @_redis_errors
     def put(self, name: str, body: dict, *, idempotency_key: str | None = None, fingerprint: str | None = None,
-            content: bytes | None = None) -> WriteResult:
+            content: bytes | None = None, expect_current: int | None = None, action: str = "put") -> WriteResult:
         """Store ``body`` as the new current version of ``name``; return its version number.
 
         ``idempotency_key``: a write already made with this key for the same request (same
         ``fingerprint``, by default :func:`request_fingerprint` of this put) is not made again: its version
         is returned with ``replayed`` set; a key used for another request is a 422. ``content``: the tree
         file bytes a body with ``content_sha256`` refers to, stored with the version unless already stored;
-        without it, such a body is refused (422) unless its content is stored.
+        without it, such a body is refused (422) unless its content is stored. ``expect_current``: write only
+        while that version is current, else raise :class:`BaseChanged` (409) and write nothing. ``action``:
+        ``put`` or ``patch`` (a PATCH stores the whole resulting body; the action is what the history shows).
         """
-        return self._write(name, "put", body, idempotency_key=idempotency_key, fingerprint=fingerprint,
-                           content=content)
+        if action not in ("put", "patch"):
+            raise ValueError(f"action {action!r}")
+        return self._write(name, action, body, idempotency_key=idempotency_key, fingerprint=fingerprint,
+                           content=content, expect_current=expect_current)
 
     @_redis_errors
     def delete(self, name: str, *, idempotency_key: str | None = None) -> WriteResult:
@@ -367,6 +526,8 @@ class ScenarioStore:
         if record is None:
             raise ServiceError(404, f"scenario {name!r} has no version {version}",
                                {"versions": [v["version"] for v in self.versions(name)]})
+        if record.get("pruned"):
+            raise pruned_error(name, int(version))
         if record["scenario"] is None:
             raise ServiceError(409, f"version {version} of scenario {name!r} is a delete entry; "
                                     "there is no body to roll back to")
@@ -398,7 +559,7 @@ class ScenarioStore:
         """The tree-file bytes stored under ``sha256`` (hex), or None when nothing is."""
         if not isinstance(sha256, str) or not _SHA256_RE.fullmatch(sha256):
             return None
-        return self.client.execute_command("GET", self.content_key(sha256), **{NEVER_DECODE: []})
+        return self._read_content(sha256)
 
     @_redis_errors
     def publish_change(self, name: str, version: int | None = None, action: str = "put") -> int:
@@ -414,12 +575,20 @@ class ScenarioStore:
         try:
             action = raw["action"]
             stored_version = int(raw["version"])
-            if stored_version != int(version) or action not in ("put", "rollback", "delete"):
+            if stored_version != int(version) or action not in ("put", "patch", "rollback", "delete"):
                 raise ValueError(f"version field {raw.get('version')!r}, action {action!r}")
-            if action == "delete":
+            if action == "delete" or raw.get("pruned"):
                 scenario = None
             else:
-                scenario = json.loads(raw["scenario"])
+                text = raw.get("scenario")
+                if text is None and raw.get("body_sha256"):
+                    data = self._read_content(raw["body_sha256"])
+                    if data is None:
+                        raise ValueError(f"its body {raw['body_sha256'][:12]} is not stored")
+                    text = data.decode("utf-8", "surrogatepass")
+                if text is None:
+                    raise KeyError("scenario")
+                scenario = json.loads(text)
                 if not isinstance(scenario, dict):
                     raise ValueError(f"the scenario is a {type(scenario).__name__}, not an object")
         except (KeyError, ValueError, TypeError) as exc:
@@ -435,6 +604,9 @@ class ScenarioStore:
         }
         if raw.get("from_version"):
             record["from_version"] = int(raw["from_version"])
+        if raw.get("pruned"):
+            record["pruned"] = True
+            record["type"] = raw.get("type") or None
         return record
 
     def _current(self, name: str) -> int | None:
@@ -525,16 +697,18 @@ class ScenarioStore:
             return []
         pipe = self.client.pipeline(transaction=False)
         for n in numbers:
-            pipe.hmget(self.version_key(name, int(n)), ["action", "created_at", "type", "from_version"])
+            pipe.hmget(self.version_key(name, int(n)), ["action", "created_at", "type", "from_version", "pruned"])
         out = []
         for n, fields in zip(numbers, pipe.execute(raise_on_error=False)):
             if isinstance(fields, Exception):
-                fields = [None, None, None, None]
-            action, created_at, kind, from_version = fields
+                fields = [None, None, None, None, None]
+            action, created_at, kind, from_version, pruned = fields
             entry: dict[str, Any] = {"version": int(n), "action": action, "created_at": created_at,
                                      "type": kind or None}
             if from_version:
                 entry["from_version"] = int(from_version)
+            if pruned:
+                entry["pruned"] = True
             out.append(entry)
         return out
 

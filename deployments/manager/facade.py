@@ -38,6 +38,7 @@ from deployments.redis_server import connect_redis
 from deployments.store import (
     IDEMPOTENCY_TTL_S,
     ScenarioStore,
+    pruned_error,
     request_fingerprint,
     validate_idempotency_key,
     validate_name,
@@ -117,7 +118,8 @@ class ConfigManager:
         self._embedded = redis_client is None and not self.settings.redis_url
         if redis_client is None:
             redis_client = connect_redis(self.settings.redis_url, self.settings.data_dir)
-        self.store = ScenarioStore(redis_client, prefix=prefix, idempotency_ttl_s=idempotency_ttl_s)
+        self.store = ScenarioStore(redis_client, prefix=prefix, idempotency_ttl_s=idempotency_ttl_s,
+                                   history_bodies=self.settings.history_bodies)
         self.scenarios = ServedScenarios()
         self.registry = ReplicaRegistry(self.scenarios.tables, replica_timeout_s=replica_timeout_s,
                                         broadcast_timeout_s=broadcast_timeout_s)
@@ -202,6 +204,8 @@ class ConfigManager:
         record = await asyncio.to_thread(self.store.get, name, version)
         if record is None:
             await self._not_found(name, version)
+        if record.get("pruned"):
+            raise pruned_error(name, version)
         if record["scenario"] is None:
             raise ServiceError(409, f"version {version} of scenario {name!r} is a delete entry; "
                                     "there is no body to roll back to")
@@ -275,6 +279,8 @@ class ConfigManager:
         record = await asyncio.to_thread(self.store.get, name, version)
         if record is None:
             await self._not_found(name, version)
+        if record.get("pruned"):
+            raise pruned_error(name, int(record["version"]))
         return record
 
     async def versions(self, name: str) -> list[dict[str, Any]]:
@@ -312,6 +318,8 @@ class ConfigManager:
             record = await asyncio.to_thread(self.store.get, name, version)
             if record is None:
                 await self._not_found(name, version)
+            if record.get("pruned"):
+                raise pruned_error(name, version)
             if record["scenario"] is None:
                 raise ServiceError(409, f"version {version} of scenario {name!r} is a delete entry; it allows nothing",
                                    {"name": name, "version": version})

@@ -83,7 +83,9 @@ def test_store_keeps_tree_content_once_under_its_hash(store):
     assert store.content(sha) == data
     assert store.put("t", body) == 2  # the content is stored: no need to send it again
     assert store.put("u", body, content=data) == 1
-    assert store.client.keys(store.content_key("*")) == [store.content_key(sha)]
+    # one copy, chunked: its chunk, its manifest and the set of versions that refer to it
+    assert sorted(store.client.keys(store.content_key("*"))) == [
+        store.content_key(sha) + suffix for suffix in (":0", ":m", ":refs")]
     missing = {**body, "content_sha256": "0" * 64}
     with pytest.raises(ServiceError) as info:
         store.put("t", missing)
