@@ -71,6 +71,7 @@ class StoredScenarioCompiler:
         from processors import ScenarioCompiler
 
         self.pipeline = ScenarioCompiler(tokenizer, settings.limits, executor=self._pool)
+        self._catalogs: dict[str, Any] = {}  # sha -> parsed Catalog, the newest few
         self.new_loop()
 
     def new_loop(self) -> None:
@@ -88,13 +89,19 @@ class StoredScenarioCompiler:
         at the file it was read from."""
         if not isinstance(body, dict):
             raise ServiceError(422, f"a scenario body must be a JSON object, got {type(body).__name__}")
-        sha = None
+        sha = fmt = None
         if "content_sha256" in body:
             body = dict(body)
             sha = body.pop("content_sha256")
             if not isinstance(sha, str) or not _SHA256_HEX.fullmatch(sha):
                 raise ServiceError(422, "invalid scenario: content_sha256: expected 64 lowercase hex digits",
                                    {"name": name, "field": "content_sha256"})
+            if "content_format" in body:  # a catalog (deployments/manager/catalog.py): items, not a tree file
+                fmt = body.pop("content_format")
+                if fmt != "items":
+                    raise ServiceError(422, f"invalid scenario: content_format: only 'items' (a catalog), got {fmt!r}",
+                                       {"name": name, "field": "content_format"})
+                body.pop("items", None)  # the item count, for display
         try:
             scenario = self.pipeline.parse(body)  # limits first (before anything walks the body), then validation
         except ScenarioError as exc:
@@ -104,7 +111,8 @@ class StoredScenarioCompiler:
                 raise ServiceError(422, "invalid scenario: content_sha256: only a tree given by path has stored "
                                         "content", {"name": name, "field": "content_sha256"})
             # The content stored at the PUT; the path is only where it was read from (it may be gone).
-            return scenario.model_copy(update={"path": self.content_file(name, sha)})
+            local = self.catalog_tree_file(name, sha) if fmt == "items" else self.content_file(name, sha)
+            return scenario.model_copy(update={"path": local})
         if scenario.type == "tree" and scenario.path is not None:
             # An admin names a file on the manager's host: only files under the tree directory.
             scenario = scenario.model_copy(update={"path": self._tree_path(name, scenario.path)})
@@ -178,6 +186,63 @@ class StoredScenarioCompiler:
                 os.unlink(tmp)
             raise
         return local
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.pipeline.info.vocab_size)
+
+    def catalog(self, name: str, sha: str):
+        """The stored catalog ``sha`` parsed (:class:`~deployments.manager.catalog.Catalog`); the last few are
+        kept in memory, so a PATCH does not parse its base again."""
+        from .catalog import parse_catalog
+
+        cached = self._catalogs.get(sha)
+        if cached is None:
+            with open(self.content_file(name, sha), "rb") as handle:
+                cached = parse_catalog(handle.read(), vocab_size=self.vocab_size)
+            self.remember_catalog(sha, cached)
+        return cached
+
+    def remember_catalog(self, sha: str, catalog) -> None:
+        self._catalogs[sha] = catalog
+        while len(self._catalogs) > 4:
+            self._catalogs.pop(next(iter(self._catalogs)))
+
+    def catalog_tree_file(self, name: str, sha: str) -> str:
+        """The tree file (tree file format) spelled by the stored catalog ``sha``, derived once per host."""
+        from .catalog import tree_file_bytes
+
+        local = os.path.join(self._content_dir, f"{sha}.tree.json")
+        if os.path.exists(local):
+            return local
+        data = tree_file_bytes(self.catalog(name, sha))
+        fd, tmp = tempfile.mkstemp(dir=self._content_dir, prefix=".incoming-")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+            os.replace(tmp, local)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return local
+
+    def save_content(self, data: bytes) -> str:
+        """Keep ``data`` (a catalog upload, canonical) as a local copy under its SHA-256; returns the hash."""
+        sha = hashlib.sha256(data).hexdigest()
+        local = os.path.join(self._content_dir, f"{sha}.json")
+        if _file_sha256(local) != sha:
+            os.makedirs(self._content_dir, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self._content_dir, prefix=".incoming-")
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    out.write(data)
+                os.replace(tmp, local)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        return sha
 
     def stored_content(self, body: Any) -> bytes | None:
         """The bytes of the local copy a pinned tree body refers to (to store them with the version)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import time
 from typing import Any
@@ -37,6 +38,7 @@ from deployments.protocol import ServiceError
 from deployments.redis_server import connect_redis
 from deployments.store import (
     IDEMPOTENCY_TTL_S,
+    BaseChanged,
     ScenarioStore,
     pruned_error,
     request_fingerprint,
@@ -52,6 +54,8 @@ from .served import ServedScenarios, object_ref
 logger = logging.getLogger(__name__)
 
 __all__ = ["ConfigManager"]
+
+PATCH_ATTEMPTS = 5  # a PATCH without a base version re-applies its delta this often when writes race it
 
 
 def _fingerprint(action: str, name: str, body: Any) -> str:
@@ -185,6 +189,147 @@ class ConfigManager:
         logger.info("stored scenario %r version %d", name, version)
         await self.registry.wait_for_acks(epoch, name, version)
         self.metrics.swapped(name, "put", started)
+        return {"name": name, "version": int(version)}
+
+    async def put_items(self, name: str, data: bytes, idempotency_key: str | None = None) -> dict[str, Any]:
+        """Store a catalog (the items format of :mod:`deployments.manager.catalog`: a header line, then one JSON
+        array of token ids per line) as a new version of tree scenario ``name``, like :meth:`put`. The bytes are
+        parsed and validated once, here; the canonical catalog is stored as tree content (chunked) and the stored
+        body names it (``content_sha256``, ``content_format: items``). Returns ``{"name", "version", "items"}``."""
+        from .catalog import catalog_body, parse_catalog
+
+        self._ensure_started()
+        validate_name(name)
+        fingerprint = None
+        if idempotency_key is not None:
+            validate_idempotency_key(idempotency_key)
+            fingerprint = request_fingerprint("put_items", name, hashlib.sha256(bytes(data)).hexdigest())
+            first = await asyncio.to_thread(self.store.idempotent_result, idempotency_key, fingerprint)
+            if first is not None:
+                return await self._replay(first)
+
+        def prepare():
+            catalog = parse_catalog(data, vocab_size=self.compiler.vocab_size,
+                                    max_items=self.settings.limits.max_tree_keys)
+            content = catalog.content()
+            sha = self.compiler.save_content(content)
+            self.compiler.remember_catalog(sha, catalog)
+            return catalog_body(catalog, content), content
+
+        body, content = await asyncio.to_thread(prepare)
+        result = await self._store_new(name, body, content, action="put", idempotency_key=idempotency_key,
+                                       fingerprint=fingerprint)
+        return {**result, "items": body["items"]}
+
+    async def patch(self, name: str, delta: Any, idempotency_key: str | None = None,
+                    base_version: int | None = None) -> dict[str, Any]:
+        """Apply ``delta`` = ``{"add": [...], "remove": [...], "base_version": n}`` to the current version of
+        ``name`` and store the result as a new version (history, acks, ``Idempotency-Key``: as for :meth:`put`).
+
+        Tree: items are lists of token ids after the root, without the end token (the result is stored as a
+        catalog); labels: label strings. Adds already present and removes not present are no-ops, reported in
+        the answer (``already_present``, ``not_present``), so a retried PATCH is safe; a PATCH that changes nothing
+        makes no version (``changed: false``, the current version). ``base_version`` (or the ``If-Match`` header,
+        passed here as ``base_version``): 409 unless that version is current when the new one is written, nothing
+        stored. Without it, a write that lands between our read and our write (a PUT) is not overwritten: the
+        delta is applied again to the new current version. Returns ``{"name", "version", "base_version",
+        "changed", "added", "removed", "already_present", "not_present"}``."""
+        from .catalog import parse_delta
+
+        started = time.monotonic()
+        self._ensure_started()
+        validate_name(name)
+        add, remove, body_base = parse_delta(delta)
+        if base_version is not None:
+            base_version = _as_version(base_version)
+            if body_base is not None and body_base != base_version:
+                raise ServiceError(422, f"base_version: {body_base} in the body and {base_version} in If-Match differ",
+                                   {"field": "base_version"})
+        base = base_version if base_version is not None else body_base
+        fingerprint = None
+        if idempotency_key is not None:
+            validate_idempotency_key(idempotency_key)
+            fingerprint = await asyncio.to_thread(_fingerprint, "patch", name, {"add": add, "remove": remove,
+                                                                                 "base_version": base})
+            first = await asyncio.to_thread(self.store.idempotent_result, idempotency_key, fingerprint)
+            if first is not None:
+                return await self._replay(first)
+        for _attempt in range(PATCH_ATTEMPTS):
+            record = await asyncio.to_thread(self.store.get, name)
+            if record is None:
+                await self._not_found(name, None)
+            current = int(record["version"])
+            if base is not None and current != base:
+                raise BaseChanged(name, base, current)
+            body, content, report = await asyncio.to_thread(self._apply_delta, name, record["scenario"], add, remove)
+            answer = {"name": name, "base_version": current, **report.to_json()}
+            if not report.changed:
+                return {**answer, "version": current, "changed": False}
+            try:
+                result = await self._store_new(name, body, content, action="patch", idempotency_key=idempotency_key,
+                                               fingerprint=fingerprint, expect_current=current, started=started)
+            except BaseChanged:
+                if base is not None:
+                    raise
+                continue  # a write landed since we read: apply the delta to it
+            if result.get("replayed"):
+                return result
+            return {**answer, "version": result["version"], "changed": True}
+        raise ServiceError(503, f"scenario {name!r} kept changing during the PATCH ({PATCH_ATTEMPTS} attempts); "
+                                "nothing was stored by it; retry", {"name": name})
+
+    def _apply_delta(self, name: str, body: dict[str, Any], add: list[Any], remove: list[Any]):
+        """``(new body, content to store or None, report)``: the delta applied to a stored body (worker thread)."""
+        from config import load_tree
+
+        from .catalog import Catalog, apply_labels_delta, apply_tree_delta, catalog_body, items_from_tree
+
+        kind = body.get("type")
+        if kind == "labels":
+            new_body, report = apply_labels_delta(body, add, remove)
+            return new_body, None, report
+        if kind != "tree":
+            raise ServiceError(409, f"scenario {name!r} is a {kind} scenario: PATCH adds and removes tree items or "
+                                    "labels; PUT the whole scenario instead", {"name": name, "type": kind})
+        sha = body.get("content_sha256")
+        if body.get("content_format") == "items" and isinstance(sha, str):
+            base = self.compiler.catalog(name, sha)
+        else:  # an inline tree or a tree file: its items, once
+            scenario = self.compiler._validate(name, body)
+            tree = load_tree(scenario.tree if scenario.tree is not None else scenario.path,
+                             vocab_size=self.compiler.vocab_size)
+            options = {k: v for k, v in body.items()
+                       if k not in ("type", "tree", "path", "content_sha256", "content_format", "items")}
+            base = Catalog(int(tree.start_token_id), int(tree.end_token_id), items_from_tree(tree), options)
+        catalog, report = apply_tree_delta(base, add, remove, vocab_size=self.compiler.vocab_size)
+        if not report.changed:
+            return body, None, report
+        if not catalog.items:
+            raise ServiceError(422, f"remove: the PATCH would leave scenario {name!r} without items; DELETE it instead",
+                               {"name": name, "field": "remove"})
+        content = catalog.content()
+        sha = self.compiler.save_content(content)
+        self.compiler.remember_catalog(sha, catalog)
+        return catalog_body(catalog, content), content, report
+
+    async def _store_new(self, name: str, body: dict[str, Any], content: bytes | None, *, action: str,
+                         idempotency_key: str | None, fingerprint: str | None, expect_current: int | None = None,
+                         started: float | None = None) -> dict[str, Any]:
+        """Compile ``body``, store it (with its content) and wait for every replica: the tail of a put/patch."""
+        started = time.monotonic() if started is None else started
+        compiled = await self.compiler.compile(name, body)
+        async with self.scenarios.lock:
+            version = await asyncio.to_thread(functools.partial(
+                self.store.put, name, body, idempotency_key=idempotency_key, fingerprint=fingerprint,
+                content=content, expect_current=expect_current, action=action))
+            if not version.replayed:
+                self.scenarios.install(name, version, compiled, await asyncio.to_thread(object_ref, compiled))
+                epoch = self.registry.bump()
+        if version.replayed:
+            return await self._replay({"action": action, "name": name, "version": int(version)})
+        logger.info("stored scenario %r version %d (%s)", name, version, action)
+        await self.registry.wait_for_acks(epoch, name, version)
+        self.metrics.swapped(name, action, started)
         return {"name": name, "version": int(version)}
 
     async def rollback(self, name: str, version: int, idempotency_key: str | None = None) -> dict[str, Any]:

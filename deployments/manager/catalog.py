@@ -1,0 +1,319 @@
+"""Catalogs: a token tree given as its items, one token-id path per line, and delta updates (PATCH) of scenarios.
+
+The catalog format (``Content-Type: application/x-ndjson`` on ``PUT /admin/scenarios/{name}``, or
+``cs-admin put NAME --items FILE``) is UTF-8 text, one JSON value per line::
+
+    {"start_token_id": 225, "end_token_id": 2, "description": "products"}
+    [12, 40, 7]
+    [12, 41]
+    [12]
+
+The first line is the header: ``start_token_id`` (the root, appended to the prompt like a tree's) and
+``end_token_id`` (ends every item) are required; ``"format": "cs-items"`` may be given; every other key is a field
+of the tree scenario (``description``, ``max_new_tokens``, ``append_start_token``, ...). Each further line is one
+item: the token ids after the root, without the end token (non-empty, ids in the vocabulary, never the end token,
+no item twice). Blank lines are skipped. An item may be a prefix of another (``[12]`` and ``[12, 41]``): after
+``12`` the row may end or go on.
+
+The manager parses it once (:func:`parse_catalog`), stores the canonical catalog (the header's two ids, then the
+items in order, ``[a,b,c]`` per line) as tree content under its SHA-256, and compiles the tree it spells
+(:func:`tree_file_bytes`, the tree file format of :mod:`config.tree_file`). The stored body is a tree scenario::
+
+    {"type": "tree", "path": "catalog", "content_sha256": "<sha>", "content_format": "items", "items": 3, ...}
+
+A PATCH (:func:`apply_tree_delta`, :func:`apply_labels_delta`) adds and removes items (or labels) and gives the
+whole new body; any tree (inline, file or catalog) can be patched, the result is a catalog.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any
+
+import numpy as np
+
+from deployments.protocol import ServiceError
+
+__all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "DeltaReport", "apply_labels_delta", "apply_tree_delta",
+           "catalog_body", "items_from_tree", "parse_catalog", "parse_delta", "tree_file_bytes"]
+
+#: request content types read as a catalog (the first is the one documented)
+CATALOG_CONTENT_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
+CATALOG_PATH = "catalog"  # the ``path`` of a stored catalog body (where its content came from: an upload)
+_RESERVED = frozenset({"type", "tree", "path", "content_sha256", "content_format", "items"})
+_SHOWN = 20  # bad lines named in one error
+
+
+@dataclass
+class Catalog:
+    """A parsed catalog: the root and end ids, the scenario fields of its header, and its items (tuples)."""
+
+    start_token_id: int
+    end_token_id: int
+    items: list[tuple[int, ...]]
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def content(self) -> bytes:
+        """The canonical bytes (stored under their SHA-256): header with the two ids, one item per line."""
+        header = json.dumps({"format": "cs-items", "start_token_id": self.start_token_id,
+                             "end_token_id": self.end_token_id}, separators=(",", ":"))
+        lines = "\n".join("[" + ",".join(map(str, item)) + "]" for item in self.items)
+        return (header + "\n" + lines + ("\n" if lines else "")).encode("ascii")
+
+
+def _bad(message: str, field_name: str, **detail: Any) -> ServiceError:
+    return ServiceError(422, message, {"field": field_name, **detail})
+
+
+def _check_id(value: Any, what: str, vocab_size: int) -> int:
+    if type(value) is not int or not 0 <= value < vocab_size:
+        raise _bad(f"items: header: {what} must be a token id in [0, {vocab_size}), got {value!r}", f"header.{what}")
+    return value
+
+
+def check_items(items: list[Any], *, end_token_id: int, vocab_size: int, where: str, numbers: list[int] | None = None) -> list[tuple[int, ...]]:
+    """``items`` (decoded JSON values) as tuples, or a 422 naming the first bad ones (``where[i]`` or line numbers
+    from ``numbers``). The common case runs at C speed: one pass over the types, one numpy check of the ids."""
+    def name(i: int) -> str:
+        return f"line {numbers[i]}" if numbers is not None else f"{where}[{i}]"
+
+    problems: list[str] = []
+    ok = set(map(type, items)) <= {list} and set(map(type, chain.from_iterable(items))) <= {int}
+    if ok:
+        lengths = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
+        flat = np.fromiter(chain.from_iterable(items), dtype=np.int64, count=int(lengths.sum()))
+        ok = bool(lengths.size == 0 or lengths.min() > 0) and bool(
+            flat.size == 0 or (flat.min() >= 0 and flat.max() < vocab_size and not (flat == end_token_id).any()))
+    if not ok:  # find and name them (the slow path runs only for a refusal)
+        for i, item in enumerate(items):
+            if not isinstance(item, list) or not item:
+                problems.append(f"{name(i)}: an item is a non-empty JSON array of token ids, got {json.dumps(item)[:60]}")
+            elif any(type(t) is not int or not 0 <= t < vocab_size for t in item):
+                problems.append(f"{name(i)}: token ids must be integers in [0, {vocab_size}), got {json.dumps(item)[:60]}")
+            elif end_token_id in item:
+                problems.append(f"{name(i)}: an item holds the tokens after the root without the end token "
+                                f"{end_token_id}, got {json.dumps(item)[:60]}")
+            if len(problems) >= _SHOWN:
+                break
+        raise _bad(f"{where}: {len(problems)}{'+' if len(problems) >= _SHOWN else ''} invalid items: "
+                   + "; ".join(problems), where, problems=problems)
+    return [tuple(item) for item in items]
+
+
+def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None) -> Catalog:
+    """Parse and validate a catalog upload (see the module docstring); a 422 names the line."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise _bad("items: the body must be catalog text (one JSON value per line)", "body")
+    lines = bytes(data).split(b"\n")
+    first = next((i for i, line in enumerate(lines) if line.strip()), None)
+    if first is None:
+        raise _bad("items: the body is empty; the first line is the header "
+                   '{"start_token_id": ..., "end_token_id": ...}', "body")
+    try:
+        header = json.loads(lines[first])
+    except (ValueError, RecursionError) as exc:
+        raise _bad(f"items: line {first + 1}: the header is not JSON: {exc}", "header") from None
+    if not isinstance(header, dict):
+        raise _bad(f"items: line {first + 1}: the first line is the header, a JSON object with start_token_id and "
+                   f"end_token_id; got {json.dumps(header)[:60]}", "header")
+    if header.get("format", "cs-items") != "cs-items":
+        raise _bad(f"items: header: format must be 'cs-items', got {header.get('format')!r}", "header.format")
+    for required in ("start_token_id", "end_token_id"):
+        if required not in header:
+            raise _bad(f"items: header: {required} is required", f"header.{required}")
+    start = _check_id(header["start_token_id"], "start_token_id", vocab_size)
+    end = _check_id(header["end_token_id"], "end_token_id", vocab_size)
+    reserved = sorted(_RESERVED & set(header))
+    if reserved:
+        raise _bad(f"items: header: {', '.join(reserved)} cannot be set in a catalog header", f"header.{reserved[0]}")
+    options = {k: v for k, v in header.items() if k not in ("format", "start_token_id", "end_token_id")}
+    numbers = [i + 1 for i in range(first + 1, len(lines)) if lines[i].strip()]
+    body = [lines[n - 1] for n in numbers]
+    if max_items is not None and len(body) > max_items:
+        raise ServiceError(422, f"items: {len(body)} items exceeds the limit max_tree_keys={max_items}",
+                           {"field": "items", "limit_name": "max_tree_keys", "limit": max_items})
+    try:
+        items = json.loads(b"[" + b",".join(body) + b"]")
+    except (ValueError, RecursionError):
+        items = None
+    if not isinstance(items, list) or len(items) != len(body):  # find the line that is not one JSON value
+        for n, line in zip(numbers, body):
+            try:
+                json.loads(line)
+            except (ValueError, RecursionError) as exc:
+                raise _bad(f"items: line {n}: not a JSON value: {exc}", "items", line=n) from None
+        raise _bad("items: a line holds more than one JSON value", "items")
+    if not items:
+        raise _bad("items: the catalog has no items (one JSON array of token ids per line after the header)", "items")
+    tuples = check_items(items, end_token_id=end, vocab_size=vocab_size, where="items", numbers=numbers)
+    if len(set(tuples)) != len(tuples):
+        seen: dict[tuple[int, ...], int] = {}
+        for n, item in zip(numbers, tuples):
+            if item in seen:
+                raise _bad(f"items: line {n}: item {list(item)} repeats line {seen[item]}", "items", line=n)
+            seen[item] = n
+    return Catalog(start, end, tuples, options)
+
+
+def tree_file_bytes(catalog: Catalog) -> bytes:
+    """The tree (tree file format) whose paths are the catalog's items: a state per prefix that has a
+    continuation, the end token among its candidates when that prefix is an item itself. A prefix without a
+    continuation has no key: the tree format then allows only the end token there."""
+    root = str(catalog.start_token_id)
+    states: dict[str, dict[int, None]] = {}
+    ends: list[str] = []
+    for item in catalog.items:
+        key = root
+        for token in item:
+            states.setdefault(key, {})[token] = None
+            key = f"{key}_{token}"
+        ends.append(key)
+    end = catalog.end_token_id
+    for key in ends:
+        nexts = states.get(key)
+        if nexts is not None:
+            nexts[end] = None
+    parts = ",".join(f'"{key}":[{",".join(map(str, nexts))}]' for key, nexts in states.items())
+    head = json.dumps({"start_token_id": catalog.start_token_id, "end_token_id": end, "sep": "_"})[:-1]
+    return (head + ',"prefix_dict":{' + parts + "}}").encode("ascii")
+
+
+def items_from_tree(tree: Any) -> list[tuple[int, ...]]:
+    """The items of a loaded tree (``config.TreeData``): every path from the root that the end token may end.
+    States not reachable from the root hold no item and are left out."""
+    keys = tree.keys
+    known = set(keys)
+    root, sep, end = str(tree.start_token_id), tree.sep, int(tree.end_token_id)
+    lead = root + sep
+    offsets = tree.offsets.tolist()
+    cands = tree.candidates.tolist()
+    out: list[tuple[int, ...]] = []
+    for i, key in enumerate(keys):
+        if key != root and not key.startswith(lead):
+            continue
+        path = tuple(int(p) for p in key[len(lead):].split(sep)) if key != root else ()
+        for c in dict.fromkeys(cands[offsets[i]:offsets[i + 1]]):
+            if c == end:
+                if path:
+                    out.append(path)
+            elif f"{key}{sep}{c}" not in known:
+                out.append(path + (c,))
+    return out
+
+
+@dataclass
+class DeltaReport:
+    """What a PATCH did: counts, and the no-ops (adds already there, removes not there)."""
+
+    added: int = 0
+    removed: int = 0
+    already_present: list[Any] = field(default_factory=list)
+    not_present: list[Any] = field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.added or self.removed)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"added": self.added, "removed": self.removed, "already_present": self.already_present,
+                "not_present": self.not_present}
+
+
+def parse_delta(body: Any) -> tuple[list[Any], list[Any], int | None]:
+    """``(add, remove, base_version)`` of a PATCH body ``{"add": [...], "remove": [...], "base_version": n}``
+    (422 naming the field for anything else; at least one of add/remove)."""
+    if not isinstance(body, dict):
+        raise _bad("body: expected a JSON object {\"add\": [...], \"remove\": [...]}", "body")
+    unknown = sorted(set(body) - {"add", "remove", "base_version"})
+    if unknown:
+        raise _bad(f"{unknown[0]}: unknown field (a PATCH body has add, remove and base_version)", unknown[0])
+    add, remove = body.get("add", []), body.get("remove", [])
+    for what, value in (("add", add), ("remove", remove)):
+        if not isinstance(value, list):
+            raise _bad(f"{what}: expected a JSON array, got {type(value).__name__}", what)
+    if not add and not remove:
+        raise _bad("add: a PATCH needs at least one item to add or remove", "add")
+    base = body.get("base_version")
+    if base is not None and (type(base) is not int or base < 1):
+        raise _bad(f"base_version: expected a version number (an integer from 1), got {base!r}", "base_version")
+    return add, remove, base
+
+
+def _check_unique(values: list[Any], what: str) -> None:
+    seen: dict[Any, int] = {}
+    for i, value in enumerate(values):
+        if value in seen:
+            raise _bad(f"{what}[{i}]: repeats {what}[{seen[value]}]", what)
+        seen[value] = i
+
+
+def _check_disjoint(add: list[Any], remove: list[Any]) -> None:
+    both = set(add) & set(remove)
+    if both:
+        first = next(i for i, value in enumerate(add) if value in both)
+        raise _bad(f"add[{first}]: {json.dumps(add[first] if not isinstance(add[first], tuple) else list(add[first]))} "
+                   "is also in remove; an item is either added or removed", "add")
+
+
+def apply_labels_delta(body: dict[str, Any], add: list[Any], remove: list[Any]) -> tuple[dict[str, Any], DeltaReport]:
+    """The labels scenario ``body`` with ``add`` appended and ``remove`` taken out (order kept)."""
+    for what, values in (("add", add), ("remove", remove)):
+        for i, value in enumerate(values):
+            if not isinstance(value, str):
+                raise _bad(f"{what}[{i}]: a label is a string, got {json.dumps(value)[:60]}", what)
+        _check_unique(values, what)
+    _check_disjoint(add, remove)
+    labels = list(body.get("labels") or [])
+    present = set(labels)
+    report = DeltaReport()
+    gone = set()
+    for label in remove:
+        if label in present:
+            gone.add(label)
+        else:
+            report.not_present.append(label)
+    kept = [label for label in labels if label not in gone]
+    report.removed = len(gone)
+    for label in add:
+        if label in present:
+            report.already_present.append(label)
+        else:
+            kept.append(label)
+            report.added += 1
+    return {**body, "labels": kept}, report
+
+
+def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, vocab_size: int) -> tuple[Catalog, DeltaReport]:
+    """``catalog`` with the items ``add`` appended and ``remove`` taken out (order kept)."""
+    adds = check_items(add, end_token_id=catalog.end_token_id, vocab_size=vocab_size, where="add")
+    removes = check_items(remove, end_token_id=catalog.end_token_id, vocab_size=vocab_size, where="remove")
+    _check_unique(adds, "add")
+    _check_unique(removes, "remove")
+    _check_disjoint(adds, removes)
+    present = set(catalog.items)
+    report = DeltaReport()
+    gone = set()
+    for item in removes:
+        if item in present:
+            gone.add(item)
+        else:
+            report.not_present.append(list(item))
+    items = [item for item in catalog.items if item not in gone] if gone else list(catalog.items)
+    report.removed = len(gone)
+    for item in adds:
+        if item in present:
+            report.already_present.append(list(item))
+        else:
+            items.append(item)
+            report.added += 1
+    return Catalog(catalog.start_token_id, catalog.end_token_id, items, dict(catalog.options)), report
+
+
+def catalog_body(catalog: Catalog, content: bytes) -> dict[str, Any]:
+    """The stored tree body of a catalog whose canonical bytes are ``content``."""
+    return {"type": "tree", **catalog.options, "path": CATALOG_PATH,
+            "content_sha256": hashlib.sha256(content).hexdigest(), "content_format": "items",
+            "items": len(catalog.items)}
