@@ -169,6 +169,16 @@ class TreeScenario(ScenarioBase):
     append_start_token: bool = Field(
         default=True, strict=True, description="Append start_token_id to the prompt when it does not already end with it."
     )
+    max_items: int = Field(
+        default=1, ge=1, le=1024, strict=True,
+        description="Most items per output: after an item's end a row may emit separator_token_id and start again at "
+                    "the root (no item twice in one output).",
+    )
+    separator_token_id: int | None = Field(
+        default=None, ge=0, strict=True,
+        description="Token between the items of a multi-item output; null with max_items > 1: items back to back "
+                    "(the fixed-width form: every item must end where nothing but the end token follows).",
+    )
 
     constraint_field: ClassVar[str | None] = "tree"
 

@@ -146,6 +146,10 @@ class Output(BaseModel):
         description="stop: the row emitted its end token; length: max_new_tokens reached; error: see 'error'."
     )
     error: str | None = Field(default=None, description="Why the row failed, when it did.")
+    attempts: int = Field(
+        default=1, description="How many times this output was generated: a JSON output that failed validation "
+                               "against its schema is generated again (json_regenerate_attempts).",
+    )
 
 
 class Usage(BaseModel):

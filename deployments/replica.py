@@ -25,6 +25,7 @@ from .engines import (
     DoneEvent, EngineRequest, ErrorEvent, FinishedEvent, SamplingParams, TokenEvent, create_engine,
 )
 from .metrics import ReplicaMetrics, route_logs_to_serve
+from .regenerate import CheckedRun
 from .protocol import GenerateRequest, GenerateResponse, Output, ServiceError, Usage, check_request_limits
 from .scenario_errors import scenario_service_error
 
@@ -225,6 +226,11 @@ class ModelReplica:
                     len(prompt_ids), extra={"scenario": name, "scenario_version": version})
         return req, name, version, prompt_ids, engine_request
 
+    def _checked(self, engine_request: EngineRequest) -> CheckedRun:
+        """The engine's events for ``engine_request``, each finished JSON output validated against its schema
+        and generated again when it fails (``deployments/regenerate.py``)."""
+        return CheckedRun(self.engine, engine_request, self.tokenizer, self.settings.json_regenerate_attempts)
+
     def _response(self, name, version, prompt_ids, outputs: dict[int, FinishedEvent]) -> GenerateResponse:
         outs = []
         completion = 0
@@ -235,6 +241,7 @@ class ModelReplica:
             outs.append(Output(
                 text=self.tokenizer.decode(ids, skip_special_tokens=True), token_ids=ids,
                 finish_reason=ev.finish_reason, error=ev.error,
+                attempts=getattr(ev, "attempts", 1),
             ))
         usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion, total_tokens=len(prompt_ids) + completion)
         return GenerateResponse(scenario=name, version=version, outputs=outs, usage=usage)
@@ -247,7 +254,7 @@ class ModelReplica:
     async def _generate(self, request: dict, record) -> dict:
         req, name, version, prompt_ids, engine_request = await self._start(request)
         outputs: dict[int, FinishedEvent] = {}
-        async with aclosing(self.engine.generate(engine_request)) as events:  # leaving early cancels
+        async with aclosing(self._checked(engine_request).events()) as events:  # leaving early cancels
             async for ev in events:
                 if isinstance(ev, FinishedEvent):
                     outputs[ev.index] = ev
@@ -271,7 +278,7 @@ class ModelReplica:
         texts: dict[int, list[int]] = {}
         sent: dict[int, str] = {}
         try:
-            async with aclosing(self.engine.generate(engine_request)) as events:  # leaving early cancels
+            async with aclosing(self._checked(engine_request).events()) as events:  # leaving early cancels
                 async for ev in events:
                     if isinstance(ev, TokenEvent):
                         idx = ev.index

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from . import registry
 from .base import Cursor, CursorLogitsProcessor, as_ids
 from .compile import CompiledScenario
-from .masks import ALLOW, FREE, Step, mask_padded_vocab
+from .items import item_rules, min_item_tokens
+from .masks import ALLOW, BAN, FREE, Step, mask_padded_vocab
 from .think import ThinkCursor
 from .tokenizer_info import TokenizerInfo
 
@@ -36,6 +39,18 @@ def constraint_cursor(constraint, tokenizer=None) -> Cursor:
     return registry.kind_of(constraint).cursor(constraint, info)
 
 
+def bind_item_controls(row: "RowCursor", bind, max_new_tokens: int | None, items) -> None:
+    """Give a tree or label row its token budget, its request's item controls and the multi-item rules; with think
+    mode, thinking is cut short so that the end marker and one item still fit in the budget."""
+    compiled = row.compiled
+    assert compiled is not None
+    bind(budget=max_new_tokens, request=items, rules=item_rules(compiled))
+    row._budgeted = max_new_tokens is not None
+    if row.think is not None and compiled.think is not None and max_new_tokens is not None:
+        room = max_new_tokens - len(compiled.think.end_ids) - min_item_tokens(compiled.constraint)
+        row.think.limit = max(0, min(row.think.limit, room))
+
+
 class RowCursor(Cursor):
     """One row of the chain: think cursor + constraint cursor + finished flag.
 
@@ -45,7 +60,8 @@ class RowCursor(Cursor):
         eos_token_ids: the stop tokens of a free-text row.
     """
 
-    def __init__(self, compiled: CompiledScenario | None, tokenizer=None, *, eos_token_ids: Sequence[int] = ()):
+    def __init__(self, compiled: CompiledScenario | None, tokenizer=None, *, eos_token_ids: Sequence[int] = (),
+                 max_new_tokens: int | None = None, items=None):
         self.compiled = compiled
         if compiled is not None:
             self.stop_ids = frozenset(compiled.stop_token_ids)
@@ -61,6 +77,12 @@ class RowCursor(Cursor):
             self.think = None
         self.done = False
         self.generated = 0
+        # item controls (processors.items): tree and label rows get the token budget, the request's
+        # exclude/distinct book and the scenario's multi-item rules
+        self._budgeted = False
+        bind = getattr(self.constraint, "bind", None)
+        if bind is not None and (max_new_tokens is not None or items is not None):
+            bind_item_controls(self, bind, max_new_tokens, items)
         self._end = Step(ALLOW, as_ids([self.end_token_id]), self.end_token_id)
         self._free = Step(FREE, None, self.end_token_id)
 
@@ -115,6 +137,8 @@ class RowCursor(Cursor):
         think = self.think
         if think is not None and not think.in_answer:
             think.advance(token)
+            if self._budgeted:
+                self.constraint.spend()  # type: ignore[union-attr]
             if token in self.stop_ids:  # banned while thinking; emitted anyway, it still ends the row
                 self.done = True
             return
@@ -127,6 +151,18 @@ class RowCursor(Cursor):
             think.advance(token)  # answering without a constraint: the re-entry ban
         if token in self.stop_ids:
             self.done = True
+
+    def allows(self, token: int) -> bool:
+        """Whether :meth:`step` allows ``token`` now (used to re-check a distinct row's sampled token)."""
+        step = self.step()
+        if step.kind == FREE:
+            return True
+        payload = step.payload
+        if step.kind == ALLOW:
+            return bool(np.any(payload == token)) if payload is not None and len(payload) else token == step.fallback
+        if step.kind == BAN:
+            return not bool(np.any(payload == token))
+        return True
 
     def copy(self) -> "RowCursor":
         new = RowCursor.__new__(RowCursor)

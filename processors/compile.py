@@ -107,6 +107,9 @@ def compile_scenario(scenario, tokenizer, *, model_config=None, grammar_worker=N
         for k in ("max_new_tokens", "temperature", "top_p", "top_k", "system_prompt")
         if getattr(scenario, k, None) is not None
     }
+    if getattr(scenario, "max_items", 1) > 1:  # multi-item tree rows (processors.items.item_rules)
+        settings["max_items"] = scenario.max_items
+        settings["separator_token_id"] = scenario.separator_token_id
     return CompiledScenario(
         kind=scenario.type,
         constraint=built.constraint,

@@ -194,3 +194,78 @@ def build_tree_tables(tree, vocab_size: int) -> MaskTables:
         end_token_id=end,
         vocab_size=int(vocab_size),
     )
+
+
+# -- item metrics (per state, computed at compile time) ---------------------------------------------------------
+# Owned by the retrieval work (processors/items.py, processors/tree.py). Two int32 arrays per state, built with
+# vectorized passes over the edge arrays (one pass per level of the deepest path, no Python loop over states):
+#
+# * ``min_remaining[s]``: the fewest tokens a row in ``s`` still emits until it is finished, counting the end
+#   token (a ``LEAF`` target counts 1, ``DONE`` 0; a state without edges 1);
+# * ``item_count[s]``: how many items end below ``s`` (an item ends at an end-token edge, at an edge to ``LEAF``,
+#   or at a state without edges).
+#
+# Keys are paths, so every state has at most one incoming edge (a forest) and the passes converge after as many
+# rounds as the deepest path has edges.
+
+_UNSET = np.iinfo(np.int32).max
+
+
+def _item_metrics(tables: "MaskTables") -> tuple[np.ndarray, np.ndarray, bool, int]:
+    n_states = tables.n_states
+    offsets = tables.offsets
+    nxt = tables.next_state.astype(np.int64)
+    counts = np.diff(offsets)
+    nonempty = counts > 0
+    starts = offsets[:-1][nonempty]
+    to_state = nxt >= 0
+    state_of_edge = np.repeat(np.arange(n_states, dtype=np.int64), counts)
+    # target values of the special targets
+    special_min = np.where(nxt == DONE, 0, 1).astype(np.int64)
+    min_rem = np.full(n_states, _UNSET, dtype=np.int64)
+    min_rem[~nonempty] = 1
+    max_rem = min_rem.copy()
+    max_rem[nonempty] = 0
+    items = np.zeros(n_states, dtype=np.int64)
+    items[~nonempty] = 1
+    special_items = (~to_state).astype(np.float64)
+    targets = nxt[to_state]
+    for _ in range(n_states + 1):
+        edge_min = special_min.copy()
+        edge_min[to_state] = min_rem[targets]
+        edge_min = np.minimum(edge_min + 1, _UNSET)
+        new_min = min_rem.copy()
+        if starts.size:
+            new_min[nonempty] = np.minimum.reduceat(edge_min, starts)
+        edge_max = special_min.copy()
+        edge_max[to_state] = max_rem[targets]
+        new_max = max_rem.copy()
+        if starts.size:
+            new_max[nonempty] = np.maximum.reduceat(np.minimum(edge_max + 1, _UNSET), starts)
+        edge_items = special_items.copy()
+        edge_items[to_state] = items[targets]
+        new_items = items.copy()
+        if starts.size:
+            new_items[nonempty] = np.bincount(state_of_edge, weights=edge_items, minlength=n_states)[nonempty].astype(np.int64)
+        if np.array_equal(new_min, min_rem) and np.array_equal(new_items, items) and np.array_equal(new_max, max_rem):
+            break
+        min_rem, items, max_rem = new_min, new_items, new_max
+    # uniform: from every state all items are equally far (fixed-depth catalogs); min_remaining is then exact for
+    # any subset of items, which lets the item cursor skip its search for a free item that fits
+    uniform = bool(np.array_equal(min_rem, max_rem))
+    deepest = int(max_rem.max()) if n_states else 1  # the longest way to an end, end token included
+    return (_freeze(min_rem.astype(np.int32)), _freeze(np.minimum(items, np.iinfo(np.int32).max).astype(np.int32)),
+            uniform, deepest)
+
+
+def item_metrics(tables: "MaskTables") -> tuple[np.ndarray, np.ndarray, bool, int]:
+    """``(min_remaining, item_count, uniform, deepest)`` of ``tables``, computed once and kept on the tables (see above)."""
+    cached = tables.__dict__.get("_item_metrics")
+    if cached is None:
+        cached = _item_metrics(tables)
+        object.__setattr__(tables, "_item_metrics", cached)
+    return cached
+
+
+MaskTables.min_remaining = property(lambda self: item_metrics(self)[0])  # type: ignore[attr-defined]
+MaskTables.item_count = property(lambda self: item_metrics(self)[1])  # type: ignore[attr-defined]

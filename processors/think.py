@@ -2,6 +2,8 @@
 
 The answer starts inside the think block (the begin marker ends the prompt). While thinking, text
 is free except that the row may not end (its stop tokens are banned), so an answer always follows.
+Thinking cannot nest: while thinking, the first token of the begin marker is banned too (as in
+RTP-LLM's think processor; not when it is also the end marker's first token, which must stay open).
 Thinking ends when the budget of ``max_thinking_tokens`` is spent, or as soon as the model emits
 the first token of the end marker; from then on the rest of the marker is forced one token per
 step. After the marker the row is in its answer: the first token of the begin and the end marker
@@ -74,6 +76,11 @@ class ThinkCursor(Cursor):
         self.thought = 0
         self.error = None
         self.stop_ids = as_ids(sorted(set(stop_token_ids)))
+        # thinking: the stop tokens and the begin marker's first token (no nested think block)
+        nested = {spec.begin_ids[0]} - {spec.end_ids[0]}
+        self._think_ban = as_ids(sorted(set(self.stop_ids.tolist()) | nested))
+        #: most thinking tokens; a caller may lower it (a token budget that must leave room for the answer)
+        self.limit = spec.max_thinking_tokens
         self._answer_ban = as_ids(sorted({spec.begin_ids[0], spec.end_ids[0]}))
 
     @property
@@ -93,9 +100,9 @@ class ThinkCursor(Cursor):
         if self.phase == FAILED:
             return Step(ALLOW, as_ids([fb]), fb)
         if self.phase == THINKING:
-            if self.thought >= self.spec.max_thinking_tokens:
+            if self.thought >= self.limit:
                 return Step(ALLOW, as_ids([self.spec.end_ids[0]]), self.spec.end_ids[0])
-            return Step(BAN, self.stop_ids, fb)
+            return Step(BAN, self._think_ban, fb)
         if self.phase == FORCING:
             tok = self.spec.end_ids[self.pos]
             return Step(ALLOW, as_ids([tok]), tok)
@@ -109,7 +116,9 @@ class ThinkCursor(Cursor):
             elif token == spec.end_ids[0]:
                 self.pos = 1
                 self.phase = ANSWER if len(spec.end_ids) == 1 else FORCING
-            elif self.thought >= spec.max_thinking_tokens:
+            elif token in self._think_ban:
+                self._fail(f"token {token} would open a think block inside the think block")
+            elif self.thought >= self.limit:
                 self._fail(f"token {token} emitted where the end marker token {spec.end_ids[0]} was forced "
                            "(thinking budget spent)")
             else:

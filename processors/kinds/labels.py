@@ -7,6 +7,7 @@ from config import LabelsScenario
 from ..base import Cursor
 from ..labels import LabelCursor, LabelTables, build_label_tables
 from ..registry import register
+from ..tables import item_metrics
 from ..tree import TreeCursor
 from .base import CompileResult, ConstraintKind
 
@@ -22,6 +23,9 @@ class LabelsKind(ConstraintKind):
             list(scenario.labels), info, eos_token_id=info.eos_token_id, vocab_size=info.vocab_size,
             multi_label=scenario.multi_label, separator=scenario.separator, max_labels=scenario.max_labels,
         ))
+
+    def check_compiled(self, scenario, constraint, limits) -> None:
+        item_metrics(constraint.tables)  # min_remaining / item_count for the item controls, computed at compile time
 
     def cursor(self, constraint, info) -> Cursor:
         return LabelCursor(constraint) if constraint.multi_label else TreeCursor(constraint.tables)

@@ -6,9 +6,38 @@ from config import TreeScenario, load_tree
 from config.settings import LimitExceeded
 
 from ..registry import register
-from ..tables import MaskTables, build_tree_tables
+import numpy as np
+
+from ..tables import DONE, MaskTables, build_tree_tables, item_metrics
 from ..tree import TreeCursor
 from .base import CompileResult, ConstraintKind
+
+
+def check_multi_item(tables: MaskTables, separator: int | None) -> None:
+    """Refuse multi-item settings under which an output could not be split back into items.
+
+    With a separator: it must not be the end token and no state where an item ends may also continue with it.
+    Without one (the fixed-width form): a state where an item ends must allow nothing but the end token.
+    """
+    counts = np.diff(tables.offsets)
+    src = np.repeat(np.arange(tables.n_states, dtype=np.int64), counts)
+    ends_here = np.zeros(tables.n_states, dtype=bool)
+    ends_here[src[tables.next_state == DONE]] = True
+    if separator is not None:
+        if separator == tables.end_token_id:
+            raise ValueError(f"separator_token_id {separator} is the tree's end token")
+        if separator >= tables.vocab_size:
+            raise ValueError(f"separator_token_id {separator} is outside the vocabulary of {tables.vocab_size}")
+        clash = ends_here[src[tables.tokens == separator]]
+        if clash.any():
+            raise ValueError(f"separator_token_id {separator} also continues an item in "
+                             f"{int(clash.sum())} state(s) where another item ends; choose another separator")
+        return
+    mixed = ends_here & (counts > 1)
+    if mixed.any():
+        raise ValueError(f"max_items > 1 without separator_token_id (items back to back) needs every item to end "
+                         f"where only the end token follows; {int(mixed.sum())} state(s) end an item and also "
+                         "continue (set separator_token_id)")
 
 
 class TreeKind(ConstraintKind):
@@ -20,6 +49,9 @@ class TreeKind(ConstraintKind):
     def compile(self, scenario, info, *, worker=None) -> CompileResult:
         tree = load_tree(scenario.tree if scenario.tree is not None else scenario.path, vocab_size=info.vocab_size)
         tables = build_tree_tables(tree, info.vocab_size)
+        item_metrics(tables)  # min_remaining / item_count, computed once here and shipped with the tables
+        if scenario.max_items > 1:
+            check_multi_item(tables, scenario.separator_token_id)
         return CompileResult(tables, int(tree.start_token_id) if scenario.append_start_token else None)
 
     def check_compiled(self, scenario, constraint, limits) -> None:

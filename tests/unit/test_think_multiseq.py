@@ -69,11 +69,11 @@ def test_budget_never_exceeded_with_random_sampling(tok, eos, budget):
     def check(step, ids, raw, masked):
         for row, cursor in enumerate(proc.cursors):
             live = allowed_ids(masked[row])
-            if cursor.phase == 0:  # thinking: free but for the stop tokens, or the forced marker start
+            if cursor.phase == 0:  # thinking: free but for the stop tokens and the begin marker, or the forced end
                 if cursor.thought >= budget:
                     assert live == {T_CLOSE}
                 else:
-                    assert live == set(range(len(tok))) - {eos}
+                    assert live == set(range(len(tok))) - {eos, T_OPEN}
                     assert torch.equal(masked[row, :eos], raw[row, :eos])
             elif cursor.phase == 1:
                 assert live == {NLNL}
@@ -89,6 +89,28 @@ def test_budget_never_exceeded_with_random_sampling(tok, eos, budget):
     assert proc.errors == [None] * 48
     if budget:
         assert budget in lengths  # some rows ran out of budget (most do with 32 tokens)
+
+
+def test_no_nested_thinking(tok, eos):
+    """While thinking, the begin marker's first token is banned, even when the model wants nothing else; emitted
+    anyway (interference), it fails the row like any other invalid token."""
+    proc = ThinkModeLogitsProcessor(spec_for(tok, 4), stop_token_ids=[eos])
+
+    def logits(step, ids):
+        raw = torch.zeros(ids.shape[0], len(tok))
+        raw[:, T_OPEN] = 50.0  # the model keeps asking for a nested <think>
+        raw[:, T_CLOSE] = -50.0
+        return raw
+
+    out = drive(proc, torch.tensor([[tid("ok"), T_OPEN, NL]]), len(tok), 10, greedy, logits=logits)
+    gen = out[0, 3:].tolist()
+    thinking, _, _ = phases(gen, 4, eos)
+    assert T_OPEN not in thinking and len(thinking) == 4
+    cursor = ThinkCursor(spec_for(tok, 4), [eos])
+    assert T_OPEN in cursor.step().payload.tolist()  # a BAN step: the begin marker is among the banned ids
+    cursor.advance(T_OPEN)
+    assert cursor.error is not None and "inside the think block" in cursor.error
+    assert cursor.step().payload.tolist() == [eos]
 
 
 def test_budget_exhausted_forces_the_whole_marker(tok, eos):
@@ -107,7 +129,7 @@ def test_budget_exhausted_forces_the_whole_marker(tok, eos):
 
     out = drive(proc, torch.tensor([[T_OPEN, NL]]), len(tok), budget + 4, pick=greedy, logits=logits)
     gen = out[0, 2:].tolist()
-    assert gen[:budget] == [T_OPEN] * budget  # free thinking (even the begin marker token is just text)
+    assert gen[:budget] == [tid("ok")] * budget  # free thinking, but no nested <think> (banned while thinking)
     assert gen[budget : budget + 2] == [T_CLOSE, NLNL]
     assert gen[budget + 2 :] == [eos, eos]  # answer: stop tokens allowed again, <think> banned
 
@@ -119,7 +141,7 @@ def test_first_marker_token_starts_the_forcing(tok, eos):
     out = proc(torch.tensor(rows), torch.zeros(2, len(tok)))
     out = proc(torch.tensor([r + [t] for r, t in zip(rows, [T_CLOSE, tid("yes")])]), torch.zeros(2, len(tok)))
     assert allowed_ids(out[0]) == {NLNL}  # the rest of the marker is forced right away
-    assert allowed_ids(out[1]) == set(range(len(tok))) - {eos}
+    assert allowed_ids(out[1]) == set(range(len(tok))) - {eos, T_OPEN}
     assert proc.cursors[0].thought == 1 and proc.cursors[1].thought == 2
 
 
@@ -169,7 +191,7 @@ def test_think_copy_is_independent(tok, eos):
 def test_several_stop_tokens_are_all_banned_while_thinking(tok, eos):
     proc = ThinkModeLogitsProcessor(spec_for(tok, 4), stop_token_ids=[eos, tid(",")])
     out = proc(torch.tensor([[T_OPEN, NL]]), torch.zeros(1, len(tok)))
-    assert allowed_ids(out[0]) == set(range(len(tok))) - {eos, tid(",")}
+    assert allowed_ids(out[0]) == set(range(len(tok))) - {eos, tid(","), T_OPEN}
 
 
 # -- multi-sequence ----------------------------------------------------------------------------------------------
