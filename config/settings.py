@@ -350,6 +350,12 @@ class ServerSettings(BaseModel):
         description="Ray custom resources each deployment's replicas require, to pin them to nodes "
                     "(e.g. {\"manager\": {\"control\": 0.01}} with a node started with --resources '{\"control\": 1}').",
     )
+    json_regenerate_attempts: int = Field(
+        default=3, ge=1, le=16,
+        description="Most attempts per JSON output (json, json_schema): a finished output that fails the full "
+                    "validation (the schema as written, repeated keys invalid) is generated again, up to this many "
+                    "times in all; past it the output ends with finish_reason error (1 = validate, never regenerate).",
+    )
     seed_examples: bool = Field(default=True, description="Store the example scenarios on first start (empty Redis).")
     history_bodies: int = Field(
         default=20, ge=0,

@@ -35,6 +35,12 @@ import time
 import weakref
 from typing import Any
 
+if __package__:  # imported as processors.compile_worker
+    from . import schema_check
+else:  # the worker program (python -P compile_worker.py): the sibling file alone, not the package (torch)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import schema_check  # type: ignore[no-redef]
+
 __all__ = [
     "CompileCrashed",
     "CompileLimitError",
@@ -52,13 +58,24 @@ _MEMORY_SIGNS = ("memory allocation of", "MemoryError", "Cannot allocate memory"
 # ------------------------------------------------------------------------------------------ shared code
 
 
-def build_grammar(kind: str, source: str, lltok, json_options: dict | None = None) -> str:
+def build_grammar(kind: str, source: str, lltok, json_options: dict | None = None) -> tuple[str, list[str]]:
     """The checked llguidance grammar for a JSON schema (``kind`` ``json``/``json_schema``, ``source`` the
-    schema as JSON text) or a regex (``kind`` ``regex``, ``source`` the pattern).
+    schema as JSON text) or a regex (``kind`` ``regex``, ``source`` the pattern), and what it does not enforce.
 
-    Raises ``ValueError`` naming the problem. This is the step whose cost can explode; it runs in the
-    worker process when a :class:`GrammarWorker` is used, in the caller's process otherwise.
+    A JSON schema is compiled as its closest enforceable relaxation (:func:`schema_check.compile_relaxed`):
+    the notes name each keyword removed or weakened (``not at #/properties/a``); empty for a regex or a schema
+    enforced as written. Raises ``ValueError`` naming the problem. This is the step whose cost can explode; it
+    runs in the worker process when a :class:`GrammarWorker` is used, in the caller's process otherwise.
     """
+    if kind == "regex":
+        return _checked(kind, source, lltok, None), []
+    schema = json.loads(source)
+    if not isinstance(schema, dict) or not schema:
+        return _checked(kind, source, lltok, json_options), []
+    return schema_check.compile_relaxed(schema, lambda text: _checked(kind, text, lltok, json_options))
+
+
+def _checked(kind: str, source: str, lltok, json_options: dict | None) -> str:
     import llguidance
 
     if kind == "regex":
@@ -321,8 +338,8 @@ class GrammarWorker:
 
     # -- work
 
-    def build(self, kind: str, source: str, json_options: dict | None = None) -> str:
-        """:func:`build_grammar` in the worker: the grammar string, or ``ValueError`` naming the problem
+    def build(self, kind: str, source: str, json_options: dict | None = None) -> tuple[str, list[str]]:
+        """:func:`build_grammar` in the worker: the grammar string and its notes, or ``ValueError`` naming the problem
         (:class:`CompileTimeout`, :class:`CompileMemoryExceeded`, :class:`CompileCrashed` for the worker's own
         failures)."""
         if self._unusable is not None:
@@ -356,7 +373,7 @@ class GrammarWorker:
                 raise CompileCrashed(f"crashed the grammar compile process ({how})")
             if "error" in reply:
                 raise ValueError(reply["error"])
-            return reply["grammar"]
+            return reply["grammar"], list(reply.get("notes", []))
 
 
 # ------------------------------------------------------------------------------------------ the worker side
@@ -412,8 +429,8 @@ def _worker_main() -> None:
         if request is None:
             return
         try:
-            reply: dict[str, Any] = {"grammar": build_grammar(request["kind"], request["source"], lltok,
-                                                              request.get("json_options"))}
+            grammar, notes = build_grammar(request["kind"], request["source"], lltok, request.get("json_options"))
+            reply: dict[str, Any] = {"grammar": grammar, "notes": notes}
         except MemoryError:
             _send(fd_out, {"memory": True})
             return  # a failed allocation may have left anything half-built: start afresh

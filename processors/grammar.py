@@ -25,6 +25,7 @@ import numpy as np
 from .base import Cursor, as_ids
 from .compile_worker import build_grammar
 from .masks import ALLOW, BITMASK, Step, bitmask_words
+from .schema_check import admits_repeated_keys, validator_for_schema
 from .tables import content_hash
 from .tokenizer_info import TokenizerInfo
 
@@ -57,23 +58,49 @@ class GrammarSpec:
         grammar: the llguidance grammar string.
         eos_token_id: the token that ends a row once the grammar accepts.
         vocab_size: the tokenizer vocabulary it was checked against.
+        schema: ``json_schema``: the schema as written (JSON text), which finished outputs are validated against.
+        unenforced: what the grammar does not enforce (``json_schema``): one note per keyword the compile removed
+            or weakened, naming its place (``not at #/properties/a``); empty when the grammar is the schema.
+        repeatable_keys: the grammar may repeat an object key (a key no ``properties`` entry declares).
     """
 
     kind: str
     grammar: str
     eos_token_id: int
     vocab_size: int
+    schema: str | None = None
+    unenforced: tuple[str, ...] = ()
+    repeatable_keys: bool = False
     version: str = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "version", content_hash("grammar", self.kind, self.grammar, self.eos_token_id, self.vocab_size))
+        object.__setattr__(self, "version", content_hash("grammar", self.kind, self.grammar, self.eos_token_id,
+                                                         self.vocab_size, self.schema or "", list(self.unenforced)))
 
     @property
     def end_token_id(self) -> int:
         return self.eos_token_id
 
+    @property
+    def validates(self) -> bool:
+        """Finished outputs are validated (JSON kinds): a strict JSON parse, then the whole schema."""
+        return self.kind in ("json", "json_schema")
 
-def _grammar(kind: str, source: str, info: TokenizerInfo, worker) -> str:
+    @property
+    def exact(self) -> bool:
+        """Whether every output the grammar completes is valid (no validation can fail): a regex, or a schema
+        enforced as written whose objects cannot repeat a key."""
+        return not self.validates or (not self.unenforced and not self.repeatable_keys)
+
+    def output_error(self, text: str) -> str | None:
+        """Why a finished output's text is not valid for this constraint (``None``: it is). Regexes are
+        enforced exactly by their grammar and not checked again."""
+        if not self.validates:
+            return None
+        return validator_for_schema(self.schema).error(text)
+
+
+def _grammar(kind: str, source: str, info: TokenizerInfo, worker) -> tuple[str, list[str]]:
     if worker is None:
         return build_grammar(kind, source, info.lltokenizer, JSON_OPTIONS)
     if worker.vocab_size != info.vocab_size:
@@ -85,20 +112,26 @@ def _grammar(kind: str, source: str, info: TokenizerInfo, worker) -> str:
 def compile_json_schema(schema: dict | None, tokenizer, *, eos_token_id: int, worker=None) -> GrammarSpec:
     """Compile a JSON schema (``None`` or ``{}``: any JSON value) into a :class:`GrammarSpec`.
 
+    The grammar is the schema's closest enforceable relaxation (``processors.schema_check``): keywords the
+    grammar library refuses are left out of it and listed in :attr:`GrammarSpec.unenforced`; finished outputs
+    are validated against the schema as written (:meth:`GrammarSpec.output_error`).
+
     ``worker``: a :class:`~processors.compile_worker.GrammarWorker` to build and check the grammar in its
     process, within its time and memory limits; ``None``: in this process, unbounded.
     """
     info = TokenizerInfo.of(tokenizer)
     kind = "json" if not schema else "json_schema"
-    grammar = _grammar(kind, json.dumps(schema or {}), info, worker)
-    return GrammarSpec(kind=kind, grammar=grammar, eos_token_id=int(eos_token_id), vocab_size=info.vocab_size)
+    grammar, notes = _grammar(kind, json.dumps(schema or {}), info, worker)
+    return GrammarSpec(kind=kind, grammar=grammar, eos_token_id=int(eos_token_id), vocab_size=info.vocab_size,
+                       schema=json.dumps(schema) if schema else None, unenforced=tuple(notes),
+                       repeatable_keys=admits_repeated_keys(schema))
 
 
 def compile_regex(pattern: str, tokenizer, *, eos_token_id: int, worker=None) -> GrammarSpec:
     """Compile a regular expression (Rust ``regex`` syntax, whole-output match); ``worker`` as for
     :func:`compile_json_schema`."""
     info = TokenizerInfo.of(tokenizer)
-    grammar = _grammar("regex", pattern, info, worker)
+    grammar, _ = _grammar("regex", pattern, info, worker)
     return GrammarSpec(kind="regex", grammar=grammar, eos_token_id=int(eos_token_id), vocab_size=info.vocab_size)
 
 
