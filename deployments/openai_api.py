@@ -355,12 +355,24 @@ def openai_response(result: dict[str, Any], *, chat: bool, model: str) -> dict[s
             {"index": i, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason, "logprobs": None}
             for i, o in enumerate(response.outputs)
         ]
+        _add_output_fields(choices, response)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "choices": choices, **common}
     choices = [
         {"index": i, "text": o.text, "finish_reason": o.finish_reason, "logprobs": None}
         for i, o in enumerate(response.outputs)
     ]
+    _add_output_fields(choices, response)
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "choices": choices, **common}
+
+
+def _add_output_fields(choices: list[dict[str, Any]], response: GenerateResponse) -> None:
+    """Extra fields on each choice: ``attempts`` (how many times the output was generated: a JSON output that
+    failed validation against its schema is generated again) and, for an output that ended with
+    ``finish_reason: "error"``, its ``error``."""
+    for choice, output in zip(choices, response.outputs):
+        choice["attempts"] = output.attempts
+        if output.error is not None:
+            choice["error"] = output.error
 
 
 async def openai_stream_chunks(
