@@ -6,13 +6,15 @@ Commands map one to one onto routes (see the README's "Using the service"):
 ``list``                           ``GET /v1/scenarios`` (public: no token needed)
 ``get NAME [--version N]``         ``GET /admin/scenarios/NAME[?version=N]``
 ``put NAME FILE|-``                ``PUT /admin/scenarios/NAME`` with the file streamed as the body
+``put NAME --items CATALOG``       the same with a catalog (``Content-Type: application/x-ndjson``)
+``patch NAME --add F --remove F``  ``PATCH /admin/scenarios/NAME`` ``{"add": [...], "remove": [...]}``
 ``delete NAME``                    ``DELETE /admin/scenarios/NAME``
 ``versions NAME``                  ``GET /admin/scenarios/NAME/versions``
 ``rollback NAME VERSION``          ``POST /admin/scenarios/NAME/rollback``
 ``try NAME PROMPT``                ``POST /v1/generate`` (public), optionally streamed (SSE)
 =================================  ============================================================
 
-The writes (``put``, ``delete``, ``rollback``) send an ``Idempotency-Key`` header, one new key per
+The writes (``put``, ``patch``, ``delete``, ``rollback``) send an ``Idempotency-Key`` header, one new key per
 command, and retry an HTTP 503 ("retry later") up to ``--retries`` times with the same key: a write
 that was stored although the answer was a 503 is not made twice; the retry gets the first answer.
 
@@ -315,6 +317,7 @@ def _read_body(source: str) -> tuple[Any, int, Any]:
 # ``put --tree``: a bare tree file (what ``cs-tree build`` writes) sent as the body of a tree scenario,
 # wrapped on the fly so that a large file is still streamed, never loaded.
 TREE_BODY_HEAD, TREE_BODY_TAIL = b'{"type": "tree", "tree": ', b"}"
+CATALOG_CONTENT_TYPE = "application/x-ndjson"  # ``put --items``: the body is a catalog
 
 
 def _chunks(content: Any, size: int, progress: Any, wrap: tuple[bytes, bytes] = (b"", b"")) -> Iterator[bytes]:
@@ -337,11 +340,17 @@ def _chunks(content: Any, size: int, progress: Any, wrap: tuple[bytes, bytes] = 
 
 
 def cmd_put(client: AdminClient, args: argparse.Namespace) -> int:
-    content, size, handle = _read_body(args.file)
+    if (args.file is None) == (args.items is None):
+        raise CliError("put: give a scenario FILE or --items CATALOG, not both or neither", EXIT_USAGE)
+    if args.items is not None and args.tree:
+        raise CliError("put: --tree and --items are different formats; give one", EXIT_USAGE)
+    source = args.items if args.items is not None else args.file
+    content_type = CATALOG_CONTENT_TYPE if args.items is not None else "application/json"
+    content, size, handle = _read_body(source)
     try:
         if size == 0:
-            raise CliError(f"{'stdin' if args.file == '-' else args.file} is empty: expected a scenario JSON object",
-                           EXIT_USAGE)
+            expected = "a catalog (header line, then one JSON array per line)" if args.items else "a scenario JSON object"
+            raise CliError(f"{'stdin' if source == '-' else source} is empty: expected {expected}", EXIT_USAGE)
         show = args.progress if args.progress is not None else size >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
         # A sized stream: Content-Length lets the service refuse an oversized body (413) before reading it.
         wrap = (TREE_BODY_HEAD, TREE_BODY_TAIL) if args.tree else (b"", b"")
@@ -359,7 +368,7 @@ def cmd_put(client: AdminClient, args: argparse.Namespace) -> int:
             return _chunks(content, size, progress, wrap)
 
         answer = client.request("PUT", scenario_path(args.name), idempotent=True, content_factory=body,
-                                headers={"Content-Type": "application/json",
+                                headers={"Content-Type": content_type,
                                          "Content-Length": str(size + len(wrap[0]) + len(wrap[1]))})
     finally:
         if handle is not None:
@@ -367,7 +376,64 @@ def cmd_put(client: AdminClient, args: argparse.Namespace) -> int:
     if args.json:
         _print_json(answer)
     else:
-        print(f"stored {answer.get('name')} version {answer.get('version')} (every replica serves it)")
+        items = f" ({answer['items']} items)" if "items" in answer else ""
+        print(f"stored {answer.get('name')} version {answer.get('version')}{items} (every replica serves it)")
+    return EXIT_OK
+
+
+def _delta_values(source: str, text: bool) -> list[Any]:
+    """The items of a ``patch --add/--remove`` file: one per non-empty line, a JSON value (``[12, 40, 7]`` for a
+    tree item, ``"label"`` for a label); a line that is not JSON is a label as written. ``text``: every line is a
+    label as written."""
+    try:
+        if source == "-":
+            lines = sys.stdin.read().splitlines()
+        else:
+            with open(source, encoding="utf-8") as handle:
+                lines = handle.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read {source}: {getattr(exc, 'strerror', None) or exc}", EXIT_USAGE) from None
+    values: list[Any] = []
+    for line in lines:
+        if not line.strip():
+            continue
+        if text:
+            values.append(line)
+            continue
+        try:
+            values.append(json.loads(line))
+        except ValueError:
+            values.append(line.strip())
+    return values
+
+
+def cmd_patch(client: AdminClient, args: argparse.Namespace) -> int:
+    if args.add is None and args.remove is None:
+        raise CliError("patch: give --add FILE and/or --remove FILE", EXIT_USAGE)
+    if args.add == "-" and args.remove == "-":
+        raise CliError("patch: only one of --add and --remove can read stdin", EXIT_USAGE)
+    body: dict[str, Any] = {}
+    if args.add is not None:
+        body["add"] = _delta_values(args.add, args.text)
+    if args.remove is not None:
+        body["remove"] = _delta_values(args.remove, args.text)
+    headers = {} if args.base_version is None else {"If-Match": f'"{args.base_version}"'}
+    answer = client.request("PATCH", scenario_path(args.name), idempotent=True, json=body, headers=headers)
+    if args.json:
+        _print_json(answer)
+        return EXIT_OK
+    present, absent = answer.get("already_present") or [], answer.get("not_present") or []
+    if answer.get("changed") is False:
+        print(f"{answer.get('name')} unchanged: version {answer.get('version')} already has every add and none of "
+              "the removes (no new version)")
+    else:
+        print(f"patched {answer.get('name')}: version {answer.get('version')} (from {answer.get('base_version')}): "
+              f"{answer.get('added', 0)} added, {answer.get('removed', 0)} removed (every replica serves it)")
+    for what, values in (("already present (not added again)", present), ("not present (nothing removed)", absent)):
+        if values:
+            shown = ", ".join(json.dumps(v) for v in values[:MAX_KNOWN_SHOWN])
+            more = f" and {len(values) - MAX_KNOWN_SHOWN} more" if len(values) > MAX_KNOWN_SHOWN else ""
+            print(f"  {len(values)} {what}: {shown}{more}")
     return EXIT_OK
 
 
@@ -388,7 +454,8 @@ def cmd_versions(client: AdminClient, args: argparse.Namespace) -> int:
     history = answer.get("versions", [])
     # Every write (put, rollback, delete) appends a version, so the newest one is current unless it is a delete.
     current = history[-1].get("version") if history and history[-1].get("action") != "delete" else None
-    rows = [["*" if h.get("version") == current else "", h.get("version"), h.get("action"), h.get("type"),
+    rows = [["*" if h.get("version") == current else "", h.get("version"),
+             f"{h.get('action')} (body pruned)" if h.get("pruned") else h.get("action"), h.get("type"),
              h.get("from_version"), _when(h.get("created_at"))] for h in history]
     print(_table(["", "VERSION", "ACTION", "TYPE", "FROM", "CREATED"], rows))
     return EXIT_OK
@@ -471,8 +538,8 @@ def cmd_try(client: AdminClient, args: argparse.Namespace) -> int:
     return _failed_outputs(final or {})
 
 
-COMMANDS = {"list": cmd_list, "get": cmd_get, "put": cmd_put, "delete": cmd_delete, "versions": cmd_versions,
-            "rollback": cmd_rollback, "try": cmd_try}
+COMMANDS = {"list": cmd_list, "get": cmd_get, "put": cmd_put, "patch": cmd_patch, "delete": cmd_delete,
+            "versions": cmd_versions, "rollback": cmd_rollback, "try": cmd_try}
 
 
 # --------------------------------------------------------------------------------------------- arguments
@@ -536,12 +603,23 @@ def build_parser() -> argparse.ArgumentParser:
     get.add_argument("--version", type=int, metavar="N", help="a stored version (default: the current one)")
     put = command("put", "create or replace a scenario from a JSON file; returns once every replica serves it")
     put.add_argument("name", metavar="NAME")
-    put.add_argument("file", metavar="FILE", help="scenario JSON file, or - for stdin")
+    put.add_argument("file", metavar="FILE", nargs="?", help="scenario JSON file, or - for stdin")
+    put.add_argument("--items", metavar="CATALOG",
+                     help="instead of FILE: a catalog (tree items: a header line {\"start_token_id\": ..., "
+                          "\"end_token_id\": ...}, then one JSON array of token ids per line), or - for stdin")
     put.add_argument("--tree", action="store_true",
                      help="FILE is a bare tree file (what cs-tree build writes): store it as a tree scenario")
     put.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help=f"upload progress bar on stderr (default: for files of {PROGRESS_MIN_BYTES >> 20} MiB "
                           "or more, when stderr is a terminal)")
+    patch = command("patch", "add and remove tree items or labels as a new version (PATCH); no-ops are reported")
+    patch.add_argument("name", metavar="NAME")
+    patch.add_argument("--add", metavar="FILE", help="items to add, one per line: [12, 40, 7] for a tree, a label "
+                                                     "(as JSON or as plain text) for labels; - for stdin")
+    patch.add_argument("--remove", metavar="FILE", help="items to remove, same format")
+    patch.add_argument("--text", action="store_true", help="every line of the files is a label as written")
+    patch.add_argument("--base-version", type=int, metavar="N",
+                       help="refuse (409, nothing stored) unless version N is current (sent as If-Match)")
     delete = command("delete", "delete a scenario (its history is kept)")
     delete.add_argument("name", metavar="NAME")
     versions = command("versions", "a scenario's history (* marks the current version)")

@@ -41,6 +41,7 @@ from typing import Annotated, Any, AsyncIterator, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi import Path as PathParam
+from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -49,13 +50,13 @@ from pydantic.json_schema import SkipJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from config import ScenarioAdapter, ServerSettings
-from config.settings import LimitExceeded
 from deployments.auth import check_bearer, resolve_admin_token
 from deployments.metrics import route_logs_to_serve
 from deployments.console import mount_console
 from deployments.docs import mount_docs
 from deployments.guards import InflightPerClient, ProxyHeaderCheck
 from deployments.json_body import StrictJSONBody
+from deployments.manager.catalog import CATALOG_CONTENT_TYPES
 from deployments.store import NAME_PATTERN, validate_name
 from deployments.openai_api import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelList,
@@ -75,6 +76,9 @@ __all__ = [
 logger = logging.getLogger("ray.serve")
 
 ScenarioName = Annotated[str, PathParam(pattern=NAME_PATTERN, description="Scenario name (the store's naming rule).")]
+IfMatch = Annotated[str | None, Header(
+    alias="If-Match",
+    description="Optional, on PATCH: the version the change is based on, as GET's ETag (\"3\"): a 409 unless it is current.")]
 IdempotencyKey = Annotated[str | None, Header(
     alias="Idempotency-Key",
     description="Optional, on admin writes: a key of the client's choosing (e.g. a UUID) per intended write. A retry with "
@@ -243,6 +247,19 @@ class ScenarioVersionOut(BaseModel):
 
     name: str
     version: int
+
+
+class ScenarioPatchOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    version: int = Field(description="The new version (the current one when changed is false).")
+    base_version: int | None = Field(default=None, description="The version the delta was applied to.")
+    changed: bool | None = Field(default=None, description="False: every add was there and no remove was: no new version.")
+    added: int | None = None
+    removed: int | None = None
+    already_present: list[Any] | None = Field(default=None, description="Adds that were there already (no-ops).")
+    not_present: list[Any] | None = Field(default=None, description="Removes that were not there (no-ops).")
 
 
 class ScenarioOut(BaseModel):
@@ -621,7 +638,36 @@ def _install_error_handlers(app: FastAPI, not_found: Any = None, redact: Any = N
 
 def _scenario_openapi_extra() -> dict[str, Any]:
     schema = ScenarioAdapter.json_schema(ref_template="#/components/schemas/{model}")
+    catalog = {"type": "string", "description": "A catalog: a header line {\"start_token_id\": ..., \"end_token_id\": "
+               "...} then one JSON array of token ids (after the root, without the end token) per line."}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema},
+                                                           CATALOG_CONTENT_TYPES[0]: {"schema": catalog}}}}
+
+
+def _patch_openapi_extra() -> dict[str, Any]:
+    item = {"oneOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}, {"type": "string"}]}
+    schema = {"type": "object", "additionalProperties": False, "properties": {
+        "add": {"type": "array", "items": item, "description": "Tree items (token ids after the root) or labels."},
+        "remove": {"type": "array", "items": item},
+        "base_version": {"type": "integer", "minimum": 1, "description": "409 unless this version is current."}}}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _content_type(request: Request) -> str:
+    return (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+
+
+def _if_match_version(value: str | None) -> int | None:
+    """The version an ``If-Match`` header names (``"3"``, ``3``, ``W/"3"``); 422 for anything else."""
+    if value is None:
+        return None
+    text = value.strip()
+    text = text[2:] if text.startswith("W/") else text
+    text = text[1:-1] if len(text) >= 2 and text[0] == text[-1] == '"' else text
+    if not text.isdigit() or int(text) < 1:
+        raise ServiceError(422, f"If-Match: expected a version as an entity tag (e.g. \"3\", from GET's ETag), got "
+                                f"{value[:40]!r}", {"field": "If-Match"})
+    return int(text)
 
 
 def _with_scenario_components(app: FastAPI) -> None:
@@ -682,6 +728,9 @@ def _parse_body_here(ingress: Ingress, scope: dict) -> bool:
     """Whether the strict JSON check reads this request's body: not for an admin route without the admin token
     (it gets its 401 without its body being read, as before)."""
     path = scope.get("path") or ""
+    if path.startswith(_SCENARIOS_PREFIX) and "/" not in path[len(_SCENARIOS_PREFIX):] and \
+            scope.get("method") in ("PUT", "PATCH"):
+        return False  # a scenario write goes to the manager as bytes and is parsed there, once (as strictly)
     if path == "/admin" or path.startswith("/admin/"):
         header = next((v.decode("latin-1") for k, v in scope.get("headers") or [] if k == b"authorization"), None)
         return ingress.check_admin(header)
@@ -766,29 +815,38 @@ def build_http_app(ingress: Ingress) -> FastAPI:
 
     @admin.put("/scenarios/{name}", response_model=ScenarioVersionOut, openapi_extra=_scenario_openapi_extra())
     async def put_scenario(request: Request, name: ScenarioName, idempotency_key: IdempotencyKey = None):
-        """Create or replace a scenario; returns once every live replica serves the new version."""
+        """Create or replace a scenario; returns once every live replica serves the new version. A JSON body is a
+        scenario; a ``Content-Type: application/x-ndjson`` body is a catalog (a tree given as its items: a header
+        line, then one JSON array of token ids per line; see the README). The body goes to the config manager as
+        bytes, which parses and validates it once."""
         raw = await request.body()
-        limits = ingress.limits
-        try:
-            body = json.loads(raw) if raw else None
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ServiceError(422, f"body: not valid JSON: {error}") from None
-        except RecursionError:
-            raise ServiceError(422, f"body: nesting depth over {limits.max_json_depth} exceeds the limit "
-                                    f"max_json_depth={limits.max_json_depth}",
-                               {"field": "body", "limit_name": "max_json_depth", "limit": limits.max_json_depth}) from None
-        if not isinstance(body, dict):
-            raise ServiceError(422, f"body: expected a scenario JSON object, got {type(body).__name__ if raw else 'nothing'}")
-        try:  # here too (the manager checks again), so an oversized body is not shipped to the manager
-            limits.check_scenario(body)
-            limits.check_json_depth(body)
-        except LimitExceeded as error:
-            raise ServiceError(error.status, f"invalid scenario: {error}", {"name": name, **error.detail()}) from None
-        return write_answer(await ingress.call(ingress.manager.put, *idempotent((name, body), idempotency_key)))
+        if _content_type(request) in CATALOG_CONTENT_TYPES:
+            result = await ingress.call(ingress.manager.put_items, *idempotent((name, raw), idempotency_key))
+        else:
+            result = await ingress.call(ingress.manager.put, *idempotent((name, raw), idempotency_key))
+        return write_answer(result)
+
+    @admin.patch("/scenarios/{name}", response_model=ScenarioPatchOut, openapi_extra=_patch_openapi_extra())
+    async def patch_scenario(request: Request, name: ScenarioName, idempotency_key: IdempotencyKey = None,
+                             if_match: IfMatch = None):
+        """Add and remove tree items (token ids after the root, without the end token) or labels: ``{"add": [...],
+        "remove": [...]}``, as a new version (history, rollback, acks, Idempotency-Key as for a PUT). No-ops (adds
+        already there, removes not there) are applied as nothing and listed in the answer; a PATCH that changes
+        nothing makes no version. ``If-Match: "<version>"`` or ``base_version``: a 409 unless that version is
+        current, nothing stored."""
+        raw = await request.body()
+        base = _if_match_version(if_match)
+        result = await ingress.call(ingress.manager.patch, name, raw, idempotency_key, base)
+        return write_answer(result)
 
     @admin.get("/scenarios/{name}", response_model=ScenarioOut)
     async def get_scenario(name: ScenarioName, version: int | None = Query(default=None, ge=1, description="A stored version (default: current).")):
-        return await ingress.call(ingress.manager.get, name, version)
+        """A stored version (the current one by default); its ``ETag`` is ``"<version>"`` (for a PATCH's If-Match).
+        410 for a version whose body the bounded history dropped (setting history_bodies)."""
+        record = await ingress.call(ingress.manager.get, name, version)
+        if isinstance(record, dict) and isinstance(record.get("version"), int):
+            return JSONResponse(jsonable_encoder(record), headers={"ETag": f'"{record["version"]}"'})
+        return record
 
     @admin.delete("/scenarios/{name}", response_model=DeletedOut)
     async def delete_scenario(name: ScenarioName, idempotency_key: IdempotencyKey = None):

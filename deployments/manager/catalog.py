@@ -38,7 +38,7 @@ import numpy as np
 from deployments.protocol import ServiceError
 
 __all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "DeltaReport", "apply_labels_delta", "apply_tree_delta",
-           "catalog_body", "items_from_tree", "parse_catalog", "parse_delta", "tree_file_bytes"]
+           "catalog_body", "items_from_tree", "parse_catalog", "parse_delta", "parse_json_body", "tree_file_bytes"]
 
 #: request content types read as a catalog (the first is the one documented)
 CATALOG_CONTENT_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
@@ -317,3 +317,34 @@ def catalog_body(catalog: Catalog, content: bytes) -> dict[str, Any]:
     return {"type": "tree", **catalog.options, "path": CATALOG_PATH,
             "content_sha256": hashlib.sha256(content).hexdigest(), "content_format": "items",
             "items": len(catalog.items)}
+
+
+def parse_json_body(raw: bytes, limits: Any, *, scenario: bool) -> Any:
+    """An admin write's HTTP body (bytes, as the ingress received them) parsed once, strictly
+    (:func:`deployments.json_body.parse_json`: no NaN, no lone surrogates, no repeated keys), within the
+    nesting limit; a scenario body also gets the cheap limit checks (label count, inline tree keys, ...)."""
+    from config.settings import LimitExceeded
+    from deployments.json_body import BodyRejected, parse_json
+
+    try:
+        body = parse_json(raw) if raw.strip() else None
+    except BodyRejected as error:
+        raise error.to_service_error() from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ServiceError(422, f"body: not valid JSON: {error}", {"field": "body"}) from None
+    except RecursionError:
+        raise ServiceError(422, f"body: nesting depth over {limits.max_json_depth} exceeds the limit "
+                                f"max_json_depth={limits.max_json_depth}",
+                           {"field": "body", "limit_name": "max_json_depth", "limit": limits.max_json_depth}) from None
+    if not isinstance(body, dict):
+        what = "a scenario JSON object" if scenario else 'a JSON object {"add": [...], "remove": [...]}'
+        raise ServiceError(422, f"body: expected {what}, got {type(body).__name__ if raw.strip() else 'nothing'}",
+                           {"field": "body"})
+    try:
+        limits.check_json_depth(body)
+        if scenario:
+            limits.check_scenario(body)
+    except LimitExceeded as error:
+        raise ServiceError(error.status, f"invalid scenario: {error}" if scenario else str(error),
+                           error.detail()) from None
+    return body

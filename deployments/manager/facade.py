@@ -167,6 +167,8 @@ class ConfigManager:
         started = time.monotonic()
         self._ensure_started()
         validate_name(name)
+        if isinstance(body, (bytes, bytearray)):  # the HTTP body as received: parsed here, once
+            body = await asyncio.to_thread(self._parse_json_body, bytes(body), True)
         fingerprint = None
         if idempotency_key is not None:
             validate_idempotency_key(idempotency_key)
@@ -239,6 +241,8 @@ class ConfigManager:
         started = time.monotonic()
         self._ensure_started()
         validate_name(name)
+        if isinstance(delta, (bytes, bytearray)):
+            delta = await asyncio.to_thread(self._parse_json_body, bytes(delta), False)
         add, remove, body_base = parse_delta(delta)
         if base_version is not None:
             base_version = _as_version(base_version)
@@ -277,6 +281,11 @@ class ConfigManager:
             return {**answer, "version": result["version"], "changed": True}
         raise ServiceError(503, f"scenario {name!r} kept changing during the PATCH ({PATCH_ATTEMPTS} attempts); "
                                 "nothing was stored by it; retry", {"name": name})
+
+    def _parse_json_body(self, raw: bytes, scenario: bool) -> Any:
+        from .catalog import parse_json_body
+
+        return parse_json_body(raw, self.settings.limits, scenario=scenario)
 
     def _apply_delta(self, name: str, body: dict[str, Any], add: list[Any], remove: list[Any]):
         """``(new body, content to store or None, report)``: the delta applied to a stored body (worker thread)."""

@@ -16,8 +16,10 @@ import stat
 import pytest
 from fastapi.testclient import TestClient
 
+from config.settings import Limits
 from deployments.auth import check_bearer, mask_token, resolve_admin_token, token_file_path
 from deployments.ingress import Ingress
+from deployments.manager.catalog import parse_json_body
 from deployments.openai_api import served_model_name
 from deployments.protocol import ServiceError
 
@@ -90,6 +92,8 @@ async def _awaitable(result):
 
 def _manager() -> FakeHandle:
     async def put(name, body):
+        # the ingress sends the body as bytes; the manager parses it (the real parser, as ConfigManager.put)
+        body = parse_json_body(body, Limits(max_body_bytes=4096, max_new_tokens=100, max_n=4), scenario=True)
         if body.get("type") == "bogus":
             raise ServiceError(422, "type: unknown scenario type 'bogus'")
         return {"name": name, "version": 4}
@@ -179,7 +183,8 @@ def test_admin_requires_token(setup):
     assert not manager.calls
     resp = client.put("/admin/scenarios/yesno", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
     assert resp.status_code == 200 and resp.json() == {"name": "yesno", "version": 4}
-    assert manager.calls == [("put", ("yesno", body))]  # the raw dict goes to the manager
+    # the body goes to the manager as the bytes received, parsed there once
+    assert [(m, n, json.loads(raw)) for m, (n, raw) in manager.calls] == [("put", "yesno", body)]
 
 
 def test_admin_routes(setup):

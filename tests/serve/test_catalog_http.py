@@ -1,0 +1,215 @@
+"""Catalog uploads (``Content-Type: application/x-ndjson``), PATCH and bounded history over real HTTP against the
+shared Ray Serve app (2 model replicas, the real model), and ``cs-admin put --items`` / ``cs-admin patch``.
+
+Every generated output is checked against the items of the version its response reports. Names start with
+``cat-`` plus a random suffix, so tests sharing the app are not disturbed."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+
+import pytest
+import requests
+from test_admin_cli import _ok, cli
+
+from deployments.examples import chat_root_token_id
+
+pytestmark = pytest.mark.serve
+
+PHRASES = ["red apple", "green pear", "blue sky at night", "yellow sun", "white snow", "black cat", "grey mouse",
+           "orange juice", "purple rain", "pink panther", "brown bear", "silver moon"]
+
+
+def _chat(text):
+    return [{"role": "user", "content": text}]
+
+
+def _name() -> str:
+    return f"cat-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="module")
+def phrase_items(tokenizer):
+    out = {}
+    for phrase in PHRASES:
+        ids = tokenizer.encode(" " + phrase, add_special_tokens=False)
+        assert tokenizer.decode(ids) == " " + phrase
+        out[phrase] = tuple(ids)
+    return out
+
+
+def catalog(tokenizer, items) -> bytes:
+    head = {"start_token_id": chat_root_token_id(tokenizer), "end_token_id": tokenizer.eos_token_id,
+            "max_new_tokens": 16}
+    return (json.dumps(head) + "\n" + "".join(json.dumps(list(i)) + "\n" for i in items)).encode()
+
+
+def put_catalog(app, name, data) -> requests.Response:
+    return requests.put(f"{app.url}/admin/scenarios/{name}", data=data, timeout=240,
+                        headers={**app.admin, "Content-Type": "application/x-ndjson"})
+
+
+def patch(app, name, body, headers=None) -> requests.Response:
+    return requests.patch(f"{app.url}/admin/scenarios/{name}", json=body, timeout=240,
+                          headers={**app.admin, **(headers or {})})
+
+
+def check_item(out, items, eos) -> None:
+    """``out`` is exactly one item of ``items``, then the end token."""
+    ids = list(out["token_ids"])
+    assert out["finish_reason"] == "stop", out
+    if ids and ids[-1] == eos:
+        ids = ids[:-1]
+    assert tuple(ids) in items, (out, sorted(items))
+
+
+def test_catalog_put_get_and_generate(serve_app, tokenizer, phrase_items):
+    name = _name()
+    items = set(list(phrase_items.values())[:4])
+    r = put_catalog(serve_app, name, catalog(tokenizer, items))
+    assert r.status_code == 200, r.text
+    assert r.json() == {"name": name, "version": 1, "items": 4}
+    got = requests.get(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=30)
+    assert got.headers["etag"] == '"1"'
+    assert got.json()["scenario"]["content_format"] == "items"
+    r = serve_app.generate({"scenario": name, "messages": _chat("Name a thing."), "n": 4, "temperature": 1.5})
+    assert r.status_code == 200, r.text
+    for out in r.json()["outputs"]:
+        check_item(out, items, tokenizer.eos_token_id)
+    # a bad line is a 422 naming it; nothing stored
+    bad = catalog(tokenizer, items) + b"[1, 2.5]\n"
+    r = put_catalog(serve_app, name, bad)
+    assert r.status_code == 422 and "line 6" in r.json()["error"]["message"], r.text
+    versions = requests.get(f"{serve_app.url}/admin/scenarios/{name}/versions", headers=serve_app.admin, timeout=30)
+    assert [v["version"] for v in versions.json()["versions"]] == [1]
+
+
+def test_patch_under_load_every_output_matches_its_version(serve_app, tokenizer, phrase_items):
+    name = _name()
+    phrases = list(phrase_items.values())
+    current = set(phrases[:3])
+    versions: dict[int, set] = {}
+    r = put_catalog(serve_app, name, catalog(tokenizer, current))
+    assert r.status_code == 200, r.text
+    versions[r.json()["version"]] = set(current)
+    results: list[tuple[float, dict]] = []
+    errors: list[str] = []
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def client(i):
+        while not stop.is_set():
+            sent = time.time()
+            try:
+                r = serve_app.generate({"scenario": name, "messages": _chat(f"Name a thing ({i})."), "temperature": 1.5})
+            except requests.RequestException as exc:
+                errors.append(repr(exc))
+                continue
+            with lock:
+                (results.append((sent, r.json())) if r.status_code == 200 else errors.append(f"{r.status_code}: {r.text}"))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    patches: list[tuple[float, int]] = []
+    try:
+        for k in range(3, len(phrases)):
+            time.sleep(0.4)
+            drop = sorted(current)[0]
+            r = patch(serve_app, name, {"add": [list(phrases[k])], "remove": [list(drop)]})
+            assert r.status_code == 200, r.text
+            answer = r.json()
+            assert (answer["added"], answer["removed"], answer["changed"]) == (1, 1, True)
+            current = (current - {drop}) | {phrases[k]}
+            versions[answer["version"]] = set(current)
+            patches.append((time.time(), answer["version"]))
+        time.sleep(1.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert not errors, errors[:5]
+    assert len(results) >= 16, f"only {len(results)} requests completed under load"
+    seen = set()
+    for sent, body in results:
+        version = body["version"]
+        seen.add(version)
+        assert version in versions, f"response reports unknown version {version}"
+        check_item(body["outputs"][0], versions[version], tokenizer.eos_token_id)
+        newest = max((v for t, v in patches if t < sent), default=1)
+        assert version >= newest, f"a request sent after PATCH v{newest} returned was served by v{version}"
+    assert len(seen) >= 3, f"the load should span several versions, saw {sorted(seen)}"
+
+
+def test_patch_semantics_over_http(serve_app, tokenizer, phrase_items):
+    name = _name()
+    a, b, c = list(phrase_items.values())[:3]
+    assert put_catalog(serve_app, name, catalog(tokenizer, [a, b])).status_code == 200
+    # no-ops are reported; a retry that changes nothing makes no version
+    r = patch(serve_app, name, {"add": [list(c), list(a)], "remove": [[7, 8, 9]]})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"name": name, "version": 2, "base_version": 1, "changed": True, "added": 1, "removed": 0,
+                        "already_present": [list(a)], "not_present": [[7, 8, 9]]}
+    r = patch(serve_app, name, {"add": [list(c)]})
+    assert r.status_code == 200 and r.json()["changed"] is False and r.json()["version"] == 2
+    # If-Match with a stale version: 409, nothing stored; with the current one (GET's ETag): applied
+    r = patch(serve_app, name, {"remove": [list(a)]}, headers={"If-Match": '"1"'})
+    assert r.status_code == 409, r.text
+    error = r.json()["error"]
+    assert error["current_version"] == 2 and error["base_version"] == 1
+    etag = requests.get(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=30).headers["etag"]
+    r = patch(serve_app, name, {"remove": [list(a)]}, headers={"If-Match": etag})
+    assert r.status_code == 200 and r.json()["version"] == 3, r.text
+    r = patch(serve_app, name, {"remove": [list(b)], "base_version": 2})
+    assert r.status_code == 409
+    r = patch(serve_app, name, {"remove": [list(b)]}, headers={"If-Match": "three"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "If-Match"
+    r = patch(serve_app, name, {"add": [[1, 2]], "remove": [[1, 2]]})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "add"
+    # an Idempotency-Key retry answers the first result
+    key = {"Idempotency-Key": f"k-{uuid.uuid4().hex}"}
+    first = patch(serve_app, name, {"add": [list(a)]}, headers=key)
+    again = patch(serve_app, name, {"add": [list(a)]}, headers=key)
+    assert first.status_code == again.status_code == 200
+    assert again.headers.get("idempotent-replayed") == "true" and again.json()["version"] == first.json()["version"] == 4
+    history = requests.get(f"{serve_app.url}/admin/scenarios/{name}/versions", headers=serve_app.admin, timeout=30)
+    assert [(v["version"], v["action"]) for v in history.json()["versions"]] == [
+        (1, "put"), (2, "patch"), (3, "patch"), (4, "patch")]
+    # rollback works across patches
+    r = requests.post(f"{serve_app.url}/admin/scenarios/{name}/rollback", json={"version": 1},
+                      headers=serve_app.admin, timeout=240)
+    assert r.status_code == 200 and r.json()["version"] == 5
+    out = serve_app.generate({"scenario": name, "messages": _chat("Name a thing."), "n": 4, "temperature": 1.5})
+    for o in out.json()["outputs"]:
+        check_item(o, {a, b}, tokenizer.eos_token_id)
+    # labels
+    lname = _name()
+    serve_app.put(lname, {"type": "labels", "labels": ["red", "green"]})
+    r = patch(serve_app, lname, {"add": ["blue"], "remove": ["red", "mauve"]})
+    assert r.status_code == 200 and r.json()["not_present"] == ["mauve"], r.text
+    got = requests.get(f"{serve_app.url}/admin/scenarios/{lname}", headers=serve_app.admin, timeout=30).json()
+    assert got["scenario"]["labels"] == ["green", "blue"]
+
+
+def test_cs_admin_put_items_and_patch(serve_app, tokenizer, phrase_items, tmp_path):
+    name = _name()
+    a, b, c = list(phrase_items.values())[3:6]
+    items = tmp_path / "catalog.jsonl"
+    items.write_bytes(catalog(tokenizer, [a, b]))
+    done = _ok(cli("put", name, "--items", str(items), url=serve_app.url))
+    assert done.stdout.strip() == f"stored {name} version 1 (2 items) (every replica serves it)"
+    add, remove = tmp_path / "add.jsonl", tmp_path / "remove.jsonl"
+    add.write_text(json.dumps(list(c)) + "\n" + json.dumps(list(a)) + "\n")
+    remove.write_text(json.dumps(list(b)) + "\n")
+    done = _ok(cli("patch", name, "--add", str(add), "--remove", str(remove), url=serve_app.url))
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == f"patched {name}: version 2 (from 1): 1 added, 1 removed (every replica serves it)"
+    assert lines[1] == f"  1 already present (not added again): {json.dumps(list(a))}"
+    done = cli("patch", name, "--add", str(add), "--base-version", "1", url=serve_app.url)
+    assert done.returncode == 5 and "changed underneath" in done.stderr, done.stderr
+    out = serve_app.generate({"scenario": name, "messages": _chat("Name a thing."), "n": 4, "temperature": 1.5})
+    for o in out.json()["outputs"]:
+        check_item(o, {a, c}, tokenizer.eos_token_id)
