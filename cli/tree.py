@@ -75,6 +75,9 @@ def make_parser() -> argparse.ArgumentParser:
     lint.add_argument("tree_file", metavar="TREE_FILE")
     lint.add_argument("--sample", type=_non_negative, default=10, metavar="N", help="decoded paths to print (default 10)")
     lint.add_argument("--seed", type=int, default=0, help="seed of the sample (default 0)")
+    lint.add_argument("--strict", action="store_true",
+                      help="load as a scenario with strict: true does (keys outside the root, unknown fields, a "
+                           "'-' in sep, negative or beyond-int32 ids are errors instead of warnings)")
     lint.add_argument("--max-new-tokens", type=_positive, metavar="N",
                       help="warn about paths longer than this (default: the service's default max_new_tokens)")
     return parser
@@ -137,7 +140,8 @@ def _lint(args: argparse.Namespace) -> int:
     tokenizer = load_cli_tokenizer(args.tokenizer)
     try:
         report = lint_tree_file(args.tree_file, tokenizer, sample=args.sample, seed=args.seed,
-                                max_new_tokens=args.max_new_tokens, show_progress=progress_enabled(args.quiet))
+                                max_new_tokens=args.max_new_tokens, show_progress=progress_enabled(args.quiet),
+                                strict=args.strict)
     except OSError as error:
         raise UserError(f"cannot read {args.tree_file!r}: {error.strerror or error}") from None
     if args.json:

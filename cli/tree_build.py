@@ -301,11 +301,12 @@ def write_tree_atomic(path: str, prefix_dict: dict[str, Any], *, start: int, end
 
 
 def check_sep(sep: str) -> None:
-    """Refuse a key separator the loader would refuse (checked by loading an empty tree with it)."""
+    """Refuse a key separator a strict load would refuse (checked by loading an empty tree with it): the files
+    this tool writes load under ``strict: true`` too."""
     from config import TreeFileError, load_tree
 
     try:
-        load_tree({"start_token_id": 0, "end_token_id": 0, "sep": sep, "prefix_dict": {"0": []}})
+        load_tree({"start_token_id": 0, "end_token_id": 0, "sep": sep, "prefix_dict": {"0": []}}, strict=True)
     except TreeFileError as error:
         raise UserError(f"--sep: {error.problems[0].removeprefix('sep: ')}") from None
 

@@ -10,7 +10,9 @@ emitted (ids outside the vocabulary).
 
 Errors (exit code 1): ``invalid-tree``, ``bad-key``, ``duplicate-key``, ``out-of-vocab``, ``missing-root``,
 ``unreachable``, ``end-unreachable``. Warnings: ``duplicate-candidate``, ``special-token``, ``long-path``,
-``too-many-keys``, ``start-is-end``.
+``too-many-keys``, ``start-is-end``, ``lenient`` (what the loader accepts as RTP-LLM does but ``strict: true``
+refuses: unknown top-level fields, a ``-`` in ``sep``, skipped negative or beyond-int32 ids), ``foreign-key``
+(a key that does not start with the root: kept, never reached). ``--strict`` makes those load errors.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ __all__ = ["ERROR_CODES", "WARNING_CODES", "LintReport", "lint_tree_file"]
 
 ERROR_CODES = ("invalid-tree", "bad-key", "duplicate-key", "out-of-vocab", "missing-root", "unreachable",
                "end-unreachable")
-WARNING_CODES = ("duplicate-candidate", "special-token", "long-path", "too-many-keys", "start-is-end")
+WARNING_CODES = ("duplicate-candidate", "special-token", "long-path", "too-many-keys", "start-is-end", "lenient",
+                 "foreign-key")
 MAX_PER_CODE = 20  # messages kept per code; the counts stay exact
 
 
@@ -119,19 +122,23 @@ def _classify(problem: str) -> str:
     return "invalid-tree"
 
 
-def _load(path: str, vocab: int, report: LintReport):
+def _load(path: str, vocab: int, report: LintReport, strict: bool = False):
     """Load with the vocabulary check; when only that fails, load again without it so the walk still runs."""
     from config import TreeFileError, load_tree
 
     try:
-        return load_tree(path, vocab_size=vocab)
+        tree = load_tree(path, vocab_size=vocab, strict=strict)
+        for message in tree.warnings:  # the walk reports a missing root and the keys outside the root itself
+            if not message.startswith("no entry for the root key") and "do not start with the root" not in message:
+                report.warn("lenient", message)
+        return tree
     except TreeFileError as error:
         for problem in error.problems:
             report.error(_classify(problem), problem)
         if error.total > len(error.problems):  # the loader names the first problems only; count the rest
             report.error("invalid-tree", "", count=error.total - len(error.problems))
     try:
-        return load_tree(path)
+        return load_tree(path, strict=strict)
     except TreeFileError as error:
         # A bad start id stops the loader from checking keys; without the vocabulary those problems show up.
         seen = {item["message"] for item in report.errors}
@@ -142,7 +149,7 @@ def _load(path: str, vocab: int, report: LintReport):
 
 
 def lint_tree_file(path: str, tokenizer, *, sample: int = 10, seed: int = 0, max_new_tokens: int | None = None,
-                   show_progress: bool = False) -> LintReport:
+                   show_progress: bool = False, strict: bool = False) -> LintReport:
     """Check the tree file at ``path`` for ``tokenizer``; see the module docstring for the codes."""
     from config import Limits
     from config.settings import LimitExceeded
@@ -151,7 +158,7 @@ def lint_tree_file(path: str, tokenizer, *, sample: int = 10, seed: int = 0, max
     budget = max_new_tokens if max_new_tokens is not None else limits.default_max_new_tokens
     vocab = vocab_size(tokenizer)
     report = LintReport(file=path, stats={"vocab_size": vocab})
-    tree = _load(path, vocab, report)
+    tree = _load(path, vocab, report, strict)
     if tree is None:
         return report
     start, end, sep = tree.start_token_id, tree.end_token_id, tree.sep
@@ -264,6 +271,16 @@ def _report_walk(tree, walk: _Walk, vocab: int, budget: int, report: LintReport)
     for state, dups in walk.duplicates:
         report.warn("duplicate-candidate", f"{_kref(keys[state])} lists {dups} more than once")
     unreachable = [i for i, seen in enumerate(walk.reached) if not seen]
+    root, prefix = tree.root_key, tree.root_key + sep
+    foreign = [i for i in unreachable if keys[i] != root and not keys[i].startswith(prefix)]
+    for i in foreign[:MAX_PER_CODE]:
+        report.warn("foreign-key", f"{_kref(keys[i])}: does not start with the root {json.dumps(root)}: never "
+                    "reached (kept, unused; strict: true refuses it)")
+    if len(foreign) > MAX_PER_CODE:
+        report.warn("foreign-key", "", count=len(foreign) - MAX_PER_CODE)
+    if foreign:
+        outside = set(foreign)
+        unreachable = [i for i in unreachable if i not in outside]
     unreachable.sort(key=lambda i: keys[i].count(sep))  # the tops of unreachable subtrees first
     for i in unreachable[:MAX_PER_CODE]:
         report.error("unreachable", f"{_kref(keys[i])}: no path from the root reaches it: "

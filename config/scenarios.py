@@ -143,9 +143,13 @@ _PREFIX_DICT_SCHEMA = {
 class TreeSpec(ConfigModel):
     """An inline token tree, in the tree file format (checked by the same rules as tree files)."""
 
+    # Unknown top-level fields pass here: the tree loader ignores them with a warning (RTP-LLM's loader does),
+    # or refuses them when the scenario says strict: true.
+    model_config = ConfigDict(extra="allow")
+
     start_token_id: StrictInt = Field(ge=0, description="Root token id; the first state is str(start_token_id).")
     end_token_id: StrictInt = Field(ge=0, description="Token id that ends the sequence.")
-    sep: str = Field(default=DEFAULT_SEP, description="Separator between ids in keys; no digits or '-'.")
+    sep: str = Field(default=DEFAULT_SEP, description="Separator between ids in keys; no digits (nor '-' with strict).")
     # The values are typed loosely on purpose: the shared tree checker reports bad entries with the same
     # messages as for files, capped at MAX_REPORTED_PROBLEMS, instead of one pydantic error per bad id.
     prefix_dict: Annotated[dict[str, Any], WithJsonSchema(_PREFIX_DICT_SCHEMA)] = Field(
@@ -194,6 +198,12 @@ class TreeScenario(ScenarioBase):
         if body.get("path") is not None:
             raise ScenarioError("invalid", "a one-off tree must be given inline ('tree'), not as a server file "
                                            "('path'); store a scenario to use a tree file", field="path")
+
+    @model_validator(mode="after")
+    def _strict_tree(self) -> TreeScenario:
+        if self.strict and self.tree is not None:  # what a lenient load accepts with a warning is refused
+            load_tree(self.tree, strict=True)
+        return self
 
     @model_validator(mode="after")
     def _tree_or_path(self) -> TreeScenario:

@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from config.tree_fast import ScannedTree, parse_keys, scan_tree_file
+
 __all__ = ["DEFAULT_SEP", "MAX_REPORTED_PROBLEMS", "TreeData", "TreeFileError", "is_tree_path", "load_tree"]
 
 logger = logging.getLogger(__name__)
@@ -84,23 +86,42 @@ class TreeData:
         start_token_id: the root token; the first state is ``str(start_token_id)``.
         end_token_id: the token that ends a sequence (the only one allowed where a state has no candidates).
         sep: separator between ids in keys.
-        keys: the states, in file order, unique.
         offsets: ``int64`` array of ``len(keys) + 1`` entries; the candidates of ``keys[i]`` are
             ``candidates[offsets[i]:offsets[i + 1]]``.
-        candidates: ``int64`` array of all candidate ids, in file order.
-        warnings: non-fatal findings (e.g. no entry for the root key).
+        candidates: ``int64`` array of all candidate ids, in file order (skipped ids left out).
+        warnings: non-fatal findings (no entry for the root key; what a lenient load accepted or skipped).
+        key_list / key_blob: the keys, as a list of strings or as UTF-8 bytes each ended by ``\\x00``
+            (a scanned file); :attr:`keys` gives the list either way, built on first use.
+        key_h1, key_h2: two 64-bit hashes of each key's parts (``config.tree_fast``), 0 for keys that cannot
+            be a decode state; None when the keys were not hashed (a separator holding control characters).
+        targetable: which keys a decode step can reach by their parts (well formed, starting at the root).
+        root_index: the index of the root key, or -1.
     """
 
     start_token_id: int
     end_token_id: int
     sep: str
-    keys: list[str]
     offsets: np.ndarray
     candidates: np.ndarray
     warnings: tuple[str, ...] = ()
+    key_list: list[str] | None = None
+    key_blob: bytes | None = None
+    key_h1: np.ndarray | None = None
+    key_h2: np.ndarray | None = None
+    targetable: np.ndarray | None = None
+    root_index: int = -1
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return int(self.offsets.size - 1)
+
+    @property
+    def keys(self) -> list[str]:
+        """The states, in file order, unique (materialized from the scanned bytes on first use)."""
+        if self.key_list is None:
+            assert self.key_blob is not None
+            object.__setattr__(self, "key_list", self.key_blob.decode("utf-8", "surrogatepass").split("\x00")[:-1])
+        assert self.key_list is not None
+        return self.key_list
 
     @property
     def root_key(self) -> str:
@@ -176,12 +197,12 @@ def _kref(key: Any) -> str:
     return f"prefix_dict[{json.dumps(key) if isinstance(key, str) else repr(key)}]"
 
 
-def _sep_problem(sep: Any) -> str | None:
+def _sep_problem(sep: Any, strict: bool) -> str | None:
     if not isinstance(sep, str):
         return f"sep: must be a string, got {_describe(sep)}"
     if not sep:
         return "sep: must not be empty"
-    if any(ch.isdigit() or ch == "-" for ch in sep):
+    if any(ch.isdigit() for ch in sep) or (strict and "-" in sep):
         return f"sep: {json.dumps(sep)} must not contain digits or '-' (keys would be ambiguous)"
     return None
 
@@ -194,15 +215,64 @@ def _part_problem(part: str) -> str | None:
     return None
 
 
-class _TreeBuilder:
-    """Accumulates keys and candidates from a stream or a dict, then checks the rules across fields."""
+_FOREIGN = "foreign"
 
-    def __init__(self) -> None:
+
+def _key_problem(key: Any, root: str, sep: str, vocab_size: int | None) -> str | None:
+    """The exact per-key check: None (well formed), :data:`_FOREIGN` (does not start with the root), or a
+    message (malformed, or a part past the vocabulary)."""
+    if not isinstance(key, str):
+        return None  # reported when it was read
+    if key != root and not key.startswith(root + sep):
+        return _FOREIGN
+    parts = key.split(sep)[1:]
+    for part in parts:
+        problem = _part_problem(part)
+        if problem:
+            return f"malformed key: {problem}"
+    if vocab_size is not None:
+        for part in parts:
+            if int(part) >= vocab_size:
+                return f"token id {part} in the key is out of range for vocab_size {vocab_size}"
+    return None
+
+
+_INT32_MAX = (1 << 31) - 1
+_KEY_BLOCK = 1 << 20  # keys per block when hashing a list of keys
+_HASHABLE_SEP = re.compile(r"[^\x00\x01]+")
+
+
+class _TreeBuilder:
+    """Accumulates keys and candidates from a stream, a dict or a numpy scan, then checks the rules across
+    fields. ``strict``: refuse what a lenient load accepts with a warning (see :func:`load_tree`)."""
+
+    def __init__(self, strict: bool = False) -> None:
+        self.strict = strict
         self.fields: dict[str, Any] = {}
-        self.keys: list[str] = []
+        self.keys: list[Any] | None = []
+        self.key_blocks: list[bytes] | None = None
         self.offsets = array("q", [0])
         self.candidates = array("q")
+        self.huge: dict[int, int] = {}  # candidate position -> an id beyond int64 (a placeholder is stored)
+        self.unknown: list[Any] = []
         self.problems = _Problems()
+        self._offsets_np: np.ndarray | None = None
+        self._candidates_np: np.ndarray | None = None
+
+    # -- input from a numpy scan (config.tree_fast) -----------------------------------------------------------
+    def add_scan(self, scan: ScannedTree) -> None:
+        for name in scan.duplicate_fields:
+            self.problems.add(f"duplicate top-level field {json.dumps(name)}")
+        for name, value in scan.fields.items():
+            if name in TOP_LEVEL_FIELDS:
+                self.fields[name] = value
+            else:
+                self._unknown_field(name)
+        self.keys = None
+        self.key_blocks = scan.key_blocks
+        offsets = np.zeros(scan.counts.size + 1, dtype=np.int64)
+        np.cumsum(scan.counts, out=offsets[1:])
+        self._offsets_np, self._candidates_np = offsets, scan.candidates
 
     # -- input from a mapping ---------------------------------------------------------------------------------
     def add_mapping(self, data: Mapping[str, Any]) -> None:
@@ -222,6 +292,7 @@ class _TreeBuilder:
     def _add_entry(self, key: Any, cands: Any) -> None:
         if not isinstance(key, str):
             self.problems.add(f"{_kref(key)}: key must be a string, got {_describe(key)}")
+        assert self.keys is not None
         self.keys.append(key)
         if isinstance(cands, (list, tuple, np.ndarray)):
             append = self.candidates.append
@@ -229,19 +300,18 @@ class _TreeBuilder:
                 if _is_int(value):
                     try:
                         append(int(value))
-                        continue
                     except OverflowError:
-                        self.problems.add(f"{_kref(key)}[{i}]: id {value} is too large")
-                else:
-                    self.problems.add(f"{_kref(key)}[{i}]: candidate must be an integer, got {_describe(value)}")
+                        self.huge[len(self.candidates)] = int(value)
+                        append(_PLACEHOLDER)
+                    continue
+                self.problems.add(f"{_kref(key)}[{i}]: candidate must be an integer, got {_describe(value)}")
                 append(_PLACEHOLDER)
         else:
             self.problems.add(f"{_kref(key)}: candidates must be a list of integers, got {_describe(cands)}")
         self.offsets.append(len(self.candidates))
 
     def _unknown_field(self, name: Any) -> None:
-        expected = ", ".join(TOP_LEVEL_FIELDS)
-        self.problems.add(f"unknown top-level field {json.dumps(name)} (expected: {expected})")
+        self.unknown.append(name)
 
     # -- input from an ijson event stream ---------------------------------------------------------------------
     def add_events(self, events: Iterator[tuple[str, Any]]) -> None:
@@ -274,6 +344,7 @@ class _TreeBuilder:
             value = _event_value(event, value, events)
             self.problems.add(f"prefix_dict: must be an object mapping keys to lists, got {_describe(value)}")
             return
+        assert self.keys is not None
         keys_append = self.keys.append
         candidates = self.candidates
         cand_append = candidates.append
@@ -291,7 +362,7 @@ class _TreeBuilder:
                         try:
                             cand_append(value)
                         except OverflowError:
-                            self.problems.add(f"{_kref(key)}[{len(candidates) - begin}]: id {value} is too large")
+                            self.huge[len(candidates)] = value
                             cand_append(_PLACEHOLDER)
                     elif event == "end_array":
                         break
@@ -307,46 +378,175 @@ class _TreeBuilder:
 
     # -- rules across fields ----------------------------------------------------------------------------------
     def finish(self, vocab_size: int | None, source: str) -> TreeData:
-        problems = self.problems
+        problems, strict = self.problems, self.strict
+        warnings: list[str] = []
         for name in _REQUIRED_FIELDS:
             if name not in self.fields:
                 problems.add(f"missing required field {json.dumps(name)}")
+        expected = ", ".join(TOP_LEVEL_FIELDS)
+        for name in self.unknown:
+            if strict:
+                problems.add(f"unknown top-level field {json.dumps(name)} (expected: {expected})")
+            else:
+                warnings.append(f"unknown top-level field {json.dumps(name)} ignored (expected: {expected})")
         ids = {name: self._check_id(name, vocab_size) for name in ("start_token_id", "end_token_id")}
         sep = self.fields.get("sep", DEFAULT_SEP)
-        sep_problem = _sep_problem(sep)
+        sep_problem = _sep_problem(sep, strict)
         if sep_problem:
             problems.add(sep_problem)
+        elif "-" in sep:
+            warnings.append(f"sep {json.dumps(sep)} contains '-' (accepted; strict: true refuses it)")
+        offsets: np.ndarray = np.frombuffer(self.offsets, dtype=np.int64)
+        candidates: np.ndarray = np.frombuffer(self.candidates, dtype=np.int64)
+        if self._offsets_np is not None and self._candidates_np is not None:  # a numpy scan
+            offsets, candidates = self._offsets_np, self._candidates_np
+        n_keys = offsets.size - 1
         start = ids["start_token_id"]
+        hashed: tuple[np.ndarray, np.ndarray, np.ndarray, int] | None = None
+        blob: bytes | None = None
+        if self.key_blocks is not None:
+            blob = b"".join(self.key_blocks)
+            self.key_blocks = None
         if start is not None and not sep_problem:
-            self._check_keys(str(start), sep, vocab_size)
-        self._check_duplicates()
-        offsets = np.frombuffer(self.offsets, dtype=np.int64)
-        candidates = np.frombuffer(self.candidates, dtype=np.int64)
-        self._check_candidates(offsets, candidates, vocab_size)
+            hashed = self._check_keys(str(start), sep, vocab_size, blob, n_keys, warnings)
+        offsets, candidates = self._check_candidates(offsets, candidates, vocab_size, blob, warnings)
         if problems.count:
             raise problems.error(source)
-        warnings: list[str] = []
-        root = str(start)
-        if root not in self.keys:
-            warnings.append(f"no entry for the root key {root!r}: the first step will force the end token")
+        if hashed is not None and hashed[3] < 0 or hashed is None and str(start) not in self._key_strings(blob):
+            warnings.insert(0, f"no entry for the root key {str(start)!r}: the first step will force the end token")
         for message in warnings:
             logger.warning("%s: %s", source, message)
         offsets.flags.writeable = False
         candidates.flags.writeable = False
         end = ids["end_token_id"]
         assert start is not None and end is not None  # a missing id was reported as a problem above
-        return TreeData(start, end, sep, self.keys, offsets, candidates, tuple(warnings))
+        if hashed is None:
+            return TreeData(start, end, sep, offsets, candidates, tuple(warnings), key_list=self.keys, key_blob=blob)
+        h1, h2, targetable, root_index = hashed
+        return TreeData(start, end, sep, offsets, candidates, tuple(warnings), key_list=self.keys, key_blob=blob,
+                        key_h1=h1, key_h2=h2, targetable=targetable, root_index=root_index)
 
-    def _check_duplicates(self) -> None:
-        # Sorting 8-byte hashes costs a fraction of the memory of a set of a million keys; only keys whose
-        # hash repeats are compared as strings.
-        hashes = np.fromiter(map(hash, self.keys), dtype=np.int64, count=len(self.keys))
+    def _key_strings(self, blob: bytes | None) -> list[Any]:
+        if self.keys is None:
+            assert blob is not None
+            self.keys = blob.decode("utf-8", "surrogatepass").split("\x00")[:-1]
+        return self.keys
+
+    def _key_at(self, blob: bytes | None, ends: np.ndarray | None, i: int) -> Any:
+        """Key ``i`` as a string, without building the whole list for a scanned file."""
+        if self.keys is not None:
+            return self.keys[i]
+        assert blob is not None and ends is not None
+        begin = int(ends[i - 1]) + 1 if i else 0
+        return blob[begin : int(ends[i])].decode("utf-8", "surrogatepass")
+
+    def _blocks(self, blob: bytes | None, sep: str) -> Iterator[np.ndarray]:
+        """The keys in blocks for :func:`config.tree_fast.parse_keys` (each ended by 0, the separator as 1)."""
+        if blob is not None:  # a scanned file: printable ASCII only, so 0 and 1 occur nowhere else
+            data = np.frombuffer(blob, dtype=np.uint8)
+            sep_bytes = sep.encode("utf-8")
+            if len(sep_bytes) == 1:
+                mapped = data.copy()
+                mapped[data == sep_bytes[0]] = 1
+                yield mapped
+            else:
+                yield np.frombuffer(blob.replace(sep_bytes, b"\x01"), dtype=np.uint8)
+            return
+        keys = self.keys
+        assert keys is not None
+        if not keys:
+            yield np.zeros(0, dtype=np.uint8)
+        for lo in range(0, len(keys), _KEY_BLOCK):
+            part = [k if isinstance(k, str) else "\x7f" for k in keys[lo : lo + _KEY_BLOCK]]
+            text = "\x00".join(part) + "\x00"
+            if text.count("\x00") != len(part) or "\x01" in text:  # such keys get the exact check
+                part = [k.replace("\x00", "\x7f").replace("\x01", "\x7f") for k in part]
+                text = "\x00".join(part) + "\x00"
+            yield np.frombuffer(text.replace(sep, "\x01").encode("utf-8", "surrogatepass"), dtype=np.uint8)
+
+    def _check_keys(self, root: str, sep: str, vocab_size: int | None, blob: bytes | None, n_keys: int,
+                    warnings: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
+        """Key rules; returns ``(h1, h2, targetable, root_index)``, or None for a separator that holds 0 or 1
+        (those keys are checked one by one and compiled by their strings)."""
+        if not _HASHABLE_SEP.fullmatch(sep) or "\x7f" in sep:
+            self._check_keys_by_string(root, sep, vocab_size, blob, warnings)
+            self._check_duplicates_by_string(blob)
+            return None
+        blocks = [parse_keys(block, vocab_size) for block in self._blocks(blob, sep)]
+        odd = np.concatenate([b.odd for b in blocks])
+        first = np.concatenate([b.first for b in blocks])
+        n_parts = np.concatenate([b.n_parts for b in blocks])
+        over_vocab = np.concatenate([b.over_vocab for b in blocks])
+        h1 = np.concatenate([b.h1 for b in blocks])
+        h2 = np.concatenate([b.h2 for b in blocks])
+        del blocks
+        assert h1.size == n_keys, (h1.size, n_keys)
+        ends = np.flatnonzero(np.frombuffer(blob, dtype=np.uint8) == 0) if blob is not None else None
+        start = int(root)
+        rooted = ~odd & (first == start)
+        foreign = np.flatnonzero(~odd & (first != start)).tolist()
+        # keys that are not canonical decimal parts: the exact check decides (malformed, foreign, or fine)
+        for i in np.flatnonzero(odd).tolist():
+            key = self._key_at(blob, ends, i)
+            problem = _key_problem(key, root, sep, vocab_size)
+            if problem == _FOREIGN:
+                foreign.append(i)
+            elif problem:
+                self.problems.add(f"{_kref(key)}: {problem}")
+        if foreign:
+            foreign.sort()
+            if self.strict:
+                for i in foreign:
+                    self.problems.add(f"{_kref(self._key_at(blob, ends, i))}: key must be {root!r} or start with "
+                                      f"{(root + sep)!r}")
+            else:
+                shown = ", ".join(_kref(self._key_at(blob, ends, i)) for i in foreign[:3])
+                warnings.append(f"{len(foreign)} key(s) do not start with the root {root!r} and are never reached "
+                                f"(kept, unused): {shown}{', ...' if len(foreign) > 3 else ''}")
+        if vocab_size is not None and not self.problems.count:
+            for i in np.flatnonzero(over_vocab & rooted)[: MAX_REPORTED_PROBLEMS + 1].tolist():
+                key = self._key_at(blob, ends, i)
+                self.problems.add(f"{_kref(key)}: {_key_problem(key, root, sep, vocab_size)}")
+            self.problems.count += max(0, int(np.count_nonzero(over_vocab & rooted)) - MAX_REPORTED_PROBLEMS - 1)
+        # duplicates: equal hashes, confirmed on the strings (only keys whose hash repeats are compared)
+        sorted_h1 = np.sort(h1[~odd])
+        repeated = np.unique(sorted_h1[1:][sorted_h1[1:] == sorted_h1[:-1]])
+        suspects = np.flatnonzero(np.isin(h1, repeated) & ~odd).tolist() if repeated.size else []
+        suspects += np.flatnonzero(odd).tolist()
+        if suspects:
+            counts = Counter(self._key_at(blob, ends, i) for i in suspects)
+            for key, count in counts.items():
+                if count > 1:
+                    self.problems.add(f"{_kref(key)}: duplicate key (appears {count} times)")
+        roots = np.flatnonzero(rooted & (n_parts == 1))
+        h1.flags.writeable = h2.flags.writeable = rooted.flags.writeable = False
+        return h1, h2, rooted, int(roots[0]) if roots.size else -1
+
+    def _check_keys_by_string(self, root: str, sep: str, vocab_size: int | None, blob: bytes | None,
+                              warnings: list[str]) -> None:
+        foreign = []
+        for key in self._key_strings(blob):
+            problem = _key_problem(key, root, sep, vocab_size)
+            if problem == _FOREIGN:
+                foreign.append(key)
+            elif problem:
+                self.problems.add(f"{_kref(key)}: {problem}")
+        if foreign and self.strict:
+            for key in foreign:
+                self.problems.add(f"{_kref(key)}: key must be {root!r} or start with {(root + sep)!r}")
+        elif foreign:
+            warnings.append(f"{len(foreign)} key(s) do not start with the root {root!r} and are never reached "
+                            f"(kept, unused): {', '.join(_kref(k) for k in foreign[:3])}")
+
+    def _check_duplicates_by_string(self, blob: bytes | None) -> None:
+        keys = self._key_strings(blob)
+        hashes = np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys))
         hashes.sort()
         repeated = hashes[1:][hashes[1:] == hashes[:-1]]
         if not repeated.size:
             return
         suspects = set(repeated.tolist())
-        counts = Counter(key for key in self.keys if hash(key) in suspects)
+        counts = Counter(key for key in keys if hash(key) in suspects)
         for key, count in counts.items():
             if count > 1:
                 self.problems.add(f"{_kref(key)}: duplicate key (appears {count} times)")
@@ -365,46 +565,48 @@ class _TreeBuilder:
             return int(value)
         return None
 
-    def _check_keys(self, root: str, sep: str, vocab_size: int | None) -> None:
-        shape = re.compile(re.escape(root) + "(?:" + re.escape(sep) + "(?:0|[1-9][0-9]*))*", re.ASCII)
-        matches = shape.fullmatch
-        prefix = root + sep
-        for key in self.keys:
-            if not isinstance(key, str) or matches(key):
-                continue
-            if key != root and not key.startswith(prefix):
-                self.problems.add(f"{_kref(key)}: key must be {root!r} or start with {prefix!r}")
-                continue
-            for part in key.split(sep)[1:]:
-                problem = _part_problem(part)
-                if problem:
-                    self.problems.add(f"{_kref(key)}: malformed key: {problem}")
-                    break
-        if vocab_size is None or self.problems.count:
-            return
-        # Keys are well formed here, so only parts with at least as many digits as the largest id can be out of
-        # range; a regex finds those in C and int() runs on them alone.
-        long_parts = re.compile(re.escape(sep) + "([0-9]{%d,})" % len(str(vocab_size - 1))).findall
-        for key in self.keys:
-            for part in long_parts(key):
-                if int(part) >= vocab_size:
-                    problem = f"token id {part} in the key is out of range for vocab_size {vocab_size}"
-                    self.problems.add(f"{_kref(key)}: {problem}")
-                    break
+    def _check_candidates(self, offsets: np.ndarray, candidates: np.ndarray, vocab_size: int | None,
+                          blob: bytes | None, warnings: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Candidate rules; a lenient load skips negative ids and ids beyond int32 (as RTP-LLM does). Returns the
+        offsets and candidates to keep."""
+        ends = np.flatnonzero(np.frombuffer(blob, dtype=np.uint8) == 0) if blob is not None else None
 
-    def _check_candidates(self, offsets: np.ndarray, candidates: np.ndarray, vocab_size: int | None) -> None:
-        checks = [(candidates < 0, "is negative")]
+        def where(pos: int) -> str:
+            row = int(np.searchsorted(offsets, pos, side="right")) - 1
+            return f"{_kref(self._key_at(blob, ends, row))}[{pos - int(offsets[row])}]"
+
+        huge = np.zeros(candidates.size, dtype=bool)
+        if self.huge:
+            huge[list(self.huge)] = True
+        negative = candidates < 0
+        if self.strict:
+            checks = [(negative, "is negative"), (huge, "is too large")]
+        else:
+            skip = negative | huge | (candidates > _INT32_MAX)
+            checks = []
+            n_skip = int(np.count_nonzero(skip))
+            if n_skip:
+                positions = np.flatnonzero(skip)
+                shown = ", ".join(f"{where(p)} = {self.huge.get(p, int(candidates[p]))}" for p in positions[:3].tolist())
+                warnings.append(f"{n_skip} candidate id(s) negative or beyond int32 skipped: {shown}"
+                                f"{', ...' if n_skip > 3 else ''}")
         if vocab_size is not None:
-            checks.append((candidates >= vocab_size, f"is out of range for vocab_size {vocab_size}"))
+            checks.append((~huge & (candidates >= vocab_size) if self.strict else ~skip & (candidates >= vocab_size),
+                           f"is out of range for vocab_size {vocab_size}"))
         for bad, reason in checks:
             positions = np.flatnonzero(bad)
             if not positions.size:
                 continue
             for pos in positions[:MAX_REPORTED_PROBLEMS].tolist():
-                row = int(np.searchsorted(offsets, pos, side="right")) - 1
-                where = f"{_kref(self.keys[row])}[{pos - int(offsets[row])}]"
-                self.problems.add(f"{where}: id {int(candidates[pos])} {reason}")
+                self.problems.add(f"{where(pos)}: id {self.huge.get(pos, int(candidates[pos]))} {reason}")
             self.problems.count += max(0, positions.size - MAX_REPORTED_PROBLEMS)
+        if self.strict or not n_skip:
+            return offsets, candidates
+        row = np.searchsorted(offsets, np.flatnonzero(skip), side="right") - 1
+        kept_per_row = np.diff(offsets) - np.bincount(row, minlength=offsets.size - 1)
+        new_offsets = np.zeros_like(offsets)
+        np.cumsum(kept_per_row, out=new_offsets[1:])
+        return new_offsets, candidates[~skip]
 
 
 def _event_value(event: str, value: Any, events: Iterator[tuple[str, Any]]) -> Any:
@@ -443,10 +645,15 @@ def _load_file(path: str | os.PathLike[str], builder: _TreeBuilder) -> str:
     import ijson
 
     source = f"tree file {os.fspath(path)!r}"
-    backend = _ijson_backend()
     with open(path, "rb") as handle:
         if os.fstat(handle.fileno()).st_size == 0:
             raise TreeFileError(["the file is empty"], source=source)
+    scan = scan_tree_file(os.fspath(path))
+    if scan is not None:  # the numpy scan read it; anything it does not handle goes to ijson below
+        builder.add_scan(scan)
+        return source
+    backend = _ijson_backend()
+    with open(path, "rb") as handle:
         try:
             builder.add_events(iter(backend.basic_parse(handle, buf_size=_READ_CHUNK)))
         except TreeFileError as error:
@@ -457,7 +664,7 @@ def _load_file(path: str | os.PathLike[str], builder: _TreeBuilder) -> str:
     return source
 
 
-def load_tree(source: Any, *, vocab_size: int | None = None) -> TreeData:
+def load_tree(source: Any, *, vocab_size: int | None = None, strict: bool = False) -> TreeData:
     """Load and validate a tree.
 
     Args:
@@ -465,9 +672,14 @@ def load_tree(source: Any, *, vocab_size: int | None = None) -> TreeData:
             :class:`config.scenarios.TreeSpec` (any object with ``start_token_id``, ``end_token_id``, ``sep`` and
             ``prefix_dict`` attributes). Files are streamed: memory grows with the tree, not with the JSON text.
         vocab_size: when given, every id (start, end, candidates, ids inside keys) must be below it.
+        strict: refuse what RTP-LLM's loader accepts and a lenient load takes with a warning: keys that do not
+            start with the root (kept, never reached), unknown top-level fields (ignored), a ``sep`` with ``-``,
+            negative or beyond-int32 candidate ids (skipped). Digits in ``sep``, malformed keys under the root,
+            non-integer candidates and ids at or above ``vocab_size`` are refused either way.
 
     Returns:
-        The tree as a :class:`TreeData`. A missing root entry is a warning (in ``warnings`` and logged).
+        The tree as a :class:`TreeData`. A missing root entry and what a lenient load accepted are warnings (in
+        ``warnings`` and logged).
 
     Raises:
         TreeFileError: listing every problem found (the first :data:`MAX_REPORTED_PROBLEMS`, then a count).
@@ -475,7 +687,7 @@ def load_tree(source: Any, *, vocab_size: int | None = None) -> TreeData:
     """
     if vocab_size is not None and (not _is_int(vocab_size) or vocab_size < 1):
         raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
-    builder = _TreeBuilder()
+    builder = _TreeBuilder(strict=strict)
     if isinstance(source, (str, os.PathLike)):
         label = _load_file(source, builder)
     elif isinstance(source, Mapping):
@@ -483,7 +695,8 @@ def load_tree(source: Any, *, vocab_size: int | None = None) -> TreeData:
         builder.add_mapping(source)
     elif all(hasattr(source, name) for name in TOP_LEVEL_FIELDS):
         label = "tree"
-        builder.add_mapping({name: getattr(source, name) for name in TOP_LEVEL_FIELDS})
+        extra = getattr(source, "model_extra", None) or {}  # unknown fields a lenient TreeSpec kept
+        builder.add_mapping({**{name: getattr(source, name) for name in TOP_LEVEL_FIELDS}, **extra})
     else:
         raise TypeError(f"load_tree() expects a path, a dict or a TreeSpec, got {type(source).__name__}")
     return builder.finish(vocab_size, label)

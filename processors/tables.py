@@ -58,6 +58,7 @@ class MaskTables:
         root: the state before the first generated token (``LEAF`` if the tree has no root entry).
         end_token_id: the token that ends a sequence; always allowed where nothing else is.
         vocab_size: the tokenizer vocabulary the ids were checked against.
+        warnings: the loader's warnings about the source (the admin PUT returns them); not part of ``version``.
     """
 
     offsets: np.ndarray
@@ -66,6 +67,7 @@ class MaskTables:
     root: int
     end_token_id: int
     vocab_size: int
+    warnings: tuple[str, ...] = field(default=(), compare=False)  # what a lenient tree load accepted; not versioned
     keys: np.ndarray = field(init=False, repr=False)
     version: str = field(init=False)
 
@@ -151,19 +153,100 @@ def build_tree_tables(tree, vocab_size: int) -> MaskTables:
     Each key becomes a state; the edge ``key --t-->`` leads to the state of ``key + sep + str(t)``
     when that key exists, to ``LEAF`` (only the end token) when it does not, and to ``DONE`` when
     ``t`` is the end token. Duplicate candidates are merged. Memory is linear in keys + candidates.
+
+    A tree whose keys were hashed by the loader (``key_h1``/``key_h2``) compiles with array passes only: the
+    edges are sorted by ``(state, token)`` in one ``np.sort``, and the target of each edge is found by extending
+    its state's hashes with the token and looking the result up among the keys' hashes (a sorted merge). Other
+    trees are compiled through a dict of their key strings.
     """
-    keys = tree.keys
-    n_keys = len(keys)
     offsets = np.asarray(tree.offsets, dtype=np.int64)
     cands = np.asarray(tree.candidates, dtype=np.int64)
     if cands.size and (cands.min() < 0 or cands.max() >= vocab_size):
         raise ValueError(f"candidate ids must lie in [0, {vocab_size})")
+    if getattr(tree, "key_h1", None) is None:
+        return _build_by_strings(tree, offsets, cands, vocab_size)
+    end = int(tree.end_token_id)
+    n_keys = offsets.size - 1
+    base = np.int64(vocab_size)
+    # edges sorted by (state, token), duplicates merged: one sort of state * V + token
+    code = np.repeat(np.arange(n_keys, dtype=np.int64) * base, np.diff(offsets))
+    code += cands
+    code.sort()
+    if code.size:
+        keep = np.empty(code.size, dtype=bool)
+        keep[0] = True
+        np.not_equal(code[1:], code[:-1], out=keep[1:])
+        if not keep.all():
+            code = code[keep]
+        del keep
+    state = code // base
+    tokens = (code - state * base).astype(np.int32)
+    del code
+    counts = np.bincount(state, minlength=n_keys) if n_keys else np.zeros(0, dtype=np.int64)
+    new_offsets = np.zeros(n_keys + 1, dtype=np.int64)
+    np.cumsum(counts, out=new_offsets[1:])
+    next_state = np.full(tokens.size, LEAF, dtype=np.int32)
+    next_state[tokens == end] = DONE
+    _link_edges(tree, state, tokens, next_state, end)
+    return MaskTables(
+        offsets=new_offsets,
+        tokens=tokens,
+        next_state=next_state,
+        root=int(tree.root_index) if tree.root_index >= 0 else LEAF,
+        end_token_id=end,
+        vocab_size=int(vocab_size),
+        warnings=tuple(getattr(tree, "warnings", ())),
+    )
+
+
+def _link_edges(tree, state: np.ndarray, tokens: np.ndarray, next_state: np.ndarray, end: int) -> None:
+    """Set ``next_state`` of every edge whose target path is a key (by hash), in place."""
+    from config.tree_fast import extend_hash
+
+    h1, h2, targetable = tree.key_h1, tree.key_h2, tree.targetable
+    edges = np.flatnonzero(targetable[state] & (tokens != end))  # edges from reachable-shaped states
+    keys = np.flatnonzero(targetable)
+    if not edges.size or not keys.size:
+        return
+    t1, t2 = extend_hash(h1[state[edges]], h2[state[edges]], tokens[edges])
+    # Sort both sides by the high bits of h1 with the index packed into the low bits (np.sort, no argsort),
+    # merge with searchsorted, then confirm on the full hashes.
+    bits = max(int(max(keys.size, edges.size) - 1).bit_length(), 1)
+    low = np.uint64((1 << bits) - 1)
+    shift = np.uint64(bits)
+    kpack = np.sort(((h1[keys] >> shift) << shift) | np.arange(keys.size, dtype=np.uint64))
+    qpack = np.sort(((t1 >> shift) << shift) | np.arange(edges.size, dtype=np.uint64))
+    khigh, qhigh = kpack >> shift, qpack >> shift
+    kidx = keys[(kpack & low).astype(np.int64)]
+    qidx = (qpack & low).astype(np.int64)
+    del kpack, qpack
+    pos = np.searchsorted(khigh, qhigh)
+    # a query may share its high bits with several keys: try them in turn (rarely more than one)
+    pending = np.arange(qidx.size)
+    while pending.size:
+        p = pos[pending]
+        inside = p < khigh.size
+        pending, p = pending[inside], p[inside]
+        same = khigh[p] == qhigh[pending]
+        pending, p = pending[same], p[same]
+        if not pending.size:
+            break
+        cand = kidx[p]
+        q = qidx[pending]
+        hit = (h1[cand] == t1[q]) & (h2[cand] == t2[q])
+        next_state[edges[q[hit]]] = cand[hit]
+        pending = pending[~hit]
+        pos[pending] += 1
+
+
+def _build_by_strings(tree, offsets: np.ndarray, cands: np.ndarray, vocab_size: int) -> MaskTables:
+    """The compile for trees whose keys were not hashed: one dict lookup of ``key + sep + str(t)`` per edge."""
+    keys = tree.keys
+    n_keys = len(keys)
     end = int(tree.end_token_id)
     sep = tree.sep
     index = {k: i for i, k in enumerate(keys)}
     state_of = np.repeat(np.arange(n_keys, dtype=np.int64), np.diff(offsets))
-
-    # next state of every candidate: one dict lookup per edge, no per-state Python objects
     get = index.get
     cand_list = cands.tolist()
     nxt = np.fromiter(
@@ -193,6 +276,7 @@ def build_tree_tables(tree, vocab_size: int) -> MaskTables:
         root=root,
         end_token_id=end,
         vocab_size=int(vocab_size),
+        warnings=tuple(getattr(tree, "warnings", ())),
     )
 
 

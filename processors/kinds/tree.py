@@ -47,7 +47,8 @@ class TreeKind(ConstraintKind):
     compiled_type = MaskTables
 
     def compile(self, scenario, info, *, worker=None) -> CompileResult:
-        tree = load_tree(scenario.tree if scenario.tree is not None else scenario.path, vocab_size=info.vocab_size)
+        tree = load_tree(scenario.tree if scenario.tree is not None else scenario.path, vocab_size=info.vocab_size,
+                         strict=bool(scenario.strict))
         tables = build_tree_tables(tree, info.vocab_size)
         item_metrics(tables)  # min_remaining / item_count, computed once here and shipped with the tables
         if scenario.max_items > 1:

@@ -145,7 +145,7 @@ def test_unknown_top_level_field(tmp_path, kind):
     body = {**SEED_TREE, "comment": {"nested": [1, 2]}}
     source = body if kind == "dict" else write(tmp_path, json.dumps(body))
     with pytest.raises(TreeFileError, match='unknown top-level field "comment"'):
-        load_tree(source)
+        load_tree(source, strict=True)
 
 
 def test_duplicate_top_level_field_in_file(tmp_path):
@@ -188,7 +188,7 @@ def test_bad_end_token_id_and_vocab_range(tmp_path):
 )
 def test_bad_sep(sep, message):
     with pytest.raises(TreeFileError, match=message):
-        load_tree({**SEED_TREE, "sep": sep})
+        load_tree({**SEED_TREE, "sep": sep}, strict=True)
 
 
 def test_prefix_dict_must_be_an_object(tmp_path):
@@ -218,7 +218,7 @@ def test_malformed_keys(tmp_path, kind, key, message):
     body = {**SEED_TREE, "prefix_dict": {"225": [1], key: [2]}}
     source = body if kind == "dict" else write(tmp_path, json.dumps(body))
     with pytest.raises(TreeFileError) as excinfo:
-        load_tree(source)
+        load_tree(source, strict=True)
     assert message in problems_of(excinfo)
     assert excinfo.value.total == 1
 
@@ -243,14 +243,14 @@ def test_malformed_keys(tmp_path, kind, key, message):
 def test_bad_candidates_in_file(tmp_path, value, message):
     text = '{"start_token_id": 225, "end_token_id": 2, "prefix_dict": {"225": [1], "225_1": %s, "225_9": [2]}}'
     with pytest.raises(TreeFileError) as excinfo:
-        load_tree(write(tmp_path, text % value))
+        load_tree(write(tmp_path, text % value), strict=True)
     assert message in problems_of(excinfo)
 
 
 def test_bad_candidates_in_dict_use_the_same_messages():
     body = {**SEED_TREE, "prefix_dict": {"225": [1, 3.0, True, "4", -5], "225_1": "x"}}
     with pytest.raises(TreeFileError) as excinfo:
-        load_tree(body)
+        load_tree(body, strict=True)
     text = problems_of(excinfo)
     assert 'prefix_dict["225"][1]: candidate must be an integer, got number 3.0 (not an integer)' in text
     assert 'prefix_dict["225"][2]: candidate must be an integer, got boolean true' in text
@@ -296,7 +296,7 @@ def test_all_problems_reported_with_a_cap(tmp_path):
 def test_many_negative_ids_are_counted_past_the_cap():
     body = {**SEED_TREE, "prefix_dict": {"225": [-1] * 50}}
     with pytest.raises(TreeFileError) as excinfo:
-        load_tree(body)
+        load_tree(body, strict=True)
     assert excinfo.value.total == 50
     assert 'prefix_dict["225"][19]: id -1 is negative' in str(excinfo.value)
 
