@@ -199,6 +199,9 @@ class Limits(BaseModel):
     max_num_beams: int = Field(default=8, ge=1, description="Largest num_beams.")
     max_tree_keys: int = Field(default=2_000_000, ge=1, description="Most prefix_dict keys in a tree scenario.")
     max_labels: int = Field(default=100_000, ge=1, description="Most labels in a labels scenario.")
+    max_exclude_items: int = Field(
+        default=10_000, ge=0, description="Most items in a request's exclude list (tree and labels scenarios)."
+    )
     max_schema_bytes: int = Field(default=256 * 1024, ge=16, description="Largest JSON schema, serialized.")
     max_schema_depth: int = Field(default=32, ge=1, description="Deepest nesting of a JSON schema.")
     max_regex_length: int = Field(default=4096, ge=1, description="Longest regex pattern.")

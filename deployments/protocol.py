@@ -8,7 +8,7 @@ into a JSON error with the given HTTP status.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -125,6 +125,16 @@ class GenerateRequest(_Strict):
     num_beams: int = Field(default=1, ge=1, strict=True, description="Beam search width (1 = no beam search).")
     seed: int | None = Field(default=None, ge=0, strict=True, description="Random seed for reproducible sampling.")
     stream: bool = Field(default=False, strict=True, description="Stream tokens as server-sent events.")
+    exclude: list[list[Annotated[int, Field(strict=True)]] | str] | None = Field(
+        default=None,
+        description="tree and labels scenarios: items that must not be produced. A tree item is the list of token "
+                    "ids after the root up to its end (without the end token); a label item is the label. An item "
+                    "that is not in the scenario is a 422 naming exclude[i]. At most the limit max_exclude_items.",
+    )
+    distinct: bool = Field(
+        default=False, strict=True,
+        description="tree and labels scenarios: the n outputs (or returned beams) are different items.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "GenerateRequest":

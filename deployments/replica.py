@@ -24,6 +24,7 @@ from processors import CompiledScenario, ScenarioCompiler, build_prompt_ids
 from .engines import (
     DoneEvent, EngineRequest, ErrorEvent, FinishedEvent, SamplingParams, TokenEvent, create_engine,
 )
+from .item_controls import admit_item_controls
 from .metrics import ReplicaMetrics, route_logs_to_serve
 from .regenerate import CheckedRun
 from .protocol import GenerateRequest, GenerateResponse, Output, ServiceError, Usage, check_request_limits
@@ -220,8 +221,9 @@ class ModelReplica:
                 {"field": "prompt", "limit_name": "max_prompt_tokens", "limit": limits.max_prompt_tokens},
             )
         max_new, sampling = self._job_params(req, compiled)
+        items = admit_item_controls(req, compiled, max_new, limits, self.settings.engine)  # exclude, distinct, budget
         engine_request = EngineRequest(prompt_ids=prompt_ids, compiled=compiled, max_new_tokens=max_new,
-                                       sampling=sampling, n=req.n, num_beams=req.num_beams)
+                                       sampling=sampling, n=req.n, num_beams=req.num_beams, items=items)
         logger.info("generate scenario=%s version=%s n=%d beams=%d prompt_tokens=%d", name, version, req.n, req.num_beams,
                     len(prompt_ids), extra={"scenario": name, "scenario_version": version})
         return req, name, version, prompt_ids, engine_request

@@ -66,6 +66,7 @@ class EngineRequest:
     """One request: ``n`` outputs of one prompt under one pinned scenario (``compiled``; ``None``: free text).
 
     ``num_beams > 1`` asks for beam search; the best ``n`` (at most ``num_beams``) sequences are returned.
+    Tree and label rows never start an item that cannot end within ``max_new_tokens`` (``processors.items``).
     """
 
     prompt_ids: list[int]
@@ -74,6 +75,9 @@ class EngineRequest:
     sampling: SamplingParams = SamplingParams()
     n: int = 1
     num_beams: int = 1
+    #: tree and label rows: the request's item controls (a :class:`processors.items.ItemRequest`, shared by its
+    #: rows: exclude, distinct), or ``None``
+    items: Any = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -200,7 +200,7 @@ def test_think_gating(tok, labels_cs, tree_cs, think_spec):
     proc = ConstrainedLogitsProcessor([think_labels, think_tree], tokenizer=tok, prompt_len=2)
     p = [T_OPEN, NL]
     seqs = [list(p), list(p)]
-    everything_but_stop = set(range(V)) - {E_EOS}
+    everything_but_stop = set(range(V)) - {E_EOS, T_OPEN}  # while thinking: no stop token, no nested <think>
 
     def step(tokens):
         for s, t in zip(seqs, tokens):
@@ -209,7 +209,7 @@ def test_think_gating(tok, labels_cs, tree_cs, think_spec):
 
     out = proc(torch.tensor(seqs), torch.zeros(2, V))
     assert allowed_ids(out[0]) == everything_but_stop
-    assert allowed_ids(out[1]) == set(range(V)) - {E_EOS, E}  # the tree's end token is a stop token too
+    assert allowed_ids(out[1]) == set(range(V)) - {E_EOS, E, T_OPEN}  # the tree's end token is a stop token too
     # label and tree tokens while thinking are just text: the constraints do not move
     out = step([NEW, NEW])
     root_labels = proc.cursors[0].constraint.state

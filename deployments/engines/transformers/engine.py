@@ -269,7 +269,9 @@ class DecodeEngine(Engine):
 
     def _new_rows(self, job: Job, prime: bool) -> list[_Row]:
         """The job's rows: one fresh cursor, copied for the others (same state, independent)."""
-        first = RowCursor(job.compiled, self.tokenizer, eos_token_ids=self.eos_token_ids)
+        # the same ItemRequest for every row of the job: exclude, and distinct across its rows
+        first = RowCursor(job.compiled, self.tokenizer, eos_token_ids=self.eos_token_ids,
+                          max_new_tokens=job.max_new_tokens, items=job.request.items)
         cursors = [first] + [first.copy() for _ in range(job.width - 1)]
         if prime:
             for cursor in cursors:
@@ -536,7 +538,11 @@ class DecodeEngine(Engine):
                 if token != token:  # NaN: this row failed (and finished) in the row-by-row fallback
                     continue
                 t1 = time.perf_counter()
-                nxt.extend(self._advance_sampled(i, row, int(token)))
+                token = int(token)
+                items = row.job.request.items
+                if items is not None and items.distinct and not row.cursor.allows(token):
+                    token = self._redraw(i, row, logits)
+                nxt.extend(self._advance_sampled(i, row, token))
                 t_chain += time.perf_counter() - t1
             at = len(sampled)
         for idxs, k, vocab in groups:
@@ -569,6 +575,13 @@ class DecodeEngine(Engine):
         self._stats["chain_seconds"] += t_chain
         if self.on_step is not None:
             self.on_step(step_seconds, t_chain)
+
+    def _redraw(self, i: int, row: _Row, logits: torch.Tensor) -> int:
+        """A ``distinct`` row whose sampled token lost its item to another row of its request earlier in this step:
+        draw again under its new mask (its allowed set only shrank; the rows of a request advance in order)."""
+        sub = logits[i : i + 1].clone()
+        apply_steps(sub, [row.cursor.step()])
+        return int(sample_row(sub[0], row.job.sampling, row.generator))
 
     def _sample_each(self, rows: list[_Row], sampled: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Row-by-row sampling after the batched sampler failed: a row that fails alone gets NaN."""

@@ -274,6 +274,13 @@ class VLLMEngine(Engine):
                 "a deployment with the transformers engine backend (setting engine: transformers)",
                 {"field": "num_beams", "engine": "vllm", "supported_by": "transformers"},
             )
+        if request.items is not None:  # exclude/distinct need one book shared by a request's rows: not built here
+            field = "exclude" if request.items.book else "distinct"
+            raise UnsupportedRequest(
+                f"{field} (item controls) is not supported by the vllm engine backend yet; use a deployment with the "
+                "transformers engine backend (setting engine: transformers)",
+                {"field": field, "engine": "vllm", "supported_by": "transformers"},
+            )
         if self.llm is None or self._loop is None:
             raise RuntimeError("the vllm engine is not started")
         job = _Job(self, request, on_event)
@@ -352,7 +359,8 @@ class VLLMEngine(Engine):
 
         request = job.request
         compiled = request.compiled
-        cursor = RowCursor(compiled, self.tokenizer, eos_token_ids=self.eos_token_ids)
+        cursor = RowCursor(compiled, self.tokenizer, eos_token_ids=self.eos_token_ids,
+                           max_new_tokens=request.max_new_tokens)
         replay_masks = not (compiled is not None and isinstance(compiled.constraint, GrammarSpec))
         if params.structured_outputs is not None:
             self._stats["guidance_rows"] += 1

@@ -157,7 +157,7 @@ class ChainLogitsProcessor(LogitsProcessor):
             compiled = self._scenario(extra["key"], extra["path"])
             tokenizer = self._load_tokenizer() if _needs_tokenizer(compiled) else None
             # a request that comes back after a preemption brings the tokens it already has: _row_step replays them
-            cursor = RowCursor(compiled, tokenizer)
+            cursor = RowCursor(compiled, tokenizer, max_new_tokens=params.max_tokens)  # the item budget rule
         self.stats["rows"] += 1
         return _Row(cursor, output_ids, extra.get("scale"))
 

@@ -1,0 +1,72 @@
+"""Admission of a request's item controls (``exclude``, ``distinct``) and of its token budget for tree and label
+scenarios: the checks that turn bad input into a 4xx naming the field, and the shared
+:class:`processors.items.ItemRequest` the engine hands to the request's rows. Rules: ``docs/design.md``,
+"Item controls".
+"""
+
+from __future__ import annotations
+
+from processors.items import ItemRequest, min_item_tokens, resolve_exclude
+from processors.tables import item_metrics
+
+from .protocol import ServiceError
+
+__all__ = ["admit_item_controls"]
+
+ITEM_KINDS = ("tree", "labels")
+
+
+def admit_item_controls(req, compiled, max_new_tokens: int, limits, engine: str = "transformers") -> ItemRequest | None:
+    """Check ``req``'s item controls and budget against its scenario; the request's :class:`ItemRequest`, or
+    ``None`` when it has no controls. Raises :class:`ServiceError` (422, or 400 for an engine that cannot apply
+    them) naming the field."""
+    exclude = req.exclude
+    distinct = bool(req.distinct)
+    kind = compiled.kind if compiled is not None else None
+    if kind not in ITEM_KINDS:
+        if exclude is not None or distinct:
+            field = "exclude" if exclude is not None else "distinct"
+            raise ServiceError(422, f"{field}: only tree and labels scenarios have items (this request is "
+                                    f"{'unconstrained' if kind is None else kind!r})", {"field": field})
+        return None
+    constraint = compiled.constraint
+    need = min_item_tokens(constraint)
+    if compiled.think is not None:
+        need += len(compiled.think.end_ids)
+    if max_new_tokens < need:
+        raise ServiceError(
+            422, f"max_new_tokens: {max_new_tokens} cannot fit one item of this scenario; the minimum is {need}"
+                 + (" (the think end marker and the shortest item)" if compiled.think is not None else
+                    " (the shortest item)"),
+            {"field": "max_new_tokens", "minimum": need},
+        )
+    if not exclude and not distinct:
+        return None
+    field = "exclude" if exclude else "distinct"
+    if engine != "transformers":
+        raise ServiceError(400, f"{field} (item controls) is not supported by the {engine} engine backend yet; use a "
+                                "deployment with the transformers engine backend (setting engine: transformers)",
+                           {"field": field, "engine": engine, "supported_by": "transformers"})
+    if getattr(constraint, "multi_label", False):
+        raise ServiceError(422, f"{field}: item controls apply to single-label scenarios; this one is multi_label",
+                           {"field": field})
+    if exclude is not None and len(exclude) > limits.max_exclude_items:
+        raise ServiceError(
+            422, f"exclude: {len(exclude)} items exceeds the limit max_exclude_items={limits.max_exclude_items}",
+            {"field": "exclude", "limit_name": "max_exclude_items", "limit": limits.max_exclude_items},
+        )
+    # beams are always different sequences, so different items: distinct needs no shared book there
+    sampled_distinct = distinct and req.num_beams == 1 and req.n > 1
+    try:
+        items = resolve_exclude(constraint, exclude, distinct=sampled_distinct)
+    except ValueError as exc:
+        raise ServiceError(422, str(exc), {"field": "exclude"}) from None
+    tables = getattr(constraint, "tables", constraint)
+    if tables.root >= 0:
+        free = int(item_metrics(tables)[1][tables.root]) - items.n_excluded
+        wanted = req.n if distinct else 1
+        if free < wanted:
+            field = "n" if distinct and free >= 1 else "exclude"
+            raise ServiceError(422, f"{field}: the scenario has {free} item(s) left after exclude, fewer than the "
+                                    f"{wanted} asked for", {"field": field, "available": free})
+    return items if (items.book or items.distinct) else None
