@@ -216,12 +216,13 @@ def run_config(compiled: CompiledScenario, trie: NaiveTrie, *, batch: int, width
     total = WARMUP_STEPS + steps
     naive_every = max(1, math.ceil(steps / max(1, naive_steps)))
     chain_ns: list[int] = []
+    row_ns: list[int] = []  # the per-row path (ConstrainedLogitsProcessor(vectorized=False))
     floor_ns: list[int] = []
     llg_ns: list[int] = []
     naive_ns: list[int] = []
     wide_ratios: list[float] = []  # naive / chain on the same wide step (every wide step is timed)
     allowed_counts: list[int] = []
-    mismatches = {"naive": 0, "llguidance": 0}
+    mismatches = {"naive": 0, "llguidance": 0, "per_row": 0}
     restarts = 0
     step = 0
 
@@ -229,7 +230,8 @@ def run_config(compiled: CompiledScenario, trie: NaiveTrie, *, batch: int, width
         prompt = torch.randint(0, vocab, (batch, prompt_len), generator=gen)
         if prompt_last is not None:
             prompt[:, -1] = prompt_last
-        proc = ConstrainedLogitsProcessor(compiled, prompt_len=prompt_len)
+        proc = ConstrainedLogitsProcessor(compiled, prompt_len=prompt_len, vectorized=True)
+        proc_row = ConstrainedLogitsProcessor(compiled, prompt_len=prompt_len, vectorized=False)
         input_ids = prompt
         naive.row_start = [prompt_len] * batch
         for _ in range(episode):
@@ -238,15 +240,23 @@ def run_config(compiled: CompiledScenario, trie: NaiveTrie, *, batch: int, width
             base = bases[step % len(bases)]
             timed = step >= WARMUP_STEPS
 
-            scores.copy_(base)
-            t0 = now_ns()
-            out = proc(input_ids, scores)
-            t1 = now_ns()
-            if timed:
-                chain_ns.append(t1 - t0)
-            for row, cursor in enumerate(proc.cursors):
-                if type(cursor) is NewRequest:
-                    proc.cursors[row] = cursor.inner
+            # the chain (vector lane) and the same chain with every row through its own cursor, in
+            # alternating order, on the same logits; their outputs must be equal element for element
+            for which in ((0, 1) if step % 2 else (1, 0)):
+                target = scores if which == 0 else scratch
+                target.copy_(base)
+                t0 = now_ns()
+                res = (proc if which == 0 else proc_row)(input_ids, target)
+                t1 = now_ns()
+                if timed:
+                    (chain_ns if which == 0 else row_ns).append(t1 - t0)
+            out = scores
+            if not torch.equal(scratch, out):
+                mismatches["per_row"] += 1
+            for p in (proc, proc_row):
+                for row, cursor in enumerate(p.cursors):
+                    if type(cursor) is NewRequest:
+                        p.cursors[row] = cursor.inner
 
             finite = torch.isfinite(out)
             rows_t, cols_t = finite.nonzero(as_tuple=True)
@@ -299,12 +309,14 @@ def run_config(compiled: CompiledScenario, trie: NaiveTrie, *, batch: int, width
             new_len = input_ids.shape[1]
             for row in np.flatnonzero((tokens == end) | np.isin(tokens, eos)).tolist():
                 proc.cursors[row] = NewRequest(RowCursor(compiled, eos_token_ids=eos))
+                proc_row.cursors[row] = NewRequest(RowCursor(compiled, eos_token_ids=eos))
                 naive.row_start[row] = new_len + 1
                 restarts += 1
             input_ids = torch.cat([input_ids, torch.from_numpy(tokens)[:, None]], dim=1)
             step += 1
 
     chain = median(chain_ns) / 1e3
+    per_row = median(row_ns) / 1e3
     floor = median(floor_ns) / 1e3
     naive_us = median(naive_ns) / 1e3
     llg_us = median(llg_ns) / 1e3 if llg_ns else float("nan")
@@ -318,6 +330,9 @@ def run_config(compiled: CompiledScenario, trie: NaiveTrie, *, batch: int, width
         "naive_us_per_row": round(naive_us / batch, 1),
         "llguidance_us_per_row": round(llg_us / batch, 2) if llg_ns else None,
         "chain_over_floor": ratio(chain, floor),
+        "per_row_us_per_row": round(per_row / batch, 2),
+        "per_row_over_floor": ratio(per_row, floor),
+        "per_row_over_chain": ratio(per_row, chain),
         "naive_over_chain": ratio(naive_us, chain, 1),
         "llguidance_over_chain": ratio(llg_us, chain) if llg_ns else None,
         # means weigh the wide steps (a restarted row at the root of the tree: ~300 allowed ids)
@@ -416,6 +431,7 @@ def main(argv=None) -> dict:
                     f"[{name} {kind:6s} b={batch:3d}] chain {res['chain_us_per_row']:8.2f} us/row  "
                     f"floor {res['floor_us_per_row']:7.2f}  naive {res['naive_us_per_row']:9.1f}  "
                     f"llg {res['llguidance_us_per_row']}  | chain/floor {res['chain_over_floor']}  "
+                    f"per-row/floor {res['per_row_over_floor']}  "
                     f"naive/chain {res['naive_over_chain']} (wide steps {res['naive_over_chain_wide_steps']})  "
                     f"llg/chain {res['llguidance_over_chain']}  "
                     f"({time.perf_counter() - t0:.1f} s)"
@@ -443,6 +459,13 @@ def main(argv=None) -> dict:
         "targets": {
             "chain_at_most_2x_floor": {"met": not missed_floor, "missed_in": missed_floor},
             "naive_at_least_20x_chain": {"met": not missed_naive, "missed_in": missed_naive},
+            # issue 11 item 5: the vector lane, smollm2 (vocab 49,152), 1,000 labels, one thread
+            **{f"labels_b{b}_chain_at_most_{lim:g}x_fill": {
+                "met": (c := next((c for c in configs if c["vocab"] == "smollm2" and c["constraint"] == "labels"
+                                   and c["batch"] == b), None)) is not None and c["chain_over_floor"] <= lim,
+                "chain_over_floor": c["chain_over_floor"] if c else None,
+                "per_row_over_floor": c["per_row_over_floor"] if c else None,
+            } for b, lim in ((64, 2.0), (8, 3.0))},
         },
         "outputs_equal": not mismatches,
         "mismatched_steps": mismatches,

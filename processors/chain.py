@@ -18,12 +18,14 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from . import registry
 from .base import Cursor, CursorLogitsProcessor, as_ids
 from .compile import CompiledScenario
 from .items import item_rules, min_item_tokens
-from .masks import ALLOW, BAN, FREE, Step, mask_padded_vocab
+from .masks import ALLOW, BAN, FREE, Step, check_scores, mask_padded_vocab
+from .lanes import advance_rows, lane_code, mask_rows
 from .think import ThinkCursor
 from .tokenizer_info import TokenizerInfo
 
@@ -85,6 +87,7 @@ class RowCursor(Cursor):
             bind_item_controls(self, bind, max_new_tokens, items)
         self._end = Step(ALLOW, as_ids([self.end_token_id]), self.end_token_id)
         self._free = Step(FREE, None, self.end_token_id)
+        self._lane_code = lane_code(self)  # whether this row takes the vector lane (processors.lanes)
 
     @property
     def end_token_id(self) -> int:
@@ -206,7 +209,12 @@ class ConstrainedLogitsProcessor(CursorLogitsProcessor):
         tokenizer=None,
         prompt_len: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        vectorized: bool = False,
     ):
+        #: tree and single-label rows masked and advanced together with array operations (processors.lanes);
+        #: False (the default while the lane is slower than the per-row path, see bench/mask_overhead.py):
+        #: every row through its own cursor
+        self.vectorized = vectorized
         if isinstance(compiled_or_list_per_row, CompiledScenario):
             per_row: list[CompiledScenario | None] = [compiled_or_list_per_row]
         else:
@@ -238,8 +246,24 @@ class ConstrainedLogitsProcessor(CursorLogitsProcessor):
         factories = [(lambda c=c: RowCursor(c, info, eos_token_ids=eos)) for c in per_row]
         super().__init__(factories, prompt_len=prompt_len)
 
+    def sync(self, input_ids):
+        """:meth:`CursorLogitsProcessor.sync`, advancing the rows of the vector lane together when the new ids
+        are the previous ones plus one column (every other case: the base class)."""
+        prev = self._prev
+        if (
+            self.vectorized and self.cursors is not None and prev is not None and input_ids.dim() == 2
+            and prev.shape[0] == input_ids.shape[0] and prev.shape[1] + 1 == input_ids.shape[1]
+            and torch.equal(input_ids[:, :-1], prev)
+        ):
+            advance_rows(self.cursors, input_ids[:, -1].tolist(), strict=True)
+            self._prev = input_ids.detach().clone()
+            return self.cursors
+        return super().sync(input_ids)
+
     def __call__(self, input_ids, scores):
-        scores = super().__call__(input_ids, scores)
+        cursors = self.sync(input_ids)
+        check_scores(scores, len(cursors))
+        mask_rows(scores, cursors, vectorized=self.vectorized, strict=True)
         mask_padded_vocab(scores, self.vocab_size)
         return scores
 

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from processors import GrammarSpec, RowCursor, apply_steps
-from processors.masks import FREE, Step, mask_padded_vocab
+from processors.masks import FREE, MaskBuffer, Step, mask_padded_vocab
 
 from ..protocol import (
     DoneEvent, Engine, EngineEvent, EngineRequest, ErrorEvent, FinishedEvent, RequestTicket, TokenEvent,
@@ -171,6 +171,8 @@ class DecodeEngine(Engine):
         self._thread: threading.Thread | None = None
         self._prepare = ThreadPoolExecutor(max_workers=max(1, prepare_threads), thread_name_prefix="cursor-prepare")
         self._trim_due = False
+        # the per-step mask data: host memory reused from step to step (pinned on a GPU), one copy to the device
+        self._mask_buffer = MaskBuffer(self.device)
         self._chunk_debt = 0.0  # seconds of decoding owed to the running rows after the last prefill chunk
         self.prefix_cache = PrefixCache(max_tokens=prefix_cache_tokens)
         self._stats = {
@@ -489,7 +491,7 @@ class DecodeEngine(Engine):
         # beam scores: log-probabilities of the model's distribution, masked (as HF beam search does)
         logprobs = torch.log_softmax(logits[beam_at], dim=-1) if beam_at else None
         steps, failed = self._row_steps(rows)
-        apply_steps(logits, steps)
+        apply_steps(logits, steps, self._mask_buffer)
         mask_padded_vocab(logits, self.vocab_size)
         if beam_at:
             logprobs = logprobs.masked_fill(torch.isneginf(logits[beam_at]), float("-inf"))

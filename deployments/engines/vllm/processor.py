@@ -34,7 +34,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from processors import RowCursor, apply_steps
-from processors.masks import ALLOW, FREE, Step, mask_padded_vocab
+from processors.masks import ALLOW, FREE, MaskBuffer, Step, mask_padded_vocab
 
 from .handoff import EXTRA_KEY, OWNER_ENV, load_compiled
 
@@ -70,6 +70,7 @@ class ChainLogitsProcessor(LogitsProcessor):
 
     def __init__(self, vllm_config: "VllmConfig", device: torch.device, is_pin_memory: bool):
         self.device = device
+        self._mask_buffer = MaskBuffer(device, pin=bool(is_pin_memory) and torch.device(device).type == "cuda")
         self.rows: dict[int, _Row] = {}
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
@@ -119,7 +120,7 @@ class ChainLogitsProcessor(LogitsProcessor):
                 if row.scale is not None:
                     scaled.append((index, row.scale))
         try:
-            apply_steps(logits, steps)
+            apply_steps(logits, steps, self._mask_buffer)
         except Exception:  # never let vLLM's engine die of it: every constrained row gets its end token
             logger.exception("masking the batch failed; ending its constrained rows")
             for index, row in self.rows.items():

@@ -1,0 +1,300 @@
+"""The vectorized tree and label path: one decode step of all plain tree and single-label rows of a batch.
+
+A batch's rows are :class:`processors.RowCursor` objects (each the truth about its row). Rows of the *vector
+lane* are masked and advanced with a few array operations over all of them at once instead of one
+``cursor.step()`` / ``cursor.advance()`` call per row:
+
+* a tree row (:class:`processors.tree.TreeCursor`) without per-request item controls (no ``exclude``,
+  ``distinct`` or multi-item rules; a token budget is fine: the budget rule is one more vector comparison);
+* a single-label row (:class:`processors.labels.LabelCursor`, not multi-label, no item controls);
+* and no think block (a think row keeps the per-row path, as do grammar rows and rows with item controls).
+
+Per step, for the lane rows: their states are read from the cursors with one ``map`` (no Python code per row),
+the allowed ids of every row are one CSR gather (``tokens[offsets[s]:offsets[s+1]]`` for all ``s`` at once), the
+budget rule masks an edge whose target needs more tokens than are left (``min_remaining[target] <= remaining``,
+``DONE`` counting 0 and ``LEAF`` 1: the rule of :meth:`TreeCursor._filter`), and the result goes into the
+batch's :class:`~processors.masks.MaskBatch` next to the per-row steps of the other rows. Advancing is one
+``searchsorted`` of ``state * key_base + token`` into the tables' sorted keys; rows whose token is an ordinary
+edge into a state get their new state written back with one ``map(setattr, ...)``; the rare rest (the end token,
+an invalid token, an edge into ``LEAF``, a budget running out) go through the row's own ``advance``, so every
+semantic detail (errors, fallbacks, finished rows) stays the cursor's. Rows of different scenarios are grouped by
+their tables (one group per distinct scenario in the batch, not per row).
+
+:func:`mask_rows` and :func:`advance_rows` are what the engines call; ``vectorized=False`` gives the per-row
+path (the reference the property tests compare with).
+"""
+
+from __future__ import annotations
+
+import logging
+from itertools import repeat
+from operator import attrgetter
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .masks import FREE, MaskBatch, MaskBuffer, Step
+from .tables import DONE, MaskTables
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["advance_rows", "lane_code", "lane_of", "mask_rows"]
+
+OFF, PLAIN, BUDGET = 0, 1, 2  # lane codes: per-row path, vector lane, vector lane with a token budget
+
+_constraint = attrgetter("constraint")
+_done = attrgetter("done")
+_state = attrgetter("state")
+_remaining = attrgetter("remaining")
+_generated = attrgetter("generated")
+_lane_code = attrgetter("_lane_code")
+
+
+def lane_of(row) -> int:
+    """The lane code of a row: the one its :class:`RowCursor` computed at construction; ``OFF`` for anything else."""
+    return getattr(row, "_lane_code", OFF)
+
+
+def lane_code(row) -> int:
+    """Which path a freshly built :class:`RowCursor` takes (after its item controls are bound); copies keep it."""
+    from .labels import LabelCursor
+    from .tree import TreeCursor
+
+    if getattr(row, "think", None) is not None or getattr(row, "compiled", None) is None:
+        return OFF
+    c = getattr(row, "constraint", None)
+    if type(c) is TreeCursor:
+        if getattr(c, "_plain", True):
+            return PLAIN
+        rules = getattr(c, "rules", None)
+        if (getattr(c, "request", None) is None and getattr(c, "local", None) is None
+                and (rules is None or getattr(rules, "max_items", 1) <= 1) and getattr(c, "remaining", None) is not None):
+            return BUDGET
+        return OFF
+    if type(c) is LabelCursor:
+        lt = c.lt
+        if lt.multi_label or getattr(c, "sep_pos", None) is not None:
+            return OFF
+        # item controls on labels (exclude, a budget), if the cursor has them, keep the per-row path
+        if not getattr(c, "_plain", True) or getattr(c, "request", None) is not None or getattr(c, "remaining", None) is not None:
+            return OFF
+        return PLAIN
+    return OFF
+
+
+def _tables(constraint) -> MaskTables:
+    t = getattr(constraint, "tables", None)
+    return t if isinstance(t, MaskTables) else constraint.lt.tables
+
+
+def _split(rows: Sequence) -> tuple[np.ndarray, list[int]]:
+    """(lane row indices, other row indices)."""
+    n = len(rows)
+    try:
+        codes = np.fromiter(map(_lane_code, rows), dtype=np.int8, count=n)
+    except AttributeError:  # some row is not a RowCursor
+        codes = np.fromiter(map(lane_of, rows), dtype=np.int8, count=n)
+    if n and codes.all():
+        return np.arange(n, dtype=np.int64), []
+    return np.flatnonzero(codes).astype(np.int64), np.flatnonzero(codes == 0).tolist()
+
+
+def _groups(cons: list) -> list[tuple[np.ndarray, MaskTables]]:
+    """Lane positions grouped by their tables: [(positions, tables)], one entry per distinct scenario."""
+    tabs = list(map(_tables, cons))
+    first = tabs[0]
+    ids = np.fromiter(map(id, tabs), dtype=np.int64, count=len(tabs))
+    if (ids == id(first)).all():
+        return [(np.arange(len(tabs), dtype=np.int64), first)]
+    _, index, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    return [(np.flatnonzero(inverse == g), tabs[int(i)]) for g, i in enumerate(index)]
+
+
+# --------------------------------------------------------------------------- masking
+
+
+def mask_rows(scores: torch.Tensor, rows: Sequence, buffer: MaskBuffer | None = None, *,
+              vectorized: bool = True, strict: bool = False) -> dict[int, str]:
+    """Mask ``scores`` (one row per cursor in ``rows``) in place; returns ``{row: message}`` for rows whose
+    cursor raised (their logits are left free; the caller fails them). ``strict``: let such an exception out."""
+    n = len(rows)
+    width = scores.shape[1]
+    batch = MaskBatch(n, width)
+    failed: dict[int, str] = {}
+    if vectorized and n:
+        lane, others = _split(rows)
+    else:
+        lane, others = np.zeros(0, dtype=np.int64), list(range(n))
+    if lane.size:
+        try:
+            extra = _lane_masks(batch, [rows[i] for i in lane.tolist()] if lane.size < n else list(rows), lane, width)
+        except Exception:  # never let one bad row take the batch's masks down: the per-row path decides
+            logger.exception("the vector lane failed; masking its rows one by one")
+            batch = MaskBatch(n, width)
+            extra = lane.tolist()
+        if extra:
+            others = sorted(others + extra)
+    if others:
+        steps: list[Step] = []
+        for i in others:
+            try:
+                steps.append(rows[i].step())
+            except Exception as exc:
+                if strict:
+                    raise
+                logger.exception("a row's constraint failed")
+                failed[i] = f"constraint failed: {type(exc).__name__}: {exc}"
+                steps.append(Step(FREE, None, 0))
+        batch.add_steps(steps, others)
+    batch.apply(scores, buffer)
+    return failed
+
+
+def _lane_masks(batch: MaskBatch, lane_rows: list, lane: np.ndarray, width: int) -> list[int]:
+    """Add the lane rows' allowed ids to ``batch``; returns the row indices left to the per-row path."""
+    cons = list(map(_constraint, lane_rows))
+    m = len(cons)
+    states = np.fromiter(map(_state, cons), dtype=np.int64, count=m)
+    done = np.fromiter(map(_done, lane_rows), dtype=bool, count=m)
+    codes = np.fromiter(map(_lane_code, lane_rows), dtype=np.int8, count=m)
+    budget = None
+    if (codes == BUDGET).any():
+        budget = np.full(m, np.iinfo(np.int64).max, dtype=np.int64)
+        at = np.flatnonzero(codes == BUDGET)
+        budget[at] = np.fromiter(map(_remaining, [cons[i] for i in at.tolist()]), dtype=np.int64, count=at.size)
+    keep_parts: list[np.ndarray] = []
+    fill_parts: list[np.ndarray] = []
+    per_row: list[int] = []
+    for pos, tables in _groups(cons):
+        s = states[pos]
+        rows_g = lane[pos]
+        offsets = tables.offsets
+        live = (s >= 0) & ~done[pos]
+        s0 = np.where(live, s, 0)
+        lo = offsets[s0]
+        lens = np.where(live, offsets[s0 + 1] - lo, 0)
+        empty = live & (lens == 0)  # a state without edges: the cursor marks its fallback, let it do so
+        if empty.any():
+            per_row.extend(rows_g[empty].tolist())
+        ended = ~live  # finished or LEAF/DONE: only the end token
+        total = int(lens.sum())
+        ends = np.cumsum(lens)
+        edge = np.arange(total, dtype=np.int64) + np.repeat(lo - (ends - lens), lens)
+        ids = tables.tokens[edge].astype(np.int64)
+        row_of = np.repeat(rows_g, lens)
+        if budget is not None:
+            left = budget[pos]
+            if (left < np.iinfo(np.int64).max).any():
+                # the budget rule (processors.tree.TreeCursor._filter): the target's shortest way to an item's
+                # end must fit in the tokens left
+                nxt = tables.next_state[edge].astype(np.int64)
+                need = np.where(nxt >= 0, tables.min_remaining[np.maximum(nxt, 0)],  # type: ignore[attr-defined]
+                                np.where(nxt == DONE, 0, 1))
+                ok = need <= np.repeat(left, lens)
+                if not ok.all():
+                    ids, row_of = ids[ok], row_of[ok]
+                    # a row left with nothing allowed gets its end token, as an empty ALLOW step does
+                    has = np.zeros(rows_g.size, dtype=bool)
+                    if row_of.size:
+                        has[np.searchsorted(rows_g, row_of)] = True
+                    ended = ended | (live & ~empty & ~has)
+        keep_parts.append(row_of * width + ids)
+        if ended.any():
+            keep_parts.append(rows_g[ended] * width + tables.end_token_id)
+        fill_parts.append(rows_g[(live & ~empty) | ended])
+    if keep_parts:
+        batch.add_allowed(np.concatenate(fill_parts), np.concatenate(keep_parts))
+    return per_row
+
+
+# --------------------------------------------------------------------------- advancing
+
+
+def advance_rows(rows: Sequence, tokens: Sequence[int] | np.ndarray, *, vectorized: bool = True,
+                 strict: bool = False) -> dict[int, str]:
+    """Advance each row's cursor by its token; returns ``{row: message}`` for rows whose cursor raised
+    (``strict``: let the exception out)."""
+    n = len(rows)
+    toks = np.asarray(tokens, dtype=np.int64)
+    failed: dict[int, str] = {}
+    others: list[int]
+    if vectorized and n:
+        lane, others = _split(rows)
+        if lane.size:
+            try:
+                rest = _lane_advance([rows[i] for i in lane.tolist()] if lane.size < n else list(rows), lane, toks[lane])
+            except Exception:  # computed before anything is written: the per-row path starts from the same states
+                logger.exception("the vector lane failed; advancing its rows one by one")
+                rest = lane.tolist()
+            if rest:
+                others = sorted(others + rest)
+    else:
+        others = list(range(n))
+    if others:
+        tl = toks.tolist()
+        for i in others:
+            try:
+                rows[i].advance(tl[i])
+            except Exception as exc:
+                if strict:
+                    raise
+                logger.exception("a row's constraint failed")
+                failed[i] = f"constraint failed: {type(exc).__name__}: {exc}"
+    return failed
+
+
+def _lane_advance(lane_rows: list, lane: np.ndarray, toks: np.ndarray) -> list[int]:
+    """Advance the rows whose token is an ordinary edge into a state; returns the rest (row indices)."""
+    cons = list(map(_constraint, lane_rows))
+    m = len(cons)
+    states = np.fromiter(map(_state, cons), dtype=np.int64, count=m)
+    done = np.fromiter(map(_done, lane_rows), dtype=bool, count=m)
+    codes = np.fromiter(map(_lane_code, lane_rows), dtype=np.int8, count=m)
+    simple = np.zeros(m, dtype=bool)
+    new_state = np.zeros(m, dtype=np.int64)
+    edges = np.zeros(m, dtype=np.int64)
+    for pos, tables in _groups(cons):
+        s, t = states[pos], toks[pos]
+        keys = tables.keys
+        ok = (s >= 0) & (t >= 0) & (t < tables.key_base) & ~done[pos] & (t != tables.end_token_id)
+        want = np.where(ok, s, 0) * tables.key_base + np.where(ok, t, 0)
+        i = np.minimum(keys.searchsorted(want), max(keys.size - 1, 0))
+        if keys.size:
+            ok &= keys[i] == want
+            nxt = tables.next_state[i].astype(np.int64)
+            ok &= nxt >= 0
+        else:
+            ok[:] = False
+            nxt = np.zeros(pos.size, dtype=np.int64)
+        # a token that also stops the row (the model's EOS listed as a tree candidate) ends it: per row
+        compiled = lane_rows[int(pos[0])].compiled
+        stops = [x for x in compiled.stop_token_ids if x != tables.end_token_id]
+        if stops:
+            ok &= ~np.isin(t, stops)
+        simple[pos], new_state[pos], edges[pos] = ok, nxt, i
+    budget = codes == BUDGET
+    if budget.any():
+        at = np.flatnonzero(budget)
+        left = np.fromiter(map(_remaining, [cons[k] for k in at.tolist()]), dtype=np.int64, count=at.size)
+        simple[at[left - 1 <= 0]] = False  # the budget runs out with this token: the cursor settles the item
+    go = np.flatnonzero(simple)
+    if go.size:
+        if go.size == m:
+            g_cons, g_rows = cons, lane_rows
+        else:
+            g_list = go.tolist()
+            g_cons, g_rows = [cons[k] for k in g_list], [lane_rows[k] for k in g_list]
+        states_new = new_state[go].tolist()
+        list(map(setattr, g_cons, repeat("state"), states_new))
+        gen = np.fromiter(map(_generated, g_rows), dtype=np.int64, count=go.size) + 1
+        list(map(setattr, g_rows, repeat("generated"), gen.tolist()))
+        b = budget[go]
+        if b.any():
+            bl = np.flatnonzero(b).tolist()
+            b_cons = [g_cons[k] for k in bl]
+            rem = np.fromiter(map(_remaining, b_cons), dtype=np.int64, count=len(bl)) - 1
+            list(map(setattr, b_cons, repeat("remaining"), rem.tolist()))
+            list(map(setattr, b_cons, repeat("last_edge"), edges[go][bl].tolist()))
+            list(map(list.append, map(attrgetter("path"), b_cons), [states_new[k] for k in bl]))
+    return lane[~simple].tolist()

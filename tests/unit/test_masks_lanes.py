@@ -1,0 +1,126 @@
+"""The vector lane (processors.lanes) against the per-row path: for random batches of tree, label, multi-label and
+free rows (mixed scenarios in one batch, rows restarting, invalid tokens forced in now and then), the masked
+logits and every row's state are identical after every step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from processors import CompiledScenario, ConstrainedLogitsProcessor, build_label_tables, build_tree_tables
+from processors.lanes import BUDGET, OFF, PLAIN, lane_of
+from vocab import build_tokenizer, tid, tree_data
+
+TOK = build_tokenizer()
+V = len(TOK)
+E_EOS = TOK.eos_token_id
+S, E = tid(":"), tid("}")
+NEW, YORK, CITY, SPORTS = tid(" New"), tid(" York"), tid(" City"), tid(" Sports")
+PREFIX = {
+    f"{S}": [NEW, SPORTS, E_EOS],  # the model's EOS as a tree candidate: it also stops the row
+    f"{S}_{NEW}": [YORK],
+    f"{S}_{NEW}_{YORK}": [E, CITY],
+    f"{S}_{NEW}_{YORK}_{CITY}": [E],
+    f"{S}_{E_EOS}": [E],
+    # "{S}_{SPORTS}" is missing: a LEAF (only the end token, the row falls back)
+}
+
+
+def scenario(kind, constraint):
+    return CompiledScenario(kind=kind, constraint=constraint, think=None, eos_token_ids=(E_EOS,), vocab_size=V)
+
+
+def random_tree(seed: int, n_keys: int = 300):
+    """A random prefix tree over the test vocabulary (depth 1-5, ends on the end token)."""
+    rng = np.random.default_rng(seed)
+    prefix: dict[str, set[int]] = {}
+    pool = [t for t in range(V) if t not in (E, E_EOS, S)]
+    for _ in range(n_keys):
+        key = f"{S}"
+        for _ in range(int(rng.integers(1, 6))):
+            t = int(rng.choice(pool[:40]))
+            prefix.setdefault(key, set()).add(t)
+            key = f"{key}_{t}"
+        prefix.setdefault(key, set()).add(E)
+    return scenario("tree", build_tree_tables(tree_data({k: sorted(v) for k, v in prefix.items()}, S, E), V))
+
+
+@pytest.fixture(scope="module")
+def scenarios():
+    labels = build_label_tables(["New York", "Sports", "Technology", "New York City"], TOK, eos_token_id=E_EOS, vocab_size=V)
+    multi = build_label_tables(["New York", "Sports", "Technology"], TOK, eos_token_id=E_EOS, vocab_size=V,
+                               multi_label=True, max_labels=2)
+    return [
+        scenario("tree", build_tree_tables(tree_data(PREFIX, S, E), V)),
+        random_tree(0),
+        random_tree(1),
+        scenario("labels", labels),
+        scenario("labels", multi),
+        None,  # free text
+    ]
+
+
+def row_state(cursor):
+    c = cursor.constraint
+    return (cursor.done, cursor.generated, cursor.error, cursor.fell_back,
+            None if c is None else (getattr(c, "state", None), getattr(c, "error", None)))
+
+
+def test_lane_codes(scenarios):
+    proc = ConstrainedLogitsProcessor(scenarios, tokenizer=TOK, prompt_len=1)
+    proc(torch.full((len(scenarios), 1), S), torch.zeros(len(scenarios), V))
+    codes = [lane_of(c) for c in proc.cursors]
+    assert codes[:4] == [PLAIN, PLAIN, PLAIN, PLAIN]  # trees and single labels
+    assert codes[4] == OFF and codes[5] == OFF  # multi-label and free rows keep the per-row path
+    assert BUDGET not in codes
+    assert lane_of(object()) == OFF
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_vector_lane_equals_per_row_path(scenarios, seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 24))
+    per_row = [scenarios[int(rng.integers(0, len(scenarios)))] for _ in range(n)]
+    vec = ConstrainedLogitsProcessor(per_row, tokenizer=TOK, prompt_len=1, vectorized=True)
+    ref = ConstrainedLogitsProcessor(per_row, tokenizer=TOK, prompt_len=1, vectorized=False)
+    ids = torch.full((n, 1), S)
+    lanes_seen = 0
+    for step in range(14):
+        raw = torch.randn(n, V, generator=torch.Generator().manual_seed(seed * 100 + step))
+        a = vec(ids, raw.clone())
+        b = ref(ids, raw.clone())
+        assert torch.equal(a, b), f"seed {seed} step {step}: masked logits differ"
+        assert [row_state(c) for c in vec.cursors] == [row_state(c) for c in ref.cursors], f"step {step}: states differ"
+        lanes_seen += sum(lane_of(c) != OFF for c in vec.cursors)
+        # next tokens: mostly sampled from what is allowed, sometimes anything (an invalid token: the row's
+        # cursor reports it and falls back), sometimes the end token or EOS
+        tokens = []
+        for r in range(n):
+            allowed = torch.isfinite(a[r]).nonzero().flatten()
+            u = rng.random()
+            if u < 0.08:
+                tokens.append(int(rng.integers(0, V)))
+            elif u < 0.12:
+                tokens.append(int(rng.choice([E, E_EOS])))
+            else:
+                tokens.append(int(allowed[int(rng.integers(0, allowed.numel()))]))
+        ids = torch.cat([ids, torch.tensor(tokens)[:, None]], dim=1)
+    assert lanes_seen > 0
+
+
+def test_vector_lane_in_a_reordered_batch_falls_back_to_the_base_sync(scenarios):
+    """Beam search reorders rows: the base class matches and copies cursors; the lane then goes on from there."""
+    per_row = [scenarios[0], scenarios[0], scenarios[3], scenarios[3]]
+    vec = ConstrainedLogitsProcessor(per_row, tokenizer=TOK, prompt_len=1, vectorized=True)
+    ref = ConstrainedLogitsProcessor(per_row, tokenizer=TOK, prompt_len=1, vectorized=False)
+    first_label = TOK.encode(" Sports", add_special_tokens=False)[0]
+    seqs = [
+        torch.tensor([[S], [S], [S], [S]]),
+        torch.tensor([[S, NEW], [S, SPORTS], [S, first_label], [S, first_label]]),
+        torch.tensor([[S, NEW, YORK], [S, NEW, YORK], [S, first_label, E_EOS], [S, first_label, E_EOS]]),  # row 1 copies row 0
+    ]
+    for ids in seqs:
+        raw = torch.randn(4, V)
+        assert torch.equal(vec(ids, raw.clone()), ref(ids, raw.clone()))
+        assert [row_state(c) for c in vec.cursors] == [row_state(c) for c in ref.cursors]
