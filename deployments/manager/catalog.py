@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -47,21 +48,51 @@ _RESERVED = frozenset({"type", "tree", "path", "content_sha256", "content_format
 _SHOWN = 20  # bad lines named in one error
 
 
-@dataclass
 class Catalog:
-    """A parsed catalog: the root and end ids, the scenario fields of its header, and its items (tuples)."""
+    """A parsed catalog: the root and end ids, the scenario fields of its header, and its items.
 
-    start_token_id: int
-    end_token_id: int
-    items: list[tuple[int, ...]]
-    options: dict[str, Any] = field(default_factory=dict)
+    The items are kept three ways, all in catalog order: ``lines`` (each item's canonical text ``b"[12,40,7]"``,
+    what is stored and what a PATCH compares), and ``flat`` / ``lengths`` (every token id in one ``int64`` array,
+    and the number of ids per item) for the tree build. :attr:`items` gives tuples (small catalogs, tests)."""
+
+    def __init__(self, start_token_id: int, end_token_id: int, lines: list[bytes], flat: np.ndarray,
+                 lengths: np.ndarray, options: dict[str, Any] | None = None):
+        self.start_token_id, self.end_token_id = int(start_token_id), int(end_token_id)
+        self.lines, self.flat, self.lengths = lines, flat, lengths
+        self.options = dict(options or {})
+        self._line_set: set[bytes] | None = None
+
+    @classmethod
+    def from_items(cls, start_token_id: int, end_token_id: int, items: list[tuple[int, ...]],
+                   options: dict[str, Any] | None = None) -> "Catalog":
+        lengths = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
+        flat = np.fromiter(chain.from_iterable(items), dtype=np.int64, count=int(lengths.sum()))
+        return cls(start_token_id, end_token_id, [_line(item) for item in items], flat, lengths, options)
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    @property
+    def line_set(self) -> set[bytes]:
+        if self._line_set is None:
+            self._line_set = set(self.lines)
+        return self._line_set
+
+    @property
+    def items(self) -> list[tuple[int, ...]]:
+        offsets = np.concatenate(([0], np.cumsum(self.lengths))).tolist()
+        flat = self.flat.tolist()
+        return [tuple(flat[offsets[i]:offsets[i + 1]]) for i in range(len(self.lines))]
 
     def content(self) -> bytes:
         """The canonical bytes (stored under their SHA-256): header with the two ids, one item per line."""
         header = json.dumps({"format": "cs-items", "start_token_id": self.start_token_id,
-                             "end_token_id": self.end_token_id}, separators=(",", ":"))
-        lines = "\n".join("[" + ",".join(map(str, item)) + "]" for item in self.items)
-        return (header + "\n" + lines + ("\n" if lines else "")).encode("ascii")
+                             "end_token_id": self.end_token_id}, separators=(",", ":")).encode("ascii")
+        return header + b"\n" + b"\n".join(self.lines) + (b"\n" if self.lines else b"")
+
+
+def _line(item: Any) -> bytes:
+    return ("[" + ",".join(map(str, item)) + "]").encode("ascii")
 
 
 def _bad(message: str, field_name: str, **detail: Any) -> ServiceError:
@@ -103,21 +134,75 @@ def check_items(items: list[Any], *, end_token_id: int, vocab_size: int, where: 
     return [tuple(item) for item in items]
 
 
+_TO_SPACE = bytes.maketrans(b"[],\n", b"    ")
+_SPACE_IN_NUMBER = re.compile(rb"[0-9][ \t\r]+[0-9]")
+_MAX_DIGITS = 9  # token ids are far below 10**9
+
+
+def _fast_items(body: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray] | None:
+    """``(lines, flat, lengths)`` of the item lines ``body`` when every line is a JSON array of plain decimal
+    integers (any spaces between them) or blank, checked with array passes, no Python loop over lines or ids;
+    None when anything else is there (the JSON parse then names the problem)."""
+    if _SPACE_IN_NUMBER.search(body):
+        return None
+    compact = body.translate(None, b" \t\r")
+    if compact.translate(None, b"0123456789[],\n"):
+        return None  # other characters: strings, floats, negative numbers, nested values, ...
+    a = np.frombuffer(compact + b"\n", dtype=np.uint8)
+    nl = np.flatnonzero(a == 10)
+    starts = np.concatenate(([0], nl[:-1] + 1))
+    keep = nl > starts  # non-blank lines
+    starts, ends = starts[keep], nl[keep]  # ends: the newline after the line
+    if starts.size == 0:
+        return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
+    is_digit = (a >= 48) & (a <= 57)
+    opens, closes, commas = (a == 91), (a == 93), (a == 44)
+    # one '[' first and one ']' last per line, nothing else but digits and commas in between
+    if not (opens[starts].all() and closes[ends - 1].all()):
+        return None
+    if int(opens.sum()) != starts.size or int(closes.sum()) != starts.size:
+        return None
+    # every '[' and ',' is followed by a digit, every ']' and ',' preceded by one: no [], [,1], [1,,2], [1,]
+    if not (is_digit[np.flatnonzero(opens | commas) + 1].all() and is_digit[np.flatnonzero(closes | commas) - 1].all()):
+        return None
+    # numbers: runs of digits; no leading zeros, at most _MAX_DIGITS digits
+    edge = np.diff(is_digit.astype(np.int8), prepend=np.int8(0))
+    run_start, run_end = np.flatnonzero(edge == 1), np.flatnonzero(edge == -1)
+    if run_start.size != run_end.size:
+        return None
+    run_len = run_end - run_start
+    if run_len.max() > _MAX_DIGITS or ((a[run_start] == 48) & (run_len > 1)).any():
+        return None
+    flat = np.fromstring(compact.translate(_TO_SPACE), dtype=np.int64, sep=" ")  # noqa: NPY201 - text mode
+    if flat.size != run_start.size:
+        return None
+    line_of_comma = np.searchsorted(ends, np.flatnonzero(commas))
+    lengths = np.bincount(line_of_comma, minlength=starts.size).astype(np.int64) + 1
+    lines = [line for line in compact.split(b"\n") if line]
+    return lines, flat, lengths
+
+
 def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None) -> Catalog:
     """Parse and validate a catalog upload (see the module docstring); a 422 names the line."""
     if not isinstance(data, (bytes, bytearray)):
         raise _bad("items: the body must be catalog text (one JSON value per line)", "body")
-    lines = bytes(data).split(b"\n")
-    first = next((i for i, line in enumerate(lines) if line.strip()), None)
-    if first is None:
+    data = bytes(data)
+    pos, line_no = 0, 1
+    while True:  # the header: the first non-blank line
+        end = data.find(b"\n", pos)
+        first = data[pos:] if end < 0 else data[pos:end]
+        if first.strip() or end < 0:
+            break
+        pos, line_no = end + 1, line_no + 1
+    if not first.strip():
         raise _bad("items: the body is empty; the first line is the header "
                    '{"start_token_id": ..., "end_token_id": ...}', "body")
     try:
-        header = json.loads(lines[first])
+        header = json.loads(first)
     except (ValueError, RecursionError) as exc:
-        raise _bad(f"items: line {first + 1}: the header is not JSON: {exc}", "header") from None
+        raise _bad(f"items: line {line_no}: the header is not JSON: {exc}", "header") from None
     if not isinstance(header, dict):
-        raise _bad(f"items: line {first + 1}: the first line is the header, a JSON object with start_token_id and "
+        raise _bad(f"items: line {line_no}: the first line is the header, a JSON object with start_token_id and "
                    f"end_token_id; got {json.dumps(header)[:60]}", "header")
     if header.get("format", "cs-items") != "cs-items":
         raise _bad(f"items: header: format must be 'cs-items', got {header.get('format')!r}", "header.format")
@@ -125,60 +210,114 @@ def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None)
         if required not in header:
             raise _bad(f"items: header: {required} is required", f"header.{required}")
     start = _check_id(header["start_token_id"], "start_token_id", vocab_size)
-    end = _check_id(header["end_token_id"], "end_token_id", vocab_size)
+    end_id = _check_id(header["end_token_id"], "end_token_id", vocab_size)
     reserved = sorted(_RESERVED & set(header))
     if reserved:
         raise _bad(f"items: header: {', '.join(reserved)} cannot be set in a catalog header", f"header.{reserved[0]}")
     options = {k: v for k, v in header.items() if k not in ("format", "start_token_id", "end_token_id")}
-    numbers = [i + 1 for i in range(first + 1, len(lines)) if lines[i].strip()]
-    body = [lines[n - 1] for n in numbers]
-    if max_items is not None and len(body) > max_items:
-        raise ServiceError(422, f"items: {len(body)} items exceeds the limit max_tree_keys={max_items}",
-                           {"field": "items", "limit_name": "max_tree_keys", "limit": max_items})
-    try:
-        items = json.loads(b"[" + b",".join(body) + b"]")
-    except (ValueError, RecursionError):
-        items = None
-    if not isinstance(items, list) or len(items) != len(body):  # find the line that is not one JSON value
-        for n, line in zip(numbers, body):
-            try:
-                json.loads(line)
-            except (ValueError, RecursionError) as exc:
-                raise _bad(f"items: line {n}: not a JSON value: {exc}", "items", line=n) from None
-        raise _bad("items: a line holds more than one JSON value", "items")
+    body = b"" if end < 0 else data[end + 1:]
+    fast = _fast_items(body)
+    if fast is None:
+        return _slow_catalog(body, line_no + 1, start, end_id, options, vocab_size, max_items)
+    lines, flat, lengths = fast
+    if max_items is not None and len(lines) > max_items:
+        raise _too_many(len(lines), max_items)
+    if not lines:
+        raise _bad("items: the catalog has no items (one JSON array of token ids per line after the header)", "items")
+    if flat.max() >= vocab_size or (flat == end_id).any() or len(set(lines)) != len(lines):
+        return _slow_catalog(body, line_no + 1, start, end_id, options, vocab_size, max_items)  # to name the lines
+    return Catalog(start, end_id, lines, flat, lengths, options)
+
+
+def _too_many(count: int, limit: int) -> ServiceError:
+    return ServiceError(422, f"items: {count} items exceeds the limit max_tree_keys={limit}",
+                        {"field": "items", "limit_name": "max_tree_keys", "limit": limit})
+
+
+def _slow_catalog(body: bytes, first_line: int, start: int, end: int, options: dict[str, Any], vocab_size: int,
+                  max_items: int | None) -> Catalog:
+    """The item lines parsed one JSON value at a time: names the first bad lines (422)."""
+    raw_lines = body.split(b"\n")
+    numbers = [first_line + i for i, line in enumerate(raw_lines) if line.strip()]
+    texts = [line for line in raw_lines if line.strip()]
+    if max_items is not None and len(texts) > max_items:
+        raise _too_many(len(texts), max_items)
+    items = []
+    for n, line in zip(numbers, texts):
+        try:
+            items.append(json.loads(line))
+        except (ValueError, RecursionError) as exc:
+            raise _bad(f"items: line {n}: not a JSON value: {exc}", "items", line=n) from None
     if not items:
         raise _bad("items: the catalog has no items (one JSON array of token ids per line after the header)", "items")
     tuples = check_items(items, end_token_id=end, vocab_size=vocab_size, where="items", numbers=numbers)
-    if len(set(tuples)) != len(tuples):
-        seen: dict[tuple[int, ...], int] = {}
-        for n, item in zip(numbers, tuples):
-            if item in seen:
-                raise _bad(f"items: line {n}: item {list(item)} repeats line {seen[item]}", "items", line=n)
-            seen[item] = n
-    return Catalog(start, end, tuples, options)
+    seen: dict[tuple[int, ...], int] = {}
+    for n, item in zip(numbers, tuples):
+        if item in seen:
+            raise _bad(f"items: line {n}: item {list(item)} repeats line {seen[item]}", "items", line=n)
+        seen[item] = n
+    return Catalog.from_items(start, end, tuples, options)
 
 
 def tree_file_bytes(catalog: Catalog) -> bytes:
     """The tree (tree file format) whose paths are the catalog's items: a state per prefix that has a
     continuation, the end token among its candidates when that prefix is an item itself. A prefix without a
-    continuation has no key: the tree format then allows only the end token there."""
-    root = str(catalog.start_token_id)
-    states: dict[str, dict[int, None]] = {}
-    ends: list[str] = []
-    for item in catalog.items:
-        key = root
-        for token in item:
-            states.setdefault(key, {})[token] = None
-            key = f"{key}_{token}"
-        ends.append(key)
-    end = catalog.end_token_id
-    for key in ends:
-        nexts = states.get(key)
-        if nexts is not None:
-            nexts[end] = None
-    parts = ",".join(f'"{key}":[{",".join(map(str, nexts))}]' for key, nexts in states.items())
-    head = json.dumps({"start_token_id": catalog.start_token_id, "end_token_id": end, "sep": "_"})[:-1]
-    return (head + ',"prefix_dict":{' + parts + "}}").encode("ascii")
+    continuation has no key: the tree format then allows only the end token there.
+
+    The trie is built with array passes (items sorted as rows of a padded matrix; a prefix is a new node where
+    a row first differs from the one before); only the key texts are made per state, each from its parent's."""
+    n = len(catalog)
+    lengths = catalog.lengths
+    width = int(lengths.max()) if n else 0
+    matrix = np.full((n, width), -1, dtype=np.int64)
+    row = np.repeat(np.arange(n), lengths)
+    col = np.arange(catalog.flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    matrix[row, col] = catalog.flat
+    order = np.lexsort(matrix.T[::-1]) if width else np.arange(n)
+    matrix, lengths = matrix[order], lengths[order]
+    # first column where a row differs from the row before (rows are distinct; -1 pads shorter rows)
+    differs = np.ones((n, width + 1), dtype=bool)
+    if n > 1:
+        differs[1:, :width] = matrix[1:] != matrix[:-1]
+    first_diff = differs.argmax(axis=1)
+    first_diff[0] = 0
+    # node (i, d): the prefix of length d of row i, for d <= length; new where first_diff[i] < d (or i == 0)
+    depth = np.arange(width + 1)
+    exists = depth[None, :] <= lengths[:, None]
+    new = exists & (depth[None, :] > first_diff[:, None])
+    new[0, :] = exists[0, :]
+    ids = np.full(new.shape, -1, dtype=np.int64)
+    n_nodes = int(new.sum())
+    ids[new] = np.arange(n_nodes)  # row-major: a parent (i, d - 1) or an earlier row's node has a smaller id
+    node = np.maximum.accumulate(ids, axis=0)  # an old node is the one the row before has at that depth
+    # edges (i, d) -> (i, d + 1) with token matrix[i, d], once each: where the child is new
+    ei, ed = np.nonzero(new[:, 1:])
+    parent, child, token = node[ei, ed], node[ei, ed + 1], matrix[ei, ed]
+    is_end = np.zeros(n_nodes, dtype=bool)
+    is_end[node[np.arange(n), lengths]] = True
+    counts = np.bincount(parent, minlength=n_nodes)
+    by_parent = np.argsort(parent, kind="stable")
+    offsets = np.concatenate(([0], np.cumsum(counts))).tolist()
+    tokens_text = list(map(str, token[by_parent].tolist()))
+    child_of = child[by_parent].tolist()
+    internal = np.flatnonzero(counts > 0).tolist()
+    has_children = (counts > 0).tolist()
+    end = str(catalog.end_token_id)
+    keys: dict[int, str] = {0: str(catalog.start_token_id)}
+    parts = []
+    ends = is_end.tolist()
+    for state in internal:  # in id order: every parent before its children
+        key = keys[state]
+        lo, hi = offsets[state], offsets[state + 1]
+        texts = tokens_text[lo:hi]
+        for c, t in zip(child_of[lo:hi], texts):
+            if has_children[c]:
+                keys[c] = f"{key}_{t}"
+        parts.append(f'"{key}":[{",".join(texts)}{"," + end if ends[state] else ""}]')
+        del keys[state]
+    head = json.dumps({"start_token_id": catalog.start_token_id, "end_token_id": catalog.end_token_id,
+                       "sep": "_"})[:-1]
+    return (head + ',"prefix_dict":{' + ",".join(parts) + "}}").encode("ascii")
 
 
 def items_from_tree(tree: Any) -> list[tuple[int, ...]]:
@@ -293,23 +432,32 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
     _check_unique(adds, "add")
     _check_unique(removes, "remove")
     _check_disjoint(adds, removes)
-    present = set(catalog.items)
+    present = catalog.line_set
     report = DeltaReport()
     gone = set()
     for item in removes:
-        if item in present:
-            gone.add(item)
+        line = _line(item)
+        if line in present:
+            gone.add(line)
         else:
             report.not_present.append(list(item))
-    items = [item for item in catalog.items if item not in gone] if gone else list(catalog.items)
-    report.removed = len(gone)
+    new_items = []
     for item in adds:
-        if item in present:
+        if _line(item) in present:
             report.already_present.append(list(item))
         else:
-            items.append(item)
-            report.added += 1
-    return Catalog(catalog.start_token_id, catalog.end_token_id, items, dict(catalog.options)), report
+            new_items.append(item)
+    report.removed, report.added = len(gone), len(new_items)
+    lines, flat, lengths = catalog.lines, catalog.flat, catalog.lengths
+    if gone:
+        keep = np.fromiter((line not in gone for line in lines), dtype=bool, count=len(lines))
+        lines = [line for line in lines if line not in gone]
+        flat, lengths = flat[np.repeat(keep, lengths)], lengths[keep]
+    if new_items:
+        extra = Catalog.from_items(0, 0, new_items)
+        lines = lines + extra.lines
+        flat, lengths = np.concatenate((flat, extra.flat)), np.concatenate((lengths, extra.lengths))
+    return Catalog(catalog.start_token_id, catalog.end_token_id, lines, flat, lengths, catalog.options), report
 
 
 def catalog_body(catalog: Catalog, content: bytes) -> dict[str, Any]:

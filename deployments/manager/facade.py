@@ -46,7 +46,7 @@ from deployments.store import (
     validate_name,
 )
 
-from .compiler import StoredScenarioCompiler
+from .compiler import StoredScenarioCompiler, compile_warnings
 from .reconciler import StoreReconciler
 from .registry import ReplicaRegistry
 from .served import ServedScenarios, object_ref
@@ -153,7 +153,9 @@ class ConfigManager:
 
     async def put(self, name: str, body: dict, idempotency_key: str | None = None) -> dict[str, Any]:
         """Validate, compile, store a new version of ``name`` and wait until every live replica
-        serves it. Returns ``{"name", "version"}``. 422: invalid name or body; 400: does not
+        serves it. Returns ``{"name", "version"}``, plus ``warnings`` when the compile accepted something it reports
+        (a lenient tree load: keys outside the root, unknown fields, skipped ids; see ``config.load_tree``; not kept
+        for an idempotent replay). 422: invalid name or body; 400: does not
         compile (nothing stored in either case); 503: Redis down; 504: replicas did not ack.
 
         A tree given as ``path`` is read once, here, and its content stored with the version
@@ -191,7 +193,8 @@ class ConfigManager:
         logger.info("stored scenario %r version %d", name, version)
         await self.registry.wait_for_acks(epoch, name, version)
         self.metrics.swapped(name, "put", started)
-        return {"name": name, "version": int(version)}
+        warnings = compile_warnings(compiled)
+        return {"name": name, "version": int(version), **({"warnings": warnings} if warnings else {})}
 
     async def put_items(self, name: str, data: bytes, idempotency_key: str | None = None) -> dict[str, Any]:
         """Store a catalog (the items format of :mod:`deployments.manager.catalog`: a header line, then one JSON
@@ -309,7 +312,7 @@ class ConfigManager:
                              vocab_size=self.compiler.vocab_size)
             options = {k: v for k, v in body.items()
                        if k not in ("type", "tree", "path", "content_sha256", "content_format", "items")}
-            base = Catalog(int(tree.start_token_id), int(tree.end_token_id), items_from_tree(tree), options)
+            base = Catalog.from_items(int(tree.start_token_id), int(tree.end_token_id), items_from_tree(tree), options)
         catalog, report = apply_tree_delta(base, add, remove, vocab_size=self.compiler.vocab_size)
         if not report.changed:
             return body, None, report

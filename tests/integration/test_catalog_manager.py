@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import numpy as np
+
 import pytest
 from test_manager import FakeReplica, make_manager, ready
 
@@ -299,3 +301,44 @@ def test_history_is_bounded_and_a_restart_with_pruned_history_works(tokenizer, d
         assert served_items(r0, "cat") == (result["version"], {(102,), (200, 7), (300,)})
 
     run(restarted, after, 1)
+
+
+def _reference_tree(items, start, end) -> dict:
+    """The tree spelled by ``items``, built the plain way (a dict walk per item), for comparison."""
+    states: dict[str, set] = {}
+    finals = []
+    for item in items:
+        key = str(start)
+        for token in item:
+            states.setdefault(key, set()).add(token)
+            key = f"{key}_{token}"
+        finals.append(key)
+    for key in finals:
+        if key in states:
+            states[key].add(end)
+    return {k: sorted(v) for k, v in states.items()}
+
+
+def test_catalog_parse_and_tree_build_agree_with_the_plain_way():
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        items = {tuple(int(t) for t in rng.integers(3, 12, size=rng.integers(1, 5))) for _ in range(rng.integers(1, 60))}
+        items = sorted(items, key=lambda _: rng.random())
+        # the same catalog written with spaces, CRLF and blank lines parses to the same items
+        plain = catalog_text(items)
+        spaced = plain.replace(b",", b" , ").replace(b"[", b"[ ").replace(b"\n", b"\r\n\n")
+        for text in (plain, spaced):
+            catalog = parse_catalog(text, vocab_size=50000)
+            assert catalog.items == items, trial
+            tree = json.loads(tree_file_bytes(catalog))
+            assert {k: sorted(v) for k, v in tree["prefix_dict"].items()} == _reference_tree(items, START, END)
+        assert parse_catalog(catalog.content(), vocab_size=50000).items == items
+
+
+@pytest.mark.parametrize("line", [b"[1 2]", b"[01]", b"[1,]", b"[,1]", b"[[1]]", b'["1"]', b"[-1]", b"[1e3]",
+                                  b"[1.0]", b"[true]", b"1", b"[1]]", b"[1][2]", b"[1234567890123]"])
+def test_every_malformed_item_line_is_named(line):
+    text = catalog_text([(5,), (6, 7)]) + line + b"\n"
+    with pytest.raises(ServiceError) as info:
+        parse_catalog(text, vocab_size=50000)
+    assert info.value.status == 422 and "line 4" in info.value.message, info.value.message
