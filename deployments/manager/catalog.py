@@ -489,9 +489,9 @@ def parse_json_body(raw: bytes, limits: Any, *, scenario: bool) -> Any:
         raise ServiceError(422, f"body: expected {what}, got {type(body).__name__ if raw.strip() else 'nothing'}",
                            {"field": "body"})
     try:
-        limits.check_json_depth(body)
-        if scenario:
+        if scenario:  # the kind's own limits first (they name the field, e.g. max_schema_depth), as before
             limits.check_scenario(body)
+        limits.check_json_depth(body)
     except LimitExceeded as error:
         raise ServiceError(error.status, f"invalid scenario: {error}" if scenario else str(error),
                            error.detail()) from None
