@@ -146,18 +146,24 @@ def parse_keys(blob: np.ndarray, vocab_size: int | None) -> KeyBlock:
         over_vocab = np.bincount(seg_key[later & (values >= vocab_size)], minlength=n) > 0
         over_vocab &= ~odd
     n_parts[odd] = 0
-    h1 = np.full(n, SEED[0], dtype=np.uint64)
-    h2 = np.full(n, SEED[1], dtype=np.uint64)
-    # level j extends the hashes of the keys with more than j parts; keys sorted by part count, longest first
+    # Level j extends the hashes of the keys with more than j parts. With the keys sorted by part count, longest
+    # first, those keys are a prefix of the sorted arrays: each level works on slices, with one gather of parts.
     order = np.argsort(-n_parts, kind="stable")
     counts = np.bincount(n_parts)
     longer = n - np.cumsum(counts)  # keys with more than j parts
+    firsts = first_seg[order]
+    s1 = np.full(n, SEED[0], dtype=np.uint64)
+    s2 = np.full(n, SEED[1], dtype=np.uint64)
     for j in range(1, counts.size):
         m = int(longer[j - 1])
         if m == 0:
             break
-        act = order[:m]
-        h1[act], h2[act] = extend_hash(h1[act], h2[act], values[first_seg[act] + (j - 1)])
+        s1[:m], s2[:m] = extend_hash(s1[:m], s2[:m], values[firsts[:m] + (j - 1)])
+    del firsts, values
+    h1 = np.empty(n, dtype=np.uint64)
+    h2 = np.empty(n, dtype=np.uint64)
+    h1[order] = s1
+    h2[order] = s2
     h1[odd] = 0
     h2[odd] = 0
     return KeyBlock(n_parts, first, odd, over_vocab, h1, h2)

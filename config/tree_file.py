@@ -239,6 +239,7 @@ def _key_problem(key: Any, root: str, sep: str, vocab_size: int | None) -> str |
 
 _INT32_MAX = (1 << 31) - 1
 _KEY_BLOCK = 1 << 20  # keys per block when hashing a list of keys
+_BLOB_BLOCK = 16 << 20  # bytes per block when hashing scanned keys
 _HASHABLE_SEP = re.compile(r"[^\x00\x01]+")
 
 
@@ -443,14 +444,20 @@ class _TreeBuilder:
     def _blocks(self, blob: bytes | None, sep: str) -> Iterator[np.ndarray]:
         """The keys in blocks for :func:`config.tree_fast.parse_keys` (each ended by 0, the separator as 1)."""
         if blob is not None:  # a scanned file: printable ASCII only, so 0 and 1 occur nowhere else
-            data = np.frombuffer(blob, dtype=np.uint8)
             sep_bytes = sep.encode("utf-8")
-            if len(sep_bytes) == 1:
-                mapped = data.copy()
-                mapped[data == sep_bytes[0]] = 1
-                yield mapped
-            else:
-                yield np.frombuffer(blob.replace(sep_bytes, b"\x01"), dtype=np.uint8)
+            view = memoryview(blob)
+            lo = 0
+            while lo < len(blob):  # blocks of about _BLOB_BLOCK bytes, cut after a key's end
+                hi = blob.find(b"\x00", min(lo + _BLOB_BLOCK, len(blob) - 1)) + 1
+                if len(sep_bytes) == 1:
+                    mapped = np.frombuffer(view[lo:hi], dtype=np.uint8).copy()
+                    mapped[mapped == sep_bytes[0]] = 1
+                    yield mapped
+                else:
+                    yield np.frombuffer(bytes(view[lo:hi]).replace(sep_bytes, b"\x01"), dtype=np.uint8)
+                lo = hi
+            if not blob:
+                yield np.zeros(0, dtype=np.uint8)
             return
         keys = self.keys
         assert keys is not None

@@ -97,6 +97,10 @@ class MaskTables:
         object.__setattr__(
             self, "version", content_hash("tables", offsets, tokens, next_state, self.root, self.end_token_id, self.vocab_size)
         )
+        # The per-state item metrics are computed here, where the tables are built (the config manager), so that
+        # they travel with the tables and replicas share them like the other arrays; computed lazily on a replica
+        # they would cost every replica their memory and the first request after a swap their time.
+        item_metrics(self)
 
     def __setstate__(self, state: dict) -> None:  # arrays come back writable from pickle
         for name in ("offsets", "tokens", "next_state", "keys"):

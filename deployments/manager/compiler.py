@@ -31,7 +31,13 @@ from deployments.store import ScenarioStore, content_sha256
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StoredScenarioCompiler"]
+__all__ = ["StoredScenarioCompiler", "compile_warnings"]
+
+
+def compile_warnings(compiled) -> list[str]:
+    """What a compile accepted but reports (a lenient tree load: keys outside the root, unknown fields, skipped ids;
+    see ``config.load_tree``): the admin PUT returns them as ``warnings``."""
+    return list(getattr(getattr(compiled, "constraint", None), "warnings", ()) or ())
 
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -276,6 +282,8 @@ class StoredScenarioCompiler:
             if sha is not None and isinstance(body.get("path"), str):  # name the admin's file, not the local copy
                 exc.message = exc.message.replace(scenario.path, f"{body['path']} (stored content {sha[:12]})")
             raise
+        for message in compile_warnings(compiled):
+            logger.warning("scenario %r: %s", name, message)
         return compiled
 
     # ------------------------------------------------------------------ entry points

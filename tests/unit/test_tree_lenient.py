@@ -189,6 +189,7 @@ def test_scan_reads_a_tree_across_blocks(tmp_path, monkeypatch):
     from config import tree_fast
 
     monkeypatch.setattr(tree_fast, "CHUNK_BYTES", 64)  # many blocks, cut at "]," boundaries
+    monkeypatch.setattr(tree_file, "_BLOB_BLOCK", 40)  # keys hashed in many blocks too
     rng = random.Random(3)
     body = _random_tree(rng, "_")
     vocab = body.pop("_vocab")
@@ -200,3 +201,5 @@ def test_scan_reads_a_tree_across_blocks(tmp_path, monkeypatch):
     tree = load_tree(path, vocab_size=vocab)
     assert tree.to_dict()["prefix_dict"] == body["prefix_dict"]
     assert any('"zzz_after" ignored' in w for w in tree.warnings)
+    whole = load_tree({k: v for k, v in body.items() if k != "zzz_after"}, vocab_size=vocab)
+    assert build_tree_tables(tree, vocab).version == build_tree_tables(whole, vocab).version
