@@ -75,7 +75,15 @@ class ModelReplica:
             import torch
 
             torch.set_num_threads(self.settings.torch_threads)
-        if model is None or tokenizer is None:
+        if getattr(self.settings, "engine", "transformers") == "vllm":
+            # vLLM loads the checkpoint in its own process (create_engine -> model_directory, which writes the float32
+            # cache entry of a GGUF model when it is missing): this replica holds only the tokenizer
+            if tokenizer is None:
+                from .model_loader import load_tokenizer
+
+                tokenizer = load_tokenizer(self.settings.model)
+            model = None
+        elif model is None or tokenizer is None:
             from .model_loader import load_model_and_tokenizer
 
             model, tokenizer = load_model_and_tokenizer(self.settings.model)

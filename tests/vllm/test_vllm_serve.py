@@ -258,6 +258,7 @@ def test_late_replica_serves_current_versions(app, bodies, tokenizer):
     replica = ModelReplica(app.args, manager)
     try:
         assert replica.engine.name == "vllm"
+        assert replica.model is None  # vLLM holds the weights; the replica loaded only the tokenizer
         assert replica.versions()["v-late"] == v
         listing = requests.get(f"{app.url}/v1/scenarios", timeout=30).json()
         listing = listing["scenarios"] if isinstance(listing, dict) else listing
