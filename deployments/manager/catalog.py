@@ -290,34 +290,87 @@ def tree_file_bytes(catalog: Catalog) -> bytes:
     n_nodes = int(new.sum())
     ids[new] = np.arange(n_nodes)  # row-major: a parent (i, d - 1) or an earlier row's node has a smaller id
     node = np.maximum.accumulate(ids, axis=0)  # an old node is the one the row before has at that depth
-    # edges (i, d) -> (i, d + 1) with token matrix[i, d], once each: where the child is new
+    # edges (i, d) -> (i, d + 1) with token matrix[i, d], once each: where the child (i, d + 1) is new
     ei, ed = np.nonzero(new[:, 1:])
-    parent, child, token = node[ei, ed], node[ei, ed + 1], matrix[ei, ed]
+    parent, token = node[ei, ed], matrix[ei, ed]
     is_end = np.zeros(n_nodes, dtype=bool)
     is_end[node[np.arange(n), lengths]] = True
-    counts = np.bincount(parent, minlength=n_nodes)
-    by_parent = np.argsort(parent, kind="stable")
-    offsets = np.concatenate(([0], np.cumsum(counts))).tolist()
-    tokens_text = list(map(str, token[by_parent].tolist()))
-    child_of = child[by_parent].tolist()
-    internal = np.flatnonzero(counts > 0).tolist()
-    has_children = (counts > 0).tolist()
-    end = str(catalog.end_token_id)
-    keys: dict[int, str] = {0: str(catalog.start_token_id)}
-    parts = []
-    ends = is_end.tolist()
-    for state in internal:  # in id order: every parent before its children
-        key = keys[state]
-        lo, hi = offsets[state], offsets[state + 1]
-        texts = tokens_text[lo:hi]
-        for c, t in zip(child_of[lo:hi], texts):
-            if has_children[c]:
-                keys[c] = f"{key}_{t}"
-        parts.append(f'"{key}":[{",".join(texts)}{"," + end if ends[state] else ""}]')
-        del keys[state]
+    node_row, node_depth = np.nonzero(new)  # id order
+    internal = np.flatnonzero(np.bincount(parent, minlength=n_nodes) > 0)  # states with a continuation: keys
+    # candidates of every internal state: its edges' tokens, then the end token where the prefix is an item
+    ends_at = internal[is_end[internal]]
+    cand_state = np.concatenate((parent, ends_at))
+    cand_code = np.concatenate((token, np.full(ends_at.size, catalog.end_token_id, dtype=np.int64)))
+    order = np.argsort(cand_state, kind="stable")
+    cand_state, cand_code = cand_state[order], cand_code[order]
     head = json.dumps({"start_token_id": catalog.start_token_id, "end_token_id": catalog.end_token_id,
-                       "sep": "_"})[:-1]
-    return (head + ',"prefix_dict":{' + ",".join(parts) + "}}").encode("ascii")
+                       "sep": "_"})[:-1] + ',"prefix_dict":{'
+    text = _KeyWriter(max(int(matrix.max(initial=0)), catalog.start_token_id, catalog.end_token_id) + 1)
+    blocks = [head.encode("ascii")]
+    # the text of a block of states at a time (bounded memory): '"root_t1_t2":[c1,c2],'
+    slot = np.zeros(n_nodes, dtype=np.int64)
+    slot[internal] = np.arange(internal.size)
+    n_cands = np.bincount(slot[cand_state], minlength=internal.size)
+    cand_offsets = np.concatenate(([0], np.cumsum(n_cands)))
+    for lo in range(0, internal.size, _TEXT_BLOCK):
+        states = internal[lo:lo + _TEXT_BLOCK]
+        rows, depths = node_row[states], node_depth[states]
+        counts = n_cands[lo:lo + states.size]
+        first, last = int(cand_offsets[lo]), int(cand_offsets[lo + states.size])
+        blocks.append(text.block(catalog.start_token_id, matrix, rows, depths, cand_code[first:last], counts,
+                                 final=lo + _TEXT_BLOCK >= internal.size))
+    blocks.append(b"}}")
+    return b"".join(blocks)
+
+
+_TEXT_BLOCK = 1 << 17  # states whose key text is assembled at once
+
+
+class _KeyWriter:
+    """Assembles tree-file entries from codes with one gather: codes below ``vocab`` stand for a token's decimal
+    digits, the few above it for the literal pieces of an entry."""
+
+    QUOTE, SEP, OPEN, COMMA, CLOSE = range(5)
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+        pieces = [str(i).encode("ascii") for i in range(vocab)] + [b'"', b"_", b'":[', b",", b"]"]
+        self.lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+        self.starts = np.concatenate(([0], np.cumsum(self.lengths)[:-1]))
+        self.buffer = np.frombuffer(b"".join(pieces), dtype=np.uint8)
+
+    def block(self, root: int, matrix: np.ndarray, rows: np.ndarray, depths: np.ndarray, cands: np.ndarray,
+              counts: np.ndarray, final: bool) -> bytes:
+        v = self.vocab
+        # per state: '"' root ('_' t)*depth '":[' c (',' c)* ']' ','
+        sizes = 2 + 2 * depths + 1 + (2 * counts - 1) + 2
+        base = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        codes = np.empty(int(sizes.sum()), dtype=np.int64)
+        codes[base] = v + self.QUOTE
+        codes[base + 1] = root
+        # the path: '_' and the token, for k < depth
+        owner = np.repeat(np.arange(rows.size), depths)
+        k = np.arange(owner.size) - np.repeat(np.cumsum(depths) - depths, depths)
+        at = base[owner] + 2 + 2 * k
+        codes[at] = v + self.SEP
+        codes[at + 1] = matrix[rows[owner], k]
+        open_at = base + 2 + 2 * depths
+        codes[open_at] = v + self.OPEN
+        # candidates: c, then ',' c ...
+        owner = np.repeat(np.arange(rows.size), counts)
+        j = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        at = open_at[owner] + 1 + 2 * j
+        codes[at] = cands
+        codes[at[j > 0] - 1] = v + self.COMMA
+        close_at = open_at + 2 * counts
+        codes[close_at] = v + self.CLOSE
+        codes[close_at + 1] = v + self.COMMA
+        if final:
+            codes = codes[:-1]  # no ',' after the last entry
+        lengths = self.lengths[codes]
+        out_starts = np.cumsum(lengths) - lengths
+        index = np.repeat(self.starts[codes] - out_starts, lengths) + np.arange(int(lengths.sum()))
+        return self.buffer[index].tobytes()
 
 
 def items_from_tree(tree: Any) -> list[tuple[int, ...]]:
