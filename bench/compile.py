@@ -1,29 +1,32 @@
-"""Compile time and peak memory: a 10^6-key tree file and a 10^5-label set.
+"""Compile time and peak memory: tree files of 10^6 and 10^7 keys, and a 10^5-label set.
 
-(a) Tree. A synthetic prefix dict of ``--tree-keys`` keys (root with ~300 candidates, depth 4-8, ids
-spread over a 49,152-id vocabulary) is written as a tree JSON file (docs/design.md format), then each
-phase runs in a fresh subprocess:
+(a) Trees. For each size in ``--tree-keys``, a synthetic prefix dict (root with ~300 candidates, depth 4-8, ids
+spread over a 49,152-id vocabulary) is written as a tree JSON file (docs/design.md format), then each phase runs
+in a fresh subprocess:
 
-* ``load``:  ``config.load_tree(path, vocab_size=V)`` (streaming ijson parse + every validation rule);
-* ``build``: ``processors.build_tree_tables(tree, V)`` on an already loaded tree;
-* ``both``:  the two together, as ``compile_scenario`` runs them;
-* ``naive``: ``json.load`` into a Python dict of lists (no validation, no tables), for comparison.
+* ``load``:  ``config.load_tree(path, vocab_size=V)`` (the numpy scan of the file + every validation rule);
+* ``build``: ``processors.build_tree_tables(tree, V)`` on an already loaded tree (edges linked by key hashes, the
+  per-state item metrics included);
+* ``both``:  the two together, as the manager's compile runs them;
+* ``exact``: the same result by the exact paths, for comparison in the same run: the ijson event parser and the
+  build through a dict of key strings (what every tree took before the numpy paths; skipped past 2*10^6 keys);
+* ``naive``: ``json.load`` into a Python dict of lists (no validation, no tables; skipped past 2*10^6 keys).
 
-(b) Labels. ``--labels`` synthetic taxonomy labels ("Technology > AI > NLP") compiled with
-``processors.build_label_tables`` for SmolLM2's tokenizer in a fresh subprocess; then, in the same
-process, the tokenization it does (one ``encode`` + one ``decode`` per label, round trip checked)
-is timed against batched calls (``tokenizer(list)`` + ``batch_decode``), which would be the
-alternative inside ``build_label_tables``.
+``both`` and ``exact`` alternate over ``--repeats`` rounds (the machine is shared: ratios from one run).
 
-Peak memory: in each subprocess, the peak resident set size (``VmHWM``, the ``ru_maxrss`` of
-``getrusage``) is reset through ``/proc/self/clear_refs`` once the phase's imports and inputs are
-ready, and the result is the peak after the phase minus the resident size before it; the input
-(e.g. the loaded tree for ``build``) is therefore not counted, only what the phase adds at its
-worst moment. Where ``clear_refs`` is refused, the peak since process start is used (said in the JSON).
+(b) Labels (``--labels``, 0 skips). Synthetic taxonomy labels ("Technology > AI > NLP") compiled with
+``processors.build_label_tables`` for SmolLM2's tokenizer in a fresh subprocess; then, in the same process, the
+tokenization it does (one ``encode`` + one ``decode`` per label, round trip checked) is timed against batched calls.
 
-Targets: the tree (load + build) in at most 5 s and at most 1 GiB peak.
+Peak memory: in each subprocess, the peak resident set size (``VmHWM``) is reset through ``/proc/self/clear_refs``
+once the phase's imports and inputs are ready, and the result is the peak after the phase minus the resident size
+before it (what the phase adds at its worst moment); ``peak_rss_mib`` is the process's whole peak (imports and
+input included). CPU seconds of the phase are reported beside wall seconds (on a loaded machine the wall time
+includes waiting for a core).
 
-    python bench/compile.py [--quick] [--tree-keys 1000000] [--labels 100000]
+Targets (issue 12.3): 10^6 keys in at most 2 s, 10^7 keys in at most 25 s with a peak under 4 GiB.
+
+    python bench/compile.py [--quick] [--tree-keys 1000000,10000000] [--labels 100000] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ from bench._common import emit, iter_tree, log, make_labels, ratio, rss_bytes, r
 
 VOCAB = 49_152  # SmolLM2's vocabulary
 START, END = 1, 2  # <|im_start|> / <|endoftext|> in SmolLM2
-TIME_TARGET_S = 5.0
-MEM_TARGET_BYTES = 1 << 30
+TIME_TARGETS_S = {1_000_000: 2.0, 10_000_000: 25.0}
+MEM_TARGET_BYTES = 4 << 30  # the peak of the process compiling 10^7 keys
+EXACT_MAX_KEYS = 2_000_000
 MIB = 1 << 20
 
 
@@ -83,33 +87,43 @@ def phase_tree(kind: str, path: str, vocab: int) -> dict:
     out: dict = {"phase": kind}
     if kind == "naive":
         with PeakMeter() as pm:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             with open(path) as fh:
                 data = json.load(fh)
             prefix = data["prefix_dict"]  # already a Python dict of lists
-            out["seconds"] = time.perf_counter() - t0
+            out["seconds"], out["cpu_seconds"] = time.perf_counter() - t0, time.process_time() - c0
         out["keys"] = len(prefix)
     else:
         import config
         import processors
+        from config import tree_file
+        from processors.tables import _build_by_strings
 
+        if kind == "exact":  # the ijson parser and the dict-of-strings build
+            tree_file.scan_tree_file = lambda p: None
         tree = None
         if kind == "build":
             tree = config.load_tree(path, vocab_size=vocab)
         with PeakMeter() as pm:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if tree is None:
                 tree = config.load_tree(path, vocab_size=vocab)
             t1 = time.perf_counter()
-            tables = None if kind == "load" else processors.build_tree_tables(tree, vocab)
-            t2 = time.perf_counter()
-        out["seconds"] = t2 - t0
-        if kind == "both":
+            tables = None
+            if kind == "exact":
+                tables = _build_by_strings(tree, tree.offsets, tree.candidates, vocab)
+            elif kind != "load":
+                tables = processors.build_tree_tables(tree, vocab)
+            t2, c2 = time.perf_counter(), time.process_time()
+        out["seconds"], out["cpu_seconds"] = t2 - t0, c2 - c0
+        if kind in ("both", "exact"):
             out["load_seconds"], out["build_seconds"] = t1 - t0, t2 - t1
-        out["keys"] = len(tree.keys)
+        out["keys"] = len(tree)
         if tables is not None:
             out["states"], out["edges"], out["tables_mib"] = tables.n_states, tables.n_edges, tables.nbytes / MIB
+            out["tables_version"] = tables.version
     out["peak_extra_mib"] = pm.extra / MIB
+    out["peak_rss_mib"] = pm.peak / MIB
     out["rss_before_mib"] = pm.start / MIB
     out["memory_method"] = pm.method
     return out
@@ -166,14 +180,82 @@ def _r(x: float, d: int = 2) -> float:
     return round(float(x), d)
 
 
+def _tree_size(me: str, n_keys: int, vocab: int, repeats: int, seed: int, workdir: str | None) -> dict:
+    tmp = tempfile.TemporaryDirectory(dir=workdir)
+    path = os.path.join(tmp.name, "tree.json")
+    try:
+        t0 = time.perf_counter()
+        entries = iter_tree(n_keys, vocab, start_token_id=START, end_token_id=END, seed=seed)
+        n = write_tree_json(path, entries, start_token_id=START, end_token_id=END)
+        size = os.path.getsize(path)
+        log(f"tree file: {n} keys, {size / MIB:.1f} MiB ({time.perf_counter() - t0:.1f} s to generate)")
+        run = lambda kind: run_json_subprocess([me, "--phase", kind, "--path", path, "--vocab", str(vocab)],  # noqa: E731
+                                               timeout=1800)
+        runs: dict[str, list[dict]] = {"both": [], "exact": []}
+        for r in range(max(1, repeats)):  # alternated, so that load on the machine hits both
+            for kind in ("both", "exact"):
+                if kind == "exact" and n > EXACT_MAX_KEYS:
+                    continue
+                res = run(kind)
+                runs[kind].append(res)
+                log(f"  round {r + 1} {kind:5s}: {res['seconds']:.2f} s (cpu {res['cpu_seconds']:.2f} s), "
+                    f"peak +{res['peak_extra_mib']:.0f} MiB, process peak {res['peak_rss_mib']:.0f} MiB")
+        phases = {kind: run(kind) for kind in ("load", "build")}
+        if n <= EXACT_MAX_KEYS:
+            phases["naive"] = run("naive")
+    finally:
+        tmp.cleanup()
+    best = {kind: min(rs, key=lambda x: x["seconds"]) for kind, rs in runs.items() if rs}
+    both = best["both"]
+    exact = best.get("exact")
+    if exact is not None and exact["tables_version"] != both["tables_version"]:
+        raise AssertionError("the numpy paths and the exact paths built different tables")
+    target = TIME_TARGETS_S.get(n)
+    peak = max(r["peak_rss_mib"] for r in runs["both"])
+    out = {
+        "keys": n,
+        "file_mib": _r(size / MIB, 1),
+        "states": both["states"],
+        "edges": both["edges"],
+        "tables_mib": _r(both["tables_mib"], 1),
+        "together_s": _r(both["seconds"]),
+        "together_cpu_s": _r(both["cpu_seconds"]),
+        "together_runs_s": [_r(x["seconds"]) for x in runs["both"]],
+        "load_s_in_together": _r(both["load_seconds"]),
+        "build_s_in_together": _r(both["build_seconds"]),
+        "together_peak_extra_mib": _r(max(r["peak_extra_mib"] for r in runs["both"]), 0),
+        "together_process_peak_mib": _r(peak, 0),
+        "load_tree_s": _r(phases["load"]["seconds"]),
+        "load_tree_peak_extra_mib": _r(phases["load"]["peak_extra_mib"], 0),
+        "build_tree_tables_s": _r(phases["build"]["seconds"]),
+        "build_tree_tables_peak_extra_mib": _r(phases["build"]["peak_extra_mib"], 0),
+    }
+    if exact is not None:
+        out.update(exact_s=_r(exact["seconds"]), exact_cpu_s=_r(exact["cpu_seconds"]),
+                   exact_runs_s=[_r(x["seconds"]) for x in runs["exact"]],
+                   exact_peak_extra_mib=_r(max(r["peak_extra_mib"] for r in runs["exact"]), 0),
+                   exact_over_together=ratio(exact["seconds"], both["seconds"]),
+                   exact_over_together_cpu=ratio(exact["cpu_seconds"], both["cpu_seconds"]),
+                   same_tables=True)
+    if "naive" in phases:
+        out.update(naive_json_load_s=_r(phases["naive"]["seconds"]),
+                   naive_json_load_peak_extra_mib=_r(phases["naive"]["peak_extra_mib"], 0),
+                   together_over_naive_time=ratio(both["seconds"], phases["naive"]["seconds"]))
+    if target is not None:
+        out.update(target_s=target, time_target_met=both["seconds"] <= target)
+    if n >= 10_000_000:
+        out.update(target_peak_mib=MEM_TARGET_BYTES // MIB, memory_target_met=peak * MIB <= MEM_TARGET_BYTES)
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="10^5 keys, 10^4 labels (about 30 s)")
-    ap.add_argument("--tree-keys", type=int, default=1_000_000)
-    ap.add_argument("--labels", type=int, default=100_000)
-    ap.add_argument("--repeats", type=int, default=1, help="runs of each tree phase (the fastest is kept)")
+    ap.add_argument("--tree-keys", default="1000000,10000000", help="comma-separated tree sizes")
+    ap.add_argument("--labels", type=int, default=100_000, help="labels to compile (0: skip)")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds of the alternated both/exact runs (best kept)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workdir", default=None, help="where the tree file goes (default: a temporary directory)")
+    ap.add_argument("--workdir", default=None, help="where the tree files go (default: a temporary directory)")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, default=VOCAB, help=argparse.SUPPRESS)
@@ -184,66 +266,39 @@ def main(argv=None) -> dict:
             return phase_labels(args.labels, args.seed, args.repeats)
         return phase_tree(args.phase, args.path, args.vocab)
 
+    sizes = [int(x) for x in str(args.tree_keys).split(",") if x.strip()]
     if args.quick:
-        args.tree_keys = min(args.tree_keys, 100_000)
-        args.labels = min(args.labels, 10_000)
+        sizes, args.labels = [100_000], min(args.labels, 10_000)
     t_start = time.perf_counter()
     me = str(Path(__file__).resolve())
-    tmp = tempfile.TemporaryDirectory(dir=args.workdir)
-    path = os.path.join(tmp.name, "tree.json")
-    try:
-        t0 = time.perf_counter()
-        entries = iter_tree(args.tree_keys, args.vocab, start_token_id=START, end_token_id=END, seed=args.seed)
-        n = write_tree_json(path, entries, start_token_id=START, end_token_id=END)
-        size = os.path.getsize(path)
-        log(f"tree file: {n} keys, {size / MIB:.1f} MiB ({time.perf_counter() - t0:.1f} s to generate)")
-
-        tree: dict[str, dict] = {}
-        for kind in ("load", "build", "both", "naive"):
-            runs = [run_json_subprocess([me, "--phase", kind, "--path", path, "--vocab", str(args.vocab)])
-                    for _ in range(max(1, args.repeats))]
-            best = min(runs, key=lambda r: r["seconds"])
-            best["peak_extra_mib"] = max(r["peak_extra_mib"] for r in runs)
-            tree[kind] = best
-            log(f"tree {kind:5s}: {best['seconds']:.2f} s, peak +{best['peak_extra_mib']:.0f} MiB")
-    finally:
-        tmp.cleanup()
-
-    lab = run_json_subprocess([me, "--phase", "labels", "--labels", str(args.labels), "--seed", str(args.seed),
-                               "--repeats", str(max(2, args.repeats))])
-    log(f"labels: build_label_tables {lab['seconds']:.2f} s, peak +{lab['peak_extra_mib']:.0f} MiB; tokenization "
-        f"per label {lab['tokenize_per_label_s']:.2f} s, batched {lab['tokenize_batched_s']:.2f} s")
-
-    both = tree["both"]
-    time_met = both["seconds"] <= TIME_TARGET_S
-    mem_met = both["peak_extra_mib"] * MIB <= MEM_TARGET_BYTES
-    result = {
+    load_before = os.getloadavg()
+    trees = {str(n): _tree_size(me, n, args.vocab, args.repeats, args.seed, args.workdir) for n in sizes}
+    lab = None
+    if args.labels:
+        lab = run_json_subprocess([me, "--phase", "labels", "--labels", str(args.labels), "--seed", str(args.seed),
+                                   "--repeats", str(max(2, args.repeats))])
+        log(f"labels: build_label_tables {lab['seconds']:.2f} s, peak +{lab['peak_extra_mib']:.0f} MiB; tokenization "
+            f"per label {lab['tokenize_per_label_s']:.2f} s, batched {lab['tokenize_batched_s']:.2f} s")
+    for n, res in trees.items():
+        met = res.get("time_target_met")
+        log(f"{n} keys: {res['together_s']:.2f} s (cpu {res['together_cpu_s']:.2f} s), process peak "
+            f"{res['together_process_peak_mib']:.0f} MiB" + (f"; exact paths {res['exact_s']:.2f} s "
+            f"(x{res['exact_over_together']})" if "exact_s" in res else "")
+            + ("" if met is None else f"; target {res['target_s']} s {'met' if met else 'MISSED'}")
+            + ("" if "memory_target_met" not in res else
+               f"; peak < 4 GiB {'met' if res['memory_target_met'] else 'MISSED'}"))
+    result: dict = {
         "benchmark": "compile",
-        "memory_method": both["memory_method"],
-        "tree": {
-            "keys": n,
-            "file_mib": _r(size / MIB, 1),
-            "vocab_size": args.vocab,
-            "load_tree_s": _r(tree["load"]["seconds"]),
-            "load_tree_peak_mib": _r(tree["load"]["peak_extra_mib"], 0),
-            "build_tree_tables_s": _r(tree["build"]["seconds"]),
-            "build_tree_tables_peak_mib": _r(tree["build"]["peak_extra_mib"], 0),
-            "together_s": _r(both["seconds"]),
-            "together_peak_mib": _r(both["peak_extra_mib"], 0),
-            "tables_mib": _r(both["tables_mib"], 1),
-            "states": both["states"],
-            "edges": both["edges"],
-            "naive_json_load_s": _r(tree["naive"]["seconds"]),
-            "naive_json_load_peak_mib": _r(tree["naive"]["peak_extra_mib"], 0),
-            "together_over_naive_time": ratio(both["seconds"], tree["naive"]["seconds"]),
-            "together_over_naive_peak": ratio(both["peak_extra_mib"], tree["naive"]["peak_extra_mib"]),
-            "naive_note": "json.load gives a dict of lists: no validation, no decode tables",
-            "target_time_s": TIME_TARGET_S,
-            "target_peak_mib": MEM_TARGET_BYTES // MIB,
-            "time_target_met": time_met,
-            "memory_target_met": mem_met,
-        },
-        "labels": {
+        "memory_method": "VmHWM reset via /proc/self/clear_refs (peak_extra), ru peak of the phase's process (process_peak)",
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "cpus": os.cpu_count(),
+        "trees": trees,
+        "quick": args.quick,
+        "seconds": _r(time.perf_counter() - t_start, 1),
+    }
+    if lab is not None:
+        result["labels"] = {
             "labels": args.labels,
             "tokenizer": "SmolLM2-135M-Instruct (49,152 ids)",
             "build_label_tables_s": _r(lab["seconds"]),
@@ -254,14 +309,7 @@ def main(argv=None) -> dict:
             "tokenize_batched_s": _r(lab["tokenize_batched_s"]),
             "per_label_over_batched": ratio(lab["tokenize_per_label_s"], lab["tokenize_batched_s"]),
             "tokenize_share_of_build": ratio(lab["tokenize_per_label_s"], lab["seconds"]),
-            "note": "build_label_tables encodes and decodes one label at a time; batched = tokenizer(list) + "
-                    "batch_decode in chunks of 512 with the same round-trip check (best of interleaved runs)",
-        },
-        "quick": args.quick,
-        "seconds": _r(time.perf_counter() - t_start, 1),
-    }
-    log(f"targets: {n} keys in <= {TIME_TARGET_S} s: {'met' if time_met else 'MISSED'} ({both['seconds']:.2f} s); "
-        f"peak <= 1 GiB: {'met' if mem_met else 'MISSED'} ({both['peak_extra_mib']:.0f} MiB)")
+        }
     return result
 
 

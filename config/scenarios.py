@@ -41,10 +41,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args
 
 from pydantic import (
-    BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, ValidationError, WithJsonSchema, model_validator,
+    BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, TypeAdapter, ValidationError, WithJsonSchema,
+    model_validator,
 )
 
-from config.tree_file import DEFAULT_SEP, load_tree
+from config.tree_file import DEFAULT_SEP, TreeData, fits_vocab, load_tree
 
 if TYPE_CHECKING:
     from config.settings import Limits
@@ -140,12 +141,23 @@ _PREFIX_DICT_SCHEMA = {
 }
 
 
+class _LoadCache:
+    """The tree a TreeSpec's validation loaded, kept for its compile; a cache, not part of the spec's value (every
+    instance compares equal)."""
+
+    __slots__ = ("tree",)
+
+    def __init__(self) -> None:
+        self.tree: TreeData | None = None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _LoadCache)
+
+    __hash__ = object.__hash__
+
+
 class TreeSpec(ConfigModel):
     """An inline token tree, in the tree file format (checked by the same rules as tree files)."""
-
-    # Unknown top-level fields pass here: the tree loader ignores them with a warning (RTP-LLM's loader does),
-    # or refuses them when the scenario says strict: true.
-    model_config = ConfigDict(extra="allow")
 
     start_token_id: StrictInt = Field(ge=0, description="Root token id; the first state is str(start_token_id).")
     end_token_id: StrictInt = Field(ge=0, description="Token id that ends the sequence.")
@@ -156,10 +168,34 @@ class TreeSpec(ConfigModel):
         description="State key -> allowed next token ids; a missing or empty entry allows only the end token."
     )
 
+    ignored_fields: dict[str, Any] = Field(
+        default_factory=dict, exclude=True,
+        description="Unknown top-level fields of the tree, set aside when it was read: the tree loader ignores them "
+                    "with a warning, as RTP-LLM's does, and refuses them under strict: true. Not stored.",
+    )
+    _loaded: _LoadCache = PrivateAttr(default_factory=lambda: _LoadCache())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _set_aside_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and any(name not in cls.model_fields for name in data):
+            known = {k: v for k, v in data.items() if k in cls.model_fields and k != "ignored_fields"}
+            return {**known, "ignored_fields": {k: v for k, v in data.items() if k not in cls.model_fields}}
+        return data
+
     @model_validator(mode="after")
     def _check_tree(self) -> TreeSpec:
-        load_tree(self)  # raises TreeFileError (a ValueError) naming every bad key
+        self._loaded.tree = load_tree(self)  # raises TreeFileError (a ValueError) naming every bad key
         return self
+
+    def loaded(self, vocab_size: int, strict: bool = False) -> TreeData:
+        """The tree loaded for ``vocab_size``: the one validation loaded when every id fits and it was loaded with
+        the same ``strict`` (a large inline tree is then read once, not twice), else a new load (which names any
+        id past the vocabulary)."""
+        tree = self._loaded.tree
+        if tree is not None and tree.strict == strict and fits_vocab(tree, vocab_size):
+            return tree
+        return load_tree(self, vocab_size=vocab_size, strict=strict)
 
 
 class TreeScenario(ScenarioBase):

@@ -110,6 +110,7 @@ class KeyBlock:
     first: np.ndarray  # int64 first part; -1 where ``odd``
     odd: np.ndarray  # bool: not canonical decimal parts (or a part of 19+ digits): needs the exact check
     over_vocab: np.ndarray  # bool: a part after the first is >= vocab_size
+    max_later: np.ndarray  # int64: the largest part after the first (-1: none, or ``odd``)
     h1: np.ndarray  # uint64 hashes of all parts (0 where ``odd``)
     h2: np.ndarray
 
@@ -145,6 +146,13 @@ def parse_keys(blob: np.ndarray, vocab_size: int | None) -> KeyBlock:
         later[first_seg] = False
         over_vocab = np.bincount(seg_key[later & (values >= vocab_size)], minlength=n) > 0
         over_vocab &= ~odd
+    max_later = np.full(n, -1, dtype=np.int64)
+    if bpos.size:
+        later_values = values.copy()
+        later_values[first_seg] = -1
+        max_later = np.maximum.reduceat(later_values, first_seg) if n else max_later
+        max_later[odd] = -1
+        del later_values
     n_parts[odd] = 0
     # Level j extends the hashes of the keys with more than j parts. With the keys sorted by part count, longest
     # first, those keys are a prefix of the sorted arrays: each level works on slices, with one gather of parts.
@@ -166,7 +174,7 @@ def parse_keys(blob: np.ndarray, vocab_size: int | None) -> KeyBlock:
     h2[order] = s2
     h1[odd] = 0
     h2[odd] = 0
-    return KeyBlock(n_parts, first, odd, over_vocab, h1, h2)
+    return KeyBlock(n_parts, first, odd, over_vocab, max_later, h1, h2)
 
 
 # ------------------------------------------------------------------------------------------------ file scan

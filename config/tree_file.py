@@ -29,6 +29,7 @@ import re
 from array import array
 from collections import Counter
 from collections.abc import Iterator, Mapping
+from itertools import chain
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -37,7 +38,8 @@ import numpy as np
 
 from config.tree_fast import ScannedTree, parse_keys, scan_tree_file
 
-__all__ = ["DEFAULT_SEP", "MAX_REPORTED_PROBLEMS", "TreeData", "TreeFileError", "is_tree_path", "load_tree"]
+__all__ = ["DEFAULT_SEP", "MAX_REPORTED_PROBLEMS", "TreeData", "TreeFileError", "fits_vocab", "is_tree_path",
+           "load_tree"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,9 @@ class TreeData:
             be a decode state; None when the keys were not hashed (a separator holding control characters).
         targetable: which keys a decode step can reach by their parts (well formed, starting at the root).
         root_index: the index of the root key, or -1.
+        max_id: the largest id in the tree (start, end, candidates, parts of keys under the root), or -1 when a
+            key could not be read as numbers (then :func:`fits_vocab` cannot tell).
+        strict: whether it was loaded with ``strict``.
     """
 
     start_token_id: int
@@ -110,6 +115,8 @@ class TreeData:
     key_h2: np.ndarray | None = None
     targetable: np.ndarray | None = None
     root_index: int = -1
+    max_id: int = -1
+    strict: bool = False
 
     def __len__(self) -> int:
         return int(self.offsets.size - 1)
@@ -259,6 +266,7 @@ class _TreeBuilder:
         self.problems = _Problems()
         self._offsets_np: np.ndarray | None = None
         self._candidates_np: np.ndarray | None = None
+        self._max_key_part = -2
 
     # -- input from a numpy scan (config.tree_fast) -----------------------------------------------------------
     def add_scan(self, scan: ScannedTree) -> None:
@@ -283,12 +291,36 @@ class _TreeBuilder:
             elif name == "prefix_dict":
                 self.fields[name] = True
                 if isinstance(value, Mapping):
-                    for key, cands in value.items():
-                        self._add_entry(key, cands)
+                    if not self._add_fast(value):
+                        for key, cands in value.items():
+                            self._add_entry(key, cands)
                 else:
                     self.problems.add(f"prefix_dict: must be an object mapping keys to lists, got {_describe(value)}")
             else:
                 self.fields[name] = value
+
+    def _add_fast(self, prefix: Mapping[str, Any]) -> bool:
+        """Take a prefix dict whose keys are all strings and values all lists of plain ints (the common case) with
+        C-level passes; False (nothing taken) when anything else is in it: then :meth:`_add_entry` names it."""
+        keys = list(prefix.keys())
+        values = list(prefix.values())
+        if set(map(type, keys)) - {str} or set(map(type, values)) - {list}:
+            return False
+        flat = chain.from_iterable(values)
+        if set(map(type, flat)) - {int}:  # bools, floats, strings, ... (and ints past int64 fail below)
+            return False
+        try:
+            candidates = array("q", chain.from_iterable(values))
+        except OverflowError:
+            return False
+        counts = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+        offsets = np.zeros(len(values) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        assert self.keys is not None and not self.keys and len(self.candidates) == 0
+        self.keys.extend(keys)
+        self.candidates = candidates
+        self.offsets = array("q", offsets.tobytes())
+        return True
 
     def _add_entry(self, key: Any, cands: Any) -> None:
         if not isinstance(key, str):
@@ -424,8 +456,10 @@ class _TreeBuilder:
         if hashed is None:
             return TreeData(start, end, sep, offsets, candidates, tuple(warnings), key_list=self.keys, key_blob=blob)
         h1, h2, targetable, root_index = hashed
+        max_id = max(start, end, int(candidates.max()) if candidates.size else -1, self._max_key_part)
         return TreeData(start, end, sep, offsets, candidates, tuple(warnings), key_list=self.keys, key_blob=blob,
-                        key_h1=h1, key_h2=h2, targetable=targetable, root_index=root_index)
+                        key_h1=h1, key_h2=h2, targetable=targetable, root_index=root_index,
+                        max_id=max_id if self._max_key_part >= -1 else -1, strict=self.strict)
 
     def _key_strings(self, blob: bytes | None) -> list[Any]:
         if self.keys is None:
@@ -484,6 +518,7 @@ class _TreeBuilder:
         first = np.concatenate([b.first for b in blocks])
         n_parts = np.concatenate([b.n_parts for b in blocks])
         over_vocab = np.concatenate([b.over_vocab for b in blocks])
+        max_later = np.concatenate([b.max_later for b in blocks])
         h1 = np.concatenate([b.h1 for b in blocks])
         h2 = np.concatenate([b.h2 for b in blocks])
         del blocks
@@ -491,6 +526,8 @@ class _TreeBuilder:
         ends = np.flatnonzero(np.frombuffer(blob, dtype=np.uint8) == 0) if blob is not None else None
         start = int(root)
         rooted = ~odd & (first == start)
+        # the largest part of a key under the root; -2: some key under the root was not read as numbers
+        self._max_key_part = int(max_later[rooted].max()) if rooted.any() else -1
         foreign = np.flatnonzero(~odd & (first != start)).tolist()
         # keys that are not canonical decimal parts: the exact check decides (malformed, foreign, or fine)
         for i in np.flatnonzero(odd).tolist():
@@ -498,7 +535,9 @@ class _TreeBuilder:
             problem = _key_problem(key, root, sep, vocab_size)
             if problem == _FOREIGN:
                 foreign.append(i)
-            elif problem:
+                continue
+            self._max_key_part = -2
+            if problem:
                 self.problems.add(f"{_kref(key)}: {problem}")
         if foreign:
             foreign.sort()
@@ -702,11 +741,18 @@ def load_tree(source: Any, *, vocab_size: int | None = None, strict: bool = Fals
         builder.add_mapping(source)
     elif all(hasattr(source, name) for name in TOP_LEVEL_FIELDS):
         label = "tree"
-        extra = getattr(source, "model_extra", None) or {}  # unknown fields a lenient TreeSpec kept
+        extra = getattr(source, "ignored_fields", None) or {}  # unknown fields a TreeSpec set aside
         builder.add_mapping({**{name: getattr(source, name) for name in TOP_LEVEL_FIELDS}, **extra})
     else:
         raise TypeError(f"load_tree() expects a path, a dict or a TreeSpec, got {type(source).__name__}")
     return builder.finish(vocab_size, label)
+
+
+def fits_vocab(tree: TreeData, vocab_size: int) -> bool:
+    """Whether every id of a loaded tree is below ``vocab_size`` (so loading it again with that ``vocab_size`` would
+    give the same tree): lets a tree validated without a vocabulary be compiled without a second load. False also
+    when it cannot tell (``max_id`` -1)."""
+    return 0 <= tree.max_id < vocab_size
 
 
 def is_tree_path(tree: Mapping[str, Any], ids: list[int]) -> bool:

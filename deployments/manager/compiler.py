@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,6 +33,16 @@ from deployments.store import ScenarioStore, content_sha256
 logger = logging.getLogger(__name__)
 
 __all__ = ["StoredScenarioCompiler", "compile_warnings"]
+
+
+def _lower_priority(nice: int) -> None:
+    """Thread initializer: raise this thread's niceness by ``nice`` (Linux schedules threads one by one)."""
+    if nice <= 0:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice))
+    except (AttributeError, OSError):  # not Linux, or not allowed: compile at the process's priority
+        logger.debug("cannot lower the compile threads' priority", exc_info=True)
 
 
 def compile_warnings(compiled) -> list[str]:
@@ -71,7 +82,10 @@ class StoredScenarioCompiler:
         self.store = store
         # Compiles get their own threads: one that times out keeps running (a thread cannot be
         # stopped) and must not starve the Redis calls, which go to asyncio's default executor.
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="config-manager-compile")
+        # They run at a lower priority (compile_nice): on a node that also serves, a large tree's compile takes the CPU
+        # the replicas leave, so requests in flight during a swap are not slowed by it.
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="config-manager-compile",
+                                        initializer=_lower_priority, initargs=(settings.compile_nice,))
         # The scenario pipeline: limits, validation, compile (JSON-schema and regex grammars in a worker process
         # killed at the limits: their cost can explode on a small schema; a thread could not be stopped).
         from processors import ScenarioCompiler

@@ -47,8 +47,11 @@ class TreeKind(ConstraintKind):
     compiled_type = MaskTables
 
     def compile(self, scenario, info, *, worker=None) -> CompileResult:
-        tree = load_tree(scenario.tree if scenario.tree is not None else scenario.path, vocab_size=info.vocab_size,
-                         strict=bool(scenario.strict))
+        strict = bool(scenario.strict)
+        if scenario.tree is not None:  # validated already: reuse that load when every id fits the vocabulary
+            tree = scenario.tree.loaded(info.vocab_size, strict)
+        else:
+            tree = load_tree(scenario.path, vocab_size=info.vocab_size, strict=strict)
         tables = build_tree_tables(tree, info.vocab_size)
         item_metrics(tables)  # min_remaining / item_count, computed once here and shipped with the tables
         if scenario.max_items > 1:

@@ -122,7 +122,7 @@ def test_unknown_type_and_missing_type():
         {"type": "json", "schema": {}},
         {"type": "labels", "labels": ["a"], "choices": ["b"]},
         {"type": "regex", "pattern": "a", "regex": "b"},
-        {"type": "tree", "tree": {**TREE, "root": 1}},
+        {"type": "tree", "tree": TREE, "root": 1},  # unknown fields INSIDE the tree: a warning (tree file rules)
     ],
 )
 def test_extra_fields_are_rejected(body):
@@ -148,11 +148,14 @@ def test_inline_tree_errors_match_the_file_loader(tmp_path):
     for message in [
         'prefix_dict["225"][1]: candidate must be an integer, got number 3.0 (not an integer)',
         "prefix_dict[\"225_x1\"]: malformed key: part 'x1' is not a non-negative integer",
-        'prefix_dict["225_10"][0]: id -1 is negative',
     ]:
         assert message in text
         assert message in str(file_error.value)
     assert "tree.tree" in text
+    # a negative id is skipped with a warning, unless strict
+    assert "id -1 is negative" not in text
+    with pytest.raises(ValueError, match=r'prefix_dict\["225_10"\]\[0\]: id -1 is negative'):
+        load_tree(path, strict=True)
 
 
 @pytest.mark.parametrize(
@@ -166,7 +169,7 @@ def test_inline_tree_errors_match_the_file_loader(tmp_path):
     ],
 )
 def test_inline_tree_field_errors(change, message):
-    assert message in error_text({"type": "tree", "tree": {**TREE, **change}})
+    assert message in error_text({"type": "tree", "tree": {**TREE, **change}, "strict": True})
 
 
 def test_inline_tree_missing_root_only_warns():

@@ -106,7 +106,7 @@ def test_the_scenario_option_strict(tmp_path):
     with pytest.raises(ValueError, match="key must be '225' or start with '225_'"):
         load_scenario({**lenient, "strict": True})
     extra = {"type": "tree", "tree": CASES["unknown-field"][0]}
-    assert load_scenario(extra).tree.model_extra == {"version": "2024-01", "meta": {"owner": "x", "n": [1, 2]}}
+    assert load_scenario(extra).tree.ignored_fields == {"version": "2024-01", "meta": {"owner": "x", "n": [1, 2]}}
     with pytest.raises(ValueError, match='unknown top-level field "version"'):
         load_scenario({**extra, "strict": True})
 
@@ -203,3 +203,26 @@ def test_scan_reads_a_tree_across_blocks(tmp_path, monkeypatch):
     assert any('"zzz_after" ignored' in w for w in tree.warnings)
     whole = load_tree({k: v for k, v in body.items() if k != "zzz_after"}, vocab_size=vocab)
     assert build_tree_tables(tree, vocab).version == build_tree_tables(whole, vocab).version
+
+
+def test_an_inline_tree_is_read_once_and_ids_past_the_vocabulary_still_refused(tokenizer, monkeypatch):
+    from config import ScenarioError
+    from processors import ScenarioCompiler
+
+    loads = []
+    finish = tree_file._TreeBuilder.finish
+    monkeypatch.setattr(tree_file._TreeBuilder, "finish", lambda self, *a: loads.append(a) or finish(self, *a))
+    compiler = ScenarioCompiler(tokenizer, grammar_worker=None)
+    compiled = compiler.prepare_now({"type": "tree", "tree": BASE})
+    assert len(loads) == 1 and paths(compiled.constraint) == SEED_PATHS  # the validation's load, reused
+    loads.clear()
+    big = {**BASE, "prefix_dict": {**BASE["prefix_dict"], "225_6_7": [60000]}}
+    with pytest.raises(ScenarioError, match=r'prefix_dict\["225_6_7"\]\[0\]: id 60000 is out of range'):
+        compiler.prepare_now({"type": "tree", "tree": big})
+    assert len(loads) == 2  # validated without a vocabulary, loaded again for the exact message
+    loads.clear()
+    key = {**BASE, "prefix_dict": {**BASE["prefix_dict"], "225_60000": [2]}}
+    with pytest.raises(ScenarioError, match="token id 60000 in the key is out of range"):
+        compiler.prepare_now({"type": "tree", "tree": key})
+    strict = compiler.prepare_now({"type": "tree", "tree": BASE, "strict": True})
+    assert strict.constraint.version == compiled.constraint.version
