@@ -215,6 +215,44 @@ def build_label_tables(
     )
 
 
+_FAR = np.iinfo(np.int32).max // 2
+
+
+def _label_lengths(lt: "LabelTables") -> np.ndarray:
+    """Tokens of each label (trie order): the depth of the state that completes it. Cached on the tables."""
+    cached = lt.__dict__.get("_label_lengths")
+    if cached is None:
+        depth = _state_depths(lt)
+        term = lt.terminal
+        cached = np.full(lt.n_labels, _FAR, dtype=np.int64)
+        states = np.flatnonzero(term >= 0)
+        cached[term[states]] = depth[states]
+        object.__setattr__(lt, "_label_lengths", cached)
+    return cached
+
+
+def _state_depths(lt: "LabelTables") -> np.ndarray:
+    cached = lt.__dict__.get("_state_depths")
+    if cached is None:
+        tables = lt.tables
+        nxt = tables.next_state.astype(np.int64)
+        src = np.repeat(np.arange(tables.n_states, dtype=np.int64), np.diff(tables.offsets))
+        parent = np.full(tables.n_states, -1, dtype=np.int64)
+        m = nxt >= 0
+        parent[nxt[m]] = src[m]
+        cached = np.zeros(tables.n_states, dtype=np.int64)
+        anc = parent.copy()
+        while (anc >= 0).any():  # one pass per trie level
+            cached += anc >= 0
+            anc = np.where(anc >= 0, parent[np.maximum(anc, 0)], -1)
+        object.__setattr__(lt, "_state_depths", cached)
+    return cached
+
+
+def _depth_of(lt: "LabelTables", state: int) -> int:
+    return int(_state_depths(lt)[state])
+
+
 class LabelCursor(Cursor):
     """Per-row position in a label trie, with the multi-label rules.
 
@@ -233,6 +271,52 @@ class LabelCursor(Cursor):
         self._emitted: np.ndarray | None = None
         self._cum: np.ndarray | None = None
         self._end_step = Step(ALLOW, as_ids([lt.end_token_id]), lt.end_token_id)
+        self.remaining: int | None = None  # tokens the row may still emit (None: no budget)
+
+    def bind(self, *, budget: int | None = None, request=None, rules=None) -> "LabelCursor":
+        """A token budget (processors.items): a label is never started, nor a separator emitted, unless a whole
+        label still fits (an output stopped for length ends on a label). Per-request item controls are for
+        single-label rows (the replica refuses them here)."""
+        self.remaining = budget
+        return self
+
+    def spend(self, n: int = 1) -> None:
+        """Tokens the row emitted outside this constraint (think mode) count against the budget."""
+        if self.remaining is not None:
+            self.remaining -= n
+
+    def _fits(self, state: int, ids: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """The budget rule on a state's candidates ``ids`` (edges ``lo:hi``): the shortest label not yet emitted
+        below each edge must still fit in the tokens left (the label counted from this state; the end token
+        need not fit: an output may stop for length right after a whole label)."""
+        remaining = self.remaining
+        if remaining is None:
+            return ids
+        lengths = _label_lengths(self.lt)
+        if remaining > int(lengths.max(initial=0)):
+            return ids
+        lt = self.lt
+        elo, ehi = lt.edge_lo[lo:hi], lt.edge_hi[lo:hi]
+        if not elo.size:
+            return ids
+        open_len = lengths if self._emitted is None else np.where(self._emitted > 0, _FAR, lengths)
+        # the edges' label ranges tile [min lo, max hi) but follow token order; take the minima in range order
+        order = np.argsort(elo, kind="stable")
+        base = int(elo[order[0]])
+        shortest = np.empty(elo.size, dtype=np.int64)
+        shortest[order] = np.minimum.reduceat(open_len[base : int(ehi.max())], elo[order] - base)
+        need = shortest - _depth_of(lt, state)  # tokens from here to the end of that label
+        need = np.where(lt.tables.tokens[lo:hi] == lt.end_token_id, 0, need)
+        return ids[need <= remaining]
+
+    def _separator_fits(self, term: int) -> bool:
+        """Whether the separator and a whole label not yet emitted (nor the one just completed) still fit."""
+        if self.remaining is None:
+            return True
+        lengths = _label_lengths(self.lt)
+        open_len = lengths.copy() if self._emitted is None else np.where(self._emitted > 0, _FAR, lengths)
+        open_len[term] = _FAR
+        return len(self.lt.separator_ids) + int(open_len.min(initial=_FAR)) <= self.remaining
 
     @property
     def end_token_id(self) -> int:
@@ -274,15 +358,22 @@ class LabelCursor(Cursor):
         lo, hi = tables.offsets[state], tables.offsets[state + 1]
         ids = tables.tokens[lo:hi]
         if not lt.multi_label:
-            return Step(ALLOW, ids, lt.end_token_id)
+            return Step(ALLOW, self._fits(state, ids, lo, hi), lt.end_token_id)
         if self._cum is not None:
             elo, ehi = lt.edge_lo[lo:hi], lt.edge_hi[lo:hi]
             open_ = (self._cum[ehi] - self._cum[elo]) < (ehi - elo)
-            ids = ids[open_]
+            if self.remaining is not None:
+                ids = self._fits(state, np.where(open_, ids, -1), lo, hi)
+                ids = ids[ids >= 0]
+            else:
+                ids = ids[open_]
+        else:
+            ids = self._fits(state, ids, lo, hi)
         term = int(lt.terminal[state])
         if term >= 0 and (self._emitted is None or not self._emitted[term]):
             after = self.count + 1
-            if after < lt.n_labels and (lt.max_labels is None or after < lt.max_labels):
+            room = self._separator_fits(term)
+            if after < lt.n_labels and (lt.max_labels is None or after < lt.max_labels) and room:
                 ids = np.append(ids, lt.separator_ids[0])
         return Step(ALLOW, ids, lt.end_token_id)
 
@@ -291,6 +382,8 @@ class LabelCursor(Cursor):
         state = self.state
         if state == DONE:
             return
+        if self.remaining is not None:
+            self.remaining -= 1
         if token == lt.end_token_id:
             # EOS always ends the row; where it was not allowed (mid-label, inside the separator, a
             # repeated label) it is reported like any other invalid token

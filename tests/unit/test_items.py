@@ -307,3 +307,44 @@ def test_item_rules_come_from_the_compiled_settings(tables):
     row = RowCursor(compiled, eos_token_ids=(END,), max_new_tokens=12)
     assert row.constraint.rules == ItemRules(3, SEP) and row.constraint.remaining == 12
     assert DONE in tables.next_state.tolist()
+
+
+# -- labels ---------------------------------------------------------------------------------------------------
+
+LABELS = ["Sports", "Technology", "New York City", "New York"]
+
+
+@pytest.mark.parametrize("budget", range(1, 9))
+def test_multi_label_budget_ends_on_a_label(budget):
+    from processors.labels import LabelCursor, build_label_tables
+    from vocab import build_tokenizer, decode
+
+    tok = build_tokenizer()
+    lt = build_label_tables(LABELS, tok, eos_token_id=tok.eos_token_id, vocab_size=len(tok), multi_label=True)
+    rng = random.Random(budget)
+    for _ in range(100):
+        cursor = LabelCursor(lt).bind(budget=budget)
+        out = run(cursor, rng.choice)
+        text = decode(tok, [t for t in out if t != tok.eos_token_id])
+        parts = [p.strip() for p in text.split(",")]
+        assert len(out) <= budget and cursor.error is None, (out, text)
+        assert all(p in LABELS for p in parts) and len(set(parts)) == len(parts), (budget, text)
+
+
+def test_label_exclude_by_name():
+    from processors.labels import build_label_tables
+    from vocab import build_tokenizer, decode
+
+    tok = build_tokenizer()
+    lt = build_label_tables(LABELS, tok, eos_token_id=tok.eos_token_id, vocab_size=len(tok))
+    req = resolve_exclude(lt, ["New York", "Sports"])
+    rng = random.Random(0)
+    seen = set()
+    for _ in range(100):
+        out = run(TreeCursor(lt.tables).bind(budget=10, request=req), rng.choice)
+        seen.add(decode(tok, out[:-1]).strip())
+    assert seen == {"Technology", "New York City"}
+    with pytest.raises(ValueError, match=r"exclude\[0\]: 'Weather' is not a label"):
+        resolve_exclude(lt, ["Weather"])
+    with pytest.raises(ValueError, match=r"exclude\[0\]: a label scenario excludes labels"):
+        resolve_exclude(lt, [[5, 6]])
