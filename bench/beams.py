@@ -101,7 +101,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--random-weights", metavar="DIR", help="a directory with config.json and the tokenizer files")
+    ap.add_argument("--thread-counts", metavar="A,B",
+                    help="only the free-text workload, concurrent, at these torch thread counts, alternated round by "
+                         "round (a fresh engine per round, so its thread starts with the count); reports tokens/s each")
     args = ap.parse_args()
+    if args.thread_counts:
+        threads_ab(args)
+        return
 
     import torch
 
@@ -184,6 +190,50 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu x{torch.get_num_threads()} threads"
     emit({"bench": "beams", "device": device, "dtype": args.dtype, "items": len(items), "levels": args.levels,
           "num_beams": args.beams, "random_weights": bool(args.random_weights), **results})
+
+
+def threads_ab(args) -> None:
+    """Free text, ``--clients`` concurrent greedy requests, at each thread count in turn; one JSON line."""
+    import statistics
+
+    import torch
+
+    from deployments.engines import EngineRequest, SamplingParams
+    from deployments.engines.transformers import DecodeEngine
+    from processors import build_prompt_ids
+
+    counts = [int(c) for c in args.thread_counts.split(",")]
+    model, tokenizer = load(args)
+    prompts = [build_prompt_ids(None, tokenizer, prompt=f"Story number {i}: once upon a time") for i in range(args.clients)]
+
+    def jobs():
+        return [EngineRequest(prompt_ids=p, compiled=None, max_new_tokens=args.free_tokens, sampling=SamplingParams(temperature=0))
+                for p in prompts]
+
+    per: dict[int, dict[str, list[float]]] = {c: {"tok_s": [], "forward_share": [], "engine_threads": []} for c in counts}
+    for rnd in range(args.rounds + 1):  # round 0 warms up and is not counted
+        for c in counts if rnd % 2 == 0 else counts[::-1]:
+            torch.set_num_threads(c)
+            engine = DecodeEngine(model, tokenizer, max_batch_size=max(16, args.clients), prefix_cache_tokens=0).start()
+            try:
+                secs, waiters = run(engine, jobs, True)
+                st = engine.stats()
+            finally:
+                engine.stop()
+            tokens = sum(len(ev.token_ids) for w in waiters for ev in w.finished.values())
+            log(f"threads {c}: {tokens / secs:.1f} tok/s, forward {st['forward_seconds'] / max(st['step_seconds'], 1e-9):.0%} "
+                f"of step time, engine thread saw {st['torch_threads']} torch threads")
+            if rnd:
+                per[c]["tok_s"].append(tokens / secs)
+                per[c]["forward_share"].append(st["forward_seconds"] / max(st["step_seconds"], 1e-9))
+                per[c]["engine_threads"].append(st["torch_threads"])
+    out = {c: {"tokens_per_s": round(statistics.median(v["tok_s"]), 1),
+               "forward_share_of_step": round(statistics.median(v["forward_share"]), 3),
+               "engine_thread_torch_threads": int(v["engine_threads"][0])} for c, v in per.items()}
+    base = out[counts[0]]["tokens_per_s"]
+    emit({"bench": "beams_threads", "workload": f"free text, {args.clients} concurrent, {args.free_tokens} tokens, greedy",
+          "rounds": args.rounds, "dtype": args.dtype, "per_thread_count": out,
+          "ratio_to_first": {c: round(v["tokens_per_s"] / base, 3) for c, v in out.items()}})
 
 
 if __name__ == "__main__":

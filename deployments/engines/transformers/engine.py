@@ -178,7 +178,8 @@ class DecodeEngine(Engine):
         self._stats = {
             "steps": 0, "step_seconds": 0.0, "chain_seconds": 0.0, "rows_decoded": 0, "prefills": 0,
             "fallback_rows": 0, "prefill_tokens": 0, "prefix_tokens_reused": 0, "prefill_chunks": 0,
-            "failed_rows": 0, "cancelled_jobs": 0,
+            "failed_rows": 0, "cancelled_jobs": 0, "forward_seconds": 0.0,
+            "torch_threads": 0,  # intra-op threads torch uses on the engine thread (set when it starts)
         }
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -213,6 +214,7 @@ class DecodeEngine(Engine):
     # -- loop -----------------------------------------------------------------------------------
     def _run(self) -> None:
         torch.set_grad_enabled(False)
+        self._stats["torch_threads"] = torch.get_num_threads()
         while not self._stop.is_set():
             try:
                 idle = not self._rows and self._chunking is None
@@ -566,12 +568,14 @@ class DecodeEngine(Engine):
             self._rows = [row for _, row, _ in nxt]
             positions = self._mask.sum(dim=1, keepdim=True)
             self._mask = torch.cat([self._mask, torch.ones((len(nxt), 1), dtype=self._mask.dtype, device=self.device)], dim=1)
+            t_fwd = time.perf_counter()
             out = self.model(
                 input_ids=torch.tensor([t for _, _, t in nxt], device=self.device)[:, None], attention_mask=self._mask,
                 position_ids=positions, past_key_values=self._cache, use_cache=True,
             )
             self._cache = out.past_key_values
             self._logits = out.logits[:, -1, :].float()
+            self._stats["forward_seconds"] += time.perf_counter() - t_fwd
         step_seconds = time.perf_counter() - t0
         self._stats["step_seconds"] += step_seconds
         self._stats["chain_seconds"] += t_chain
