@@ -64,14 +64,14 @@ EXIT_CODES = {
     EXIT_ERROR: "any other error from the service (HTTP 500, an output that failed, ...)",
     EXIT_USAGE: "bad command line, unreadable FILE, invalid --url",
     EXIT_AUTH: "admin token missing or refused (HTTP 401/403)",
-    EXIT_NOT_FOUND: "unknown scenario or version (HTTP 404)",
+    EXIT_NOT_FOUND: "unknown scenario or version (HTTP 404), or a version whose body was pruned (HTTP 410)",
     EXIT_INVALID: "request refused as invalid (HTTP 400/409/422; the message names the field)",
     EXIT_TOO_LARGE: "body too large (HTTP 413)",
     EXIT_UNAVAILABLE: "service unavailable: Redis, the config manager or replicas (HTTP 503)",
     EXIT_CONNECT: "no service at --url (connection refused, unknown host, no connection in time)",
     EXIT_TIMEOUT: "no answer within --timeout (or HTTP 504 from the service)",
 }
-_STATUS_EXIT = {401: EXIT_AUTH, 403: EXIT_AUTH, 404: EXIT_NOT_FOUND, 400: EXIT_INVALID, 409: EXIT_INVALID,
+_STATUS_EXIT = {401: EXIT_AUTH, 403: EXIT_AUTH, 404: EXIT_NOT_FOUND, 410: EXIT_NOT_FOUND, 400: EXIT_INVALID, 409: EXIT_INVALID,
                 422: EXIT_INVALID, 413: EXIT_TOO_LARGE, 503: EXIT_UNAVAILABLE, 504: EXIT_TIMEOUT}
 
 
