@@ -124,3 +124,37 @@ def test_vector_lane_in_a_reordered_batch_falls_back_to_the_base_sync(scenarios)
         raw = torch.randn(4, V)
         assert torch.equal(vec(ids, raw.clone()), ref(ids, raw.clone()))
         assert [row_state(c) for c in vec.cursors] == [row_state(c) for c in ref.cursors]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_vector_lane_with_token_budgets_equals_per_row_path(scenarios, seed):
+    """Rows as the engines build them: every tree and single-label row carries its token budget (the budget rule:
+    a token whose target cannot reach an item's end in the tokens left is masked). The lane takes them (code
+    BUDGET) and must give the per-row path's masks, states and budgets, down to rows that run out of tokens."""
+    from processors import RowCursor
+    from processors.lanes import advance_rows, mask_rows
+
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(2, 20))
+    specs = [(scenarios[int(rng.integers(0, len(scenarios)))], int(rng.integers(1, 7))) for _ in range(n)]
+    vec = [RowCursor(c, TOK, eos_token_ids=(E_EOS,), max_new_tokens=k) for c, k in specs]
+    ref = [r.copy() for r in vec]
+    assert any(lane_of(r) == BUDGET for r in vec) or all(c is None or c.kind != "tree" for c, _ in specs)
+
+    def state(r):
+        c = r.constraint
+        return row_state(r) + ((getattr(c, "remaining", None), getattr(c, "last_edge", None),
+                                list(getattr(c, "path", []) or [])) if c is not None else ())
+
+    for step in range(8):
+        raw = torch.randn(n, V, generator=torch.Generator().manual_seed(seed * 10 + step))
+        a, b = raw.clone(), raw.clone()
+        assert mask_rows(a, vec, vectorized=True) == mask_rows(b, ref, vectorized=False) == {}
+        assert torch.equal(a, b), f"step {step}: masked logits differ"
+        tokens = []
+        for r in range(n):
+            allowed = torch.isfinite(a[r]).nonzero().flatten()
+            u = rng.random()
+            tokens.append(int(rng.integers(0, V)) if u < 0.06 else int(allowed[int(rng.integers(0, allowed.numel()))]))
+        assert advance_rows(vec, tokens, vectorized=True) == advance_rows(ref, tokens, vectorized=False) == {}
+        assert [state(r) for r in vec] == [state(r) for r in ref], f"step {step}: states differ"
