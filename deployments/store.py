@@ -380,43 +380,49 @@ class ScenarioStore:
             validate_idempotency_key(idempotency_key)
             if fingerprint is None:
                 fingerprint = request_fingerprint(action, name, body, from_version)
-        refs: list[list[Any]] = []  # [sha, manifest or False]: content this version refers to
-        uploaded = 0
-        sha = content_sha256(body)
-        if sha is not None:
-            manifest: Any = False
-            if content is not None:
-                if hashlib.sha256(content).hexdigest() != sha:
-                    raise ServiceError(500, f"tree content does not match its content_sha256 {sha}", {"name": name})
-                if not self._content_stored(sha):  # stored once, not sent again
-                    manifest = self._put_chunks(sha, content)
-                    uploaded += len(content)
-            refs.append([sha, manifest])
-        elif content is not None:
-            raise ServiceError(500, "tree content given for a body without content_sha256", {"name": name})
-        body_sha = ""
-        raw_text = text.encode("utf-8", "surrogatepass")
-        if len(raw_text) > BODY_INLINE_BYTES:  # a large body (an inline tree) goes to chunks like tree content
-            body_sha = hashlib.sha256(raw_text).hexdigest()
-            refs.append([body_sha, False if self._content_stored(body_sha) else self._put_chunks(body_sha, raw_text)])
-            uploaded, text = uploaded + len(raw_text), ""
-        wid = f"{self.prefix}w:{uuid.uuid4().hex}"
-        keys = [self._key(name, "seq"), self._key(name, "current"), self._key(name, "history"),
-                self.names_key, self.all_key, wid,
-                self.idempotency_key(idempotency_key) if idempotency_key is not None else wid,
-                self._key(name, "bodies")]
-        # A write that reaches the server after this instant is dropped: a call that timed out (and
-        # answered 503) never takes effect later, when a hung server wakes up and runs its backlog. The
-        # instant is in the server's clock (its TIME now), so clock skew between hosts does not matter.
-        seconds, micros = self.client.time()
-        deadline_ms = int(seconds) * 1000 + int(micros) // 1000 + int(
-            (WRITE_DEADLINE_S + (len(text) + uploaded) / UPLOAD_BYTES_PER_S) * 1000)
-        args = [self._key(name, "v:"), name, action, _now(), kind, text,
-                "" if from_version is None else str(int(from_version)), self.channel, str(deadline_ms),
-                fingerprint or "", str(int(self.idempotency_ttl_s)), json.dumps(refs), f"{self.prefix}c:",
-                "" if expect_current is None else str(int(expect_current)), str(int(self.history_bodies or 0)),
-                body_sha]
-        status, version = (int(x) for x in self._script(keys=keys, args=args, client=self.client))
+        body_text = text
+        for attempt in range(2):  # again, uploading, when the content was pruned between our check and the write
+            text = body_text
+            refs: list[list[Any]] = []  # [sha, manifest or False]: content this version refers to
+            uploaded = 0
+            sha = content_sha256(body)
+            if sha is not None:
+                manifest: Any = False
+                if content is not None:
+                    if hashlib.sha256(content).hexdigest() != sha:
+                        raise ServiceError(500, f"tree content does not match its content_sha256 {sha}", {"name": name})
+                    if attempt or not self._content_stored(sha):  # stored once, not sent again
+                        manifest = self._put_chunks(sha, content)
+                        uploaded += len(content)
+                refs.append([sha, manifest])
+            elif content is not None:
+                raise ServiceError(500, "tree content given for a body without content_sha256", {"name": name})
+            body_sha = ""
+            raw_text = text.encode("utf-8", "surrogatepass")
+            if len(raw_text) > BODY_INLINE_BYTES:  # a large body (an inline tree) goes to chunks like tree content
+                body_sha = hashlib.sha256(raw_text).hexdigest()
+                stored = not attempt and self._content_stored(body_sha)
+                refs.append([body_sha, False if stored else self._put_chunks(body_sha, raw_text)])
+                uploaded, text = uploaded + len(raw_text), ""
+            wid = f"{self.prefix}w:{uuid.uuid4().hex}"
+            keys = [self._key(name, "seq"), self._key(name, "current"), self._key(name, "history"),
+                    self.names_key, self.all_key, wid,
+                    self.idempotency_key(idempotency_key) if idempotency_key is not None else wid,
+                    self._key(name, "bodies")]
+            # A write that reaches the server after this instant is dropped: a call that timed out (and
+            # answered 503) never takes effect later, when a hung server wakes up and runs its backlog. The
+            # instant is in the server's clock (its TIME now), so clock skew between hosts does not matter.
+            seconds, micros = self.client.time()
+            deadline_ms = int(seconds) * 1000 + int(micros) // 1000 + int(
+                (WRITE_DEADLINE_S + (len(text) + uploaded) / UPLOAD_BYTES_PER_S) * 1000)
+            args = [self._key(name, "v:"), name, action, _now(), kind, text,
+                    "" if from_version is None else str(int(from_version)), self.channel, str(deadline_ms),
+                    fingerprint or "", str(int(self.idempotency_ttl_s)), json.dumps(refs), f"{self.prefix}c:",
+                    "" if expect_current is None else str(int(expect_current)), str(int(self.history_bodies or 0)),
+                    body_sha]
+            status, version = (int(x) for x in self._script(keys=keys, args=args, client=self.client))
+            if status != NO_CONTENT or (content is None and not body_sha):
+                break
         if status == TOO_LATE:
             raise ServiceError(503, "scenario store unavailable: Redis did not run the write in time; "
                                     "it was not applied")
