@@ -211,7 +211,13 @@ class Engine(ABC):
         """The request's events on the running event loop; closing the iterator early cancels the request."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        ticket = self.submit(request, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        def deliver(event: EngineEvent) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            except RuntimeError:  # that event loop has closed (a cancelled caller's asyncio.run): nobody listens
+                pass
+
+        ticket = self.submit(request, deliver)
         ended = False
         try:
             while True:
