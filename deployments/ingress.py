@@ -549,7 +549,7 @@ class Ingress:
         yield _SSE_DONE
 
     async def openai_generate(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool):
-        request, rename = openai_to_generate(body, self.limits)
+        request, rename = openai_to_generate(body, self.limits, served=self.model_name)
         self.check_limits(request, rename)
         if request.stream:
             first, stream = await self.open_stream(request)

@@ -68,15 +68,54 @@ class StructuredOutputs(BaseModel):
         return self
 
 
+#: OpenAI / vLLM body fields that are accepted and have no effect here (documented in the README)
+IGNORED_FIELDS = frozenset({
+    "user", "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
+    "guided_decoding_backend", "request_id", "priority",
+})
+#: OpenAI fields accepted only with the value that means "off" (anything else is a 400 naming the field)
+NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "logit_bias": ({}, None), "tools": ([], None), "tool_choice": ("none", None), "functions": ([], None),
+    "function_call": ("none", None), "best_of": (1, None), "echo": (False, None), "suffix": (None, ""),
+    "min_tokens": (0, None), "skip_special_tokens": (True, None), "include_stop_str_in_output": (False, None),
+    "modalities": (["text"], None), "reasoning_effort": (None,),
+}
+#: request fields of the native API that may ride in an OpenAI body (the ``extra_body`` of the openai client)
+#: when the native request knows them: the item controls (exclude, distinct, ...)
+PASSTHROUGH_FIELDS = ("exclude", "distinct", "max_items", "separator_token_id", "fixed_width")
+
+
 class _OpenAIBody(BaseModel):
-    """Fields shared by the OpenAI-style routes. Unknown OpenAI fields are accepted and ignored."""
+    """Fields shared by the OpenAI-style routes.
 
-    model_config = ConfigDict(extra="ignore")
+    Fields outside the model: those in ``IGNORED_FIELDS`` are ignored, those in ``NEUTRAL_FIELDS`` accepted at
+    their neutral value, the item controls in ``PASSTHROUGH_FIELDS`` go to the native request, and any other is
+    refused with a 400 naming it.
+    """
 
-    model: str | None = Field(default=None, description="Ignored: there is one served model (see GET /v1/models).")
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = Field(
+        default=None, description="The served model's name (GET /v1/models); another name is a 404, none the default."
+    )
     scenario: str | None = Field(default=None, description="Extra field: name of a stored scenario.")
     structured_outputs: StructuredOutputs | None = Field(
         default=None, description="Extra field: a one-off constraint (exactly one of choice, json, regex)."
+    )
+    guided_choice: list[str] | None = Field(default=None, description="vLLM's older name for structured_outputs.choice.")
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="vLLM's older name for structured_outputs.json.")
+    guided_regex: str | None = Field(default=None, description="vLLM's older name for structured_outputs.regex.")
+    num_beams: int = Field(default=1, ge=1, strict=True, description="Extra field: beam search width (1 = sampling).")
+    stop: str | list[str] | None = Field(
+        default=None, description="Stop strings (at most 16): a choice ends before the first one it produces."
+    )
+    logprobs: bool | int | None = Field(
+        default=None, description="Chat: true for the log probability of each output token. Completions: an integer, "
+                                  "the number of most likely alternatives per token."
+    )
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=20, strict=True, description="Chat: most likely alternatives per token (needs logprobs)."
     )
     # strict, as in GenerateRequest: true is not 1, and floats must be finite
     max_tokens: int | None = Field(default=None, ge=1, strict=True, description="Most tokens to generate per choice.")
@@ -142,6 +181,7 @@ class OpenAIChatMessage(BaseModel):
     content: str | list[TextPart] | None = Field(default=None, description="Text, or a list of text parts.")
 
     def to_chat_message(self) -> ChatMessage:
+        """The native message (a developer message is a system message; text parts are joined)."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
         return ChatMessage(role="system" if self.role == "developer" else self.role, content=content)
 
@@ -166,7 +206,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class CompletionResponse(_OpenAIResponse):
@@ -176,14 +216,15 @@ class CompletionResponse(_OpenAIResponse):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = Field(default=None, description="Think scenarios: the thinking text.")
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionResponse(_OpenAIResponse):
@@ -244,9 +285,20 @@ def _inline_scenario(
     fmt, so = body.response_format, body.structured_outputs
     if fmt is not None and fmt.type == "text":
         fmt = None
-    given = [name for name, value in (("scenario", body.scenario), ("response_format", fmt), ("structured_outputs", so)) if value is not None]
+    names = {key: f"structured_outputs.{key}" for key in ("choice", "json", "regex")}
+    guided = {key: value for key, value in (("choice", body.guided_choice), ("json", body.guided_json),
+                                            ("regex", body.guided_regex)) if value is not None}
+    given = [name for name, value in (("scenario", body.scenario), ("response_format", fmt), ("structured_outputs", so),
+                                      *((f"guided_{key}", True) for key in guided)) if value is not None]
     if len(given) > 1:
-        raise ServiceError(422, f"give at most one of 'scenario', 'response_format', 'structured_outputs' (got {given})")
+        raise ServiceError(422, f"give at most one of 'scenario', 'response_format', 'structured_outputs', "
+                                f"'guided_choice', 'guided_json', 'guided_regex' (got {given})")
+    if guided:  # vLLM's older extra fields: the same constraint as structured_outputs
+        try:
+            so = StructuredOutputs.model_validate(guided)
+        except ValidationError as error:
+            raise validation_error(error.errors(), {key: f"guided_{key}" for key in guided}) from None
+        names = {key: f"guided_{key}" for key in names}
     if fmt is not None:
         if fmt.type == "json_object" or fmt.json_schema.schema_ is None:
             return {"type": "json"}, "response_format"
@@ -254,25 +306,25 @@ def _inline_scenario(
     if so is None:
         return None, None
     if so.choice is not None:
-        return {"type": "labels", "labels": so.choice}, "structured_outputs.choice"
+        return {"type": "labels", "labels": so.choice}, names["choice"]
     if so.regex is not None:
-        return {"type": "regex", "pattern": so.regex}, "structured_outputs.regex"
+        return {"type": "regex", "pattern": so.regex}, names["regex"]
     schema = so.json_
     if isinstance(schema, str):
         try:
-            schema = parse_json(schema, field="structured_outputs.json")  # the body's rules: finite, no dups, ...
+            schema = parse_json(schema, field=names["json"])  # the body's rules: finite, no dups, ...
         except BodyRejected as error:
             raise error.to_service_error() from None
         except json.JSONDecodeError as error:
-            raise ServiceError(422, f"structured_outputs.json: not valid JSON: {error}") from None
+            raise ServiceError(422, f"{names['json']}: not valid JSON: {error}") from None
         except RecursionError:  # deeper than the parser can go, so far deeper than any limit
             limit = (limits or Limits()).max_schema_depth
-            raise ServiceError(422, f"structured_outputs.json: nesting depth over {limit} exceeds the limit "
-                                    f"max_schema_depth={limit}", {"field": "structured_outputs.json",
+            raise ServiceError(422, f"{names['json']}: nesting depth over {limit} exceeds the limit "
+                                    f"max_schema_depth={limit}", {"field": names["json"],
                                                                   "limit_name": "max_schema_depth", "limit": limit}) from None
         if not isinstance(schema, dict):
-            raise ServiceError(422, "structured_outputs.json: a JSON Schema must be an object")
-    return {"type": "json_schema", "schema": schema}, "structured_outputs.json"
+            raise ServiceError(422, f"{names['json']}: a JSON Schema must be an object")
+    return {"type": "json_schema", "schema": schema}, names["json"]
 
 
 def _validated_inline(scenario: dict[str, Any], field: str, limits: Limits | None = None) -> dict[str, Any]:
@@ -308,13 +360,58 @@ def _openai_error(error: ScenarioError, field: str, main: str | None) -> Service
     return ServiceError(status, message or f"{field}: {error.message}")
 
 
+def _same(value: Any, neutral: Any) -> bool:
+    """``value == neutral`` without booleans standing in for numbers (``false`` is not ``0``)."""
+    return value is neutral or (isinstance(value, bool) == isinstance(neutral, bool) and value == neutral)
+
+
+def _check_extra_fields(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """The item controls to pass on; a 400 naming every field that is neither known, ignored nor neutral."""
+    passed: dict[str, Any] = {}
+    unknown: list[str] = []
+    not_neutral: list[str] = []
+    for name, value in (body.model_extra or {}).items():
+        if name in IGNORED_FIELDS:
+            continue
+        if name in NEUTRAL_FIELDS:
+            if not any(_same(value, neutral) for neutral in NEUTRAL_FIELDS[name]):
+                not_neutral.append(name)
+        elif name in PASSTHROUGH_FIELDS and name in GenerateRequest.model_fields:
+            passed[name] = value
+        else:
+            unknown.append(name)
+    problems = []
+    if unknown:
+        problems.append(f"unknown field{'s' if len(unknown) > 1 else ''}: {', '.join(sorted(unknown))}")
+    if not_neutral:
+        problems.append(f"not supported here (only the neutral value is accepted): {', '.join(sorted(not_neutral))}")
+    if problems:
+        fields = sorted(unknown + not_neutral)
+        raise ServiceError(400, "; ".join(problems), {"fields": fields, "type": "invalid_request_error",
+                                                      "param": fields[0], "code": "unsupported_field"})
+    return passed
+
+
+def check_model(name: str | None, served: str) -> None:
+    """A 404 like OpenAI's when ``name`` is given and is not the served model."""
+    if name and name != served:
+        raise ServiceError(404, f"The model `{name}` does not exist. This service serves `{served}` (GET /v1/models).",
+                           {"type": "NotFoundError", "param": "model", "code": "model_not_found"})
+
+
 def openai_to_generate(
-    body: CompletionRequest | ChatCompletionRequest, limits: Limits | None = None
+    body: CompletionRequest | ChatCompletionRequest, limits: Limits | None = None, served: str | None = None
 ) -> tuple[GenerateRequest, dict[str, str]]:
     """The replica request for an OpenAI-style body, and the OpenAI names of the mapped fields (for errors).
 
-    With ``limits``, a one-off constraint is checked against them (a 422 naming the OpenAI field).
+    With ``limits``, a one-off constraint is checked against them (a 422 naming the OpenAI field). With
+    ``served`` (the served model's name), another ``model`` is a 404. Fields outside the body model are checked
+    by :func:`_check_extra_fields` (a 400 naming them).
     """
+    if served is not None:
+        check_model(body.model, served)
+    passed = _check_extra_fields(body)
+    logprobs = _logprobs_asked(body)
     inline, field = _inline_scenario(body, limits)
     if inline is not None:
         inline = _validated_inline(inline, field, limits)
@@ -327,9 +424,14 @@ def openai_to_generate(
         "top_p": body.top_p,
         "top_k": body.top_k,
         "n": body.n,
+        "num_beams": body.num_beams,
         "seed": body.seed,
         "stream": body.stream,
+        "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
+        **passed,
     }
+    if logprobs is not None:
+        data["logprobs"] = logprobs
     if isinstance(body, ChatCompletionRequest):
         data["messages"] = [m.to_chat_message().model_dump() for m in body.messages]
     else:
@@ -339,6 +441,54 @@ def openai_to_generate(
         return GenerateRequest.model_validate(data), rename
     except ValidationError as error:
         raise validation_error(error.errors(), rename) from None
+
+
+def _logprobs_asked(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The native ``logprobs`` (alternatives per token; 0: the chosen token's only) or ``None`` when not asked."""
+    chat = isinstance(body, ChatCompletionRequest)
+    if chat:
+        if body.logprobs is not None and not isinstance(body.logprobs, bool):
+            raise ServiceError(422, "logprobs: a boolean on /v1/chat/completions (top_logprobs gives the count)",
+                               {"field": "logprobs"})
+        if body.top_logprobs and not body.logprobs:
+            raise ServiceError(422, "top_logprobs: needs logprobs: true", {"field": "top_logprobs"})
+        asked = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        if isinstance(body.logprobs, bool) or (body.logprobs is not None and not 0 <= body.logprobs <= 20):
+            raise ServiceError(422, "logprobs: an integer from 0 to 20 on /v1/completions", {"field": "logprobs"})
+        asked = body.logprobs
+    if asked is not None and body.stream:
+        raise ServiceError(400, "logprobs: not available with stream: true here (ask without streaming)",
+                           {"field": "logprobs", "type": "invalid_request_error", "param": "logprobs"})
+    return asked
+
+
+def _chat_logprobs(items: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    if items is None:
+        return None
+
+    def entry(item: dict[str, Any]) -> dict[str, Any]:
+        return {"token": item["token"], "logprob": item["logprob"], "bytes": list(item["token"].encode("utf-8"))}
+
+    return {"content": [{**entry(item), "top_logprobs": [entry(top) for top in item.get("top", [])]} for item in items],
+            "refusal": None}
+
+
+def _completion_logprobs(items: list[dict[str, Any]] | None, text: str) -> dict[str, Any] | None:
+    """OpenAI completions ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``."""
+    if items is None:
+        return None
+    offsets, at = [], 0
+    for item in items:
+        offsets.append(at)
+        at += len(item["token"])
+    return {
+        "tokens": [item["token"] for item in items],
+        "token_logprobs": [item["logprob"] for item in items],
+        "top_logprobs": [{top["token"]: top["logprob"] for top in item.get("top", [])} for item in items],
+        "text_offset": offsets,
+    }
 
 
 def openai_response(result: dict[str, Any], *, chat: bool, model: str) -> dict[str, Any]:
@@ -352,13 +502,14 @@ def openai_response(result: dict[str, Any], *, chat: bool, model: str) -> dict[s
     }
     if chat:
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason, "logprobs": None}
+            {"index": i, "message": _chat_message(o), "finish_reason": o.finish_reason,
+             "logprobs": _chat_logprobs(o.logprobs)}
             for i, o in enumerate(response.outputs)
         ]
         _add_output_fields(choices, response)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "choices": choices, **common}
     choices = [
-        {"index": i, "text": o.text, "finish_reason": o.finish_reason, "logprobs": None}
+        {"index": i, "text": o.text, "finish_reason": o.finish_reason, "logprobs": _completion_logprobs(o.logprobs, o.text)}
         for i, o in enumerate(response.outputs)
     ]
     _add_output_fields(choices, response)
@@ -373,6 +524,13 @@ def _add_output_fields(choices: list[dict[str, Any]], response: GenerateResponse
         choice["attempts"] = output.attempts
         if output.error is not None:
             choice["error"] = output.error
+
+
+def _chat_message(output: Any) -> dict[str, Any]:
+    """The assistant message: a think scenario's answer in ``content`` and its thinking in ``reasoning_content``."""
+    if output.reasoning_content is None:
+        return {"role": "assistant", "content": output.text}
+    return {"role": "assistant", "content": output.answer or None, "reasoning_content": output.reasoning_content}
 
 
 async def openai_stream_chunks(
@@ -393,10 +551,13 @@ async def openai_stream_chunks(
             body["usage"] = usage
         return body
 
-    def choice(index: int, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
+    def choice(index: int, text: str | None, finish_reason: str | None = None, role: bool = False,
+               reasoning: str | None = None) -> dict[str, Any]:
         if not chat:
             return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if text is not None:
             delta["content"] = text
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -411,6 +572,11 @@ async def openai_stream_chunks(
                 index, reason, text = int(event.get("index") or 0), event.get("finish_reason"), event.get("text") or ""
                 if reason:
                     finished.add(index)
+                if chat and "reasoning" in event:  # a think scenario: thinking and answer apart
+                    reasoning, answer = event.get("reasoning") or "", event.get("answer") or ""
+                    if reasoning or answer or reason:
+                        yield chunk([choice(index, answer or None, reason, reasoning=reasoning)])
+                    continue
                 yield chunk([choice(index, None if chat and reason and not text else text, reason)])
             elif kind_of == "done" and event.get("response"):
                 response = GenerateResponse.model_validate(event["response"])

@@ -25,6 +25,11 @@ __all__ = [
 ]
 
 
+#: most stop strings per request, and most characters per stop string
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+
+
 class ServiceError(Exception):
     """An error meant for the client: an HTTP status and a message that names the problem.
 
@@ -135,6 +140,17 @@ class GenerateRequest(_Strict):
         default=False, strict=True,
         description="tree and labels scenarios: the n outputs (or returned beams) are different items.",
     )
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]] | None = Field(
+        default=None, max_length=MAX_STOP_STRINGS,
+        description="Stop strings: an output ends before the first of them it produces (finish_reason stop; the "
+                    "string itself is not returned).",
+    )
+
+    logprobs: int | None = Field(
+        default=None, ge=0, le=20, strict=True,
+        description="Log probabilities of the output tokens under the model (before any constraint), with this many "
+                    "most likely alternatives per token (0: the chosen token only); null: none.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "GenerateRequest":
@@ -159,6 +175,14 @@ class Output(BaseModel):
     attempts: int = Field(
         default=1, description="How many times this output was generated: a JSON output that failed validation "
                                "against its schema is generated again (json_regenerate_attempts).",
+    )
+    reasoning_content: str | None = Field(
+        default=None, description="Think scenarios: the thinking text (before the end marker); else null."
+    )
+    answer: str | None = Field(default=None, description="Think scenarios: the text after the end marker; else null.")
+    logprobs: list[dict[str, Any]] | None = Field(
+        default=None, description="When asked: per output token, {token_id, token, logprob, top: [{token_id, token, "
+                                  "logprob}]} (log probabilities of the model before any constraint).",
     )
 
 

@@ -24,6 +24,7 @@ from processors import CompiledScenario, ScenarioCompiler, build_prompt_ids
 from .engines import (
     DoneEvent, EngineRequest, ErrorEvent, FinishedEvent, SamplingParams, TokenEvent, create_engine,
 )
+from .answer import TextWatch, answer_form, split_thinking
 from .item_controls import admit_item_controls
 from .metrics import ReplicaMetrics, route_logs_to_serve
 from .regenerate import CheckedRun
@@ -214,6 +215,8 @@ class ModelReplica:
         if req.messages is not None and not req.messages:
             raise ServiceError(422, "messages: give at least one message", {"field": "messages"})
         name, version, compiled = await self._resolve_scenario(req)
+        # a label scenario's answer tokenized as it fits the prompt (no leading space after an assistant header)
+        compiled = answer_form(compiled, chat=req.messages is not None, prompt=req.prompt)
         messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
         try:
             prompt_ids = build_prompt_ids(compiled, self.tokenizer, prompt=req.prompt, messages=messages,
@@ -241,17 +244,25 @@ class ModelReplica:
         and generated again when it fails (``deployments/regenerate.py``)."""
         return CheckedRun(self.engine, engine_request, self.tokenizer, self.settings.json_regenerate_attempts)
 
-    def _response(self, name, version, prompt_ids, outputs: dict[int, FinishedEvent]) -> GenerateResponse:
+    def _response(self, name, version, prompt_ids, outputs: dict[int, FinishedEvent], compiled=None,
+                  stopped: dict[int, str] | None = None) -> GenerateResponse:
+        """``stopped``: the final text of outputs ended by a stop string; ``compiled``: think scenarios split
+        their text into ``reasoning_content`` and ``answer``."""
         outs = []
         completion = 0
+        think = getattr(compiled, "think", None)
         for index in sorted(outputs):
             ev = outputs[index]
             ids = ev.token_ids
             completion += len(ids)
+            text = (stopped or {}).get(index)
+            if text is None:
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            reasoning, answer = split_thinking(text, think.end) if think is not None else (None, None)
             outs.append(Output(
-                text=self.tokenizer.decode(ids, skip_special_tokens=True), token_ids=ids,
-                finish_reason=ev.finish_reason, error=ev.error,
+                text=text, token_ids=ids, finish_reason=ev.finish_reason, error=ev.error,
                 attempts=getattr(ev, "attempts", 1),
+                reasoning_content=reasoning, answer=answer,
             ))
         usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion, total_tokens=len(prompt_ids) + completion)
         return GenerateResponse(scenario=name, version=version, outputs=outs, usage=usage)
@@ -264,16 +275,58 @@ class ModelReplica:
     async def _generate(self, request: dict, record) -> dict:
         req, name, version, prompt_ids, engine_request = await self._start(request)
         outputs: dict[int, FinishedEvent] = {}
+        stops = _Stops(self.tokenizer, req.stop)
         async with aclosing(self._checked(engine_request).events()) as events:  # leaving early cancels
             async for ev in events:
-                if isinstance(ev, FinishedEvent):
-                    outputs[ev.index] = ev
+                if isinstance(ev, TokenEvent) and stops.active:
+                    stops.token(ev.index, ev.token_id, outputs)
+                    if len(outputs) == engine_request.n:
+                        break  # every output ended (some by a stop string): cancel what still decodes
+                elif isinstance(ev, FinishedEvent):
+                    outputs.setdefault(ev.index, ev)
                 elif isinstance(ev, DoneEvent):
                     break
                 elif isinstance(ev, ErrorEvent):
                     raise ServiceError(500, ev.message)
         record.outputs(outputs)
-        return self._response(name, version, prompt_ids, outputs).model_dump()
+        response = self._response(name, version, prompt_ids, outputs, engine_request.compiled, stops.final)
+        if req.logprobs is not None:
+            await self._add_logprobs(response, prompt_ids, req.logprobs, engine_request.compiled)
+        return response.model_dump()
+
+    async def _add_logprobs(self, response: GenerateResponse, prompt_ids: list[int], top: int, compiled) -> None:
+        """Fill each output's ``logprobs``: one forward pass over prompt + output, the model's own distribution
+        (before the constraint masks it, as vLLM reports by default). The end token is not counted."""
+        if getattr(self.model, "forward", None) is None:
+            raise ServiceError(400, f"logprobs: not available with engine {self.engine.name}", {"field": "logprobs"})
+        ends = set(compiled.stop_token_ids) if compiled is not None else set()
+        ends.update(t for t in [getattr(self.tokenizer, "eos_token_id", None)] if t is not None)
+
+        def score(ids: list[int]) -> list[dict[str, Any]]:
+            import torch
+
+            while ids and ids[-1] in ends:
+                ids = ids[:-1]
+            if not ids:
+                return []
+            device = getattr(self.model, "device", "cpu")
+            with torch.no_grad():
+                logits = self.model(input_ids=torch.tensor([prompt_ids + ids], device=device)).logits[0]
+            logp = torch.log_softmax(logits[len(prompt_ids) - 1: -1].float(), dim=-1)
+            chosen = logp.gather(1, torch.tensor(ids, device=logp.device)[:, None])[:, 0].tolist()
+            best = torch.topk(logp, top, dim=-1) if top else None
+            text = lambda t: self.tokenizer.decode([int(t)], skip_special_tokens=False)  # noqa: E731
+            items = []
+            for i, (token_id, lp) in enumerate(zip(ids, chosen)):
+                alts = [] if best is None else [
+                    {"token_id": int(t), "token": text(t), "logprob": float(v)}
+                    for t, v in zip(best.indices[i].tolist(), best.values[i].tolist())
+                ]
+                items.append({"token_id": int(token_id), "token": text(token_id), "logprob": float(lp), "top": alts})
+            return items
+
+        for output in response.outputs:
+            output.logprobs = await asyncio.to_thread(score, list(output.token_ids))
 
     async def generate_stream(self, request: dict) -> AsyncIterator[dict]:
         """Yield ``StreamEvent`` dicts: tokens as they are sampled, then ``done`` with the response."""
@@ -287,25 +340,53 @@ class ModelReplica:
         outputs: dict[int, FinishedEvent] = {}
         texts: dict[int, list[int]] = {}
         sent: dict[int, str] = {}
+        stops = _Stops(self.tokenizer, req.stop)
+        think = getattr(engine_request.compiled, "think", None)
+        split_sent: dict[int, tuple[str, str]] = {}
+
+        def event(idx: int, token_id: int | None, piece: str, visible: str, final: bool, **extra: Any) -> dict:
+            """A token event; think scenarios add the piece's thinking and answer parts."""
+            out = {"type": "token", "index": idx, "token_id": token_id, "text": piece, **extra}
+            if think is not None:
+                reasoning, answer = split_thinking(visible, think.end, final=final)
+                r_sent, a_sent = split_sent.get(idx, ("", ""))
+                out["reasoning"], out["answer"] = reasoning[len(r_sent):], answer[len(a_sent):]
+                split_sent[idx] = (reasoning, answer)
+            return out
+
         try:
             async with aclosing(self._checked(engine_request).events()) as events:  # leaving early cancels
                 async for ev in events:
                     if isinstance(ev, TokenEvent):
                         idx = ev.index
+                        if idx in outputs:
+                            continue  # ended by a stop string
                         toks = texts.setdefault(idx, [])
                         toks.append(ev.token_id)
                         full = self.tokenizer.decode(toks, skip_special_tokens=True)
-                        piece = full[len(sent.get(idx, "")):]
                         if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-                            piece = ""
-                        else:
-                            sent[idx] = full
-                        yield {"type": "token", "index": idx, "token_id": ev.token_id, "text": piece}
+                            yield event(idx, ev.token_id, "", sent.get(idx, ""), False)
+                            continue
+                        visible = stops.visible(idx, full, toks, outputs)
+                        piece = visible[len(sent.get(idx, "")):]
+                        sent[idx] = visible
+                        yield event(idx, ev.token_id, piece, visible, False)
+                        if idx in outputs:  # a stop string ended it
+                            yield event(idx, None, "", visible, True, finish_reason="stop")
+                            if len(outputs) == engine_request.n:
+                                resp = self._response(name, version, prompt_ids, outputs, engine_request.compiled, stops.final)
+                                yield {"type": "done", "index": 0, "response": resp.model_dump()}
+                                return
                     elif isinstance(ev, FinishedEvent):
+                        if ev.index in outputs:
+                            continue
                         outputs[ev.index] = ev
-                        yield {"type": "token", "index": ev.index, "token_id": None, "text": "", "finish_reason": ev.finish_reason}
+                        # the whole text now: a tail held back (it might have become a stop string) is sent
+                        final, before = self.tokenizer.decode(ev.token_ids, skip_special_tokens=True), sent.get(ev.index, "")
+                        piece = final[len(before):] if final.startswith(before) else ""
+                        yield event(ev.index, None, piece, final, True, finish_reason=ev.finish_reason)
                     elif isinstance(ev, DoneEvent):
-                        resp = self._response(name, version, prompt_ids, outputs)
+                        resp = self._response(name, version, prompt_ids, outputs, engine_request.compiled, stops.final)
                         yield {"type": "done", "index": 0, "response": resp.model_dump()}
                         return
                     elif isinstance(ev, ErrorEvent):
@@ -317,6 +398,40 @@ class ModelReplica:
 
     async def ping(self) -> str:
         return self.replica_id
+
+
+class _Stops:
+    """A request's stop strings across its outputs: an output whose text shows one gets a ``FinishedEvent``
+    (reason ``stop``, the tokens so far) in ``outputs`` and its text before the string in ``final``."""
+
+    def __init__(self, tokenizer, stops: list[str] | None):
+        self.tokenizer = tokenizer
+        self.active = bool(stops)
+        self.stops = stops
+        self.watches: dict[int, TextWatch] = {}
+        self.ids: dict[int, list[int]] = {}
+        self.final: dict[int, str] = {}
+
+    def visible(self, index: int, text: str, ids: list[int], outputs: dict[int, FinishedEvent]) -> str:
+        """The part of ``text`` (output ``index``'s text so far, from ``ids``) that may be sent."""
+        if not self.active:
+            return text
+        watch = self.watches.setdefault(index, TextWatch(self.stops))
+        shown = watch.update(text)
+        if watch.stopped and index not in outputs:
+            outputs[index] = FinishedEvent(index=index, token_ids=list(ids), finish_reason="stop")
+            self.final[index] = watch.text
+        return shown
+
+    def token(self, index: int, token_id: int, outputs: dict[int, FinishedEvent]) -> None:
+        """Follow one more token of output ``index`` (non-streaming requests)."""
+        if index in outputs:
+            return
+        ids = self.ids.setdefault(index, [])
+        ids.append(token_id)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            self.visible(index, text, ids, outputs)
 
 
 class ServeModelReplica(ModelReplica):

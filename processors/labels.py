@@ -2,7 +2,10 @@
 
 Labels are tokenized as *continuations*, ``" " + label`` without special tokens, exactly as they
 will follow the prompt, and each must decode back to ``" " + label`` (BPE tokenizers split the
-start of a text differently; outlines #1456). Labels are sorted by their token sequence before the
+start of a text differently; outlines #1456). A second trie holds the *bare* form (``label``, no
+space), for answers that start a message (after a chat template's assistant header, after a think
+end marker or raw text ending in whitespace): :meth:`LabelTables.for_prompt` picks one per request,
+the stored scenario is the same. Labels are sorted by their token sequence before the
 trie is built, so every trie node covers a contiguous range ``[lo, hi)`` of label indices: in
 multi-label mode a branch is closed once every label below it has been emitted, with one
 prefix-sum lookup per candidate and no per-label Python work at decode time.
@@ -66,6 +69,9 @@ class LabelTables:
     separator: str = ","
     separator_ids: tuple[int, ...] = ()
     max_labels: int | None = None
+    #: the same labels tokenized without the leading space (``None``: that form does not compile, e.g. a label
+    #: that does not survive the round trip without its space); see :meth:`for_prompt`
+    bare_form: "LabelTables | None" = None
     version: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +83,7 @@ class LabelTables:
             content_hash(
                 "labels", self.tables.version, self.edge_lo, self.edge_hi, self.terminal,
                 self.multi_label, self.separator_ids, self.max_labels,
+                self.bare_form.version if self.bare_form is not None else None,
             ),
         )
 
@@ -93,6 +100,11 @@ class LabelTables:
     def n_labels(self) -> int:
         return len(self.labels)
 
+    def for_prompt(self, bare: bool) -> "LabelTables":
+        """The trie for an answer that starts a message (``bare``: labels without a leading space) or continues
+        text (with one); the spaced form when the bare one did not compile."""
+        return self.bare_form if bare and self.bare_form is not None else self
+
     def parse(self, text: str) -> list[str]:
         """Split a generated answer into its labels (multi-label: on the separator)."""
         parts = text.split(self.separator) if self.multi_label else [text]
@@ -108,9 +120,15 @@ def build_label_tables(
     multi_label: bool = False,
     separator: str = ",",
     max_labels: int | None = None,
+    leading_space: bool = True,
+    with_bare_form: bool = False,
 ) -> LabelTables:
     """Tokenize ``labels`` as continuations and compile them into :class:`LabelTables` (``tokenizer``: a
-    tokenizer or its :class:`~processors.tokenizer_info.TokenizerInfo`)."""
+    tokenizer or its :class:`~processors.tokenizer_info.TokenizerInfo`).
+
+    ``leading_space``: tokenize ``" " + label`` (the form that continues text) or ``label`` (the form that starts
+    a message). ``with_bare_form``: also compile the form without the space into ``bare_form`` (left ``None``
+    when it does not compile; the spaced form's errors are the ones raised)."""
     tokenizer = hf_tokenizer(tokenizer)
     if not labels:
         raise ValueError("labels must not be empty")
@@ -121,7 +139,7 @@ def build_label_tables(
         seen.add(lab)
     seqs = []
     for label in labels:
-        ids = tokenize_continuation(tokenizer, " " + label, what="label")
+        ids = tokenize_continuation(tokenizer, " " + label if leading_space else label, what="label")
         if eos_token_id in ids:
             raise ValueError(f"label {label!r} contains the end token {eos_token_id}")
         bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -202,6 +220,14 @@ def build_label_tables(
                 )
         if max_labels is not None and max_labels < 1:
             raise ValueError(f"max_labels must be >= 1, got {max_labels}")
+    bare_form = None
+    if with_bare_form and leading_space:
+        try:
+            bare_form = build_label_tables(labels, tokenizer, eos_token_id=eos_token_id, vocab_size=vocab_size,
+                                           multi_label=multi_label, separator=separator, max_labels=max_labels,
+                                           leading_space=False)
+        except ValueError:
+            bare_form = None
     return LabelTables(
         tables=tables,
         edge_lo=np.asarray(edge_lo, dtype=np.int64)[order],
@@ -212,6 +238,7 @@ def build_label_tables(
         separator=separator,
         separator_ids=sep_ids,
         max_labels=max_labels if multi_label else None,
+        bare_form=bare_form,
     )
 
 

@@ -22,6 +22,7 @@ class LabelsKind(ConstraintKind):
         return CompileResult(build_label_tables(
             list(scenario.labels), info, eos_token_id=info.eos_token_id, vocab_size=info.vocab_size,
             multi_label=scenario.multi_label, separator=scenario.separator, max_labels=scenario.max_labels,
+            with_bare_form=True,  # both tokenizations: the replica picks by what precedes the answer
         ))
 
     def check_compiled(self, scenario, constraint, limits) -> None:

@@ -314,15 +314,16 @@ def test_completions_mapping_and_shape(setup):
     resp = client.post(
         "/v1/completions",
         json={
-            "model": "whatever", "prompt": ["Review: great"], "max_tokens": 7, "temperature": 0.5, "top_p": 0.9,
-            "n": 2, "seed": 11, "scenario": "sentiment", "top_k": 4,
-            "frequency_penalty": 0.1, "logit_bias": {"1": 2}, "user": "u", "echo": False,  # ignored OpenAI fields
+            "model": served_model_name(None), "prompt": ["Review: great"], "max_tokens": 7, "temperature": 0.5,
+            "top_p": 0.9, "n": 2, "seed": 11, "scenario": "sentiment", "top_k": 4, "stop": "\n",
+            "frequency_penalty": 0, "logit_bias": {}, "user": "u", "echo": False,  # ignored, or at their neutral value
         },
     )
     assert resp.status_code == 200, resp.text
     sent = _sent(model)
     assert sent["prompt"] == "Review: great" and sent["scenario"] == "sentiment" and sent["inline_scenario"] is None
     assert (sent["max_new_tokens"], sent["temperature"], sent["top_p"], sent["n"], sent["seed"], sent["top_k"]) == (7, 0.5, 0.9, 2, 11, 4)
+    assert sent["stop"] == ["\n"] and sent["num_beams"] == 1 and sent["logprobs"] is None
     body = resp.json()
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and isinstance(body["created"], int)
     assert body["model"] == served_model_name(None)
@@ -339,7 +340,6 @@ def test_chat_shape_and_messages(setup):
     resp = client.post(
         "/v1/chat/completions",
         json={
-            "model": "m",
             "messages": [
                 {"role": "developer", "content": "Be brief."},
                 {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}], "name": "bob"},
@@ -353,8 +353,48 @@ def test_chat_shape_and_messages(setup):
     assert sent["max_new_tokens"] == 9 and sent["prompt"] is None
     body = resp.json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
-    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "out0"}, "finish_reason": "stop", "logprobs": None}]
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "out0", "reasoning_content": None},
+                                "finish_reason": "stop", "logprobs": None}]
     assert set(body["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+
+
+@pytest.mark.parametrize(
+    "extra, status, names",
+    [
+        ({"model": "gpt-4o"}, 404, ["gpt-4o"]),
+        ({"frobnicate": 1}, 400, ["frobnicate"]),
+        ({"frobnicate": 1, "zap": True}, 400, ["frobnicate", "zap"]),
+        ({"frequency_penalty": 0.5}, 400, ["frequency_penalty"]),
+        ({"logit_bias": {"1": 2}}, 400, ["logit_bias"]),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, ["tools"]),
+        ({"echo": 0}, 400, ["echo"]),  # 0 is not false
+        ({"logprobs": True, "stream": True}, 400, ["logprobs"]),
+        ({"top_logprobs": 2}, 422, ["top_logprobs"]),
+        ({"logprobs": 3}, 422, ["logprobs"]),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, 422, ["guided_choice", "guided_regex"]),
+        ({"guided_choice": []}, 422, ["guided_choice"]),
+        ({"stop": [""]}, 422, ["stop"]),
+        ({"num_beams": 0}, 422, ["num_beams"]),
+    ],
+)
+def test_openai_refusals_name_the_field(setup, extra, status, names):
+    client, model, _ = setup
+    error = _error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **extra}), status)
+    assert all(name in error["message"] for name in names), error
+    assert not model.calls
+
+
+def test_openai_extras_pass_through(setup):
+    client, model, _ = setup
+    body = {"messages": [{"role": "user", "content": "x"}], "model": served_model_name(None), "num_beams": 3, "n": 2,
+            "stop": ["a", "b"], "logprobs": True, "top_logprobs": 2, "user": "u", "store": False,
+            "guided_regex": "[0-9]+", "presence_penalty": 0.0, "tool_choice": "none"}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    sent = _sent(model)
+    assert (sent["num_beams"], sent["n"], sent["stop"], sent["logprobs"]) == (3, 2, ["a", "b"], 2)
+    assert sent["inline_scenario"] == {"type": "regex", "pattern": "[0-9]+"}
+    assert client.post("/v1/completions", json={"prompt": "x", "logprobs": 0}).status_code == 200
+    assert _sent(model)["logprobs"] == 0
 
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
@@ -454,7 +494,7 @@ def test_official_openai_client(setup):
     client, model, _ = setup
     oa = openai.OpenAI(base_url=f"{client.base_url}/v1", api_key="unused", http_client=client)
     chat = oa.chat.completions.create(
-        model="m",
+        model=served_model_name(None),
         messages=[{"role": "user", "content": "x"}],
         response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}},
         max_tokens=8,
@@ -462,11 +502,14 @@ def test_official_openai_client(setup):
     )
     assert chat.choices[0].message.content == "out0" and chat.usage.total_tokens == 7
     assert _sent(model)["inline_scenario"] == {"type": "json_schema", "schema": SCHEMA} and _sent(model)["top_k"] == 2
-    stream = oa.completions.create(model="m", prompt="x", stream=True, extra_body={"scenario": "sentiment"})
+    stream = oa.completions.create(model=served_model_name(None), prompt="x", stream=True, extra_body={"scenario": "sentiment"})
     assert "".join(c.choices[0].text for c in stream if c.choices) == "positive"
     with pytest.raises(openai.NotFoundError) as caught:
-        oa.completions.create(model="m", prompt="x", extra_body={"scenario": "nope"})
+        oa.completions.create(model=served_model_name(None), prompt="x", extra_body={"scenario": "nope"})
     assert caught.value.body["known"] == KNOWN
+    with pytest.raises(openai.NotFoundError) as caught:
+        oa.completions.create(model="gpt-4o", prompt="x")
+    assert "gpt-4o" in caught.value.message
     assert [m.id for m in oa.models.list()] == [served_model_name(None)]
 
 
