@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from itertools import repeat
-from operator import attrgetter
+from operator import attrgetter, is_
 from typing import Sequence
 
 import numpy as np
@@ -58,7 +58,6 @@ def lane_of(row) -> int:
 
 def lane_code(row) -> int:
     """Which path a freshly built :class:`RowCursor` takes (after its item controls are bound); copies keep it."""
-    from .labels import LabelCursor
     from .tree import TreeCursor
 
     if getattr(row, "think", None) is not None or getattr(row, "compiled", None) is None:
@@ -72,20 +71,31 @@ def lane_code(row) -> int:
                 and (rules is None or getattr(rules, "max_items", 1) <= 1) and getattr(c, "remaining", None) is not None):
             return BUDGET
         return OFF
-    if type(c) is LabelCursor:
-        lt = c.lt
-        if lt.multi_label or getattr(c, "sep_pos", None) is not None:
-            return OFF
-        # item controls on labels (exclude, a budget), if the cursor has them, keep the per-row path
-        if not getattr(c, "_plain", True) or getattr(c, "request", None) is not None or getattr(c, "remaining", None) is not None:
-            return OFF
-        return PLAIN
-    return OFF
+    return OFF  # grammar rows, multi-label rows (LabelCursor) and anything else: per row
 
 
-def _tables(constraint) -> MaskTables:
-    t = getattr(constraint, "tables", None)
-    return t if isinstance(t, MaskTables) else constraint.lt.tables
+_tables = attrgetter("tables")
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _lane_info(tables: MaskTables) -> tuple[np.ndarray, int]:
+    """Per tables, computed once and kept on them: edges per state (int64) and the largest ``min_remaining`` (a row
+    with more tokens left than that is never limited by the budget rule)."""
+    info = tables.__dict__.get("_lane_info")
+    if info is None:
+        lens = np.diff(tables.offsets).astype(np.int64)
+        info = (lens, -1)
+        object.__setattr__(tables, "_lane_info", info)
+    return info
+
+
+def _max_min_remaining(tables: MaskTables) -> int:
+    lens, top = _lane_info(tables)
+    if top < 0:
+        mins = tables.min_remaining  # type: ignore[attr-defined]
+        top = max(int(mins.max()) if mins.size else 1, 1)
+        object.__setattr__(tables, "_lane_info", (lens, top))
+    return top
 
 
 def _split(rows: Sequence) -> tuple[np.ndarray, list[int]]:
@@ -100,13 +110,13 @@ def _split(rows: Sequence) -> tuple[np.ndarray, list[int]]:
     return np.flatnonzero(codes).astype(np.int64), np.flatnonzero(codes == 0).tolist()
 
 
-def _groups(cons: list) -> list[tuple[np.ndarray, MaskTables]]:
-    """Lane positions grouped by their tables: [(positions, tables)], one entry per distinct scenario."""
+def _groups(cons: list) -> list[tuple[np.ndarray | None, MaskTables]]:
+    """Lane positions grouped by their tables: [(positions or None for all, tables)], one entry per scenario."""
     tabs = list(map(_tables, cons))
     first = tabs[0]
+    if all(map(is_, tabs, repeat(first))):
+        return [(None, first)]
     ids = np.fromiter(map(id, tabs), dtype=np.int64, count=len(tabs))
-    if (ids == id(first)).all():
-        return [(np.arange(len(tabs), dtype=np.int64), first)]
     _, index, inverse = np.unique(ids, return_index=True, return_inverse=True)
     return [(np.flatnonzero(inverse == g), tabs[int(i)]) for g, i in enumerate(index)]
 
@@ -160,51 +170,64 @@ def _lane_masks(batch: MaskBatch, lane_rows: list, lane: np.ndarray, width: int)
     codes = np.fromiter(map(_lane_code, lane_rows), dtype=np.int8, count=m)
     budget = None
     if (codes == BUDGET).any():
-        budget = np.full(m, np.iinfo(np.int64).max, dtype=np.int64)
+        budget = np.full(m, _INT64_MAX, dtype=np.int64)
         at = np.flatnonzero(codes == BUDGET)
         budget[at] = np.fromiter(map(_remaining, [cons[i] for i in at.tolist()]), dtype=np.int64, count=at.size)
     keep_parts: list[np.ndarray] = []
     fill_parts: list[np.ndarray] = []
     per_row: list[int] = []
     for pos, tables in _groups(cons):
-        s = states[pos]
-        rows_g = lane[pos]
+        if pos is None:
+            s, rows_g, d = states, lane, done
+        else:
+            s, rows_g, d = states[pos], lane[pos], done[pos]
         offsets = tables.offsets
-        live = (s >= 0) & ~done[pos]
-        s0 = np.where(live, s, 0)
-        lo = offsets[s0]
-        lens = np.where(live, offsets[s0 + 1] - lo, 0)
-        empty = live & (lens == 0)  # a state without edges: the cursor marks its fallback, let it do so
-        if empty.any():
-            per_row.extend(rows_g[empty].tolist())
+        lens_of, _ = _lane_info(tables)
+        live = s >= 0
+        if d.any():
+            live &= ~d
+        if live.all():  # the common case: every row inside the tables
+            lo = offsets[s]
+            lens = lens_of[s]
+        else:
+            s0 = np.where(live, s, 0)
+            lo = offsets[s0]
+            lens = np.where(live, lens_of[s0], 0)
         ended = ~live  # finished or LEAF/DONE: only the end token
-        total = int(lens.sum())
+        if not lens.all():
+            empty = live & (lens == 0)  # a state without edges: the cursor marks its fallback, let it do so
+            if empty.any():
+                per_row.extend(rows_g[empty].tolist())
+                live = live & ~empty
+        # CSR gather of every row's edges: edge k of row r is lo[r] + k
         ends = np.cumsum(lens)
-        edge = np.arange(total, dtype=np.int64) + np.repeat(lo - (ends - lens), lens)
-        ids = tables.tokens[edge].astype(np.int64)
-        row_of = np.repeat(rows_g, lens)
+        edge = np.arange(int(ends[-1]) if ends.size else 0, dtype=np.int64) + np.repeat(lo + lens - ends, lens)
+        ids = tables.tokens[edge]
+        row_base = np.repeat(rows_g * width, lens)
         if budget is not None:
-            left = budget[pos]
-            if (left < np.iinfo(np.int64).max).any():
+            left = budget[pos] if pos is not None else budget
+            tight = left <= _max_min_remaining(tables)
+            if tight.any():
                 # the budget rule (processors.tree.TreeCursor._filter): the target's shortest way to an item's
-                # end must fit in the tokens left
-                nxt = tables.next_state[edge].astype(np.int64)
+                # end (DONE 0, LEAF 1) must fit in the tokens left; rows with more left than any such way skip it
+                nxt = tables.next_state[edge]
                 need = np.where(nxt >= 0, tables.min_remaining[np.maximum(nxt, 0)],  # type: ignore[attr-defined]
                                 np.where(nxt == DONE, 0, 1))
                 ok = need <= np.repeat(left, lens)
                 if not ok.all():
-                    ids, row_of = ids[ok], row_of[ok]
+                    ids, row_base = ids[ok], row_base[ok]
                     # a row left with nothing allowed gets its end token, as an empty ALLOW step does
-                    has = np.zeros(rows_g.size, dtype=bool)
-                    if row_of.size:
-                        has[np.searchsorted(rows_g, row_of)] = True
-                    ended = ended | (live & ~empty & ~has)
-        keep_parts.append(row_of * width + ids)
+                    kept = np.bincount(np.repeat(np.arange(rows_g.size), lens)[ok], minlength=rows_g.size)
+                    ended = ended | (live & (kept == 0))
+        keep_parts.append(row_base + ids)
         if ended.any():
             keep_parts.append(rows_g[ended] * width + tables.end_token_id)
-        fill_parts.append(rows_g[(live & ~empty) | ended])
+            fill_parts.append(rows_g[live | ended])
+        else:
+            fill_parts.append(rows_g[live] if not live.all() else rows_g)
     if keep_parts:
-        batch.add_allowed(np.concatenate(fill_parts), np.concatenate(keep_parts))
+        batch.add_allowed(fill_parts[0] if len(fill_parts) == 1 else np.concatenate(fill_parts),
+                          keep_parts[0] if len(keep_parts) == 1 else np.concatenate(keep_parts))
     return per_row
 
 
@@ -250,34 +273,25 @@ def _lane_advance(lane_rows: list, lane: np.ndarray, toks: np.ndarray) -> list[i
     m = len(cons)
     states = np.fromiter(map(_state, cons), dtype=np.int64, count=m)
     done = np.fromiter(map(_done, lane_rows), dtype=bool, count=m)
+    groups = _groups(cons)
+    if len(groups) == 1:
+        simple, new_state, edges = _group_advance(groups[0][1], lane_rows[0], states, toks, done)
+    else:
+        simple = np.zeros(m, dtype=bool)
+        new_state = np.zeros(m, dtype=np.int64)
+        edges = np.zeros(m, dtype=np.int64)
+        for pos, tables in groups:
+            assert pos is not None
+            simple[pos], new_state[pos], edges[pos] = _group_advance(
+                tables, lane_rows[int(pos[0])], states[pos], toks[pos], done[pos])
     codes = np.fromiter(map(_lane_code, lane_rows), dtype=np.int8, count=m)
-    simple = np.zeros(m, dtype=bool)
-    new_state = np.zeros(m, dtype=np.int64)
-    edges = np.zeros(m, dtype=np.int64)
-    for pos, tables in _groups(cons):
-        s, t = states[pos], toks[pos]
-        keys = tables.keys
-        ok = (s >= 0) & (t >= 0) & (t < tables.key_base) & ~done[pos] & (t != tables.end_token_id)
-        want = np.where(ok, s, 0) * tables.key_base + np.where(ok, t, 0)
-        i = np.minimum(keys.searchsorted(want), max(keys.size - 1, 0))
-        if keys.size:
-            ok &= keys[i] == want
-            nxt = tables.next_state[i].astype(np.int64)
-            ok &= nxt >= 0
-        else:
-            ok[:] = False
-            nxt = np.zeros(pos.size, dtype=np.int64)
-        # a token that also stops the row (the model's EOS listed as a tree candidate) ends it: per row
-        compiled = lane_rows[int(pos[0])].compiled
-        stops = [x for x in compiled.stop_token_ids if x != tables.end_token_id]
-        if stops:
-            ok &= ~np.isin(t, stops)
-        simple[pos], new_state[pos], edges[pos] = ok, nxt, i
     budget = codes == BUDGET
+    left = None
     if budget.any():
+        left = np.full(m, _INT64_MAX, dtype=np.int64)
         at = np.flatnonzero(budget)
-        left = np.fromiter(map(_remaining, [cons[k] for k in at.tolist()]), dtype=np.int64, count=at.size)
-        simple[at[left - 1 <= 0]] = False  # the budget runs out with this token: the cursor settles the item
+        left[at] = np.fromiter(map(_remaining, [cons[k] for k in at.tolist()]), dtype=np.int64, count=at.size)
+        simple &= left > 1  # the budget runs out with this token: the cursor settles the item
     go = np.flatnonzero(simple)
     if go.size:
         if go.size == m:
@@ -289,12 +303,38 @@ def _lane_advance(lane_rows: list, lane: np.ndarray, toks: np.ndarray) -> list[i
         list(map(setattr, g_cons, repeat("state"), states_new))
         gen = np.fromiter(map(_generated, g_rows), dtype=np.int64, count=go.size) + 1
         list(map(setattr, g_rows, repeat("generated"), gen.tolist()))
-        b = budget[go]
-        if b.any():
-            bl = np.flatnonzero(b).tolist()
-            b_cons = [g_cons[k] for k in bl]
-            rem = np.fromiter(map(_remaining, b_cons), dtype=np.int64, count=len(bl)) - 1
-            list(map(setattr, b_cons, repeat("remaining"), rem.tolist()))
-            list(map(setattr, b_cons, repeat("last_edge"), edges[go][bl].tolist()))
-            list(map(list.append, map(attrgetter("path"), b_cons), [states_new[k] for k in bl]))
+        if left is not None:
+            b = budget[go]
+            if b.any():
+                bl = np.flatnonzero(b)
+                b_cons = [g_cons[k] for k in bl.tolist()]
+                list(map(setattr, b_cons, repeat("remaining"), (left[go][bl] - 1).tolist()))
+                list(map(setattr, b_cons, repeat("last_edge"), edges[go][bl].tolist()))
+                list(map(list.append, map(_path, b_cons), new_state[go][bl].tolist()))
     return lane[~simple].tolist()
+
+
+_path = attrgetter("path")
+
+
+def _group_advance(tables: MaskTables, row, s: np.ndarray, t: np.ndarray, done: np.ndarray):
+    """(ordinary edge into a state?, target, edge index) per row of one group."""
+    keys = tables.keys
+    kb = tables.key_base
+    ok = (s >= 0) & (t != tables.end_token_id) & (t >= 0) & (t < kb)
+    if done.any():
+        ok &= ~done
+    want = s * kb + t
+    if not ok.all():
+        want = np.where(ok, want, 0)
+    if not keys.size:
+        return np.zeros(s.size, dtype=bool), np.zeros(s.size, dtype=np.int64), np.zeros(s.size, dtype=np.int64)
+    i = keys.searchsorted(want)
+    np.minimum(i, keys.size - 1, out=i)
+    nxt = tables.next_state[i]
+    ok &= (keys[i] == want) & (nxt >= 0)
+    # a token that also stops the row (the model's EOS listed as a tree candidate) ends it: per row
+    stops = [x for x in row.compiled.stop_token_ids if x != tables.end_token_id]
+    if stops:
+        ok &= ~np.isin(t, stops)
+    return ok, nxt, i
