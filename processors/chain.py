@@ -24,7 +24,7 @@ from . import registry
 from .base import Cursor, CursorLogitsProcessor, as_ids
 from .compile import CompiledScenario
 from .items import item_rules, min_item_tokens
-from .masks import ALLOW, BAN, FREE, Step, check_scores, mask_padded_vocab
+from .masks import ALLOW, BAN, FREE, Step, apply_steps, check_scores, mask_padded_vocab
 from .lanes import advance_rows, lane_code, mask_rows
 from .think import ThinkCursor
 from .tokenizer_info import TokenizerInfo
@@ -262,8 +262,11 @@ class ConstrainedLogitsProcessor(CursorLogitsProcessor):
 
     def __call__(self, input_ids, scores):
         cursors = self.sync(input_ids)
-        check_scores(scores, len(cursors))
-        mask_rows(scores, cursors, vectorized=self.vectorized, strict=True)
+        if self.vectorized:
+            check_scores(scores, len(cursors))
+            mask_rows(scores, cursors, strict=True)
+        else:
+            apply_steps(scores, [c.step() for c in cursors])
         mask_padded_vocab(scores, self.vocab_size)
         return scores
 

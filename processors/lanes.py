@@ -34,7 +34,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .masks import FREE, MaskBatch, MaskBuffer, Step
+from .masks import FREE, MaskBatch, MaskBuffer, Step, apply_steps
 from .tables import DONE, MaskTables
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ def lane_code(row) -> int:
 
 
 _tables = attrgetter("tables")
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 _INT64_MAX = np.iinfo(np.int64).max
 
 
@@ -130,12 +131,12 @@ def mask_rows(scores: torch.Tensor, rows: Sequence, buffer: MaskBuffer | None = 
     cursor raised (their logits are left free; the caller fails them). ``strict``: let such an exception out."""
     n = len(rows)
     width = scores.shape[1]
-    batch = MaskBatch(n, width)
     failed: dict[int, str] = {}
     if vectorized and n:
         lane, others = _split(rows)
     else:
-        lane, others = np.zeros(0, dtype=np.int64), list(range(n))
+        lane, others = _NO_ROWS, list(range(n))
+    batch = MaskBatch(n, width)
     if lane.size:
         try:
             extra = _lane_masks(batch, [rows[i] for i in lane.tolist()] if lane.size < n else list(rows), lane, width)
@@ -156,6 +157,9 @@ def mask_rows(scores: torch.Tensor, rows: Sequence, buffer: MaskBuffer | None = 
                 logger.exception("a row's constraint failed")
                 failed[i] = f"constraint failed: {type(exc).__name__}: {exc}"
                 steps.append(Step(FREE, None, 0))
+        if len(others) == n:  # no row went through the lane: apply_steps (the CPU keeps its direct path there)
+            apply_steps(scores, steps, buffer)
+            return failed
         batch.add_steps(steps, others)
     batch.apply(scores, buffer)
     return failed
