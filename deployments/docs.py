@@ -12,14 +12,16 @@ origin only (Swagger UI's runtime styles go through the CSSOM, which ``style-src
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import Response
 
 from deployments.protocol import ServiceError
 
-__all__ = ["DOCS_DIR", "DOCS_HEADERS", "mount_docs"]
+__all__ = ["DOCS_DIR", "DOCS_HEADERS", "mount_docs", "plain_openapi", "sphinx_to_markdown"]
 
 DOCS_DIR = Path(__file__).with_name("docs-ui")  # a data directory, never a package
 #: the files the page is made of, and their media types; nothing else under /docs is served
@@ -63,3 +65,40 @@ def mount_docs(app: FastAPI) -> None:
         return _docs_file(file)
 
     app.include_router(router)
+
+
+# Docstrings here are written for Sphinx (``code``, :class:`Name`); FastAPI copies them into the OpenAPI
+# document, where Swagger UI renders Markdown. Rewritten once, when the document is first built.
+_ROLE = re.compile(r":(?:py:)?(?:class|func|meth|attr|mod|data|exc|obj|ref|doc):`(~?)([^`]+)`")
+_LITERAL = re.compile(r"``(.+?)``", re.DOTALL)
+
+
+def sphinx_to_markdown(text: str) -> str:
+    """``text`` with Sphinx roles and double-backquoted literals as Markdown code spans
+    (:class:`~a.B` -> `B`, :func:`a.f` -> `a.f`, ``x`` -> `x`)."""
+    text = _ROLE.sub(lambda m: f"`{m.group(2).rsplit('.', 1)[-1] if m.group(1) else m.group(2)}`", text)
+    return _LITERAL.sub(lambda m: f"`{m.group(1)}`", text)
+
+
+def _clean(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {key: (sphinx_to_markdown(value) if key in ("description", "summary") and isinstance(value, str)
+                      else _clean(value)) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_clean(item) for item in node]
+    return node
+
+
+def plain_openapi(app: FastAPI) -> None:
+    """Make ``app``'s OpenAPI document (``/openapi.json``, shown at ``/docs``) carry Markdown, not Sphinx markup,
+    in every ``description`` and ``summary``. Call after every other change to ``app.openapi``."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if not getattr(app, "_plain_openapi", False):
+            app.openapi_schema = _clean(build())
+            app._plain_openapi = True  # type: ignore[attr-defined]
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+

@@ -51,9 +51,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from config import ScenarioAdapter, ServerSettings
 from deployments.auth import check_bearer, resolve_admin_token
-from deployments.metrics import route_logs_to_serve
+from deployments.metrics import _in_serve_replica, route_logs_to_serve
 from deployments.console import mount_console
-from deployments.docs import mount_docs
+from deployments.docs import mount_docs, plain_openapi
 from deployments.guards import InflightPerClient, ProxyHeaderCheck
 from deployments.json_body import StrictJSONBody
 from deployments.manager.catalog import CATALOG_CONTENT_TYPES
@@ -445,6 +445,10 @@ class Ingress:
         route_logs_to_serve()
         self._admin_token = resolve_admin_token(self.settings)
         self.http_app = build_http_app(self)
+        if _in_serve_replica():  # `serve run` prints no line of its own once the app serves (Ray 2.60)
+            from deployments.ready import announce_when_ready
+
+            announce_when_ready(self)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Ray Serve's late-bound ingress hook: the app whose routes are bound to this instance."""
@@ -865,4 +869,5 @@ def build_http_app(ingress: Ingress) -> FastAPI:
     mount_console(app, ingress, require_admin)  # /console and POST /admin/scenarios/{name}/inspect
     mount_docs(app)  # /docs: Swagger UI from this service
     _with_scenario_components(app)
+    plain_openapi(app)  # Markdown, not Sphinx markup, in the descriptions /docs shows
     return app

@@ -14,9 +14,12 @@ de-quantized float32 weights as ``model.safetensors`` together with ``config.jso
 read that directory with plain ``from_pretrained`` (well under a second for the tokenizer,
 about a second for the model).
 
-Cache layout: ``<root>/<gguf-stem>-<size>-<mtime>/`` where ``<root>`` is the ``cache_dir``
+Cache layout: ``<root>/<gguf-stem>-<sha256 prefix>/`` where ``<root>`` is the ``cache_dir``
 argument, else ``$CONSTRAINED_SERVE_CACHE``, else ``$XDG_CACHE_HOME/constrained-serve``
-(``~/.cache/constrained-serve``). An entry is written in a temporary directory next to it
+(``~/.cache/constrained-serve``). The entry is named by the GGUF file's content, not its path or
+time stamp: a second virtual environment (another copy of the same file) reuses the entry. The
+file's SHA-256 is computed once per file (about a second) and remembered in ``<root>/digests.json``
+under its path, size, modification time and inode. An entry is written in a temporary directory next to it
 and renamed into place, with a manifest written last, so a crash never leaves a half
 entry that is mistaken for a complete one. An entry that fails to load is removed and
 rebuilt from the GGUF file. Transformers cannot ``save_pretrained`` a GGUF-loaded model
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -138,31 +142,76 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return base / "constrained-serve"
 
 
-def _source_identity(source: ModelSource) -> dict:
+DIGESTS_NAME = "digests.json"
+_DIGESTS_KEPT = 64
+_digests: dict[str, str] = {}  # this process's memo: stat key -> sha256
+
+
+def _stat_key(path: str) -> str:
+    st = os.stat(path)
+    return f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+
+
+def file_sha256(path: str | os.PathLike, root: Path) -> str:
+    """SHA-256 of a file, hashed once per (path, size, mtime, inode) and remembered in ``root/digests.json``."""
+    key = _stat_key(str(path))
+    if key in _digests:
+        return _digests[key]
+    index_path = root / DIGESTS_NAME
+    try:
+        index = json.loads(index_path.read_text())
+        index = index if isinstance(index, dict) else {}
+    except (OSError, ValueError):
+        index = {}
+    digest = index.get(key)
+    if not isinstance(digest, str):
+        start = time.perf_counter()
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        digest = h.hexdigest()
+        logger.info("hashed %s in %.2f s (model cache key)", path, time.perf_counter() - start)
+        index = {k: v for k, v in list(index.items())[-(_DIGESTS_KEPT - 1):]}
+        index[key] = digest
+        try:  # best effort: without the index the next process hashes again
+            root.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-digests-", dir=root)
+            with os.fdopen(fd, "w") as f:
+                json.dump(index, f)
+            os.replace(tmp, index_path)
+        except OSError:
+            logger.debug("could not write %s", index_path, exc_info=True)
+    _digests[key] = digest
+    return digest
+
+
+def _source_identity(source: ModelSource, root: Path) -> dict:
     st = os.stat(source.path)
-    return {"file": source.gguf_file, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {"file": source.gguf_file, "size": st.st_size, "sha256": file_sha256(source.path, root)}
 
 
 def gguf_cache_dir(source: ModelSource | str | None = None, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The cache entry for a GGUF source: ``<root>/<stem>-<size>-<mtime>``."""
+    """The cache entry for a GGUF source: ``<root>/<stem>-<first 16 hex digits of the file's SHA-256>``."""
     if not isinstance(source, ModelSource):
         source = resolve_model(source)
     if source.kind != "gguf":
         raise ValueError(f"{source.path} is not a GGUF model; only GGUF models are cached")
-    ident = _source_identity(source)
+    root = cache_root(cache_dir)
+    ident = _source_identity(source, root)
     stem = Path(source.gguf_file).stem
-    return cache_root(cache_dir) / f"{stem}-{ident['size']}-{ident['mtime_ns'] // 1_000_000_000}"
+    return root / f"{stem}-{ident['sha256'][:16]}"
 
 
 def _read_manifest(entry: Path, source: ModelSource) -> dict | None:
-    """The entry's manifest if the entry is complete and made from ``source``, else None."""
+    """The entry's manifest if the entry is complete and made from ``source``'s content, else None."""
     try:
         manifest = json.loads((entry / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
         return None
-    ident = _source_identity(source)
+    ident = _source_identity(source, entry.parent)
     src = manifest.get("source", {})
-    if manifest.get("format") != CACHE_FORMAT or src.get("size") != ident["size"] or src.get("mtime_ns") != ident["mtime_ns"]:
+    if manifest.get("format") != CACHE_FORMAT or src.get("size") != ident["size"] or src.get("sha256") != ident["sha256"]:
         return None
     if not all((entry / name).is_file() for name in manifest.get("files", [])):
         return None
@@ -245,7 +294,7 @@ def _write_cache(model, tokenizer, source: ModelSource, entry: Path) -> bool:
         files = sorted(p.name for p in tmp.iterdir() if p.is_file())
         manifest = {
             "format": CACHE_FORMAT,
-            "source": {"path": source.path, **_source_identity(source)},
+            "source": {"path": source.path, **_source_identity(source, root)},
             "model_class": type(model).__name__,
             "dtype": "float32",
             "tied": dropped,

@@ -24,10 +24,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_label(out: dict, labels: list[str]) -> None:
-    """``out`` (one generate output) is exactly one of ``labels``, as the continuation ``" " + label``, ended by EOS."""
+def check_label(out: dict, labels: list[str], bare: bool | None = None) -> None:
+    """``out`` (one generate output) is exactly one of ``labels``, ended by EOS: ``label`` where the answer starts a
+    message (``bare``: after a chat prompt), ``" " + label`` where it continues raw text; ``None``: either form."""
     assert out["finish_reason"] == "stop", out
-    assert out["text"].strip() in labels and out["text"] == " " + out["text"].strip(), out["text"]
+    forms = {True: [""], False: [" "], None: ["", " "]}[bare]
+    assert any(out["text"] == space + label for space in forms for label in labels), out["text"]
 
 
 class ServeApp:
