@@ -662,8 +662,8 @@ def _content_type(request: Request) -> str:
 
 
 def _if_match_version(value: str | None) -> int | None:
-    """The version an ``If-Match`` header names (``"3"``, ``3``, ``W/"3"``); 422 for anything else."""
-    if value is None:
+    """The version an ``If-Match`` header names (``"3"``, ``3``, ``W/"3"``; ``*`` names none); 422 for anything else."""
+    if value is None or value.strip() == "*":  # '*': any current version
         return None
     text = value.strip()
     text = text[2:] if text.startswith("W/") else text
