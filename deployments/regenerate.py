@@ -162,6 +162,9 @@ class CheckedRun:
                                           previous.fell_back, self.attempts[source])
             yield DoneEvent()
         finally:
-            for task in tasks:
-                task.cancel()
+            if left:  # left early (the client went away, the request failed): cancel what still decodes
+                for task in tasks:
+                    task.cancel()
+            # every engine request ends with its DoneEvent (or, cancelled, its last event): wait for it, so no
+            # event is posted to this event loop after the caller is done with it
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -25,7 +25,7 @@ import numpy as np
 from .base import Cursor, as_ids
 from .compile_worker import build_grammar
 from .masks import ALLOW, BITMASK, Step, bitmask_words
-from .schema_check import admits_repeated_keys, validator_for_schema
+from .schema_check import admits_repeated_keys, relax_schema, validator_for_schema
 from .tables import content_hash
 from .tokenizer_info import TokenizerInfo
 
@@ -124,7 +124,7 @@ def compile_json_schema(schema: dict | None, tokenizer, *, eos_token_id: int, wo
     grammar, notes = _grammar(kind, json.dumps(schema or {}), info, worker)
     return GrammarSpec(kind=kind, grammar=grammar, eos_token_id=int(eos_token_id), vocab_size=info.vocab_size,
                        schema=json.dumps(schema) if schema else None, unenforced=tuple(notes),
-                       repeatable_keys=admits_repeated_keys(schema))
+                       repeatable_keys=admits_repeated_keys(relax_schema(schema)[0] if schema else None))
 
 
 def compile_regex(pattern: str, tokenizer, *, eos_token_id: int, worker=None) -> GrammarSpec:

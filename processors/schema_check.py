@@ -113,25 +113,80 @@ def admits_repeated_keys(schema: Any) -> bool:
     does any JSON value (``None``, ``{}``, a subschema ``true``)."""
     if not isinstance(schema, dict) or not schema:
         return schema is not False
-    stack: list[tuple[Any, str]] = [(schema, "#")]
+    # (subschema, path, whether an enclosing schema already rules objects out: its type, seen through combinators)
+    stack: list[tuple[Any, str, bool]] = [(schema, "#", False)]
     while stack:
-        node, path = stack.pop()
-        if node is True:
+        node, path, no_objects = stack.pop()
+        if node is True and not no_objects:
             return True
         if not isinstance(node, dict):
             continue
         kind = node.get("type")
+        if kind is not None and "object" not in (kind if isinstance(kind, list) else [kind]):
+            no_objects = True
         if kind is None:
             opens = not any(k in node for k in ("anyOf", "allOf", "oneOf", "$ref", "enum", "const"))
         else:
-            opens = "object" in (kind if isinstance(kind, list) else [kind])
-        if opens and _admits_undeclared_keys(node):
+            opens = not no_objects
+        if opens and not no_objects and _admits_undeclared_keys(node):
             return True
-        stack.extend(_subschemas(node, path))
+        for sub, where in _subschemas(node, path):
+            combined = re.search(r"/(allOf|anyOf|oneOf)/\d+$|/(if|then|else|not)$", where[len(path):]) is not None
+            stack.append((sub, where, no_objects and combined))
     return False
 
 
+_APPLICATORS = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef",
+                "dependentSchemas", "dependencies", "contains")
+
+
+def _exact_rewrites(node: dict) -> None:
+    """Rewrite keywords llguidance refuses into ones it enforces, where the two mean the same here (no note)."""
+    plain = not any(k in node for k in _APPLICATORS)
+    # without applicators nothing else evaluates properties/items: unevaluated* is additional*/items
+    if plain and "unevaluatedProperties" in node and "additionalProperties" not in node:
+        node["additionalProperties"] = node.pop("unevaluatedProperties")
+    if plain and "unevaluatedItems" in node and "items" not in node and not isinstance(node.get("items"), list):
+        node["items"] = node.pop("unevaluatedItems")
+    # propertyNames {pattern | enum | const}: the undeclared keys become patternProperties matching it
+    names = node.get("propertyNames")
+    if isinstance(names, dict) and not node.get("patternProperties"):
+        pattern = _names_pattern(names)
+        properties = node.get("properties")
+        declared: dict = properties if isinstance(properties, dict) else {}
+        if pattern is not None and all(_search(pattern, name) for name in declared):
+            rest = node.get("additionalProperties", True)
+            del node["propertyNames"]
+            if rest is not False:
+                node["patternProperties"] = {pattern: rest}
+            node["additionalProperties"] = False
+
+
+def _names_pattern(names: dict) -> str | None:
+    """A regex (search semantics) for the key names a ``propertyNames`` schema allows, when it is that simple."""
+    keys = set(names) - {"type"}
+    if names.get("type", "string") != "string":
+        return None
+    if keys == {"pattern"} and isinstance(names["pattern"], str):
+        return names["pattern"]
+    values = [names["const"]] if keys == {"const"} else names.get("enum") if keys == {"enum"} else None
+    if isinstance(values, list) and values and all(isinstance(v, str) for v in values):
+        return "^(?:" + "|".join(re.escape(v) for v in values) + ")$"
+    return None
+
+
+def _search(pattern: str, name: str) -> bool:
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:
+        return False
+
+
 def _static_pass(node: dict, path: str, notes: list[str]) -> None:
+    _exact_rewrites(node)
+    if "then" in node and "else" in node and "if" in node:
+        # whichever way the condition goes, the instance satisfies one of the branches
+        node.setdefault("allOf", []).append({"anyOf": [node["then"], node["else"]]})
     for key in UNENFORCEABLE_KEYWORDS:
         if key in node:
             del node[key]
@@ -286,7 +341,10 @@ class OutputValidator:
             return None
         from jsonschema.exceptions import best_match
 
-        found = best_match(self._validator.iter_errors(value))
+        try:
+            found = best_match(self._validator.iter_errors(value))
+        except Exception as exc:  # e.g. a $ref the validator cannot resolve: nothing unchecked is passed
+            return f"could not be validated against the schema ({type(exc).__name__}: {str(exc)[:200]})"
         if found is None:
             return None
         where = "/".join(_escape(p) for p in found.absolute_path)
