@@ -300,6 +300,58 @@ _UNSET = np.iinfo(np.int32).max
 
 
 def _item_metrics(tables: "MaskTables") -> tuple[np.ndarray, np.ndarray, bool, int]:
+    """The same values as :func:`_item_metrics_by_rounds`, with each state and edge visited once: states are settled
+    leaves first (a state is ready once every state its edges lead to is settled; the edges form a forest), so the
+    work is O(states + edges) instead of one pass over all edges per level of the deepest path."""
+    n_states = tables.n_states
+    offsets = tables.offsets
+    nxt = tables.next_state
+    counts = np.diff(offsets)
+    min_rem = np.ones(n_states, dtype=np.int64)  # a state without edges: the end token only
+    max_rem = np.ones(n_states, dtype=np.int64)
+    items = np.ones(n_states, dtype=np.int64)
+    if n_states == 0:
+        return _freeze(min_rem.astype(np.int32)), _freeze(items.astype(np.int32)), True, 1
+    to_state = nxt >= 0
+    state_of_edge = np.repeat(np.arange(n_states, dtype=np.int64), counts)
+    parent = np.full(n_states, -1, dtype=np.int64)
+    parent[nxt[to_state]] = state_of_edge[to_state]
+    del state_of_edge
+    pending = np.bincount(parent[parent >= 0], minlength=n_states)  # edges into states not settled yet
+    ready = np.flatnonzero(pending == 0)
+    special_min = np.where(nxt == DONE, 0, 1)
+    while ready.size:
+        c = counts[ready]
+        has = c > 0
+        rs, rc = ready[has], c[has]
+        if rs.size:
+            starts = np.zeros(rs.size, dtype=np.int64)
+            np.cumsum(rc[:-1], out=starts[1:])
+            edges = np.repeat(offsets[rs] - starts, rc) + np.arange(int(rc.sum()), dtype=np.int64)
+            target = nxt[edges]
+            inner = target >= 0
+            tgt = np.maximum(target, 0)
+            e_min = np.where(inner, min_rem[tgt], special_min[edges])
+            e_max = np.where(inner, max_rem[tgt], special_min[edges])
+            e_items = np.where(inner, items[tgt], 1)
+            min_rem[rs] = np.minimum(np.minimum.reduceat(e_min, starts) + 1, _UNSET)
+            max_rem[rs] = np.minimum(np.maximum.reduceat(e_max, starts) + 1, _UNSET)
+            items[rs] = np.add.reduceat(e_items, starts)
+        up = parent[ready]
+        up = up[up >= 0]
+        if not up.size:
+            break
+        uniq, hits = np.unique(up, return_counts=True)
+        pending[uniq] -= hits
+        ready = uniq[pending[uniq] == 0]
+    uniform = bool(np.array_equal(min_rem, max_rem))
+    deepest = int(max_rem.max())
+    return (_freeze(min_rem.astype(np.int32)), _freeze(np.minimum(items, np.iinfo(np.int32).max).astype(np.int32)),
+            uniform, deepest)
+
+
+def _item_metrics_by_rounds(tables: "MaskTables") -> tuple[np.ndarray, np.ndarray, bool, int]:
+    """The reference: every edge each round until nothing changes (one round per level of the deepest path)."""
     n_states = tables.n_states
     offsets = tables.offsets
     nxt = tables.next_state.astype(np.int64)

@@ -226,3 +226,28 @@ def test_an_inline_tree_is_read_once_and_ids_past_the_vocabulary_still_refused(t
         compiler.prepare_now({"type": "tree", "tree": key})
     strict = compiler.prepare_now({"type": "tree", "tree": BASE, "strict": True})
     assert strict.constraint.version == compiled.constraint.version
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_item_metrics_settled_leaves_first_equal_the_round_based_reference(seed):
+    from processors import tables as tables_module
+
+    rng = random.Random(100 + seed)
+    body = _random_tree(rng, "_")
+    vocab = body.pop("_vocab")
+    tables = build_tree_tables(load_tree(body, vocab_size=vocab), vocab)
+    fast, reference = tables_module._item_metrics(tables), tables_module._item_metrics_by_rounds(tables)
+    assert fast[0].tolist() == reference[0].tolist() and fast[1].tolist() == reference[1].tolist()
+    assert fast[2:] == reference[2:]
+
+
+def test_item_metrics_of_a_label_trie_equal_the_reference(tokenizer):
+    from processors import build_label_tables
+    from processors import tables as tables_module
+
+    labels = ["red", "red wine", "green", "greenhouse gas", "blue", "blue moon", "blueberry", "black"]
+    lt = build_label_tables(labels, tokenizer, eos_token_id=tokenizer.eos_token_id, vocab_size=len(tokenizer))
+    fast, reference = tables_module._item_metrics(lt.tables), tables_module._item_metrics_by_rounds(lt.tables)
+    assert fast[0].tolist() == reference[0].tolist() and fast[1].tolist() == reference[1].tolist()
+    assert fast[2:] == reference[2:]
+    assert int(fast[1][lt.tables.root]) == len(labels)  # every label is one item below the root
