@@ -43,9 +43,9 @@ def run_all(model, tokenizer, lane: bool, scenarios):
                 prompt = build_prompt_ids(compiled, tokenizer, prompt=f"Request {k}.{j}: pick one.")
                 eng.submit(EngineRequest(prompt_ids=prompt, compiled=compiled, max_new_tokens=max_new,
                                          sampling=SamplingParams(temperature=temp, seed=10 * k + j), n=3), c)
-                jobs.append((name, compiled, c))
+                jobs.append((name, c))
         out = []
-        for name, compiled, c in jobs:
+        for name, c in jobs:
             res = c.wait()
             out.append((name, {i: (ev.token_ids, ev.finish_reason, ev.error) for i, ev in sorted(res.items())}))
         return out, eng.stats()
