@@ -1,0 +1,57 @@
+"""The pure parts of catalogs and PATCH: If-Match parsing, the PATCH body, the admin body parse, label deltas."""
+
+from __future__ import annotations
+
+import pytest
+
+from config.settings import Limits
+from deployments.ingress import _if_match_version
+from deployments.manager.catalog import apply_labels_delta, parse_delta, parse_json_body
+from deployments.protocol import ServiceError
+
+
+@pytest.mark.parametrize("header, version", [(None, None), ("*", None), ('"3"', 3), ("3", 3), ('W/"12"', 12),
+                                             (' "7" ', 7)])
+def test_if_match_names_a_version(header, version):
+    assert _if_match_version(header) == version
+
+
+@pytest.mark.parametrize("header", ['"0"', '"-1"', '"3', "three", '"3", "4"', "W/", '""'])
+def test_a_bad_if_match_is_422_naming_it(header):
+    with pytest.raises(ServiceError) as info:
+        _if_match_version(header)
+    assert info.value.status == 422 and info.value.detail["field"] == "If-Match"
+
+
+def test_parse_delta():
+    assert parse_delta({"add": [[1, 2]], "base_version": 3}) == ([[1, 2]], [], 3)
+    assert parse_delta({"remove": ["a"]}) == ([], ["a"], None)
+    for body, field in (([1], "body"), ({}, "add"), ({"add": [], "remove": []}, "add"), ({"add": {}}, "add"),
+                        ({"remove": "x"}, "remove"), ({"add": [[1]], "base_version": 0}, "base_version"),
+                        ({"add": [[1]], "base_version": True}, "base_version"), ({"add": [[1]], "x": 1}, "x")):
+        with pytest.raises(ServiceError) as info:
+            parse_delta(body)
+        assert info.value.status == 422 and info.value.detail["field"] == field, body
+
+
+def test_admin_body_parse_is_strict_and_checks_limits():
+    limits = Limits(max_labels=2)
+    assert parse_json_body(b'{"type": "labels", "labels": ["a"]}', limits, scenario=True) == {
+        "type": "labels", "labels": ["a"]}
+    cases = [(b"", "body", 422), (b"{nope", "body", 422), (b"[1]", "body", 422), (b'{"a": NaN}', "a", 422),
+             (b'{"a": 1, "a": 2}', "body", 422), (b'{"type": "labels", "labels": ["a", "b", "c"]}', "labels", 422)]
+    for raw, field, status in cases:
+        with pytest.raises(ServiceError) as info:
+            parse_json_body(raw, limits, scenario=True)
+        assert info.value.status == status and info.value.detail.get("field") == field, (raw, info.value.message)
+
+
+def test_labels_delta_keeps_order_and_reports_noops():
+    body = {"type": "labels", "labels": ["a", "b", "c"], "multi_label": True}
+    new, report = apply_labels_delta(body, ["d", "a"], ["b", "x"])
+    assert new == {"type": "labels", "labels": ["a", "c", "d"], "multi_label": True}
+    assert report.to_json() == {"added": 1, "removed": 1, "already_present": ["a"], "not_present": ["x"]}
+    for add, remove, field in ((["a", "a"], [], "add"), ([1], [], "add"), (["q"], ["q"], "add"), ([], [None], "remove")):
+        with pytest.raises(ServiceError) as info:
+            apply_labels_delta(body, add, remove)
+        assert info.value.status == 422 and info.value.detail["field"] == field
