@@ -300,7 +300,9 @@ def _inline_scenario(
             raise validation_error(error.errors(), {key: f"guided_{key}" for key in guided}) from None
         names = {key: f"guided_{key}" for key in names}
     if fmt is not None:
-        if fmt.type == "json_object" or fmt.json_schema.schema_ is None:
+        if fmt.type == "json_object":  # OpenAI's JSON mode: a JSON object (the json kind allows any JSON value)
+            return {"type": "json_schema", "schema": {"type": "object"}}, "response_format"
+        if fmt.json_schema.schema_ is None:
             return {"type": "json"}, "response_format"
         return {"type": "json_schema", "schema": fmt.json_schema.schema_}, "response_format.json_schema.schema"
     if so is None:

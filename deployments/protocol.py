@@ -165,6 +165,10 @@ class GenerateRequest(_Strict):
         return self
 
 
+def _absent(value: Any) -> bool:
+    return value is None
+
+
 class Output(BaseModel):
     text: str = Field(description="The generated text (special tokens removed).")
     token_ids: list[int] = Field(description="The generated token ids, including the end token if any.")
@@ -176,13 +180,15 @@ class Output(BaseModel):
         default=1, description="How many times this output was generated: a JSON output that failed validation "
                                "against its schema is generated again (json_regenerate_attempts).",
     )
+    # present only when they apply (think scenarios; logprobs asked for)
     reasoning_content: str | None = Field(
-        default=None, description="Think scenarios: the thinking text (before the end marker); else null."
+        default=None, exclude_if=_absent, description="Think scenarios: the thinking text (before the end marker)."
     )
-    answer: str | None = Field(default=None, description="Think scenarios: the text after the end marker; else null.")
+    answer: str | None = Field(default=None, exclude_if=_absent, description="Think scenarios: the text after the end marker.")
     logprobs: list[dict[str, Any]] | None = Field(
-        default=None, description="When asked: per output token, {token_id, token, logprob, top: [{token_id, token, "
-                                  "logprob}]} (log probabilities of the model before any constraint).",
+        default=None, exclude_if=_absent,
+        description="When asked: per output token, {token_id, token, logprob, top: [{token_id, token, logprob}]} "
+                    "(log probabilities of the model before any constraint).",
     )
 
 

@@ -15,6 +15,12 @@ registry and reuses it instead of starting a second server on the same files. Th
 in a module-level table so that the server stays up for the life of the process; the process
 exit (or :func:`close_embedded`) shuts it down with a final save.
 
+The server also stops when the whole service goes away without cleaning up: ``serve run`` ended by SIGTERM
+(``kill``, systemd, docker) or SIGKILL takes its Ray node down without running any shutdown code, and the
+daemon would outlive it. A small watchdog process started with the server (:func:`_start_watchdog`) waits for
+the owner to die (the Ray node's raylet inside Ray, where a restarted manager still reuses the server; else the
+process that started it) and then sends the server SIGTERM, on which Redis saves and exits, as on SIGINT.
+
 Keyspace notifications are switched on when the server allows ``CONFIG SET``; a managed Redis
 that refuses ``CONFIG`` still works (the config manager then relies on its pub/sub channel and a
 periodic reconcile). :func:`keyspace_notifications_enabled` tells which.
@@ -25,6 +31,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -157,11 +165,92 @@ def _embedded(data_dir: str) -> redis.Redis:
         except redis.RedisError:  # pragma: no cover - our own server always accepts CONFIG
             logger.warning("could not switch on AOF persistence of the embedded Redis", exc_info=True)
         _EMBEDDED[path] = client
+        if client.pid:
+            _start_watchdog(client, path)
     logger.info(
         "embedded Redis (pid %s) keeps its data in %s (appendonly.aof with fsync on every write, %s); "
         "socket %s", client.pid, path, DB_FILENAME, client.socket_file,
     )
     return client
+
+
+# The watchdog: polls every second; once the owner is gone (or is another process with its pid), SIGTERM to the
+# server if it is still the redis-server it was started for, then the registry file and the socket directory go.
+_WATCHDOG = r"""
+import os, shutil, signal, sys, time
+owner, owner_start, server, registry, socket_dir = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
+
+def start_time(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except OSError:
+        return None
+
+def is_server(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"redis-server" in f.read()
+    except OSError:
+        return False
+
+while is_server(server) and start_time(owner) == owner_start:
+    time.sleep(1.0)
+if is_server(server):
+    os.kill(server, signal.SIGTERM)
+    for _ in range(300):
+        if not is_server(server):
+            break
+        time.sleep(0.1)
+    if not is_server(server):
+        for path in (registry,):
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+        shutil.rmtree(socket_dir, ignore_errors=True)
+"""
+
+
+def _proc_start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except OSError:
+        return None
+
+
+def _owner_pid() -> int:
+    """The process whose end ends the embedded server: the raylet when this is a Ray worker (its parent), so a
+    restarted manager on the same node still finds the server; else this process."""
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            if b"raylet" in f.read().split(b"\0")[0]:
+                return parent
+    except OSError:
+        pass
+    return os.getpid()
+
+
+def _start_watchdog(client, data_dir: str) -> None:
+    """Start the watchdog of the embedded server (Linux; elsewhere nothing happens). Detached twice, so that
+    it is nobody's child: Ray ends the children of a worker that exits."""
+    owner = _owner_pid()
+    owner_start = _proc_start_time(owner)
+    if owner_start is None or not sys.platform.startswith("linux"):
+        return
+    registry = getattr(client, "settingregistryfile", None) or os.path.join(data_dir, DB_FILENAME + ".settings")
+    socket_dir = getattr(client, "redis_dir", None) or ""
+    try:
+        subprocess.run(
+            ["/bin/sh", "-c", '"$0" -c "$1" "$2" "$3" "$4" "$5" "$6" </dev/null >/dev/null 2>&1 &',
+             sys.executable, _WATCHDOG, str(owner), owner_start, str(client.pid), registry, socket_dir],
+            check=True, timeout=10, start_new_session=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        logger.warning("could not start the watchdog of the embedded Redis (pid %s): it may outlive the service "
+                       "if the service is killed", client.pid, exc_info=True)
 
 
 def embedded_server_pid(data_dir: str) -> int | None:

@@ -404,7 +404,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "require
     "extra, inline",
     [
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}}}, {"type": "json_schema", "schema": SCHEMA}),
-        ({"response_format": {"type": "json_object"}}, {"type": "json"}),
+        ({"response_format": {"type": "json_object"}}, {"type": "json_schema", "schema": {"type": "object"}}),
         ({"response_format": {"type": "text"}}, None),
         ({"structured_outputs": {"choice": ["yes", "no"]}}, {"type": "labels", "labels": ["yes", "no"], "multi_label": False, "separator": ","}),
         ({"structured_outputs": {"json": SCHEMA}}, {"type": "json_schema", "schema": SCHEMA}),
