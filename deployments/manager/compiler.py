@@ -32,7 +32,7 @@ from deployments.store import ScenarioStore, content_sha256
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StoredScenarioCompiler", "compile_warnings"]
+__all__ = ["StoredScenarioCompiler", "compile_warnings", "lower_manager_priority"]
 
 
 def _lower_priority(nice: int) -> None:
@@ -43,6 +43,25 @@ def _lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice))
     except (AttributeError, OSError):  # not Linux, or not allowed: compile at the process's priority
         logger.debug("cannot lower the compile threads' priority", exc_info=True)
+
+
+def lower_manager_priority(nice: int) -> None:
+    """When the config manager runs in a process of its own (a Ray actor), raise the niceness of all its threads
+    (and so of every thread and child process started later: the body parses, the store's calls, an embedded Redis)
+    by ``nice``: on a node that also serves, a swap's work then takes the CPU the model replicas leave. The manager is
+    the control plane: a lower priority delays writes and acknowledgements, never a generate request."""
+    if nice <= 0:
+        return
+    try:
+        import ray
+
+        if not (ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None):
+            return  # in a driver or a test process: leave the process alone
+        for tid in os.listdir("/proc/self/task"):
+            current = os.getpriority(os.PRIO_PROCESS, int(tid))
+            os.setpriority(os.PRIO_PROCESS, int(tid), min(19, current + nice))
+    except Exception:  # noqa: BLE001 - not Linux, not allowed, no Ray: run at the process's priority
+        logger.debug("cannot lower the config manager's priority", exc_info=True)
 
 
 def compile_warnings(compiled) -> list[str]:

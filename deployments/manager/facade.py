@@ -46,7 +46,7 @@ from deployments.store import (
     validate_name,
 )
 
-from .compiler import StoredScenarioCompiler, compile_warnings
+from .compiler import StoredScenarioCompiler, compile_warnings, lower_manager_priority
 from .reconciler import StoreReconciler
 from .registry import ReplicaRegistry
 from .served import ServedScenarios, object_ref
@@ -111,6 +111,7 @@ class ConfigManager:
         idempotency_ttl_s: float = IDEMPOTENCY_TTL_S,
     ):
         self.settings = settings if isinstance(settings, ServerSettings) else ServerSettings.from_args(settings)
+        lower_manager_priority(self.settings.compile_nice)  # the control plane yields the CPU to serving
         route_logs_to_serve()
         self.metrics = ManagerMetrics()
         if tokenizer is None:
