@@ -312,8 +312,9 @@ class ServerSettings(BaseModel):
     tree_dir: str | None = Field(default=None, description="The only directory tree scenarios given as a 'path' may read (relative paths resolve here); None = <data_dir>/trees.")
     compile_nice: int = Field(
         default=10, ge=0, le=19,
-        description="Scheduling niceness of the config manager's compile threads (Linux; 0 = as the process): a large "
-                    "tree's compile then takes the CPU that serving leaves, instead of slowing requests during a swap.")
+        description="Niceness added to the config manager (Linux; 0 = none): to its whole process when it runs as a "
+                    "Ray actor, and once more to its compile threads. A large tree's parse and compile then take the "
+                    "CPU that serving leaves, instead of slowing requests during a swap.")
     admin_token: str | None = Field(default=None, repr=False, description="Bearer token for /admin; None = generated at first start, stored under data_dir (mode 0600).")
     num_replicas: int = Field(default=1, ge=1, description="Model replicas.")
     max_batch_size: int = Field(default=16, ge=1, description="Most rows decoded together in one forward pass per replica.")
