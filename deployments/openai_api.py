@@ -97,7 +97,7 @@ class _OpenAIBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = Field(
-        default=None, description="The served model's name (GET /v1/models); another name is a 404, none the default."
+        default=None, description="The served model's name (GET /v1/models) or 'default'; another name is a 404."
     )
     scenario: str | None = Field(default=None, description="Extra field: name of a stored scenario.")
     structured_outputs: StructuredOutputs | None = Field(
@@ -394,9 +394,13 @@ def _check_extra_fields(body: CompletionRequest | ChatCompletionRequest) -> dict
     return passed
 
 
+#: a model name every request may give for the served model, whatever its name
+DEFAULT_ALIAS = "default"
+
+
 def check_model(name: str | None, served: str) -> None:
-    """A 404 like OpenAI's when ``name`` is given and is not the served model."""
-    if name and name != served:
+    """A 404 like OpenAI's when ``name`` is given and is neither the served model nor ``default``."""
+    if name and name not in (served, DEFAULT_ALIAS):
         raise ServiceError(404, f"The model `{name}` does not exist. This service serves `{served}` (GET /v1/models).",
                            {"type": "NotFoundError", "param": "model", "code": "model_not_found"})
 

@@ -395,6 +395,7 @@ def test_openai_extras_pass_through(setup):
     assert sent["inline_scenario"] == {"type": "regex", "pattern": "[0-9]+"}
     assert client.post("/v1/completions", json={"prompt": "x", "logprobs": 0}).status_code == 200
     assert _sent(model)["logprobs"] == 0
+    assert client.post("/v1/completions", json={"prompt": "x", "model": "default"}).status_code == 200  # the alias
 
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
