@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from itertools import chain
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -61,8 +62,18 @@ def json_depth(value: Any, stop_at: int | None = None) -> int:
         if stop_at is not None and deepest > stop_at:
             break
         children = item.values() if isinstance(item, dict) else item
+        if _flat_lists(children):  # e.g. a tree's prefix_dict: lists of scalars, checked at C speed
+            deepest = max(deepest, level + 1)
+            continue
         stack.extend((child, level + 1) for child in children if isinstance(child, (dict, list)))
     return deepest
+
+
+def _flat_lists(children: Any) -> bool:
+    """Whether ``children`` are many lists holding no dict or list (then they add one level and need no walk)."""
+    if len(children) < 64 or set(map(type, children)) != {list}:
+        return False
+    return not set(map(type, chain.from_iterable(children))) & {dict, list}
 
 
 _COUNTED = re.compile(r"\{\s*(\d+)\s*(?:(,)\s*(\d*)\s*)?\}")
