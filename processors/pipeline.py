@@ -113,9 +113,10 @@ class ScenarioCompiler:
 
     # -- the stages -------------------------------------------------------------------------------------------
 
-    def parse(self, body: Any, *, one_off: bool = False, field: str = "body"):
-        """Stages 1 and 2: the body's config model (``config.parse_scenario`` with these limits)."""
-        return parse_scenario(body, self.limits, one_off=one_off, field=field)
+    def parse(self, body: Any, *, one_off: bool = False, field: str = "body", from_json: bool = False):
+        """Stages 1 and 2: the body's config model (``config.parse_scenario`` with these limits; ``from_json``: the
+        body was parsed from JSON text, no need to check that it serializes)."""
+        return parse_scenario(body, self.limits, one_off=one_off, field=field, from_json=from_json)
 
     def compile_now(self, scenario) -> CompiledScenario:
         """Stage 3 in this thread: compile a validated scenario, then the limits of the compiled form.

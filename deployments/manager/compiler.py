@@ -142,7 +142,9 @@ class StoredScenarioCompiler:
                                        {"name": name, "field": "content_format"})
                 body.pop("items", None)  # the item count, for display
         try:
-            scenario = self.pipeline.parse(body)  # limits first (before anything walks the body), then validation
+            # limits first (before anything walks the body), then validation; the manager's bodies come from JSON
+            # (an HTTP body or Redis), so they are not serialized again to check that they are JSON
+            scenario = self.pipeline.parse(body, from_json=True)
         except ScenarioError as exc:
             raise scenario_service_error(exc, "scenario", name=name) from None
         if sha is not None:
