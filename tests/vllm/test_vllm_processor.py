@@ -120,3 +120,49 @@ def test_temperature_scale_multiplies_the_row_after_the_mask(setup, tokenizer):
 def test_malformed_extra_args_are_refused(extra):
     with pytest.raises(ValueError):
         ChainLogitsProcessor.validate_params(SamplingParams(extra_args={EXTRA_KEY: extra}))
+
+
+def test_vector_lane_gives_the_per_row_masks(setup, tokenizer):
+    """The processor with the vector lane (CONSTRAINED_SERVE_VECTOR_LANE=1) against the per-row one, fed the same
+    batch updates and output lists: tree and label rows with token budgets (the lane), regex and free rows (per row),
+    tokens drawn from what each row allows, rows ending and new ones taking their slots."""
+    from deployments.engines.vllm import model_directory
+
+    _, files, labels, regex = setup
+    tree = compile_scenario(load_scenario({"type": "tree", "tree": {"start_token_id": 900, "end_token_id": 901,
+        "prefix_dict": {"900": [1000, 1001], "900_1000": [1010, 1011], "900_1000_1010": [901], "900_1000_1011": [901],
+                        "900_1001": [901]}}}), tokenizer)
+    cfg = SimpleNamespace(model_config=SimpleNamespace(tokenizer=model_directory(None)))
+    procs = [ChainLogitsProcessor(cfg, torch.device("cpu"), False) for _ in range(2)]
+    procs[1].vector_lane = True
+    vocab = len(tokenizer)
+    rng = np.random.default_rng(0)
+    kinds = [(tree, 4), (tree, 2), (labels, 8), (labels, 3), (regex, 6), (None, 5), (tree, 6), (labels, 6)]
+    outs = [[[] for _ in kinds] for _ in procs]
+
+    def params(compiled, max_tokens):
+        extra = {EXTRA_KEY: files.ref(compiled)} if compiled is not None else {}
+        return SamplingParams(max_tokens=max_tokens, extra_args=extra or None)
+
+    for p, out in zip(procs, outs):
+        _update(p, len(kinds), added=[(i, params(c, k), [1], out[i]) for i, (c, k) in enumerate(kinds)])
+    from processors.lanes import BUDGET, lane_of
+
+    assert sum(lane_of(r.cursor) == BUDGET for r in procs[1].rows.values() if r.cursor is not None) == 6  # trees and labels
+    for step in range(10):
+        raw = torch.randn(len(kinds), vocab, generator=torch.Generator().manual_seed(step))
+        a = procs[0].apply(raw.clone())
+        b = procs[1].apply(raw.clone())
+        assert torch.equal(a, b), f"step {step}"
+        for i in range(len(kinds)):
+            allowed = torch.isfinite(a[i]).nonzero().flatten()
+            token = int(allowed[int(rng.integers(0, allowed.numel()))])
+            ended = token in (901, tokenizer.eos_token_id) or len(outs[0][i]) + 1 >= kinds[i][1]
+            if ended:  # the request ends; a new one with the same scenario takes its slot
+                for p, out in zip(procs, outs):
+                    out[i] = []
+                    _update(p, len(kinds), removed=[i], added=[(i, params(*kinds[i]), [1], out[i])])
+            else:
+                for out in outs:
+                    out[i].append(token)
+    assert procs[1].stats["failed_rows"] == procs[0].stats["failed_rows"] == 0

@@ -27,13 +27,14 @@ import signal
 import threading
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from processors import RowCursor, apply_steps
+from processors.lanes import advance_rows, lane_of, mask_rows
 from processors.masks import ALLOW, FREE, MaskBuffer, Step, mask_padded_vocab
 
 from .handoff import EXTRA_KEY, OWNER_ENV, load_compiled
@@ -52,6 +53,25 @@ FQCN = "deployments.engines.vllm.processor:ChainLogitsProcessor"
 CACHE_SIZE = 64
 
 _FREE = Step(FREE, None, 0)
+#: set to 1 in the replica's environment (which vLLM's worker inherits) to mask and advance the tree and single-label
+#: rows through processors.lanes (off by default: slower than the per-row path on CPU below batch ~64, see README)
+LANE_ENV = "CONSTRAINED_SERVE_VECTOR_LANE"
+
+
+class _StepRow:
+    """A row of the batch for :func:`processors.lanes.mask_rows` whose step is already known (per-row path)."""
+
+    __slots__ = ("_step",)
+    _lane_code = 0  # processors.lanes.OFF: the per-row path
+
+    def __init__(self, step: Step):
+        self._step = step
+
+    def step(self) -> Step:
+        return self._step
+
+
+_FREE_ROW = _StepRow(_FREE)
 
 
 class _Row:
@@ -78,6 +98,7 @@ class ChainLogitsProcessor(LogitsProcessor):
         self._tokenizer_path = vllm_config.model_config.tokenizer
         self.vocab_size: int | None = None
         self.stats = {"rows": 0, "steps": 0, "chain_seconds": 0.0, "loads": 0, "failed_rows": 0}
+        self.vector_lane = os.environ.get(LANE_ENV) == "1"
         watch_owner()
         try:  # grammar rows need the tokenizer (and its llguidance form): build both now, not at a first request
             self._load_tokenizer()
@@ -110,6 +131,8 @@ class ChainLogitsProcessor(LogitsProcessor):
         if not self.rows:
             return logits
         t0 = time.perf_counter()
+        if self.vector_lane:
+            return self._apply_lane(logits, t0)
         n = logits.shape[0]
         steps = [_FREE] * n
         scaled: list[tuple[int, float]] = []
@@ -134,6 +157,70 @@ class ChainLogitsProcessor(LogitsProcessor):
         self.stats["steps"] += 1
         self.stats["chain_seconds"] += time.perf_counter() - t0
         return logits
+
+    def _apply_lane(self, logits: torch.Tensor, t0: float) -> torch.Tensor:
+        """:meth:`apply` with the vector lane: rows of the lane that got one new token advance together, the batch
+        is masked by :func:`processors.lanes.mask_rows` (lane rows as arrays, the others by their step)."""
+        n = logits.shape[0]
+        batch: list = [_FREE_ROW] * n
+        scaled: list[tuple[int, float]] = []
+        moved: list[_Row] = []
+        moved_at: list[int] = []
+        tokens: list[int] = []
+        for index, row in self.rows.items():
+            if index >= n:
+                continue
+            if row.scale is not None:
+                scaled.append((index, row.scale))
+            cursor = row.cursor
+            if row.broken is None and cursor is not None and lane_of(cursor):
+                out = row.output_ids
+                if len(out) == row.consumed + 1:  # the common case: one new token
+                    token = out[row.consumed]
+                    row.consumed += 1
+                    if token >= 0:
+                        moved.append(row)
+                        moved_at.append(index)
+                        tokens.append(token)
+                    batch[index] = cursor
+                    continue
+                if len(out) == row.consumed:
+                    batch[index] = cursor
+                    continue
+            if row.cursor is not None or row.broken is not None:
+                batch[index] = _StepRow(self._row_step(row))
+        try:
+            if moved:
+                for k in advance_rows([r.cursor for r in moved], tokens):
+                    self._break(moved[k])
+                    batch[moved_at[k]] = _StepRow(cast(Step, moved[k].broken))
+            for index in mask_rows(logits, batch, self._mask_buffer):
+                row = self.rows[index]
+                self._break(row)
+                apply_steps(logits, [row.broken if i == index else _FREE for i in range(n)])
+        except Exception:  # never let vLLM's engine die of it: every constrained row gets its end token
+            logger.exception("masking the batch failed; ending its constrained rows")
+            steps = [_FREE] * n
+            for index, row in self.rows.items():
+                if index < n and (row.cursor is not None or row.broken is not None):
+                    if row.broken is None:
+                        self._break(row)
+                    steps[index] = row.broken
+            apply_steps(logits, steps)
+        mask_padded_vocab(logits, self.vocab_size)
+        for index, scale in scaled:
+            logits[index] *= scale
+        self.stats["steps"] += 1
+        self.stats["chain_seconds"] += time.perf_counter() - t0
+        return logits
+
+    def _break(self, row: _Row) -> None:
+        """The row's cursor raised: from now on it may emit only its end token."""
+        if row.broken is None:
+            logger.error("a row's constraint failed; forcing its end token")
+            self.stats["failed_rows"] += 1
+            assert row.cursor is not None
+            row.broken = Step(ALLOW, None, row.cursor.end_token_id)
 
     # -- rows -------------------------------------------------------------------------------------
     def _safe_new_row(self, params: "SamplingParams", prompt_ids: list[int] | None, output_ids: list[int]) -> _Row | None:
