@@ -29,6 +29,7 @@ from processors import (
     ThinkCursor, TreeCursor, apply_steps, bitmask_to_ids, build_label_tables, build_tree_tables, compile_json_schema,
     compile_regex, compile_scenario, compile_think, constraint_cursor,
 )
+from processors.items import resolve_exclude
 from processors.masks import mask_padded_vocab
 from vocab import build_tokenizer, decode, tid, tree_data
 
@@ -97,6 +98,12 @@ def _check_tree(tokens):
     assert is_tree_path({"start_token_id": S, "end_token_id": E, "sep": "_", "prefix_dict": TREE}, tokens), tokens
 
 
+def _check_tree_items(tokens):
+    _check_tree(tokens)
+    # budget 5 (the end token may come after it: the engine stops the row there, on a whole item); two excluded
+    assert len(tokens) - 1 <= 5 and tuple(tokens[:-1]) not in {(NEW, YORK), (AI,)}, tokens
+
+
 def _check_label(tokens):
     assert tokens[-1] == TINY.eos_token_id and decode(TINY, tokens[:-1]) in {" " + x for x in LABELS}, tokens
 
@@ -118,6 +125,7 @@ def _tiny_kinds() -> dict[str, Kind]:
     chain_tree = _compiled("tree", tree, tok, start=S)
     chain_multi = _compiled("labels", multi, tok, think=think)
     chain_free = _compiled("json", None, tok, think=think)
+    excluded = resolve_exclude(tree, [[NEW, YORK], [AI]])
 
     def free_answer(tokens):
         answer = _answer(tokens, think, {eos})
@@ -132,6 +140,11 @@ def _tiny_kinds() -> dict[str, Kind]:
         "multi_label": Kind("multi_label", tok, lambda: LabelCursor(multi), _check_labels, (eos,),
                             _compiled("labels", multi, tok)),
         "chain_tree": Kind("chain_tree", tok, lambda: RowCursor(chain_tree, tok), _check_tree, (E,), chain_tree),
+        # item controls bound (processors.items): a token budget and an excluded item
+        "tree_items": Kind("tree_items", tok, lambda: TreeCursor(tree).bind(budget=5, request=excluded),
+                           _check_tree_items, (E,)),
+        "chain_tree_budget": Kind("chain_tree_budget", tok, lambda: RowCursor(chain_tree, tok, max_new_tokens=4),
+                                  _check_tree, (E,), chain_tree),
         "chain_multi_think": Kind("chain_multi_think", tok, lambda: RowCursor(chain_multi, tok),
                                   lambda t: _check_labels(_answer(t, think, {eos})), (eos,), chain_multi),
         "chain_free_think": Kind("chain_free_think", tok, lambda: RowCursor(chain_free, tok), free_answer, (eos,),
@@ -170,10 +183,12 @@ def _real_kinds(tok) -> dict[str, Kind]:
     return out
 
 
-TINY_KINDS = ["tree", "labels", "labels_cursor", "multi_label", "chain_tree", "chain_multi_think", "chain_free_think"]
+TINY_KINDS = ["tree", "labels", "labels_cursor", "multi_label", "chain_tree", "chain_multi_think", "chain_free_think",
+              "tree_items", "chain_tree_budget"]
 REAL_KINDS = ["json", "json_schema", "regex", "chain_json_think"]
 ALL_KINDS = TINY_KINDS + REAL_KINDS
-WITH_PROCESSOR = [k for k in ALL_KINDS if k != "labels_cursor"]  # LabelCursor without multi-label is not a chain kind
+# LabelCursor without multi-label is not a chain kind; the processor form binds no item controls
+WITH_PROCESSOR = [k for k in ALL_KINDS if k not in ("labels_cursor", "tree_items", "chain_tree_budget")]
 WITH_PRIME = ["json", "json_schema", "regex", "chain_tree", "chain_multi_think", "chain_free_think", "chain_json_think"]
 THINKING = {"chain_multi_think", "chain_free_think", "chain_json_think"}
 _BUILT: dict[str, Kind] = {}
