@@ -251,3 +251,13 @@ def test_item_metrics_of_a_label_trie_equal_the_reference(tokenizer):
     assert fast[0].tolist() == reference[0].tolist() and fast[1].tolist() == reference[1].tolist()
     assert fast[2:] == reference[2:]
     assert int(fast[1][lt.tables.root]) == len(labels)  # every label is one item below the root
+
+
+def test_json_depth_of_a_large_prefix_dict_skips_the_walk_but_not_the_depth():
+    from config.settings import json_depth
+
+    flat = {str(i): [i, i + 1] for i in range(200)}
+    assert json_depth({"tree": {"prefix_dict": flat}}) == 4
+    nested = {**flat, "x": [1, [2, [3]]]}
+    assert json_depth({"tree": {"prefix_dict": nested}}) == 6  # one nested value: walked, depth counted
+    assert json_depth([[1, 2]] * 100) == 2 and json_depth([[{"a": 1}]] * 100) == 3
