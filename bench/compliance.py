@@ -260,32 +260,37 @@ def run_suite(args) -> dict:
            "stop_failing_independent_check": 0, "regenerated_stop": 0, "attempts_total": 0}
     failures = []
     t1 = time.perf_counter()
+    bodies = [{"inline_scenario": {"type": "json_schema", "schema": schema},
+               "messages": [{"role": "user", "content": f"Write a JSON value valid under this JSON schema: {json.dumps(schema)}"}],
+               "n": args.n, "temperature": args.temperature, "seed": 1000 + i, "max_new_tokens": args.max_new_tokens}
+              for i, (_, _, _, schema, _) in enumerate(sample)]
+
+    async def run_all():  # all at once: the engine batches them (and their regenerations) as a server would
+        return await asyncio.gather(*(replica.generate(b) for b in bodies))
+
     try:
-        for i, (draft, name, description, schema, _notes) in enumerate(sample):
-            body = {"inline_scenario": {"type": "json_schema", "schema": schema},
-                    "messages": [{"role": "user", "content": f"Write a JSON value valid under this JSON schema: {json.dumps(schema)}"}],
-                    "n": args.n, "temperature": args.temperature, "seed": 1000 + i, "max_new_tokens": args.max_new_tokens}
-            result = asyncio.run(replica.generate(body))
-            for out in result["outputs"]:
-                gen["outputs"] += 1
-                gen["attempts_total"] += out["attempts"]
-                reason = out["finish_reason"]
-                if reason == "stop":
-                    gen["stop"] += 1
-                    gen["regenerated_stop"] += out["attempts"] > 1
-                    problem = independent_error(out["text"], schema)
-                    if problem is not None:
-                        gen["stop_failing_independent_check"] += 1
-                        failures.append({"schema": f"{draft}/{name}: {description}", "text": out["text"][:120], "problem": problem[:160]})
-                elif reason == "length":
-                    gen["length"] += 1
-                elif (out["error"] or "").startswith("invalid output"):
-                    gen["error_invalid"] += 1
-                else:
-                    gen["error_other"] += 1
-            log(f"{i + 1}/{len(sample)} {draft}/{name}: {[(o['finish_reason'], o['attempts']) for o in result['outputs']]}")
+        results = asyncio.run(run_all())
     finally:
         replica.shutdown()
+    for (draft, name, description, schema, _), result in zip(sample, results):
+        for out in result["outputs"]:
+            gen["outputs"] += 1
+            gen["attempts_total"] += out["attempts"]
+            reason = out["finish_reason"]
+            if reason == "stop":
+                gen["stop"] += 1
+                gen["regenerated_stop"] += out["attempts"] > 1
+                problem = independent_error(out["text"], schema)
+                if problem is not None:
+                    gen["stop_failing_independent_check"] += 1
+                    failures.append({"schema": f"{draft}/{name}: {description}", "text": out["text"][:120], "problem": problem[:160]})
+            elif reason == "length":
+                gen["length"] += 1
+            elif (out["error"] or "").startswith("invalid output"):
+                gen["error_invalid"] += 1
+            else:
+                gen["error_other"] += 1
+        log(f"{draft}/{name}: {[(o['finish_reason'], o['attempts']) for o in result['outputs']]}")
     return {
         "bench": "compliance-suite",
         "suite": f"JSON-Schema-Test-Suite as vendored by jsonschema's sdist ({tests_dir}), {', '.join(DRAFTS)}, required tests",
