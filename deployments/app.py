@@ -28,10 +28,6 @@ MANAGER_MAX_ONGOING_REQUESTS = 1000
 INGRESS_MAX_ONGOING_REQUESTS = 1000
 # Requests a model replica accepts per batch slot: queued rows wait there for the next step, not at the proxy.
 REPLICA_REQUESTS_PER_BATCH_SLOT = 4
-# Serve logs every call to a replica ("CALL wait_for_update OK 7500ms"); the manager's long polls would print one
-# line per model replica every few seconds and each request one more line at its model replica. Off for both: a
-# request gets the ingress's access line and the project's own "generate scenario=..." lines, with its request id.
-QUIET_CALLS = {"enable_access_log": False}
 
 
 def deployment_options(settings: ServerSettings) -> dict[str, dict[str, Any]]:
@@ -42,13 +38,11 @@ def deployment_options(settings: ServerSettings) -> dict[str, dict[str, Any]]:
             "num_replicas": 1,
             "max_ongoing_requests": MANAGER_MAX_ONGOING_REQUESTS,
             "ray_actor_options": {"num_cpus": 0},
-            "logging_config": dict(QUIET_CALLS),
         },
         "model": {
             "name": "ModelReplica",
             "num_replicas": settings.num_replicas,
             "max_ongoing_requests": REPLICA_REQUESTS_PER_BATCH_SLOT * settings.max_batch_size,
-            "logging_config": dict(QUIET_CALLS),
             "ray_actor_options": {
                 "num_cpus": settings.num_cpus_per_replica,
                 "num_gpus": settings.num_gpus_per_replica,

@@ -208,6 +208,20 @@ class _ToServeLogger(logging.Handler):
             self.target.handle(record)
 
 
+class _QuietCalls(logging.Filter):
+    """Drops Serve's access line of a call between deployments that succeeded (``CALL wait_for_update OK
+    7500.3ms``): every model replica's long poll printed one every few seconds, and each request one more at its
+    model replica. HTTP access lines (``POST /v1/generate 200``), failed calls and the project's own lines (with
+    the request id) stay. Serve's ``enable_access_log: false`` would drop them too, but then Serve no longer
+    writes the request id into the replica's log file."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(record, "serve_access_log", False):
+            return True
+        message = record.getMessage()
+        return not (message.startswith("CALL ") and " OK " in message)
+
+
 class _ExpectedErrorFilter(logging.Filter):
     """One line instead of a traceback when a replica method raised a client error (a 4xx ServiceError).
 
@@ -238,6 +252,8 @@ def route_logs_to_serve() -> bool:
     serve_logger = logging.getLogger("ray.serve")
     if not any(isinstance(f, _ExpectedErrorFilter) for f in serve_logger.filters):
         serve_logger.addFilter(_ExpectedErrorFilter())
+    if not any(isinstance(f, _QuietCalls) for f in serve_logger.filters):
+        serve_logger.addFilter(_QuietCalls())
     for name in _PROJECT_LOGGERS:
         project = logging.getLogger(name)
         if not any(isinstance(h, _ToServeLogger) for h in project.handlers):
