@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["TextWatch", "answer_form", "split_thinking", "unsure_tail"]
+__all__ = ["TextWatch", "answer_form", "form_for_tokens", "split_thinking", "unsure_tail"]
 
 
 def answer_form(compiled: Any, *, chat: bool, prompt: str | None) -> Any:
@@ -32,6 +32,24 @@ def answer_form(compiled: Any, *, chat: bool, prompt: str | None) -> Any:
     else:
         bare = chat or (prompt or "")[-1:].isspace()
     chosen = for_prompt(bare)
+    return compiled if chosen is constraint else dataclasses.replace(compiled, constraint=chosen)
+
+
+def form_for_tokens(compiled: Any, token_ids: list[int]) -> Any:
+    """``compiled`` with the label form that produced ``token_ids`` (an output replayed without its prompt, as the
+    web console's playground does): a think scenario's form follows its end marker; otherwise the bare form when
+    the first token starts a label only in that form."""
+    constraint = getattr(compiled, "constraint", None)
+    bare_form = getattr(constraint, "bare_form", None)
+    if bare_form is None:
+        return compiled
+    if compiled.think is not None:
+        bare = compiled.think.end[-1:].isspace()
+    else:
+        first = int(token_ids[0]) if token_ids else None
+        bare = (first is not None and first in bare_form.tables.allowed(bare_form.tables.root)
+                and first not in constraint.tables.allowed(constraint.tables.root))
+    chosen = constraint.for_prompt(bare)
     return compiled if chosen is constraint else dataclasses.replace(compiled, constraint=chosen)
 
 

@@ -46,8 +46,8 @@ def _chip_ids(locator) -> list[int]:
     return [int(x) for x in locator.evaluate_all("nodes => nodes.map(n => n.dataset.id)")]
 
 
-def _first_tokens(tokenizer, labels) -> list[int]:
-    return sorted({tokenizer.encode(" " + label, add_special_tokens=False)[0] for label in labels})
+def _first_tokens(tokenizer, labels, space: str = " ") -> list[int]:
+    return sorted({tokenizer.encode(space + label, add_special_tokens=False)[0] for label in labels})
 
 
 def test_scenario_list_and_history(page, serve_app, screenshot):
@@ -147,14 +147,14 @@ def test_playground_shows_each_step_with_its_allowed_set(page, serve_app, tokeni
     assert "finish: stop" in meta, meta
 
     chosen = [int(x) for x in steps.evaluate_all("rows => rows.map(r => r.dataset.tokenId)")]
-    label_ids = tokenizer.encode(" " + answer.strip(), add_special_tokens=False)
+    label_ids = tokenizer.encode(answer.strip(), add_special_tokens=False)  # after a chat prompt: no leading space
     assert chosen == label_ids + [tokenizer.eos_token_id]
     for row, token_id in zip(steps.all(), chosen):
         shown = _chip_ids(row.locator("td.allowed .tok"))
         assert token_id in shown, (token_id, shown)
         expect(row.locator("td.allowed .tok.chosen")).to_have_attribute("data-id", str(token_id))
         expect(row.locator(".ok-mark")).to_be_visible()
-    assert _chip_ids(steps.first.locator("td.allowed .tok")) == _first_tokens(tokenizer, SENTIMENT)
+    assert _chip_ids(steps.first.locator("td.allowed .tok")) == _first_tokens(tokenizer, SENTIMENT, space="")
     assert _chip_ids(steps.last.locator("td.allowed .tok")) == [tokenizer.eos_token_id]
     screenshot(page, "playground")
 

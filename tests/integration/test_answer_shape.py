@@ -110,3 +110,19 @@ def test_text_watch_and_split_pieces():
     assert split_thinking("hmm</thi", "</think>", final=False) == ("hmm", "")
     assert split_thinking("hmm</thi", "</think>") == ("hmm</thi", "")
     assert split_thinking("hmm</think>\n\n Yes", "</think>") == ("hmm", "Yes")
+
+
+def test_console_replay_follows_the_label_form(tokenizer):
+    """The web console replays a generated answer without its prompt: both forms replay as allowed."""
+    from config import load_scenario
+    from deployments.console import replay
+    from processors import compile_scenario
+
+    compiled = compile_scenario(load_scenario({"type": "labels", "labels": LABELS}), tokenizer)
+    eos = tokenizer.eos_token_id
+    for text in ("Sports", " Sports", "New York City", " New York City"):
+        ids = tokenizer.encode(text, add_special_tokens=False) + [eos]
+        report = replay(compiled, tokenizer, ids)
+        assert report["error"] is None and report["finished"], (text, report["error"])
+    wrong = tokenizer.encode(" Sports", add_special_tokens=False)[:1] + tokenizer.encode("Sports", add_special_tokens=False)
+    assert replay(compiled, tokenizer, wrong)["error"] is not None  # one form per answer, not a mix
