@@ -149,3 +149,34 @@ def test_outputs_of_other_kinds_take_one_attempt(replica):
         assert out["attempts"] == 1
         if out["finish_reason"] == "stop":
             assert_valid(out["text"], exact)
+
+
+def test_strict_put_is_refused_by_the_manager_and_nothing_is_stored(tokenizer, data_dir):
+    """strict: true at the config manager's PUT (real Redis, the manager's own compile path): a 400 naming each
+    keyword the grammar cannot enforce, nothing stored; an exactly enforced schema is stored."""
+    from deployments.manager import ConfigManager
+    from deployments.protocol import ServiceError
+    from deployments.redis_server import connect_redis
+
+    manager = ConfigManager(ServerSettings(data_dir=data_dir, seed_examples=False), tokenizer=tokenizer,
+                            redis_client=connect_redis(None, data_dir), replica_timeout_s=1.0,
+                            broadcast_timeout_s=5.0, reconcile_interval_s=0.5)
+    tags = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}, "not": {"required": ["x"]}}
+
+    async def go():
+        try:
+            with pytest.raises(ServiceError) as info:
+                await manager.put("tags", {"type": "json_schema", "strict": True, "schema": tags})
+            err = info.value
+            assert err.status == 400
+            assert err.message.startswith("scenario 'tags' cannot be enforced as written (strict: true): ")
+            assert "uniqueItems at #/properties/tags" in err.message and "not at #" in err.message
+            assert set(err.detail["unenforced"]) == {"uniqueItems at #/properties/tags", "not at #"}
+            assert await manager.list() == []  # nothing stored
+            assert await manager.put("tags", {"type": "json_schema", "schema": tags}) == {"name": "tags", "version": 1}
+            closed = {"type": "object", "properties": {"n": {"type": "integer"}}, "additionalProperties": False}
+            assert (await manager.put("closed", {"type": "json_schema", "strict": True, "schema": closed}))["version"] == 1
+        finally:
+            await manager.close()
+
+    asyncio.run(go())
