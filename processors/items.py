@@ -74,6 +74,11 @@ class ItemBook:
         """``counts`` for each entry of ``states`` (0 where absent; negative entries give 0)."""
         if not self.counts:
             return np.zeros(states.shape, dtype=np.int64)
+        if (self._keys is None or self._vals is None) and states.size * 16 < len(self.counts):
+            # the sorted copy is stale (a distinct row just moved) and rebuilding it costs more than a few dict
+            # lookups: look the candidates up directly
+            get = self.counts.get
+            return np.fromiter((get(s, 0) for s in states.tolist()), dtype=np.int64, count=states.size)
         if self._keys is None or self._vals is None:
             k = np.fromiter(self.counts.keys(), dtype=np.int64, count=len(self.counts))
             v = np.fromiter(self.counts.values(), dtype=np.int64, count=len(self.counts))
