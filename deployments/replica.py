@@ -217,6 +217,13 @@ class ModelReplica:
         name, version, compiled = await self._resolve_scenario(req)
         # a label scenario's answer tokenized as it fits the prompt (no leading space after an assistant header)
         compiled = answer_form(compiled, chat=req.messages is not None, prompt=req.prompt)
+        if req.stop and compiled is not None and compiled.constraint is not None:
+            # a stop string would cut a constrained output where its constraint does not end it (half a JSON
+            # document, part of a label), and that must never come back as finish_reason "stop"
+            raise ServiceError(
+                400, f"stop: stop strings apply to free text only; this request's {compiled.kind} scenario decides "
+                     "where its output ends (leave stop out)", {"field": "stop", "kind": compiled.kind},
+            )
         messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
         try:
             prompt_ids = build_prompt_ids(compiled, self.tokenizer, prompt=req.prompt, messages=messages,

@@ -87,6 +87,17 @@ def test_stop_strings_end_outputs(replica):
     assert unmatched["text"] == plain["text"]
 
 
+@pytest.mark.parametrize("scenario", [{"type": "json_schema", "schema": {"type": "object"}},
+                                      {"type": "labels", "labels": LABELS}])
+def test_stop_strings_are_refused_on_constrained_outputs(replica, scenario):
+    from deployments.protocol import ServiceError
+
+    with pytest.raises(ServiceError) as error:
+        run(replica, {"inline_scenario": scenario, "prompt": "x", "stop": [","]})
+    assert error.value.status == 400 and error.value.detail["field"] == "stop", error.value.message
+    assert error.value.message.startswith("stop:"), error.value.message
+
+
 def test_logprobs_are_the_models(replica, model, tokenizer):
     body = {"prompt": "The capital of France is", "max_new_tokens": 4, "temperature": 0, "logprobs": 3}
     out = run(replica, body)["outputs"][0]

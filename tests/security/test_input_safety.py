@@ -114,8 +114,21 @@ def test_longest_valid_name_works(serve_app):
 # --------------------------------------------------------------------------------------------- token ids
 
 
-def _tree(prefix_dict: dict, start: int = 1, end: int = 2) -> dict:
-    return {"type": "tree", "tree": {"start_token_id": start, "end_token_id": end, "prefix_dict": prefix_dict}}
+def _tree(prefix_dict: dict, start: int = 1, end: int = 2, strict: bool = False) -> dict:
+    body = {"type": "tree", "tree": {"start_token_id": start, "end_token_id": end, "prefix_dict": prefix_dict}}
+    if strict:
+        body["strict"] = True
+    return body
+
+
+# Candidate ids that are negative or beyond int32: RTP-LLM's loader skips them, so a lenient PUT stores the tree
+# without them and warns (test_skipped_candidate_ids_are_reported); strict: true refuses them.
+_SKIPPED_IDS = [
+    ({"1": [-1]}, 'prefix_dict["1"][0]'),
+    ({"1": [5], "1_5": [-7]}, 'prefix_dict["1_5"][0]'),
+    ({"1": [2**63]}, 'prefix_dict["1"][0]'),
+    ({"1": [10**30]}, 'prefix_dict["1"][0]'),
+]
 
 
 @pytest.mark.parametrize(
@@ -123,10 +136,7 @@ def _tree(prefix_dict: dict, start: int = 1, end: int = 2) -> dict:
     [
         (_tree({"1": [VOCAB]}), 'prefix_dict["1"][0]'),
         (_tree({"1": [5, VOCAB + 1000]}), 'prefix_dict["1"][1]'),
-        (_tree({"1": [-1]}), 'prefix_dict["1"][0]'),
-        (_tree({"1": [5], "1_5": [-7]}), 'prefix_dict["1_5"][0]'),
-        (_tree({"1": [2**63]}), 'prefix_dict["1"][0]'),
-        (_tree({"1": [10**30]}), 'prefix_dict["1"][0]'),
+        *[(_tree(pd, strict=True), where) for pd, where in _SKIPPED_IDS],
         (_tree({"1": [5], "1_99999": [2]}), 'prefix_dict["1_99999"]'),
         (_tree({"1": [5], "1_-5": [2]}), 'prefix_dict["1_-5"]'),
         (_tree({str(VOCAB): [2]}, start=VOCAB), "start_token_id"),
@@ -141,6 +151,19 @@ def test_token_ids_outside_the_vocabulary(serve_app, tree, where):
     message = r.json()["error"]["message"]
     assert where in message, message
     assert requests.get(f"{serve_app.url}/admin/scenarios/{name}/versions", headers=serve_app.admin, timeout=TIMEOUT).status_code == 404
+
+
+@pytest.mark.parametrize(("prefix_dict", "where"), _SKIPPED_IDS)
+def test_skipped_candidate_ids_are_reported(serve_app, prefix_dict, where):
+    name = "sec-ids-lenient"
+    r = requests.put(f"{serve_app.url}/admin/scenarios/{name}", json=_tree(prefix_dict), headers=serve_app.admin,
+                     timeout=TIMEOUT)
+    try:
+        assert r.status_code == 200, r.text
+        warnings = r.json().get("warnings") or []
+        assert any(where in w for w in warnings), warnings
+    finally:
+        requests.delete(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=TIMEOUT)
 
 
 # --------------------------------------------------------------------------------------------- remote $ref

@@ -39,6 +39,7 @@ COVERED = {
     "default_max_new_tokens": ["test_replica_limits"],
     "max_n": ["test_n_and_num_beams"],
     "max_num_beams": ["test_n_and_num_beams"],
+    "max_exclude_items": ["test_exclude_items"],  # more in tests/integration/test_item_controls.py
     "max_tree_keys": ["test_tree_keys_inline_and_path"],
     "max_labels": ["test_labels_live", "test_labels_in_process"],
     "max_schema_bytes": ["test_schema_bytes"],
@@ -134,6 +135,17 @@ def test_n_and_num_beams(live):
     assert len(r.json()["outputs"]) == DEFAULTS.max_n
     r = _post(live, "/v1/generate", {**base, "num_beams": DEFAULTS.max_num_beams})
     assert r.status_code == 200, r.text
+
+
+def test_exclude_items(live):
+    limit = DEFAULTS.max_exclude_items
+    base = {"scenario": "sec-lim-labels", "messages": _chat(), "max_new_tokens": 4}
+    _refused(_post(live, "/v1/generate", {**base, "exclude": ["yes"] * (limit + 1)}), 422, "max_exclude_items",
+             "exclude")
+    # at the limit (the same label repeated) it passes, and the excluded label is never the answer
+    r = _post(live, "/v1/generate", {**base, "exclude": ["yes"] * limit, "n": 3, "temperature": 2.0})
+    assert r.status_code == 200, r.text
+    assert [o["text"].strip() for o in r.json()["outputs"]] == ["no"] * 3
 
 
 def test_prompt_tokens(live, tokenizer):
