@@ -85,6 +85,20 @@ def _file_sha256(path: str) -> str | None:
     return digest.hexdigest()
 
 
+def _write_atomic(directory: str, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in ``directory``: readers see all of it or nothing."""
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".incoming-")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 class StoredScenarioCompiler:
     """Validates and compiles scenario bodies for the served tokenizer (422 invalid, 400 does not compile), off the
     event loop and bounded in time; pins tree files to their content.
@@ -216,16 +230,7 @@ class StoredScenarioCompiler:
         if hashlib.sha256(data).hexdigest() != sha:
             raise ServiceError(500, f"stored tree content {self.store.content_key(sha)} does not match its hash",
                                {"name": name})
-        os.makedirs(self._content_dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self._content_dir, prefix=".incoming-")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(data)
-            os.replace(tmp, local)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        _write_atomic(self._content_dir, local, data)
         return local
 
     @property
@@ -256,16 +261,7 @@ class StoredScenarioCompiler:
         local = os.path.join(self._content_dir, f"{sha}.tree.json")
         if os.path.exists(local):
             return local
-        data = tree_file_bytes(self.catalog(name, sha))
-        fd, tmp = tempfile.mkstemp(dir=self._content_dir, prefix=".incoming-")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(data)
-            os.replace(tmp, local)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        _write_atomic(self._content_dir, local, tree_file_bytes(self.catalog(name, sha)))
         return local
 
     def save_content(self, data: bytes) -> str:
@@ -273,16 +269,7 @@ class StoredScenarioCompiler:
         sha = hashlib.sha256(data).hexdigest()
         local = os.path.join(self._content_dir, f"{sha}.json")
         if _file_sha256(local) != sha:
-            os.makedirs(self._content_dir, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self._content_dir, prefix=".incoming-")
-            try:
-                with os.fdopen(fd, "wb") as out:
-                    out.write(data)
-                os.replace(tmp, local)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            _write_atomic(self._content_dir, local, data)
         return sha
 
     def stored_content(self, body: Any) -> bytes | None:
