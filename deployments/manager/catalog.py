@@ -16,8 +16,9 @@ no item twice). Blank lines are skipped. An item may be a prefix of another (``[
 ``12`` the row may end or go on.
 
 The manager parses it once (:func:`parse_catalog`), stores the canonical catalog (the header's two ids, then the
-items in order, ``[a,b,c]`` per line) as tree content under its SHA-256, and compiles the tree it spells
-(:func:`tree_file_bytes`, the tree file format of :mod:`config.tree_file`). The stored body is a tree scenario::
+items in order, ``[a,b,c]`` per line) as tree content under its SHA-256, and compiles the tree it spells straight
+from the items (:func:`catalog_tables`: the same tables as the tree file :func:`tree_file_bytes` writes, in the
+format of :mod:`config.tree_file`, would give once loaded). The stored body is a tree scenario::
 
     {"type": "tree", "path": "catalog", "content_sha256": "<sha>", "content_format": "items", "items": 3, ...}
 
@@ -39,7 +40,8 @@ import numpy as np
 from deployments.protocol import ServiceError
 
 __all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "DeltaReport", "apply_labels_delta", "apply_tree_delta",
-           "catalog_body", "items_from_tree", "parse_catalog", "parse_delta", "parse_json_body", "tree_file_bytes"]
+           "catalog_body", "items_from_tree", "catalog_tables", "parse_catalog", "parse_delta", "parse_json_body",
+           "tree_file_bytes"]
 
 #: request content types read as a catalog (the first is the one documented)
 CATALOG_CONTENT_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
@@ -321,6 +323,71 @@ def tree_file_bytes(catalog: Catalog) -> bytes:
                                  final=lo + _TEXT_BLOCK >= internal.size))
     blocks.append(b"}}")
     return b"".join(blocks)
+
+
+def catalog_tables(catalog: Catalog, vocab_size: int):
+    """The compiled tables (:class:`processors.tables.MaskTables`) of the tree :func:`tree_file_bytes` spells,
+    built straight from the items: the same states in the same order, the same edges, without writing the tree
+    file and parsing it again (``tests/unit/test_catalog_tables.py`` checks both give equal tables).
+
+    The trie comes from the same array passes as :func:`tree_file_bytes` (items sorted as rows of a padded
+    matrix; a node is new where a row first differs from the row before, numbered row by row, so a parent comes
+    before its children). The states are the nodes with a continuation, in that order (the keys of the tree file);
+    an edge leads to its child's state, to ``LEAF`` when the child has no continuation, and the end token, where
+    the prefix is an item itself, to ``DONE``. Edges are sorted by ``(state, token)`` in one sort."""
+    from processors.tables import DONE, LEAF, MaskTables
+
+    n = len(catalog)
+    end = catalog.end_token_id
+    if n == 0:  # the tree file has no keys: no state, the root allows only the end token
+        return MaskTables(offsets=np.zeros(1, dtype=np.int64), tokens=np.zeros(0, dtype=np.int32),
+                          next_state=np.zeros(0, dtype=np.int32), root=LEAF, end_token_id=end,
+                          vocab_size=int(vocab_size))
+    lengths = catalog.lengths
+    width = int(lengths.max())
+    matrix = np.full((n, width), -1, dtype=np.int32)
+    row = np.repeat(np.arange(n), lengths)
+    col = np.arange(catalog.flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    matrix[row, col] = catalog.flat
+    del row, col
+    order = np.lexsort(matrix.T[::-1])
+    matrix, lengths = matrix[order], lengths[order]
+    differs = np.ones((n, width + 1), dtype=bool)
+    if n > 1:
+        differs[1:, :width] = matrix[1:] != matrix[:-1]
+    first_diff = differs.argmax(axis=1)
+    first_diff[0] = 0
+    del differs
+    depth = np.arange(width + 1)
+    exists = depth[None, :] <= lengths[:, None]
+    new = exists & (depth[None, :] > first_diff[:, None])
+    new[0, :] = exists[0, :]
+    del exists
+    n_nodes = int(new.sum())
+    ids = np.full(new.shape, -1, dtype=np.int64)
+    ids[new] = np.arange(n_nodes, dtype=np.int64)
+    node = np.maximum.accumulate(ids, axis=0)
+    # the edges (i, d) -> (i, d + 1) with token matrix[i, d], once each: where the child is new
+    ei, ed = np.nonzero(new[:, 1:])
+    parent, token, child = node[ei, ed], matrix[ei, ed].astype(np.int64), ids[ei, ed + 1]
+    del ids, ei, ed
+    is_end = np.zeros(n_nodes, dtype=bool)
+    is_end[node[np.arange(n), lengths]] = True
+    del node
+    has_child = np.bincount(parent, minlength=n_nodes) > 0
+    state_of = np.full(n_nodes, LEAF, dtype=np.int64)  # node -> its state (nodes with a continuation), else LEAF
+    internal = np.flatnonzero(has_child)
+    state_of[internal] = np.arange(internal.size, dtype=np.int64)
+    ends_at = internal[is_end[internal]]
+    edge_state = np.concatenate((state_of[parent], state_of[ends_at]))
+    edge_token = np.concatenate((token, np.full(ends_at.size, end, dtype=np.int64)))
+    edge_next = np.concatenate((state_of[child], np.full(ends_at.size, DONE, dtype=np.int64)))
+    order = np.argsort(edge_state * np.int64(vocab_size) + edge_token, kind="stable")
+    edge_state, edge_token, edge_next = edge_state[order], edge_token[order], edge_next[order]
+    offsets = np.zeros(internal.size + 1, dtype=np.int64)
+    np.cumsum(np.bincount(edge_state, minlength=internal.size), out=offsets[1:])
+    return MaskTables(offsets=offsets, tokens=edge_token.astype(np.int32), next_state=edge_next.astype(np.int32),
+                      root=int(state_of[0]), end_token_id=end, vocab_size=int(vocab_size))
 
 
 _TEXT_BLOCK = 1 << 17  # states whose key text is assembled at once

@@ -165,9 +165,9 @@ class StoredScenarioCompiler:
             if scenario.type != "tree" or scenario.path is None:
                 raise ServiceError(422, "invalid scenario: content_sha256: only a tree given by path has stored "
                                         "content", {"name": name, "field": "content_sha256"})
-            # The content stored at the PUT; the path is only where it was read from (it may be gone).
-            local = self.catalog_tree_file(name, sha) if fmt == "items" else self.content_file(name, sha)
-            return scenario.model_copy(update={"path": local})
+            # The content stored at the PUT; the path is only where it was read from (it may be gone). A catalog's
+            # path is its own local copy: _prepare compiles its tables from the parsed items (catalog_tables).
+            return scenario.model_copy(update={"path": self.content_file(name, sha)})
         if scenario.type == "tree" and scenario.path is not None:
             # An admin names a file on the manager's host: only files under the tree directory.
             scenario = scenario.model_copy(update={"path": self._tree_path(name, scenario.path)})
@@ -254,16 +254,6 @@ class StoredScenarioCompiler:
         while len(self._catalogs) > 4:
             self._catalogs.pop(next(iter(self._catalogs)))
 
-    def catalog_tree_file(self, name: str, sha: str) -> str:
-        """The tree file (tree file format) spelled by the stored catalog ``sha``, derived once per host."""
-        from .catalog import tree_file_bytes
-
-        local = os.path.join(self._content_dir, f"{sha}.tree.json")
-        if os.path.exists(local):
-            return local
-        _write_atomic(self._content_dir, local, tree_file_bytes(self.catalog(name, sha)))
-        return local
-
     def save_content(self, data: bytes) -> str:
         """Keep ``data`` (a catalog upload, canonical) as a local copy under its SHA-256; returns the hash."""
         sha = hashlib.sha256(data).hexdigest()
@@ -298,7 +288,19 @@ class StoredScenarioCompiler:
         """Validate (422) and compile (400) a body; runs in a worker thread (a large tree takes a while)."""
         scenario = self._validate(name, body)
         try:
-            compiled = self._compile_now(name, scenario)
+            sha = content_sha256(body)
+            if sha is not None and body.get("content_format") == "items":
+                # a catalog: its tables straight from the parsed items (kept in memory after a PUT or PATCH), equal
+                # to those of the tree file they spell, without writing and parsing that file
+                from processors.kinds.tree import prebuilt_tables
+
+                from .catalog import catalog_tables
+
+                catalog = self.catalog(name, sha)
+                with prebuilt_tables(scenario.path, catalog_tables(catalog, self.vocab_size), catalog.start_token_id):
+                    compiled = self._compile_now(name, scenario)
+            else:
+                compiled = self._compile_now(name, scenario)
         except ServiceError as exc:
             sha = content_sha256(body)
             if sha is not None and isinstance(body.get("path"), str):  # name the admin's file, not the local copy
