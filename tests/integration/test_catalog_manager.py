@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import numpy as np
 
@@ -342,3 +343,41 @@ def test_every_malformed_item_line_is_named(line):
     with pytest.raises(ServiceError) as info:
         parse_catalog(text, vocab_size=50000)
     assert info.value.status == 422 and "line 4" in info.value.message, info.value.message
+
+
+def test_a_catalog_compiles_to_the_tree_file_tables_with_its_header_fields(tokenizer, data_dir, client, tmp_path):
+    """The manager builds a catalog's tables straight from its items (catalog_tables): the replicas get the tables
+    the tree file it spells would give, and the header's scenario fields still apply (settings, start token, the
+    multi-item checks)."""
+    from config import load_tree
+    from processors.tables import build_tree_tables
+
+    manager = make_manager(tokenizer, data_dir, client=client)
+    vocab = manager.compiler.vocab_size
+
+    async def body(r0, r1):
+        text = catalog_text(ITEMS, max_items=2, separator_token_id=5, max_new_tokens=9, append_start_token=False)
+        version = (await manager.put_items("multi", text))["version"]
+        path = tmp_path / "tree.json"
+        path.write_bytes(tree_file_bytes(parse_catalog(text, vocab_size=vocab)))
+        reference = build_tree_tables(load_tree(str(path), vocab_size=vocab), vocab)
+        for replica in (r0, r1):
+            served_version, compiled = replica.tables["multi"]
+            assert served_version == version and compiled.constraint.version == reference.version
+            assert compiled.settings == {"max_new_tokens": 9, "max_items": 2, "separator_token_id": 5}
+            assert compiled.start_token_id is None
+        put = (await manager.put_items("rooted", catalog_text(ITEMS)))["version"]
+        assert r0.tables["rooted"][0] == put and r0.tables["rooted"][1].start_token_id == START
+        # compiled from the items: no tree file was written next to the stored catalogs
+        content_dir = manager.compiler.settings.data_dir + "/tree-content"
+        assert not [f for f in os.listdir(content_dir) if f.endswith(".tree.json")]
+        # (10, 11) is an item and continues with 12 into (10, 11, 12): a separator
+        # of 12 could not be told from the item (10, 11, 12), so that catalog is refused and nothing is stored
+        with pytest.raises(ServiceError) as info:
+            await manager.put_items("clash", catalog_text(ITEMS, max_items=2, separator_token_id=12))
+        assert info.value.status == 400 and "separator_token_id 12" in info.value.message
+        assert "clash" not in r0.tables
+        with pytest.raises(ServiceError):
+            await manager.get("clash")
+
+    run(manager, body)
