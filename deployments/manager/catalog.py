@@ -350,7 +350,7 @@ def catalog_tables(catalog: Catalog, vocab_size: int):
     col = np.arange(catalog.flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     matrix[row, col] = catalog.flat
     del row, col
-    order = np.lexsort(matrix.T[::-1])
+    order = _row_order(matrix)
     matrix, lengths = matrix[order], lengths[order]
     differs = np.ones((n, width + 1), dtype=bool)
     if n > 1:
@@ -388,6 +388,27 @@ def catalog_tables(catalog: Catalog, vocab_size: int):
     np.cumsum(np.bincount(edge_state, minlength=internal.size), out=offsets[1:])
     return MaskTables(offsets=offsets, tokens=edge_token.astype(np.int32), next_state=edge_next.astype(np.int32),
                       root=int(state_of[0]), end_token_id=end, vocab_size=int(vocab_size))
+
+
+def _row_order(matrix: np.ndarray) -> np.ndarray:
+    """The order that sorts the rows of ``matrix`` (ids >= 0, -1 pads) lexicographically, as ``np.lexsort`` of its
+    columns would, with fewer sort passes: the columns are packed big-endian into as few int64 words as they fit
+    (three 16-bit ids a word for a 49,152-token vocabulary) and the words are lexsorted."""
+    n, width = matrix.shape
+    if width == 0:
+        return np.arange(n)
+    bits = max(int(matrix.max()) + 1, 1).bit_length()  # the values + 1: 0 for the pad
+    per = max(1, 63 // bits)
+    words = []
+    for lo in range(0, width, per):
+        word = np.zeros(n, dtype=np.int64)
+        for c in range(lo, min(lo + per, width)):
+            word <<= bits
+            word |= matrix[:, c].astype(np.int64) + 1
+        words.append(word)
+    if len(words) == 1:
+        return np.argsort(words[0], kind="stable")
+    return np.lexsort(words[::-1])
 
 
 _TEXT_BLOCK = 1 << 17  # states whose key text is assembled at once

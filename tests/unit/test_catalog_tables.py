@@ -98,3 +98,16 @@ def test_a_large_fixed_depth_catalog(tmp_path):
     items = list(dict.fromkeys(items))
     catalog = Catalog.from_items(225, 2, items)
     assert_equal_tables(catalog_tables(catalog, VOCAB), reference_tables(catalog, VOCAB, tmp_path))
+
+
+@pytest.mark.parametrize("high, width", [(1, 5), (3, 1), (VOCAB, 7), (2**31 - 2, 3), (2**40, 2)])
+def test_row_order_is_lexsort_of_the_columns(high, width):
+    """The packed sort of catalog_tables orders distinct padded rows as np.lexsort of their columns does."""
+    from deployments.manager.catalog import _row_order
+
+    rng = np.random.default_rng(width)
+    matrix = rng.integers(0, high + 1, size=(3000, width), dtype=np.int64)
+    cut = rng.integers(1, width + 1, size=3000)  # a row's length; -1 pads the rest
+    matrix[np.arange(width)[None, :] >= cut[:, None]] = -1
+    matrix = np.unique(matrix, axis=0)[rng.permutation(np.unique(matrix, axis=0).shape[0])]
+    np.testing.assert_array_equal(_row_order(matrix), np.lexsort(matrix.T[::-1]))
