@@ -317,7 +317,7 @@ class ConfigManager:
         catalog, report = apply_tree_delta(base, add, remove, vocab_size=self.compiler.vocab_size)
         if not report.changed:
             return body, None, report
-        if not catalog.items:
+        if not len(catalog):  # (not catalog.items: that makes a tuple per item)
             raise ServiceError(422, f"remove: the PATCH would leave scenario {name!r} without items; DELETE it instead",
                                {"name": name, "field": "remove"})
         content = catalog.content()
