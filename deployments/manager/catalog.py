@@ -605,7 +605,7 @@ def catalog_body(catalog: Catalog, content: bytes) -> dict[str, Any]:
     """The stored tree body of a catalog whose canonical bytes are ``content``."""
     return {"type": "tree", **catalog.options, "path": CATALOG_PATH,
             "content_sha256": hashlib.sha256(content).hexdigest(), "content_format": "items",
-            "items": len(catalog.items)}
+            "items": len(catalog)}
 
 
 def parse_json_body(raw: bytes, limits: Any, *, scenario: bool) -> Any:
