@@ -207,6 +207,9 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None
     logprobs: dict[str, Any] | None = None
+    attempts: int = Field(default=1, description="Extra field: how many times this output was generated (a JSON "
+                                                 "output that fails its schema is generated again).")
+    error: str | None = Field(default=None, description="Extra field: why an output ended with finish_reason error.")
 
 
 class CompletionResponse(_OpenAIResponse):
@@ -225,6 +228,9 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     finish_reason: str | None
     logprobs: dict[str, Any] | None = None
+    attempts: int = Field(default=1, description="Extra field: how many times this output was generated (a JSON "
+                                                 "output that fails its schema is generated again).")
+    error: str | None = Field(default=None, description="Extra field: why an output ended with finish_reason error.")
 
 
 class ChatCompletionResponse(_OpenAIResponse):
