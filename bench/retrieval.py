@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import emit, log  # noqa: E402
+from bench.beams import run as run_jobs  # noqa: E402
 
 CODES = 256
 BASE_TOKEN = 1000
@@ -60,19 +61,8 @@ def write_tree(items: list[tuple[int, ...]], end_token_id: int, path: Path) -> N
 
 
 def run(engine, requests, concurrent: bool = True):
-    from deployments.engines import EventCollector
-
-    t0 = time.perf_counter()
-    waiters = []
-    for request in requests:
-        w = EventCollector()
-        engine.submit(request, w)
-        waiters.append(w)
-        if not concurrent:
-            w.wait(3600)
-    for w in waiters:
-        w.wait(3600)
-    return time.perf_counter() - t0, waiters
+    """Submit ``requests`` (all at once, or each after the previous ended); seconds and collectors."""
+    return run_jobs(engine, lambda: requests, concurrent)
 
 
 def main() -> None:
