@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from config.tree_fast import ScannedTree, parse_keys, scan_tree_file
+from config.tree_fast import ScannedTree, parse_keys, scan_tree_bytes, scan_tree_file
 
 __all__ = ["DEFAULT_SEP", "MAX_REPORTED_PROBLEMS", "TreeData", "TreeFileError", "fits_vocab", "is_tree_path",
            "load_tree"]
@@ -710,13 +710,35 @@ def _load_file(path: str | os.PathLike[str], builder: _TreeBuilder) -> str:
     return source
 
 
+def _load_bytes(data: bytes, builder: _TreeBuilder) -> None:
+    """A tree file's text held in memory: the numpy scan, else the ijson parser (as :func:`_load_file`)."""
+    import io
+
+    import ijson
+
+    scan = scan_tree_bytes(data)
+    if scan is not None:
+        builder.add_scan(scan)
+        return
+    if not data.strip():
+        raise TreeFileError(["the tree is empty"], source="tree")
+    try:
+        builder.add_events(iter(_ijson_backend().basic_parse(io.BytesIO(data), buf_size=_READ_CHUNK)))
+    except TreeFileError as error:
+        raise TreeFileError(error.problems, error.total, "tree") from None
+    except ijson.JSONError as error:
+        builder.problems.add(f"invalid JSON: {_json_error_text(error)}")
+        raise builder.problems.error("tree") from None
+
+
 def load_tree(source: Any, *, vocab_size: int | None = None, strict: bool = False) -> TreeData:
     """Load and validate a tree.
 
     Args:
-        source: a path (``str`` or ``os.PathLike``) to a JSON tree file, a dict in the tree file format, or a
-            :class:`config.scenarios.TreeSpec` (any object with ``start_token_id``, ``end_token_id``, ``sep`` and
-            ``prefix_dict`` attributes). Files are streamed: memory grows with the tree, not with the JSON text.
+        source: a path (``str`` or ``os.PathLike``) to a JSON tree file, the bytes of one, a dict in the tree file
+            format, or a :class:`config.scenarios.TreeSpec` (any object with ``start_token_id``, ``end_token_id``,
+            ``sep`` and ``prefix_dict`` attributes). Files are streamed: memory grows with the tree, not with the
+            JSON text.
         vocab_size: when given, every id (start, end, candidates, ids inside keys) must be below it.
         strict: refuse what RTP-LLM's loader accepts and a lenient load takes with a warning: keys that do not
             start with the root (kept, never reached), unknown top-level fields (ignored), a ``sep`` with ``-``,
@@ -736,6 +758,9 @@ def load_tree(source: Any, *, vocab_size: int | None = None, strict: bool = Fals
     builder = _TreeBuilder(strict=strict)
     if isinstance(source, (str, os.PathLike)):
         label = _load_file(source, builder)
+    elif isinstance(source, (bytes, bytearray)):
+        label = "tree"
+        _load_bytes(bytes(source), builder)
     elif isinstance(source, Mapping):
         label = "tree"
         builder.add_mapping(source)

@@ -364,12 +364,13 @@ class ScenarioStore:
 
     def _write(self, name: str, action: str, body: dict | None = None, from_version: int | None = None, *,
                idempotency_key: str | None = None, fingerprint: str | None = None,
-               content: bytes | None = None, expect_current: int | None = None) -> WriteResult:
+               content: bytes | None = None, expect_current: int | None = None,
+               body_text: str | None = None) -> WriteResult:
         validate_name(name)
         if body is not None:
             if not isinstance(body, dict):
                 raise ServiceError(422, f"a scenario body must be a JSON object, got {type(body).__name__}")
-            text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+            text = body_text if body_text is not None else json.dumps(body, separators=(",", ":"), ensure_ascii=False)
             kind = body.get("type")
             kind = kind if isinstance(kind, str) else ""
         else:
@@ -493,7 +494,8 @@ class ScenarioStore:
 
     @_redis_errors
     def put(self, name: str, body: dict, *, idempotency_key: str | None = None, fingerprint: str | None = None,
-            content: bytes | None = None, expect_current: int | None = None, action: str = "put") -> WriteResult:
+            content: bytes | None = None, expect_current: int | None = None, action: str = "put",
+            body_text: str | None = None) -> WriteResult:
         """Store ``body`` as the new current version of ``name``; return its version number.
 
         ``idempotency_key``: a write already made with this key for the same request (same
@@ -503,11 +505,13 @@ class ScenarioStore:
         without it, such a body is refused (422) unless its content is stored. ``expect_current``: write only
         while that version is current, else raise :class:`BaseChanged` (409) and write nothing. ``action``:
         ``put`` or ``patch`` (a PATCH stores the whole resulting body; the action is what the history shows).
+        ``body_text``: the body's JSON text, stored instead of serializing ``body`` (a large inline tree as the
+        client sent it; ``body`` then holds its other fields, for its type and content reference).
         """
         if action not in ("put", "patch"):
             raise ValueError(f"action {action!r}")
         return self._write(name, action, body, idempotency_key=idempotency_key, fingerprint=fingerprint,
-                           content=content, expect_current=expect_current)
+                           content=content, expect_current=expect_current, body_text=body_text)
 
     @_redis_errors
     def delete(self, name: str, *, idempotency_key: str | None = None) -> WriteResult:

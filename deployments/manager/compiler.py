@@ -71,6 +71,8 @@ def compile_warnings(compiled) -> list[str]:
 
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+# The path a split inline tree compiles under: only a name for its prebuilt tables (never opened, never stored).
+INLINE_TREE_PATH = "(inline tree)"
 
 
 def _file_sha256(path: str) -> str | None:
@@ -310,7 +312,40 @@ class StoredScenarioCompiler:
             logger.warning("scenario %r: %s", name, message)
         return compiled
 
+    def _prepare_inline(self, name: str, inline):
+        """:meth:`_prepare` for a body split by :func:`~deployments.manager.inline_tree.split_inline_tree`: the
+        other fields through the scenario model, the tree's text through the tree loader (its numpy scan), the
+        tables from that one load. ``None`` when anything is refused here: the exact way then decides, and names
+        the problem as for any inline tree (a tree counted by its keys, as there)."""
+        from config import load_tree
+        from config.settings import LimitExceeded
+        from processors.kinds.tree import prebuilt_tables
+        from processors.tables import build_tree_tables
+
+        try:
+            scenario = self.pipeline.parse({**inline.rest, "tree": None, "path": INLINE_TREE_PATH}, from_json=True)
+            tree = load_tree(inline.tree, vocab_size=self.vocab_size, strict=bool(scenario.strict))
+            self.settings.limits.check_tree_keys(len(tree), "tree.prefix_dict")
+            with prebuilt_tables(INLINE_TREE_PATH, build_tree_tables(tree, self.vocab_size), tree.start_token_id):
+                compiled = self._compile_now(name, scenario)
+        except (ScenarioError, ServiceError, LimitExceeded, ValueError) as exc:
+            logger.info("scenario %r: inline tree refused on the split way, parsing the whole body (%s)", name,
+                        str(exc)[:200])
+            return None
+        for message in compile_warnings(compiled):
+            logger.warning("scenario %r: %s", name, message)
+        return compiled
+
     # ------------------------------------------------------------------ entry points
+
+    async def compile_inline(self, name: str, inline):
+        """Compile a split inline-tree body (:meth:`_prepare_inline`) off the event loop, bounded as
+        :meth:`compile`; ``None`` when the whole body must be parsed and compiled the exact way."""
+        async with self._gate:
+            try:
+                return await self.pipeline.run_bounded(self._prepare_inline, name, inline)
+            except ScenarioError as exc:  # the time limit
+                raise scenario_service_error(exc, "scenario", name=name) from None
 
     def compile_blocking(self, name: str, body: Any):
         """:meth:`compile` for a caller without an event loop (the manager's start)."""

@@ -47,6 +47,7 @@ from deployments.store import (
 )
 
 from .compiler import StoredScenarioCompiler, compile_warnings, lower_manager_priority
+from .inline_tree import split_inline_tree
 from .reconciler import StoreReconciler
 from .registry import ReplicaRegistry
 from .served import ServedScenarios, object_ref
@@ -170,22 +171,36 @@ class ConfigManager:
         started = time.monotonic()
         self._ensure_started()
         validate_name(name)
+        raw = inline = None
         if isinstance(body, (bytes, bytearray)):  # the HTTP body as received: parsed here, once
-            body = await asyncio.to_thread(self._parse_json_body, bytes(body), True)
+            raw = bytes(body)
+            # a large inline tree: its text goes to the tree loader, not through JSON objects and pydantic
+            inline = await asyncio.to_thread(split_inline_tree, raw, self.settings.limits)
+            if inline is None:
+                body = await asyncio.to_thread(self._parse_json_body, raw, True)
         fingerprint = None
         if idempotency_key is not None:
             validate_idempotency_key(idempotency_key)
-            fingerprint = await asyncio.to_thread(_fingerprint, "put", name, body)
+            fingerprint = await asyncio.to_thread(_fingerprint, "put", name,
+                                                  body if inline is None else inline.fingerprint_body())
             first = await asyncio.to_thread(self.store.idempotent_result, idempotency_key, fingerprint)
             if first is not None:
                 return await self._replay(first)
-        stored = await asyncio.to_thread(self.compiler.pin_tree_file, name, body)
-        compiled = await self.compiler.compile(name, stored)
-        content = await asyncio.to_thread(self.compiler.stored_content, stored)
+        compiled = body_text = content = None
+        if inline is not None:
+            compiled = await self.compiler.compile_inline(name, inline)
+            if compiled is not None:  # stored as the client sent it (a GET gives back its tree)
+                stored, body_text = inline.rest, inline.text
+            else:  # refused on the split way: the whole body, parsed and compiled the exact way, names the problem
+                body = await asyncio.to_thread(self._parse_json_body, raw, True)
+        if compiled is None:
+            stored = await asyncio.to_thread(self.compiler.pin_tree_file, name, body)
+            compiled = await self.compiler.compile(name, stored)
+            content = await asyncio.to_thread(self.compiler.stored_content, stored)
         async with self.scenarios.lock:
             version = await asyncio.to_thread(functools.partial(
                 self.store.put, name, stored, idempotency_key=idempotency_key, fingerprint=fingerprint,
-                content=content))
+                content=content, body_text=body_text))
             if not version.replayed:
                 self.scenarios.install(name, version, compiled, await asyncio.to_thread(object_ref, compiled))
                 epoch = self.registry.bump()
