@@ -327,7 +327,7 @@ def _scan(mm: mmap.mmap | bytes) -> ScannedTree:
     return out
 
 
-def _scalar(mm: mmap.mmap, pos: int) -> tuple[Any, int]:
+def _scalar(mm: mmap.mmap | bytes, pos: int) -> tuple[Any, int]:
     if mm[pos : pos + 1] == b'"':
         end = mm.find(b'"', pos + 1)
         raw = mm[pos + 1 : end] if end > 0 else b"\\"
@@ -342,7 +342,7 @@ def _scalar(mm: mmap.mmap, pos: int) -> tuple[Any, int]:
     return _LITERALS[m.group(2)], m.end()
 
 
-def _scan_prefix_dict(mm: mmap.mmap, start: int, blocks: list[bytes], cands: list[np.ndarray],
+def _scan_prefix_dict(mm: mmap.mmap | bytes, start: int, blocks: list[bytes], cands: list[np.ndarray],
                       counts: list[np.ndarray]) -> int:
     """Scan the prefix_dict object from just after its ``{``; return the position after its ``}``."""
     cur, first, size = start, True, len(mm)
