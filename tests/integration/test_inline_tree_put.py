@@ -6,11 +6,11 @@ sent, a retry with an Idempotency-Key replays, and a restart compiles the stored
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
-from test_manager import FakeReplica, make_manager, ready
+from test_catalog_manager import run
+from test_manager import make_manager
 
 import deployments.manager.facade as facade
 from deployments.manager.compiler import compile_warnings
@@ -40,31 +40,12 @@ def encode(body: dict, **kw) -> bytes:
     return raw
 
 
-@pytest.fixture
-def client(data_dir):
-    return connect_redis(None, data_dir)
-
-
-def run(manager, body, n_replicas=2):
-    async def main():
-        replicas = [FakeReplica(manager, f"r{i}").start() for i in range(n_replicas)]
-        try:
-            await ready(manager, *replicas)
-            return await body(*replicas)
-        finally:
-            for r in replicas:
-                await r.stop()
-            await manager.close()
-
-    return asyncio.run(main())
-
-
-def test_large_inline_tree_is_served_as_the_exact_way_compiles_it(tokenizer, data_dir, client):
+def test_large_inline_tree_is_served_as_the_exact_way_compiles_it(tokenizer, data_dir):
     tree = big_tree(note="kept by RTP-LLM, ignored here")  # lenient: an unknown field gives a warning
     tree["prefix_dict"][f"{START}_{CODES[0]}_{CODES[0]}"] = [END, -5]  # and a negative id, skipped
     body = {"type": "tree", "tree": tree, "temperature": 0.0, "description": "catalog", "max_items": 1}
     raw = encode(body, indent=1)
-    manager = make_manager(tokenizer, data_dir, client=client)
+    manager = make_manager(tokenizer, data_dir, client=connect_redis(None, data_dir))
     assert split_inline_tree(raw, manager.settings.limits) is not None  # this body takes the split way
 
     async def scenario(r0, r1):
@@ -113,12 +94,12 @@ def _refusals():
 
 
 @pytest.mark.parametrize("case", list(_refusals()))
-def test_refusals_are_those_of_the_exact_way(tokenizer, data_dir, client, monkeypatch, case):
+def test_refusals_are_those_of_the_exact_way(tokenizer, data_dir, monkeypatch, case):
     body = _refusals()[case]
     limit = body.pop("limit", None)
     settings = {"limits": {"max_tree_keys": limit}} if limit else {}
     raw = encode(body)
-    manager = make_manager(tokenizer, data_dir, client=client, settings=settings)
+    manager = make_manager(tokenizer, data_dir, client=connect_redis(None, data_dir), settings=settings)
 
     async def attempt():
         with pytest.raises(ServiceError) as err:
