@@ -10,7 +10,9 @@ before the clock starts); larger trees are written as tree files into the manage
 acknowledged the new version, so its wall time is the PUT-to-every-replica-serving latency; ``/healthz`` is read
 after each PUT to check that both replicas report it. After the PUTs of a size, ``--patches`` PATCHes of 1,000 items
 (500 removed, 500 added: token-id paths after the root) are timed the same way, and one generation checks that the
-answer is a path of the last version.
+answer is a path of the last version. With ``--exact-too`` each timed inline PUT is preceded by a PUT of the same
+tree in a body that the manager parses whole (an escaped character in its description keeps it off the split way of
+``deployments/manager/inline_tree.py``): the two ways of reading a large inline tree compared in one run.
 
 Memory (issue 12.4): after the first PUT of a size and after the last one, the resident set (RSS), proportional
 (PSS) and unique (USS) memory of every model replica process (``/proc/<pid>/smaps_rollup``), against the same
@@ -23,7 +25,7 @@ the requests that started inside the swap windows is compared with the p95 of th
 
 Targets: p95 PUT latency at most 0.5 s for 10^5 keys and 3 s for 10^6; stall p95 at most 1.5x the quiet p95.
 
-    python bench/hot_swap.py [--quick] [--sizes 100000:6,1000000:4] [--stall-keys 1000000]
+    python bench/hot_swap.py [--quick] [--sizes 100000:6,1000000:4] [--stall-keys 1000000] [--exact-too]
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ def run_size(bench: ServeBench, tokenizer, start: int, n_keys: int, n_puts: int,
     name = f"bench-tree-{n_keys}"
     inline = n_keys <= args.inline_max
     t0 = time.perf_counter()
-    raws, paths = [], []
+    raws, paths, exact_raws = [], [], []
     last_prefix: dict[str, list[int]] = {}
     tree_dir = os.path.join(bench.data_dir, "trees")
     os.makedirs(tree_dir, exist_ok=True)
@@ -180,6 +182,9 @@ def run_size(bench: ServeBench, tokenizer, start: int, n_keys: int, n_puts: int,
         if inline:
             body = make_body(n_keys, start, seed)
             raws.append(json.dumps(body, separators=(",", ":")).encode())
+            if args.exact_too and k:
+                # the same tree in a body with an escaped character: the manager parses it whole (the exact way)
+                exact_raws.append(json.dumps({**body, "description": "exact\tway"}, separators=(",", ":")).encode())
             if k == n_puts:
                 last_prefix = body["tree"]["prefix_dict"]
         else:
@@ -199,10 +204,15 @@ def run_size(bench: ServeBench, tokenizer, start: int, n_keys: int, n_puts: int,
     first, first_s = _timed(lambda: bench.put(name, raws[0], timeout=1800))
     mem_first = process_memory()
     log(f"[{n_keys} keys] untimed first PUT: v{first['version']} in {first_s:.3f} s")
-    latencies, versions = [], []
+    latencies, versions, exact_lat = [], [], []
     all_on_new, health_checks = True, []
     cpu_before, cpu_after = serve_process_cpu(), {}
     for k in range(1, n_puts + 1):
+        if exact_raws:  # the exact way first, then the split way on the same tree (in the CPU figures too)
+            time.sleep(args.pause)
+            result, dt = _timed(lambda: bench.put(name, exact_raws[k - 1], timeout=1800))
+            exact_lat.append(dt)
+            log(f"[{n_keys} keys] PUT v{result['version']} (exact way): {dt:.3f} s")
         time.sleep(args.pause)  # isolated PUTs: background work set off by the previous one has finished
         result, dt = _timed(lambda: bench.put(name, raws[k], timeout=1800))
         if k == n_puts:
@@ -287,8 +297,14 @@ def run_size(bench: ServeBench, tokenizer, start: int, n_keys: int, n_puts: int,
         "replica_memory_added_by_first_put_mib": memory_delta(mem_before, mem_first),
         "replica_memory_added_after_last_put_mib": memory_delta(mem_before, mem_last),
         # CPU seconds per timed PUT of each Serve process (Ray's process titles), idle time between PUTs included
-        "server_cpu_s_per_put": cpu_delta(cpu_before, cpu_after, n_puts),
+        # (with --exact-too, the mean over the PUTs of both ways)
+        "server_cpu_s_per_put": cpu_delta(cpu_before, cpu_after, n_puts * (2 if exact_lat else 1)),
     }
+    if exact_lat:
+        out["exact_way_put_latency_s"] = {"p50": round(percentile(exact_lat, 50), 4),
+                                          "p95": round(percentile(exact_lat, 95), 4),
+                                          "all": [round(x, 4) for x in exact_lat]}
+        out["exact_over_split_p50"] = ratio(percentile(exact_lat, 50), p50)
     if patch_lat:
         out["patch_items"] = PATCH_ITEMS
         out["patch_latency_s"] = {"p50": round(percentile(patch_lat, 50), 4), "p95": round(percentile(patch_lat, 95), 4),
@@ -370,6 +386,9 @@ def main() -> None:
     ap.add_argument("--sizes", default="100000:6,1000000:4", help="comma-separated KEYS:PUTS")
     ap.add_argument("--patches", type=int, default=3, help="PATCHes of 1,000 items per size (0: none)")
     ap.add_argument("--inline-max", type=int, default=2_000_000, help="largest tree sent inline; larger go by path")
+    ap.add_argument("--exact-too", action="store_true",
+                    help="before each timed inline PUT, PUT the same tree in a body the manager parses whole (an "
+                         "escaped character in its description keeps it off the split way): both ways in one run")
     ap.add_argument("--reps", type=int, default=1, help="repetitions of the in-process phase timing (0: none)")
     ap.add_argument("--pause", type=float, default=1.0, help="seconds between two timed writes (not timed)")
     ap.add_argument("--replicas", type=int, default=2)
