@@ -18,16 +18,22 @@ Two pieces, both array passes with no Python loop over keys or candidates:
 from __future__ import annotations
 
 import mmap
+import os
 import re
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["CHUNK_BYTES", "KeyBlock", "ScannedTree", "extend_hash", "object_field_span", "parse_keys", "scan_tree_bytes",
-           "scan_tree_file"]
+__all__ = ["CHUNK_BYTES", "SCAN_THREADS", "KeyBlock", "ScannedTree", "extend_hash", "object_field_span", "ordered_map",
+           "parse_keys", "scan_tree_bytes", "scan_tree_file"]
 
-CHUNK_BYTES = 32 << 20
+CHUNK_BYTES = 8 << 20
+# Threads that read the blocks of one large tree at once (numpy releases the GIL in its array passes).
+SCAN_THREADS = max(1, min(2, os.cpu_count() or 1))
 SEED = (np.uint64(0x243F6A8885A308D3), np.uint64(0x13198A2E03707344))
 _K1, _K2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xD6E8FEB86659FD93)
 _M1A, _M1B = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -35,6 +41,33 @@ _M2A, _M2B = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
 _S27, _S30, _S31, _S33 = np.uint64(27), np.uint64(30), np.uint64(31), np.uint64(33)
 _MAX_DIGITS = 18  # every number of at most 18 digits fits an int64
 _POW10 = 10 ** np.arange(_MAX_DIGITS + 1, dtype=np.int64)
+
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def ordered_map(fn: Callable[[_T], _R], items: Iterable[_T], threads: int | None = None) -> Iterator[_R]:
+    """``map(fn, items)`` on ``threads`` (default :data:`SCAN_THREADS`) worker threads, results in order, at most
+    two per thread in flight (their inputs and outputs are what is held beyond a plain ``map``).
+
+    The workers are started by the calling thread and so run at its priority: the config manager's niced compile
+    threads stay niced. An exception of ``fn`` is raised where its result is taken."""
+    threads = SCAN_THREADS if threads is None else threads
+    if threads < 2:
+        yield from map(fn, items)
+        return
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="tree-scan")
+    try:
+        pending: deque = deque()
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= 2 * threads:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:  # also when the taker stops early: what was not started is dropped
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def extend_hash(h1: np.ndarray, h2: np.ndarray, part: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -344,17 +377,39 @@ def _scalar(mm: mmap.mmap | bytes, pos: int) -> tuple[Any, int]:
 
 def _scan_prefix_dict(mm: mmap.mmap | bytes, start: int, blocks: list[bytes], cands: list[np.ndarray],
                       counts: list[np.ndarray]) -> int:
-    """Scan the prefix_dict object from just after its ``{``; return the position after its ``}``."""
-    cur, first, size = start, True, len(mm)
+    """Scan the prefix_dict object from just after its ``{``; return the position after its ``}``.
+
+    The text is cut into blocks of about :data:`CHUNK_BYTES` at ``],`` (between two entries) and the blocks are
+    read on :data:`SCAN_THREADS` threads (:func:`ordered_map`), their results taken in order up to the block where
+    the object ends; what comes after that block is the caller's to read."""
+    size = len(mm)
+    bounds = []
+    cur = start
     while True:
         cut = mm.find(b"],", cur + CHUNK_BYTES) if cur + CHUNK_BYTES < size else -1
         stop = size if cut < 0 else cut + 1
-        end = _scan_block(mm[cur:stop], first, blocks, cands, counts)
-        if end is not None:
-            return cur + end + 1
+        bounds.append((cur, stop))
         if cut < 0:
-            raise _Unhandled  # no closing brace
-        cur, first = stop, False
+            break
+        cur = stop
+
+    def read(index: int):
+        lo, hi = bounds[index]
+        out: tuple[list[bytes], list[np.ndarray], list[np.ndarray]] = ([], [], [])
+        try:
+            return out, _scan_block(mm[lo:hi], index == 0, *out)
+        except _Unhandled as error:  # for the taker to raise, unless the object ended in an earlier block
+            return out, error
+
+    for index, (out, end) in enumerate(ordered_map(read, range(len(bounds)))):
+        if isinstance(end, _Unhandled):
+            raise end
+        blocks.extend(out[0])
+        cands.extend(out[1])
+        counts.extend(out[2])
+        if end is not None:
+            return bounds[index][0] + end + 1
+    raise _Unhandled  # no closing brace
 
 
 def _scan_block(buf: bytes, first: bool, blocks: list[bytes], cands: list[np.ndarray],

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from config.tree_fast import ScannedTree, parse_keys, scan_tree_bytes, scan_tree_file
+from config.tree_fast import ScannedTree, ordered_map, parse_keys, scan_tree_bytes, scan_tree_file
 
 __all__ = ["DEFAULT_SEP", "MAX_REPORTED_PROBLEMS", "TreeData", "TreeFileError", "fits_vocab", "is_tree_path",
            "load_tree"]
@@ -246,7 +246,7 @@ def _key_problem(key: Any, root: str, sep: str, vocab_size: int | None) -> str |
 
 _INT32_MAX = (1 << 31) - 1
 _KEY_BLOCK = 1 << 20  # keys per block when hashing a list of keys
-_BLOB_BLOCK = 16 << 20  # bytes per block when hashing scanned keys
+_BLOB_BLOCK = 4 << 20  # bytes per block when hashing scanned keys
 _HASHABLE_SEP = re.compile(r"[^\x00\x01]+")
 
 
@@ -513,7 +513,7 @@ class _TreeBuilder:
             self._check_keys_by_string(root, sep, vocab_size, blob, warnings)
             self._check_duplicates_by_string(blob)
             return None
-        blocks = [parse_keys(block, vocab_size) for block in self._blocks(blob, sep)]
+        blocks = list(ordered_map(lambda block: parse_keys(block, vocab_size), self._blocks(blob, sep)))
         odd = np.concatenate([b.odd for b in blocks])
         first = np.concatenate([b.first for b in blocks])
         n_parts = np.concatenate([b.n_parts for b in blocks])

@@ -185,9 +185,11 @@ def test_invalid_json_is_refused_whichever_parser_reads_it(tmp_path, text):
     assert tree_file.scan_tree_file(str(path)) is None  # the numpy scan hands every one of these to ijson
 
 
-def test_scan_reads_a_tree_across_blocks(tmp_path, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_scan_reads_a_tree_across_blocks(tmp_path, monkeypatch, threads):
     from config import tree_fast
 
+    monkeypatch.setattr(tree_fast, "SCAN_THREADS", threads)  # blocks read on this many threads
     monkeypatch.setattr(tree_fast, "CHUNK_BYTES", 64)  # many blocks, cut at "]," boundaries
     monkeypatch.setattr(tree_file, "_BLOB_BLOCK", 40)  # keys hashed in many blocks too
     rng = random.Random(3)
