@@ -32,8 +32,9 @@ __all__ = ["CHUNK_BYTES", "SCAN_THREADS", "KeyBlock", "ScannedTree", "extend_has
            "parse_keys", "scan_tree_bytes", "scan_tree_file"]
 
 CHUNK_BYTES = 8 << 20
-# Threads that read the blocks of one large tree at once (numpy releases the GIL in its array passes).
-SCAN_THREADS = max(1, min(2, os.cpu_count() or 1))
+# Threads that read the blocks of one large tree at once (numpy releases the GIL in its array passes); the
+# environment variable CONSTRAINED_SERVE_SCAN_THREADS overrides it (1: read on the calling thread alone).
+SCAN_THREADS = max(1, int(os.environ.get("CONSTRAINED_SERVE_SCAN_THREADS") or min(2, os.cpu_count() or 1)))
 SEED = (np.uint64(0x243F6A8885A308D3), np.uint64(0x13198A2E03707344))
 _K1, _K2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xD6E8FEB86659FD93)
 _M1A, _M1B = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
