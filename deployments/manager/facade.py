@@ -187,6 +187,7 @@ class ConfigManager:
             if first is not None:
                 return await self._replay(first)
         compiled = body_text = content = None
+        parsed = time.monotonic()
         if inline is not None:
             compiled = await self.compiler.compile_inline(name, inline)
             if compiled is not None:  # stored as the client sent it (a GET gives back its tree)
@@ -197,16 +198,21 @@ class ConfigManager:
             stored = await asyncio.to_thread(self.compiler.pin_tree_file, name, body)
             compiled = await self.compiler.compile(name, stored)
             content = await asyncio.to_thread(self.compiler.stored_content, stored)
+        compiled_at = time.monotonic()
         async with self.scenarios.lock:
             version = await asyncio.to_thread(functools.partial(
                 self.store.put, name, stored, idempotency_key=idempotency_key, fingerprint=fingerprint,
                 content=content, body_text=body_text))
+            stored_at = time.monotonic()
             if not version.replayed:
                 self.scenarios.install(name, version, compiled, await asyncio.to_thread(object_ref, compiled))
                 epoch = self.registry.bump()
         if version.replayed:  # the same request, sent again while the first one was still running
             return await self._replay({"action": "put", "name": name, "version": int(version)})
-        logger.info("stored scenario %r version %d", name, version)
+        # where a large PUT's time went before the replicas fetch it (the rest is theirs)
+        logger.info("stored scenario %r version %d%s (parse %.3f s, compile %.3f s, store %.3f s, object store %.3f s)",
+                    name, version, ", inline tree split" if body_text is not None else "", parsed - started,
+                    compiled_at - parsed, stored_at - compiled_at, time.monotonic() - stored_at)
         await self.registry.wait_for_acks(epoch, name, version)
         self.metrics.swapped(name, "put", started)
         warnings = compile_warnings(compiled)
