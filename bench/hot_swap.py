@@ -397,6 +397,7 @@ def main() -> None:
     ap.add_argument("--stall-quiet", type=float, default=10.0, help="seconds of each quiet window")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--torch-threads", type=int, default=1, help="torch threads per model replica")
+    ap.add_argument("--compile-nice", type=int, default=None, help="the manager's compile_nice (default: the setting's)")
     args = ap.parse_args()
     if args.quick:
         args.sizes, args.patches, args.reps, args.pause = "100000:2", 1, 0, 0.5
@@ -416,7 +417,8 @@ def main() -> None:
         limits = {"max_body_bytes": 1 << 30, "max_tree_keys": max(2_000_000, 2 * biggest),
                   "compile_timeout_s": 1800}
         settings = bench.settings(num_replicas=args.replicas, max_batch_size=16, num_cpus_per_replica=1,
-                                  torch_threads=args.torch_threads, limits=limits)
+                                  torch_threads=args.torch_threads, limits=limits,
+                                  **({} if args.compile_nice is None else {"compile_nice": args.compile_nice}))
         log(f"deploying with {args.replicas} model replica(s)")
         deploy_s = bench.deploy(settings, replicas=args.replicas)
         log(f"ready after {deploy_s:.1f} s")
