@@ -66,6 +66,7 @@ import logging
 import re
 import uuid
 import zlib
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -74,8 +75,9 @@ from redis.client import NEVER_DECODE
 
 from deployments.protocol import ServiceError
 
-__all__ = ["BaseChanged", "HISTORY_BODIES", "IDEMPOTENCY_TTL_S", "NAME_PATTERN", "ScenarioStore", "WriteResult", "content_sha256", "pruned_error",
-           "request_fingerprint", "validate_idempotency_key", "validate_name"]
+__all__ = ["BaseChanged", "HISTORY_BODIES", "IDEMPOTENCY_TTL_S", "NAME_PATTERN", "PackedBody", "ScenarioStore", "WriteResult",
+           "content_sha256", "pack_body", "pruned_error", "request_fingerprint", "validate_idempotency_key",
+           "validate_name"]
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 _NAME_RE = re.compile(NAME_PATTERN)
@@ -252,6 +254,32 @@ def validate_idempotency_key(key: Any) -> str:
     return key
 
 
+def _compress(data: bytes) -> tuple[bytes, str]:
+    packed = zlib.compress(data, 1)
+    return (data, "raw") if len(packed) >= len(data) else (packed, "zlib")
+
+
+@dataclass(frozen=True)
+class PackedBody:
+    """A large body's text as the store keeps it (see :func:`pack_body`)."""
+
+    sha256: str
+    size: int
+    data: bytes
+    encoding: str
+
+
+def pack_body(text: str) -> PackedBody | None:
+    """Hash and compress a body's JSON text as :meth:`ScenarioStore.put` would store it, ahead of the write (the
+    config manager does it on another thread while the body compiles); ``None`` for a body small enough to be kept
+    in the version's hash."""
+    raw = text.encode("utf-8", "surrogatepass")
+    if len(raw) <= BODY_INLINE_BYTES:
+        return None
+    data, encoding = _compress(raw)
+    return PackedBody(hashlib.sha256(raw).hexdigest(), len(raw), data, encoding)
+
+
 def request_fingerprint(action: str, name: str, body: Any = None, from_version: int | None = None) -> str:
     """SHA-256 (hex) of an admin write request as the client sent it: the action, the name, the body (keys
     sorted, so their order does not matter) and the rolled-back version. An idempotency key may only be
@@ -365,7 +393,7 @@ class ScenarioStore:
     def _write(self, name: str, action: str, body: dict | None = None, from_version: int | None = None, *,
                idempotency_key: str | None = None, fingerprint: str | None = None,
                content: bytes | None = None, expect_current: int | None = None,
-               body_text: str | None = None) -> WriteResult:
+               body_text: str | None = None, packed_body: PackedBody | None = None) -> WriteResult:
         validate_name(name)
         if body is not None:
             if not isinstance(body, dict):
@@ -401,9 +429,9 @@ class ScenarioStore:
             body_sha = ""
             raw_text = text.encode("utf-8", "surrogatepass")
             if len(raw_text) > BODY_INLINE_BYTES:  # a large body (an inline tree) goes to chunks like tree content
-                body_sha = hashlib.sha256(raw_text).hexdigest()
+                body_sha = hashlib.sha256(raw_text).hexdigest()  # packed_body is used only if it is of these bytes
                 stored = not attempt and self._content_stored(body_sha)
-                refs.append([body_sha, False if stored else self._put_chunks(body_sha, raw_text)])
+                refs.append([body_sha, False if stored else self._put_chunks(body_sha, raw_text, packed_body)])
                 uploaded, text = uploaded + len(raw_text), ""
             wid = f"{self.prefix}w:{uuid.uuid4().hex}"
             keys = [self._key(name, "seq"), self._key(name, "current"), self._key(name, "history"),
@@ -443,20 +471,22 @@ class ScenarioStore:
     def _content_stored(self, sha: str) -> bool:
         return bool(self.client.exists(self.content_key(sha) + ":m", self.content_key(sha)))
 
-    def _put_chunks(self, sha: str, data: bytes) -> list[str]:
+    def _put_chunks(self, sha: str, data: bytes, packed: PackedBody | None = None) -> list[str]:
         """Write ``data`` (compressed) as chunks of at most :data:`CHUNK_BYTES` under ``P c:<sha>:<i>`` and return
         its manifest ``[size, chunks, encoding]``; the manifest key itself is written by the write script,
         with the version that refers to it, so no reader ever sees content whose chunks are not all there.
-        One SET per chunk in a pipeline without a transaction: Redis serves other clients between chunks."""
-        packed = zlib.compress(data, 1)
-        encoding = "zlib"
-        if len(packed) >= len(data):
-            packed, encoding = data, "raw"
+        One SET per chunk in a pipeline without a transaction: Redis serves other clients between chunks.
+        ``packed``: ``data`` already compressed by :func:`pack_body` (used when it is of these very bytes)."""
+        if packed is not None and packed.sha256 == sha and packed.size == len(data):
+            packed_data, encoding = packed.data, packed.encoding
+        else:
+            packed_data, encoding = _compress(data)
+        packed = None
         base = self.content_key(sha)
         pipe = self.client.pipeline(transaction=False)
         count = 0
-        for count, start in enumerate(range(0, len(packed), CHUNK_BYTES), start=1):
-            pipe.set(f"{base}:{count - 1}", packed[start:start + CHUNK_BYTES])
+        for count, start in enumerate(range(0, len(packed_data), CHUNK_BYTES), start=1):
+            pipe.set(f"{base}:{count - 1}", packed_data[start:start + CHUNK_BYTES])
         if count == 0:  # empty content: one empty chunk
             pipe.set(f"{base}:0", b"")
             count = 1
@@ -495,7 +525,7 @@ class ScenarioStore:
     @_redis_errors
     def put(self, name: str, body: dict, *, idempotency_key: str | None = None, fingerprint: str | None = None,
             content: bytes | None = None, expect_current: int | None = None, action: str = "put",
-            body_text: str | None = None) -> WriteResult:
+            body_text: str | None = None, packed_body: PackedBody | None = None) -> WriteResult:
         """Store ``body`` as the new current version of ``name``; return its version number.
 
         ``idempotency_key``: a write already made with this key for the same request (same
@@ -507,11 +537,13 @@ class ScenarioStore:
         ``put`` or ``patch`` (a PATCH stores the whole resulting body; the action is what the history shows).
         ``body_text``: the body's JSON text, stored instead of serializing ``body`` (a large inline tree as the
         client sent it; ``body`` then holds its other fields, for its type and content reference).
+        ``packed_body``: :func:`pack_body` of that text, made while it compiled (not compressed again here).
         """
         if action not in ("put", "patch"):
             raise ValueError(f"action {action!r}")
         return self._write(name, action, body, idempotency_key=idempotency_key, fingerprint=fingerprint,
-                           content=content, expect_current=expect_current, body_text=body_text)
+                           content=content, expect_current=expect_current, body_text=body_text,
+                           packed_body=packed_body)
 
     @_redis_errors
     def delete(self, name: str, *, idempotency_key: str | None = None) -> WriteResult:

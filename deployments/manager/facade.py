@@ -40,6 +40,7 @@ from deployments.store import (
     IDEMPOTENCY_TTL_S,
     BaseChanged,
     ScenarioStore,
+    pack_body,
     pruned_error,
     request_fingerprint,
     validate_idempotency_key,
@@ -186,13 +187,19 @@ class ConfigManager:
             first = await asyncio.to_thread(self.store.idempotent_result, idempotency_key, fingerprint)
             if first is not None:
                 return await self._replay(first)
-        compiled = body_text = content = None
+        compiled = body_text = content = packed = None
         parsed = time.monotonic()
         if inline is not None:
-            compiled = await self.compiler.compile_inline(name, inline)
+            # the body's compression for the store runs beside the compile (zlib releases the GIL)
+            packing = asyncio.ensure_future(asyncio.to_thread(pack_body, inline.text))
+            try:
+                compiled = await self.compiler.compile_inline(name, inline)
+            finally:
+                packed = await packing
             if compiled is not None:  # stored as the client sent it (a GET gives back its tree)
                 stored, body_text = inline.rest, inline.text
             else:  # refused on the split way: the whole body, parsed and compiled the exact way, names the problem
+                packed = None
                 body = await asyncio.to_thread(self._parse_json_body, raw, True)
         if compiled is None:
             stored = await asyncio.to_thread(self.compiler.pin_tree_file, name, body)
@@ -202,7 +209,7 @@ class ConfigManager:
         async with self.scenarios.lock:
             version = await asyncio.to_thread(functools.partial(
                 self.store.put, name, stored, idempotency_key=idempotency_key, fingerprint=fingerprint,
-                content=content, body_text=body_text))
+                content=content, body_text=body_text, packed_body=packed))
             stored_at = time.monotonic()
             if not version.replayed:
                 self.scenarios.install(name, version, compiled, await asyncio.to_thread(object_ref, compiled))
