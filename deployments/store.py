@@ -481,7 +481,6 @@ class ScenarioStore:
             packed_data, encoding = packed.data, packed.encoding
         else:
             packed_data, encoding = _compress(data)
-        packed = None
         base = self.content_key(sha)
         pipe = self.client.pipeline(transaction=False)
         count = 0
