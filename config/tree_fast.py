@@ -17,11 +17,12 @@ Two pieces, both array passes with no Python loop over keys or candidates:
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -34,7 +35,12 @@ __all__ = ["CHUNK_BYTES", "SCAN_THREADS", "KeyBlock", "ScannedTree", "extend_has
 CHUNK_BYTES = 8 << 20
 # Threads that read the blocks of one large tree at once (numpy releases the GIL in its array passes); the
 # environment variable CONSTRAINED_SERVE_SCAN_THREADS overrides it (1: read on the calling thread alone).
-SCAN_THREADS = max(1, int(os.environ.get("CONSTRAINED_SERVE_SCAN_THREADS") or min(2, os.cpu_count() or 1)))
+def _scan_threads() -> int:
+    value = os.environ.get("CONSTRAINED_SERVE_SCAN_THREADS", "").strip()
+    return max(1, int(value)) if value.isdigit() else max(1, min(2, os.cpu_count() or 1))
+
+
+SCAN_THREADS = _scan_threads()
 SEED = (np.uint64(0x243F6A8885A308D3), np.uint64(0x13198A2E03707344))
 _K1, _K2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xD6E8FEB86659FD93)
 _M1A, _M1B = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -48,7 +54,7 @@ _T = TypeVar("_T")
 _R = TypeVar("_R")
 
 
-def ordered_map(fn: Callable[[_T], _R], items: Iterable[_T], threads: int | None = None) -> Iterator[_R]:
+def ordered_map(fn: Callable[[_T], _R], items: Iterable[_T], threads: int | None = None) -> Generator[_R, None, None]:
     """``map(fn, items)`` on ``threads`` (default :data:`SCAN_THREADS`) worker threads, results in order, at most
     two per thread in flight (their inputs and outputs are what is held beyond a plain ``map``).
 
@@ -402,14 +408,16 @@ def _scan_prefix_dict(mm: mmap.mmap | bytes, start: int, blocks: list[bytes], ca
         except _Unhandled as error:  # for the taker to raise, unless the object ended in an earlier block
             return out, error
 
-    for index, (out, end) in enumerate(ordered_map(read, range(len(bounds)))):
-        if isinstance(end, _Unhandled):
-            raise end
-        blocks.extend(out[0])
-        cands.extend(out[1])
-        counts.extend(out[2])
-        if end is not None:
-            return bounds[index][0] + end + 1
+    # closed on the way out, whichever way that is: no worker still reads the mapped file once this returns
+    with contextlib.closing(ordered_map(read, range(len(bounds)))) as results:
+        for index, (out, end) in enumerate(results):
+            if isinstance(end, _Unhandled):
+                raise end
+            blocks.extend(out[0])
+            cands.extend(out[1])
+            counts.extend(out[2])
+            if end is not None:
+                return bounds[index][0] + end + 1
     raise _Unhandled  # no closing brace
 
 
