@@ -232,6 +232,7 @@ class ConfigManager:
         body names it (``content_sha256``, ``content_format: items``). Returns ``{"name", "version", "items"}``."""
         from .catalog import catalog_body, parse_catalog
 
+        started = time.monotonic()
         self._ensure_started()
         validate_name(name)
         fingerprint = None
@@ -252,7 +253,7 @@ class ConfigManager:
 
         body, content = await asyncio.to_thread(prepare)
         result = await self._store_new(name, body, content, action="put", idempotency_key=idempotency_key,
-                                       fingerprint=fingerprint)
+                                       fingerprint=fingerprint, started=started)
         return {**result, "items": body["items"]}
 
     async def patch(self, name: str, delta: Any, idempotency_key: str | None = None,
@@ -358,17 +359,22 @@ class ConfigManager:
                          started: float | None = None) -> dict[str, Any]:
         """Compile ``body``, store it (with its content) and wait for every replica: the tail of a put/patch."""
         started = time.monotonic() if started is None else started
+        parsed = time.monotonic()
         compiled = await self.compiler.compile(name, body)
+        compiled_at = time.monotonic()
         async with self.scenarios.lock:
             version = await asyncio.to_thread(functools.partial(
                 self.store.put, name, body, idempotency_key=idempotency_key, fingerprint=fingerprint,
                 content=content, expect_current=expect_current, action=action))
+            stored_at = time.monotonic()
             if not version.replayed:
                 self.scenarios.install(name, version, compiled, await asyncio.to_thread(object_ref, compiled))
                 epoch = self.registry.bump()
         if version.replayed:
             return await self._replay({"action": action, "name": name, "version": int(version)})
-        logger.info("stored scenario %r version %d (%s)", name, version, action)
+        logger.info("stored scenario %r version %d (%s; parse %.3f s, compile %.3f s, store %.3f s, object store %.3f s)",
+                    name, version, action, parsed - started, compiled_at - parsed, stored_at - compiled_at,
+                    time.monotonic() - stored_at)
         await self.registry.wait_for_acks(epoch, name, version)
         self.metrics.swapped(name, action, started)
         return {"name": name, "version": int(version)}
