@@ -342,6 +342,13 @@ class ServerSettings(BaseModel):
     num_gpus_per_replica: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="GPUs per model replica: 0 on CPU, 1 in production.")
     num_cpus_per_replica: float = Field(default=1.0, ge=0, allow_inf_nan=False, description="CPUs reserved per model replica.")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads per replica (None = torch default).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32",
+        description="engine transformers: the dtype the model runs in. bfloat16 halves the weights' memory and is "
+                    "faster on GPUs and on CPUs with AMX (a batch-16 decode step of the default model on this "
+                    "project's CPU: 134 -> 82 ms at 1 thread); float16 is for GPUs. Logits are masked and sampled in "
+                    "float32 either way; greedy outputs may differ from float32 where two logits are close.",
+    )
     engine: Literal["transformers", "vllm"] = Field(
         default="transformers",
         description="Token generation backend of the model replicas: transformers (the embedded decode loop) or vllm "

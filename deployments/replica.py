@@ -85,9 +85,11 @@ class ModelReplica:
                 tokenizer = load_tokenizer(self.settings.model)
             model = None
         elif model is None or tokenizer is None:
+            import torch
+
             from .model_loader import load_model_and_tokenizer
 
-            model, tokenizer = load_model_and_tokenizer(self.settings.model)
+            model, tokenizer = load_model_and_tokenizer(self.settings.model, dtype=getattr(torch, self.settings.dtype))
         self.model = model
         self.tokenizer = tokenizer
         self.replica_id = f"replica-{uuid.uuid4().hex[:8]}"
