@@ -688,8 +688,6 @@ def _json_error_text(error: Exception) -> str:
 
 
 def _load_file(path: str | os.PathLike[str], builder: _TreeBuilder) -> str:
-    import ijson
-
     source = f"tree file {os.fspath(path)!r}"
     with open(path, "rb") as handle:
         if os.fstat(handle.fileno()).st_size == 0:
@@ -698,15 +696,8 @@ def _load_file(path: str | os.PathLike[str], builder: _TreeBuilder) -> str:
     if scan is not None:  # the numpy scan read it; anything it does not handle goes to ijson below
         builder.add_scan(scan)
         return source
-    backend = _ijson_backend()
     with open(path, "rb") as handle:
-        try:
-            builder.add_events(iter(backend.basic_parse(handle, buf_size=_READ_CHUNK)))
-        except TreeFileError as error:
-            raise TreeFileError(error.problems, error.total, source) from None
-        except ijson.JSONError as error:
-            builder.problems.add(f"invalid JSON: {_json_error_text(error)}")
-            raise builder.problems.error(source) from None
+        _parse_events(handle, builder, source)
     return source
 
 
@@ -714,21 +705,27 @@ def _load_bytes(data: bytes, builder: _TreeBuilder) -> None:
     """A tree file's text held in memory: the numpy scan, else the ijson parser (as :func:`_load_file`)."""
     import io
 
-    import ijson
-
     scan = scan_tree_bytes(data)
     if scan is not None:
         builder.add_scan(scan)
         return
     if not data.strip():
         raise TreeFileError(["the tree is empty"], source="tree")
+    _parse_events(io.BytesIO(data), builder, "tree")
+
+
+def _parse_events(handle: Any, builder: _TreeBuilder, source: str) -> None:
+    """The ijson event parser over ``handle`` into ``builder``; every problem raised as one :class:`TreeFileError`
+    naming ``source``."""
+    import ijson
+
     try:
-        builder.add_events(iter(_ijson_backend().basic_parse(io.BytesIO(data), buf_size=_READ_CHUNK)))
+        builder.add_events(iter(_ijson_backend().basic_parse(handle, buf_size=_READ_CHUNK)))
     except TreeFileError as error:
-        raise TreeFileError(error.problems, error.total, "tree") from None
+        raise TreeFileError(error.problems, error.total, source) from None
     except ijson.JSONError as error:
         builder.problems.add(f"invalid JSON: {_json_error_text(error)}")
-        raise builder.problems.error("tree") from None
+        raise builder.problems.error(source) from None
 
 
 def load_tree(source: Any, *, vocab_size: int | None = None, strict: bool = False) -> TreeData:

@@ -341,11 +341,7 @@ class StoredScenarioCompiler:
     async def compile_inline(self, name: str, inline):
         """Compile a split inline-tree body (:meth:`_prepare_inline`) off the event loop, bounded as
         :meth:`compile`; ``None`` when the whole body must be parsed and compiled the exact way."""
-        async with self._gate:
-            try:
-                return await self.pipeline.run_bounded(self._prepare_inline, name, inline)
-            except ScenarioError as exc:  # the time limit
-                raise scenario_service_error(exc, "scenario", name=name) from None
+        return await self._bounded(self._prepare_inline, name, inline)
 
     def compile_blocking(self, name: str, body: Any):
         """:meth:`compile` for a caller without an event loop (the manager's start)."""
@@ -356,8 +352,11 @@ class StoredScenarioCompiler:
 
     async def compile(self, name: str, body: Any):
         """Validate and compile ``body`` off the event loop, bounded by ``limits.compile_timeout_s``."""
+        return await self._bounded(self._prepare, name, body)
+
+    async def _bounded(self, prepare, name: str, body: Any):
         async with self._gate:  # one compile at a time: the tokenizer is shared
             try:
-                return await self.pipeline.run_bounded(self._prepare, name, body)
+                return await self.pipeline.run_bounded(prepare, name, body)
             except ScenarioError as exc:  # the time limit; the thread finishes in the background, unused
                 raise scenario_service_error(exc, "scenario", name=name) from None
