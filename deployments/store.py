@@ -264,20 +264,18 @@ class PackedBody:
     """A large body's text as the store keeps it (see :func:`pack_body`)."""
 
     sha256: str
-    size: int
     data: bytes
     encoding: str
 
 
-def pack_body(text: str) -> PackedBody | None:
-    """Hash and compress a body's JSON text as :meth:`ScenarioStore.put` would store it, ahead of the write (the
-    config manager does it on another thread while the body compiles); ``None`` for a body small enough to be kept
-    in the version's hash."""
-    raw = text.encode("utf-8", "surrogatepass")
+def pack_body(raw: bytes) -> PackedBody | None:
+    """Hash and compress a body's JSON (UTF-8 bytes) as :meth:`ScenarioStore.put` would store it, ahead of the write
+    (the config manager does it on another thread while the body compiles); ``None`` for a body small enough to be
+    kept in the version's hash."""
     if len(raw) <= BODY_INLINE_BYTES:
         return None
     data, encoding = _compress(raw)
-    return PackedBody(hashlib.sha256(raw).hexdigest(), len(raw), data, encoding)
+    return PackedBody(hashlib.sha256(raw).hexdigest(), data, encoding)
 
 
 def request_fingerprint(action: str, name: str, body: Any = None, from_version: int | None = None) -> str:
@@ -393,25 +391,24 @@ class ScenarioStore:
     def _write(self, name: str, action: str, body: dict | None = None, from_version: int | None = None, *,
                idempotency_key: str | None = None, fingerprint: str | None = None,
                content: bytes | None = None, expect_current: int | None = None,
-               body_text: str | None = None, packed_body: PackedBody | None = None) -> WriteResult:
+               body_json: bytes | None = None, packed_body: PackedBody | None = None) -> WriteResult:
         validate_name(name)
         if body is not None:
             if not isinstance(body, dict):
                 raise ServiceError(422, f"a scenario body must be a JSON object, got {type(body).__name__}")
-            text = body_text if body_text is not None else json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+            if body_json is None:
+                body_json = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
             kind = body.get("type")
             kind = kind if isinstance(kind, str) else ""
         else:
-            text, kind = "", ""
+            body_json, kind = b"", ""
         if idempotency_key is None:
             fingerprint = None
         else:
             validate_idempotency_key(idempotency_key)
             if fingerprint is None:
                 fingerprint = request_fingerprint(action, name, body, from_version)
-        body_text = text
         for attempt in range(2):  # again, uploading, when the content was pruned between our check and the write
-            text = body_text
             refs: list[list[Any]] = []  # [sha, manifest or False]: content this version refers to
             uploaded = 0
             sha = content_sha256(body)
@@ -426,13 +423,14 @@ class ScenarioStore:
                 refs.append([sha, manifest])
             elif content is not None:
                 raise ServiceError(500, "tree content given for a body without content_sha256", {"name": name})
-            body_sha = ""
-            raw_text = text.encode("utf-8", "surrogatepass")
-            if len(raw_text) > BODY_INLINE_BYTES:  # a large body (an inline tree) goes to chunks like tree content
-                body_sha = hashlib.sha256(raw_text).hexdigest()  # packed_body is used only if it is of these bytes
+            body_sha, text = "", ""
+            if len(body_json) > BODY_INLINE_BYTES:  # a large body (an inline tree) goes to chunks like tree content
+                body_sha = hashlib.sha256(body_json).hexdigest()  # packed_body is used only if it is of these bytes
                 stored = not attempt and self._content_stored(body_sha)
-                refs.append([body_sha, False if stored else self._put_chunks(body_sha, raw_text, packed_body)])
-                uploaded, text = uploaded + len(raw_text), ""
+                refs.append([body_sha, False if stored else self._put_chunks(body_sha, body_json, packed_body)])
+                uploaded += len(body_json)
+            else:  # kept in the version's hash
+                text = body_json.decode("utf-8", "surrogatepass")
             wid = f"{self.prefix}w:{uuid.uuid4().hex}"
             keys = [self._key(name, "seq"), self._key(name, "current"), self._key(name, "history"),
                     self.names_key, self.all_key, wid,
@@ -477,7 +475,7 @@ class ScenarioStore:
         with the version that refers to it, so no reader ever sees content whose chunks are not all there.
         One SET per chunk in a pipeline without a transaction: Redis serves other clients between chunks.
         ``packed``: ``data`` already compressed by :func:`pack_body` (used when it is of these very bytes)."""
-        if packed is not None and packed.sha256 == sha and packed.size == len(data):
+        if packed is not None and packed.sha256 == sha:
             packed_data, encoding = packed.data, packed.encoding
         else:
             packed_data, encoding = _compress(data)
@@ -524,7 +522,7 @@ class ScenarioStore:
     @_redis_errors
     def put(self, name: str, body: dict, *, idempotency_key: str | None = None, fingerprint: str | None = None,
             content: bytes | None = None, expect_current: int | None = None, action: str = "put",
-            body_text: str | None = None, packed_body: PackedBody | None = None) -> WriteResult:
+            body_json: bytes | None = None, packed_body: PackedBody | None = None) -> WriteResult:
         """Store ``body`` as the new current version of ``name``; return its version number.
 
         ``idempotency_key``: a write already made with this key for the same request (same
@@ -534,14 +532,14 @@ class ScenarioStore:
         without it, such a body is refused (422) unless its content is stored. ``expect_current``: write only
         while that version is current, else raise :class:`BaseChanged` (409) and write nothing. ``action``:
         ``put`` or ``patch`` (a PATCH stores the whole resulting body; the action is what the history shows).
-        ``body_text``: the body's JSON text, stored instead of serializing ``body`` (a large inline tree as the
-        client sent it; ``body`` then holds its other fields, for its type and content reference).
-        ``packed_body``: :func:`pack_body` of that text, made while it compiled (not compressed again here).
+        ``body_json``: the body's JSON (UTF-8 bytes), stored instead of serializing ``body`` (a large inline tree as
+        the client sent it; ``body`` then holds its other fields, for its type and content reference).
+        ``packed_body``: :func:`pack_body` of those bytes, made while it compiled (not compressed again here).
         """
         if action not in ("put", "patch"):
             raise ValueError(f"action {action!r}")
         return self._write(name, action, body, idempotency_key=idempotency_key, fingerprint=fingerprint,
-                           content=content, expect_current=expect_current, body_text=body_text,
+                           content=content, expect_current=expect_current, body_json=body_json,
                            packed_body=packed_body)
 
     @_redis_errors

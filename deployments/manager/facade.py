@@ -187,17 +187,17 @@ class ConfigManager:
             first = await asyncio.to_thread(self.store.idempotent_result, idempotency_key, fingerprint)
             if first is not None:
                 return await self._replay(first)
-        compiled = body_text = content = packed = None
+        compiled = body_json = content = packed = None
         parsed = time.monotonic()
         if inline is not None:
             # the body's compression for the store runs beside the compile (zlib releases the GIL)
-            packing = asyncio.ensure_future(asyncio.to_thread(pack_body, inline.text))
+            packing = asyncio.ensure_future(asyncio.to_thread(pack_body, inline.json))
             try:
                 compiled = await self.compiler.compile_inline(name, inline)
             finally:
                 packed = await packing
             if compiled is not None:  # stored as the client sent it (a GET gives back its tree)
-                stored, body_text = inline.rest, inline.text
+                stored, body_json = inline.rest, inline.json
             else:  # refused on the split way: the whole body, parsed and compiled the exact way, names the problem
                 packed = None
                 body = await asyncio.to_thread(self._parse_json_body, raw, True)
@@ -209,7 +209,7 @@ class ConfigManager:
         async with self.scenarios.lock:
             version = await asyncio.to_thread(functools.partial(
                 self.store.put, name, stored, idempotency_key=idempotency_key, fingerprint=fingerprint,
-                content=content, body_text=body_text, packed_body=packed))
+                content=content, body_json=body_json, packed_body=packed))
             stored_at = time.monotonic()
             if not version.replayed:
                 self.scenarios.install(name, version, compiled, await asyncio.to_thread(object_ref, compiled))
@@ -218,7 +218,7 @@ class ConfigManager:
             return await self._replay({"action": "put", "name": name, "version": int(version)})
         # where a large PUT's time went before the replicas fetch it (the rest is theirs)
         logger.info("stored scenario %r version %d%s (parse %.3f s, compile %.3f s, store %.3f s, object store %.3f s)",
-                    name, version, ", inline tree split" if body_text is not None else "", parsed - started,
+                    name, version, ", inline tree split" if body_json is not None else "", parsed - started,
                     compiled_at - parsed, stored_at - compiled_at, time.monotonic() - stored_at)
         await self.registry.wait_for_acks(epoch, name, version)
         self.metrics.swapped(name, "put", started)

@@ -37,12 +37,12 @@ class InlineTree:
     Attributes:
         rest: the body's other fields, strictly parsed (``tree`` is ``None`` there).
         tree: the JSON text of the ``tree`` object.
-        text: the whole body as received (what the store keeps).
+        json: the whole body as received, checked to be UTF-8 (what the store keeps).
     """
 
     rest: dict[str, Any]
     tree: bytes
-    text: str
+    json: bytes
 
     def fingerprint_body(self) -> dict[str, Any]:
         """What an ``Idempotency-Key`` is bound to: the other fields and the tree's SHA-256 (the same bytes split
@@ -65,10 +65,10 @@ def split_inline_tree(raw: bytes, limits: Any, *, min_bytes: int = INLINE_TREE_M
     start, end = span
     try:
         rest = parse_json_body(raw[:start] + b"null" + raw[end:], limits, scenario=True)
-        text = raw.decode("utf-8")
+        raw.decode("utf-8")  # the tree's text is checked by its scan; the store keeps the whole body as UTF-8
     except (ServiceError, UnicodeDecodeError):
         return None
     if (rest.get("type") != "tree" or "tree" not in rest or rest["tree"] is not None
             or any(field in rest for field in ("path", "content_sha256", "content_format"))):
         return None
-    return InlineTree(rest, raw[start:end], text)
+    return InlineTree(rest, raw[start:end], raw)

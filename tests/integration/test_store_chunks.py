@@ -56,7 +56,7 @@ def test_a_large_inline_body_is_stored_as_chunks_and_read_back(client):
 
 
 def test_a_body_text_is_stored_as_given_and_a_packed_body_only_for_its_own_bytes(client):
-    """store.put(body_text=...) keeps the client's text (the split way of a large inline tree); a body packed ahead
+    """store.put(body_json=...) keeps the client's text (the split way of a large inline tree); a body packed ahead
     (pack_body, beside the compile) is used only when it is of that very text: another text of the same size is
     compressed again, so the stored bytes always match their hash."""
     import json
@@ -68,18 +68,18 @@ def test_a_body_text_is_stored_as_given_and_a_packed_body_only_for_its_own_bytes
     body = {"type": "tree", "tree": {"start_token_id": 1, "end_token_id": 2, "prefix_dict": prefix}}
     text = json.dumps(body, indent=1)  # not the store's own serialization
     rest = {"type": "tree", "tree": None}
-    packed = pack_body(text)
+    packed = pack_body(text.encode())
     assert packed is not None and packed.encoding == "zlib"
-    version = store.put("a", rest, body_text=text, packed_body=packed)
+    version = store.put("a", rest, body_json=text.encode(), packed_body=packed)
     assert store.get("a", version)["scenario"] == body
     assert store.content(packed.sha256) == text.encode()
     other = text.replace('"1000"', '"0999"', 1)  # same size, other bytes
     assert len(other) == len(text) and other != text
-    version = store.put("b", rest, body_text=other, packed_body=packed)
+    version = store.put("b", rest, body_json=other.encode(), packed_body=packed)
     assert store.get("b", version)["scenario"]["tree"]["prefix_dict"]["0999"] == prefix["1000"]
     sha = hashlib.sha256(other.encode()).hexdigest()
     assert client.hget(store.version_key("b", version), "body_sha256") == sha and store.content(sha) == other.encode()
-    assert pack_body('{"type": "labels", "labels": ["a"]}') is None  # small: kept in the version's hash
+    assert pack_body(b'{"type": "labels", "labels": ["a"]}') is None  # small: kept in the version's hash
 
 
 def test_a_reader_during_a_write_sees_all_or_nothing(client, data_dir):
