@@ -33,9 +33,11 @@ __all__ = ["CHUNK_BYTES", "SCAN_THREADS", "KeyBlock", "ScannedTree", "extend_has
            "parse_keys", "scan_tree_bytes", "scan_tree_file"]
 
 CHUNK_BYTES = 8 << 20
-# Threads that read the blocks of one large tree at once (numpy releases the GIL in its array passes); the
-# environment variable CONSTRAINED_SERVE_SCAN_THREADS overrides it (1: read on the calling thread alone).
+
+
 def _scan_threads() -> int:
+    """Threads that read the blocks of one large tree at once (numpy releases the GIL in its array passes): two, or
+    the environment variable CONSTRAINED_SERVE_SCAN_THREADS (1: read on the calling thread alone)."""
     value = os.environ.get("CONSTRAINED_SERVE_SCAN_THREADS", "").strip()
     return max(1, int(value)) if value.isdigit() else max(1, min(2, os.cpu_count() or 1))
 
