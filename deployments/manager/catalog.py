@@ -107,9 +107,12 @@ def _check_id(value: Any, what: str, vocab_size: int) -> int:
     return value
 
 
-def check_items(items: list[Any], *, end_token_id: int, vocab_size: int, where: str, numbers: list[int] | None = None) -> list[tuple[int, ...]]:
+def check_items(items: list[Any], *, end_token_id: int, vocab_size: int, where: str, numbers: list[int] | None = None,
+                allow_empty: bool = False) -> list[tuple[int, ...]]:
     """``items`` (decoded JSON values) as tuples, or a 422 naming the first bad ones (``where[i]`` or line numbers
-    from ``numbers``). The common case runs at C speed: one pass over the types, one numpy check of the ids."""
+    from ``numbers``). The common case runs at C speed: one pass over the types, one numpy check of the ids.
+    ``allow_empty``: the empty item ``[]`` is valid (a stored catalog made from a tree whose root allows the end
+    token; a client's items are never empty)."""
     def name(i: int) -> str:
         return f"line {numbers[i]}" if numbers is not None else f"{where}[{i}]"
 
@@ -118,11 +121,11 @@ def check_items(items: list[Any], *, end_token_id: int, vocab_size: int, where: 
     if ok:
         lengths = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
         flat = np.fromiter(chain.from_iterable(items), dtype=np.int64, count=int(lengths.sum()))
-        ok = bool(lengths.size == 0 or lengths.min() > 0) and bool(
+        ok = bool(lengths.size == 0 or allow_empty or lengths.min() > 0) and bool(
             flat.size == 0 or (flat.min() >= 0 and flat.max() < vocab_size and not (flat == end_token_id).any()))
     if not ok:  # find and name them (the slow path runs only for a refusal)
         for i, item in enumerate(items):
-            if not isinstance(item, list) or not item:
+            if not isinstance(item, list) or not (item or allow_empty):
                 problems.append(f"{name(i)}: an item is a non-empty JSON array of token ids, got {json.dumps(item)[:60]}")
             elif any(type(t) is not int or not 0 <= t < vocab_size for t in item):
                 problems.append(f"{name(i)}: token ids must be integers in [0, {vocab_size}), got {json.dumps(item)[:60]}")
@@ -184,8 +187,10 @@ def _fast_items(body: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray] | Non
     return lines, flat, lengths
 
 
-def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None) -> Catalog:
-    """Parse and validate a catalog upload (see the module docstring); a 422 names the line."""
+def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None, allow_empty: bool = False) -> Catalog:
+    """Parse and validate a catalog upload (see the module docstring); a 422 names the line. ``allow_empty``: the
+    line ``[]`` (the empty item) is valid, as in a catalog the manager stored for a patched tree whose root allows the
+    end token (:func:`items_from_tree`); an upload never has it."""
     if not isinstance(data, (bytes, bytearray)):
         raise _bad("items: the body must be catalog text (one JSON value per line)", "body")
     data = bytes(data)
@@ -220,14 +225,15 @@ def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None)
     body = b"" if end < 0 else data[end + 1:]
     fast = _fast_items(body)
     if fast is None:
-        return _slow_catalog(body, line_no + 1, start, end_id, options, vocab_size, max_items)
+        return _slow_catalog(body, line_no + 1, start, end_id, options, vocab_size, max_items, allow_empty)
     lines, flat, lengths = fast
     if max_items is not None and len(lines) > max_items:
         raise _too_many(len(lines), max_items)
     if not lines:
         raise _bad("items: the catalog has no items (one JSON array of token ids per line after the header)", "items")
     if flat.max() >= vocab_size or (flat == end_id).any() or len(set(lines)) != len(lines):
-        return _slow_catalog(body, line_no + 1, start, end_id, options, vocab_size, max_items)  # to name the lines
+        return _slow_catalog(body, line_no + 1, start, end_id, options, vocab_size, max_items,
+                             allow_empty)  # to name the lines
     return Catalog(start, end_id, lines, flat, lengths, options)
 
 
@@ -237,7 +243,7 @@ def _too_many(count: int, limit: int) -> ServiceError:
 
 
 def _slow_catalog(body: bytes, first_line: int, start: int, end: int, options: dict[str, Any], vocab_size: int,
-                  max_items: int | None) -> Catalog:
+                  max_items: int | None, allow_empty: bool = False) -> Catalog:
     """The item lines parsed one JSON value at a time: names the first bad lines (422)."""
     raw_lines = body.split(b"\n")
     numbers = [first_line + i for i, line in enumerate(raw_lines) if line.strip()]
@@ -252,7 +258,8 @@ def _slow_catalog(body: bytes, first_line: int, start: int, end: int, options: d
             raise _bad(f"items: line {n}: not a JSON value: {exc}", "items", line=n) from None
     if not items:
         raise _bad("items: the catalog has no items (one JSON array of token ids per line after the header)", "items")
-    tuples = check_items(items, end_token_id=end, vocab_size=vocab_size, where="items", numbers=numbers)
+    tuples = check_items(items, end_token_id=end, vocab_size=vocab_size, where="items", numbers=numbers,
+                         allow_empty=allow_empty)
     seen: dict[tuple[int, ...], int] = {}
     for n, item in zip(numbers, tuples):
         if item in seen:
@@ -462,25 +469,25 @@ class _KeyWriter:
 
 
 def items_from_tree(tree: Any) -> list[tuple[int, ...]]:
-    """The items of a loaded tree (``config.TreeData``): every path from the root that the end token may end.
-    States not reachable from the root hold no item and are left out."""
-    keys = tree.keys
-    known = set(keys)
-    root, sep, end = str(tree.start_token_id), tree.sep, int(tree.end_token_id)
-    lead = root + sep
+    """The items a loaded tree (``config.TreeData``) serves: every path the decoding can take from the root to the
+    end token, walked from the root as the tree file format reads it (a state that is missing or has an empty list
+    allows only the end token). Keys that no path reaches serve nothing and give no item; the end token at the root
+    gives the empty item ``()`` (the answer may be just the end token). Items come in the tree's candidate order."""
+    index = {key: i for i, key in enumerate(tree.keys)}
+    sep, end = tree.sep, int(tree.end_token_id)
     offsets = tree.offsets.tolist()
     cands = tree.candidates.tolist()
     out: list[tuple[int, ...]] = []
-    for i, key in enumerate(keys):
-        if key != root and not key.startswith(lead):
+    stack: list[tuple[str | None, tuple[int, ...]]] = [(str(tree.start_token_id), ())]
+    while stack:  # depth first, without recursion (a path may be long)
+        key, path = stack.pop()
+        if key is None:  # the end token after ``path``: an item
+            out.append(path)
             continue
-        path = tuple(int(p) for p in key[len(lead):].split(sep)) if key != root else ()
-        for c in dict.fromkeys(cands[offsets[i]:offsets[i + 1]]):
-            if c == end:
-                if path:
-                    out.append(path)
-            elif f"{key}{sep}{c}" not in known:
-                out.append(path + (c,))
+        i = index.get(key)
+        allowed = list(dict.fromkeys(cands[offsets[i]:offsets[i + 1]])) if i is not None else []
+        for c in reversed(allowed or [end]):
+            stack.append((None, path) if c == end else (f"{key}{sep}{c}", path + (c,)))
     return out
 
 

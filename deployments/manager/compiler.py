@@ -247,7 +247,8 @@ class StoredScenarioCompiler:
         cached = self._catalogs.get(sha)
         if cached is None:
             with open(self.content_file(name, sha), "rb") as handle:
-                cached = parse_catalog(handle.read(), vocab_size=self.vocab_size)
+                # a stored catalog may hold the empty item (a patched tree whose root allows the end token)
+                cached = parse_catalog(handle.read(), vocab_size=self.vocab_size, allow_empty=True)
             self.remember_catalog(sha, cached)
         return cached
 

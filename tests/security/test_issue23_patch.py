@@ -1,0 +1,134 @@
+"""Issue 23, the admin PATCH and catalog defects, against the real config manager (embedded Redis, real tokenizer,
+no replicas): a PATCH changes exactly its delta.
+
+The served items are read from the tables the manager serves (the compiled tree), not from the stored body: every
+path from the root to the end token, walked as the decoding walks them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from config import Limits, ServerSettings
+from deployments.protocol import ServiceError
+
+ROOT, END = 1000, 2
+TOKENS = [3, 4, 5, 6, 7, 8]
+MAX_KEYS = 64
+
+
+@pytest.fixture(scope="module")
+def manager(tokenizer, tmp_path_factory):
+    """The real config manager with max_tree_keys=64 (a catalog or a PATCH past it is refused)."""
+    from deployments.manager import ConfigManager
+    from deployments.redis_server import close_embedded
+
+    data_dir = str(tmp_path_factory.mktemp("issue23-patch"))
+    loop = asyncio.new_event_loop()
+    settings_ = ServerSettings(data_dir=data_dir, seed_examples=False, limits=Limits(max_tree_keys=MAX_KEYS))
+    manager = ConfigManager(settings_, tokenizer=tokenizer)
+    manager.run = lambda coro: loop.run_until_complete(coro)
+    yield manager
+    loop.run_until_complete(manager.close())
+    loop.close()
+    close_embedded(data_dir)
+
+
+def served_items(manager, name: str) -> set[tuple[int, ...]]:
+    """Every token path the served tables of ``name`` allow from the root to the end token (without it)."""
+    from processors.tables import DONE, LEAF
+
+    tables = manager.scenarios.served[name].compiled.constraint
+    offsets, tokens, nexts = tables.offsets.tolist(), tables.tokens.tolist(), tables.next_state.tolist()
+    out: set[tuple[int, ...]] = set()
+    stack: list[tuple[int, tuple[int, ...]]] = [(tables.root, ())]
+    while stack:
+        state, path = stack.pop()
+        if state == LEAF or offsets[state] == offsets[state + 1]:  # no continuation: only the end token
+            out.add(path)
+            continue
+        for token, nxt in zip(tokens[offsets[state]:offsets[state + 1]], nexts[offsets[state]:offsets[state + 1]]):
+            if token == tables.end_token_id:
+                assert nxt == DONE
+                out.add(path)
+            else:
+                stack.append((nxt, path + (token,)))
+    return out
+
+
+def _tree(prefix_dict: dict[str, list[int]]) -> dict:
+    return {"type": "tree", "tree": {"start_token_id": ROOT, "end_token_id": END, "prefix_dict": prefix_dict}}
+
+
+_names = itertools.count()
+
+
+def _patched(manager, prefix_dict, add, remove):
+    """PUT the tree, PATCH it; ``(items before, items after, answer)``."""
+    name = f"p23-{next(_names)}"
+    manager.run(manager.put(name, _tree(prefix_dict)))
+    before = served_items(manager, name)
+    answer = manager.run(manager.patch(name, {"add": [list(i) for i in add], "remove": [list(i) for i in remove]}))
+    return name, before, served_items(manager, name), answer
+
+
+def test_report_cases_change_exactly_the_delta(manager):
+    # an unreachable key (1000_7 is not a candidate of 1000) does not become an item
+    name, before, after, answer = _patched(
+        manager, {"1000": [5, 6], "1000_5": [2], "1000_6": [2], "1000_7": [8], "1000_7_8": [2]}, [(6, 7)], [])
+    assert before == {(5,), (6,)} and answer["added"] == 1
+    assert after == {(5,), (6,), (6, 7)}, after
+    # an empty list allows only the end token: (5) is an item and stays one
+    _, before, after, _ = _patched(manager, {"1000": [5, 6], "1000_5": [], "1000_6": [2]}, [(6, 7)], [])
+    assert before == {(5,), (6,)} and after == {(5,), (6,), (6, 7)}, after
+    # the end token at the root: the empty answer is an item and stays one (also once the catalog is read back)
+    name, before, after, _ = _patched(manager, {"1000": [2, 5], "1000_5": [2]}, [(6,)], [])
+    assert before == {(), (5,)} and after == {(), (5,), (6,)}, after
+    _, _, again, _ = _patched(manager, {"1000": [2, 5]}, [(7,)], [(5,)])
+    assert again == {(), (7,)}, again
+
+    from deployments.manager import ConfigManager
+
+    second = ConfigManager(manager.settings, tokenizer=manager.tokenizer, redis_client=manager.store.client)
+    try:  # a manager starting on the store parses the stored catalog (its "[]" line) again
+        assert served_items(second, name) == {(), (5,), (6,)}
+    finally:
+        manager.run(second.close())
+
+
+_path = st.lists(st.sampled_from(TOKENS), min_size=0, max_size=3).map(tuple)
+_cands = st.lists(st.sampled_from(TOKENS + [END]), max_size=4, unique=True)
+
+
+@st.composite
+def _cases(draw):
+    keys = draw(st.lists(_path, min_size=1, max_size=10, unique=True))
+    prefix_dict = {"_".join(map(str, (ROOT,) + k)): draw(_cands) for k in keys}
+    add = draw(st.lists(_path.filter(bool), max_size=4, unique=True))
+    remove = draw(st.lists(_path.filter(bool), max_size=4, unique=True))
+    remove = [r for r in remove if r not in add]
+    if not add and not remove:
+        add = [(3, 3, 3, 3)]
+    return prefix_dict, add, remove
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=_cases())
+def test_patch_serves_exactly_before_plus_adds_minus_removes(manager, case):
+    """Random trees (unreachable keys, empty lists, the end token at the root or anywhere) and random deltas:
+    the served items after the PATCH are the items before, plus the adds, minus the removes."""
+    prefix_dict, add, remove = case
+    try:
+        name, before, after, answer = _patched(manager, prefix_dict, add, remove)
+    except ServiceError as error:  # only a PATCH that would leave no item at all is refused
+        assert error.status == 422 and "without items" in error.message, error.message
+        return
+    expected = (before | set(add)) - set(remove)
+    assert after == expected, (prefix_dict, add, remove, before, after)
+    assert (answer["added"], answer["removed"]) == (len(set(add) - before), len(set(remove) & before)), answer
