@@ -9,14 +9,12 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterable
-from typing import Any
 
 __all__ = [
     "UserError",
     "decode_ids",
     "describe_token",
     "load_cli_tokenizer",
-    "no_default",
     "progress",
     "progress_enabled",
     "resolve_token",
@@ -132,10 +130,3 @@ def describe_token(tokenizer, token_id: int) -> str:
 
 def decode_ids(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def no_default(reason: str):
-    def fail() -> Any:
-        raise ValueError(reason)
-
-    return fail

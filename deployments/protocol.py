@@ -1,9 +1,9 @@
 """What the ingress, the model replicas and the config manager say to each other.
 
 Plain pydantic models and one exception type, no Ray: the ingress validates HTTP bodies into
-:class:`GenerateRequest`, a replica answers with :class:`GenerateResponse` (or streams
-:class:`StreamEvent` dicts), and any part may raise :class:`ServiceError`, which the ingress turns
-into a JSON error with the given HTTP status.
+:class:`GenerateRequest`, a replica answers with :class:`GenerateResponse` (or streams plain dicts:
+``token`` events, then ``done`` with the response or ``error``), and any part may raise
+:class:`ServiceError`, which the ingress turns into a JSON error with the given HTTP status.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ __all__ = [
     "GenerateResponse",
     "Output",
     "ServiceError",
-    "StreamEvent",
     "Usage",
     "check_request_limits",
     "unwrap_service_error",
@@ -203,15 +202,3 @@ class GenerateResponse(BaseModel):
     version: int | None = Field(description="The scenario version this request was pinned to.")
     outputs: list[Output]
     usage: Usage
-
-
-class StreamEvent(BaseModel):
-    """One server-sent event: a token of output ``index``, or the final summary (``done``)."""
-
-    type: Literal["token", "done", "error"]
-    index: int = 0
-    token_id: int | None = None
-    text: str | None = None
-    finish_reason: str | None = None
-    response: GenerateResponse | None = None
-    error: str | None = None

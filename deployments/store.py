@@ -600,13 +600,6 @@ class ScenarioStore:
             return None
         return self._read_content(sha256)
 
-    @_redis_errors
-    def publish_change(self, name: str, version: int | None = None, action: str = "put") -> int:
-        """Announce a change of ``name`` on the change channel (writes here already do); returns
-        the number of subscribers that got it. For tools that edit Redis by hand."""
-        message = json.dumps({"name": name, "version": version, "action": action})
-        return int(self.client.publish(self.channel, message))
-
     # ------------------------------------------------------------------ reads
 
     def _parse(self, name: str, version: int, raw: dict[str, str]) -> dict[str, Any]:

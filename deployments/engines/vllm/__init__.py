@@ -12,11 +12,3 @@ Importing this package does not import vLLM (the engine imports it when it start
 from .engine import UnsupportedRequest, VLLMEngine, model_directory
 
 __all__ = ["UnsupportedRequest", "VLLMEngine", "model_directory"]
-
-
-def available() -> bool:
-    """Whether vLLM can be imported here."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("vllm")
-    return spec is not None and spec.origin is not None  # not a namespace package of the same name
