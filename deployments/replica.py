@@ -24,7 +24,7 @@ from processors import CompiledScenario, ScenarioCompiler, build_prompt_ids
 from .engines import (
     DoneEvent, EngineRequest, ErrorEvent, FinishedEvent, SamplingParams, TokenEvent, create_engine,
 )
-from .answer import TextWatch, answer_form, split_thinking
+from .answer import IncrementalDecoder, TextWatch, answer_form, split_thinking
 from .item_controls import admit_item_controls
 from .metrics import ReplicaMetrics, route_logs_to_serve
 from .regenerate import CheckedRun
@@ -338,7 +338,7 @@ class ModelReplica:
             output.logprobs = await asyncio.to_thread(score, list(output.token_ids))
 
     async def generate_stream(self, request: dict) -> AsyncIterator[dict]:
-        """Yield ``StreamEvent`` dicts: tokens as they are sampled, then ``done`` with the response."""
+        """Yield event dicts: ``token`` events as tokens are sampled, then ``done`` with the response (or ``error``)."""
         with self.metrics.request(request, self._scenarios) as record:
             async with aclosing(self._generate_stream(request, record)) as stream:
                 async for event in stream:
@@ -372,13 +372,11 @@ class ModelReplica:
                             continue  # ended by a stop string
                         toks = texts.setdefault(idx, [])
                         toks.append(ev.token_id)
-                        full = self.tokenizer.decode(toks, skip_special_tokens=True)
-                        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+                        piece = stops.piece(idx, ev.token_id, toks, outputs)
+                        if piece is None:  # an incomplete UTF-8 sequence: wait for the next token
                             yield event(idx, ev.token_id, "", sent.get(idx, ""), False)
                             continue
-                        visible = stops.visible(idx, full, toks, outputs)
-                        piece = visible[len(sent.get(idx, "")):]
-                        sent[idx] = visible
+                        visible = sent[idx] = sent.get(idx, "") + piece
                         yield event(idx, ev.token_id, piece, visible, False)
                         if idx in outputs:  # a stop string ended it
                             yield event(idx, None, "", visible, True, finish_reason="stop")
@@ -411,22 +409,32 @@ class ModelReplica:
 
 class _Stops:
     """A request's stop strings across its outputs: an output whose text shows one gets a ``FinishedEvent``
-    (reason ``stop``, the tokens so far) in ``outputs`` and its text before the string in ``final``."""
+    (reason ``stop``, the tokens so far) in ``outputs`` and its text before the string in ``final``.
+
+    Each output's text is decoded one token at a time (:class:`IncrementalDecoder`) and only its tail is searched
+    for the stop strings again (:class:`TextWatch`): a token costs the same however long the output already is."""
 
     def __init__(self, tokenizer, stops: list[str] | None):
         self.tokenizer = tokenizer
         self.active = bool(stops)
         self.stops = stops
+        self.decoders: dict[int, IncrementalDecoder] = {}
         self.watches: dict[int, TextWatch] = {}
         self.ids: dict[int, list[int]] = {}
         self.final: dict[int, str] = {}
 
-    def visible(self, index: int, text: str, ids: list[int], outputs: dict[int, FinishedEvent]) -> str:
-        """The part of ``text`` (output ``index``'s text so far, from ``ids``) that may be sent."""
-        if not self.active:
-            return text
+    def piece(self, index: int, token_id: int, ids: list[int], outputs: dict[int, FinishedEvent]) -> str | None:
+        """Output ``index`` emitted ``token_id`` (``ids``: its tokens so far, that one included): the text that may
+        be sent now beyond what earlier calls returned, or None while the text ends in an incomplete UTF-8
+        sequence. A stop string appearing ends the output (``outputs``, ``final``)."""
+        decoder = self.decoders.get(index)
+        if decoder is None:
+            decoder = self.decoders[index] = IncrementalDecoder(self.tokenizer, skip_special_tokens=True)
+        new = decoder.add(token_id)
+        if new is None or not self.active:
+            return new
         watch = self.watches.setdefault(index, TextWatch(self.stops))
-        shown = watch.update(text)
+        shown = watch.feed(new)
         if watch.stopped and index not in outputs:
             outputs[index] = FinishedEvent(index=index, token_ids=list(ids), finish_reason="stop")
             self.final[index] = watch.text
@@ -438,9 +446,7 @@ class _Stops:
             return
         ids = self.ids.setdefault(index, [])
         ids.append(token_id)
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):
-            self.visible(index, text, ids, outputs)
+        self.piece(index, token_id, ids, outputs)
 
 
 class ServeModelReplica(ModelReplica):
