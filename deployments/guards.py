@@ -11,7 +11,8 @@ proxy headers that would lift the request timeout.
   (``x-request-timeout-seconds``, where 0 or less means none) and switch off the disconnect check
   (``x-request-disconnect-disabled: ?1``). Either would let a slow client be held longer than the service's
   ``request_timeout_s``, so a value that is not a number of seconds in ``(0, request_timeout_s]``, and the
-  disconnect header, are a 422.
+  disconnect header, are a 422. Either header sent more than once is a 400 naming it: this check and Serve's
+  proxy could read different copies (the proxy takes the last), so a harmless first copy would hide the second.
 """
 
 from __future__ import annotations
@@ -91,6 +92,11 @@ class ProxyHeaderCheck:
         self.request_timeout_s = request_timeout_s
 
     def _refusal(self, scope) -> ServiceError | None:
+        for name in (TIMEOUT_HEADER, DISCONNECT_HEADER):
+            count = sum(1 for key, _ in scope.get("headers") or [] if key == name)
+            if count > 1:
+                text = name.decode("latin-1")
+                return ServiceError(400, f"{text}: sent {count} times; send it at most once", {"field": text})
         raw = _header(scope, TIMEOUT_HEADER)
         if raw is not None:
             cap = self.request_timeout_s
