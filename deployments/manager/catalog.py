@@ -573,8 +573,19 @@ def apply_labels_delta(body: dict[str, Any], add: list[Any], remove: list[Any]) 
     return {**body, "labels": kept}, report
 
 
-def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, vocab_size: int) -> tuple[Catalog, DeltaReport]:
-    """``catalog`` with the items ``add`` appended and ``remove`` taken out (order kept)."""
+def _too_many_after_patch(count: int, limit: int) -> ServiceError:
+    return ServiceError(422, f"add: the PATCH would give {count} items, over the limit max_tree_keys={limit} "
+                             "(the limit of a catalog PUT)",
+                        {"field": "add", "limit_name": "max_tree_keys", "limit": limit})
+
+
+def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, vocab_size: int,
+                     max_items: int | None = None) -> tuple[Catalog, DeltaReport]:
+    """``catalog`` with the items ``add`` appended and ``remove`` taken out (order kept). A result of more than
+    ``max_items`` items is a 422 naming ``max_tree_keys``, as a PUT of that catalog is; when the sizes alone show it
+    (the result has at least ``len(add) - len(remove)`` items), before the items are checked."""
+    if max_items is not None and len(add) - len(remove) > max_items:
+        raise _too_many_after_patch(len(add) - len(remove), max_items)
     adds = check_items(add, end_token_id=catalog.end_token_id, vocab_size=vocab_size, where="add")
     removes = check_items(remove, end_token_id=catalog.end_token_id, vocab_size=vocab_size, where="remove")
     _check_unique(adds, "add")
@@ -605,6 +616,8 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
         extra = Catalog.from_items(0, 0, new_items)
         lines = lines + extra.lines
         flat, lengths = np.concatenate((flat, extra.flat)), np.concatenate((lengths, extra.lengths))
+    if max_items is not None and len(lines) > max_items:
+        raise _too_many_after_patch(len(lines), max_items)
     return Catalog(catalog.start_token_id, catalog.end_token_id, lines, flat, lengths, catalog.options), report
 
 

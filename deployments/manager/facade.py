@@ -343,7 +343,8 @@ class ConfigManager:
             options = {k: v for k, v in body.items()
                        if k not in ("type", "tree", "path", "content_sha256", "content_format", "items")}
             base = Catalog.from_items(int(tree.start_token_id), int(tree.end_token_id), items_from_tree(tree), options)
-        catalog, report = apply_tree_delta(base, add, remove, vocab_size=self.compiler.vocab_size)
+        catalog, report = apply_tree_delta(base, add, remove, vocab_size=self.compiler.vocab_size,
+                                           max_items=self.settings.limits.max_tree_keys)
         if not report.changed:
             return body, None, report
         if not len(catalog):  # (not catalog.items: that makes a tuple per item)

@@ -1,5 +1,5 @@
 """Issue 23, the admin PATCH and catalog defects, against the real config manager (embedded Redis, real tokenizer,
-no replicas): a PATCH changes exactly its delta.
+no replicas): a PATCH changes exactly its delta and keeps to ``max_tree_keys``.
 
 The served items are read from the tables the manager serves (the compiled tree), not from the stored body: every
 path from the root to the end token, walked as the decoding walks them.
@@ -132,3 +132,26 @@ def test_patch_serves_exactly_before_plus_adds_minus_removes(manager, case):
     expected = (before | set(add)) - set(remove)
     assert after == expected, (prefix_dict, add, remove, before, after)
     assert (answer["added"], answer["removed"]) == (len(set(add) - before), len(set(remove) & before)), answer
+
+
+def test_patch_keeps_to_max_tree_keys(manager):
+    """A PATCH past max_tree_keys is the 422 a PUT of the same catalog gets; nothing is stored."""
+    from deployments.manager.catalog import Catalog
+
+    items = [(3, i) for i in range(10, 10 + MAX_KEYS)]
+    too_many = Catalog.from_items(ROOT, END, items + [(4,)]).content()
+    with pytest.raises(ServiceError) as put:
+        manager.run(manager.put_items("p23-keys", too_many))
+    assert put.value.status == 422 and put.value.detail["limit_name"] == "max_tree_keys"
+    manager.run(manager.put_items("p23-keys", Catalog.from_items(ROOT, END, items[:2]).content()))
+    with pytest.raises(ServiceError) as patch:
+        manager.run(manager.patch("p23-keys", {"add": [list(i) for i in items[2:]] + [[4]]}))
+    assert patch.value.status == 422, patch.value.message
+    assert patch.value.detail["limit_name"] == "max_tree_keys" and "max_tree_keys" in patch.value.message
+    with pytest.raises(ServiceError) as early:  # more adds than the limit: refused before the items are checked
+        manager.run(manager.patch("p23-keys", {"add": [[4, i] for i in range(MAX_KEYS + 1)]}))
+    assert early.value.status == 422 and early.value.detail["limit_name"] == "max_tree_keys", early.value.message
+    assert [v["version"] for v in manager.run(manager.versions("p23-keys"))] == [1]
+    # up to the limit is fine
+    answer = manager.run(manager.patch("p23-keys", {"add": [list(i) for i in items[2:]]}))
+    assert answer["added"] == MAX_KEYS - 2 and answer["version"] == 2
