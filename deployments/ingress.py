@@ -668,7 +668,9 @@ def _if_match_version(value: str | None) -> int | None:
     text = value.strip()
     text = text[2:] if text.startswith("W/") else text
     text = text[1:-1] if len(text) >= 2 and text[0] == text[-1] == '"' else text
-    if not text.isdigit() or int(text) < 1:
+    # ASCII digits only (int() refuses some that isdigit() takes, e.g. '\xb2'), and few of them: int() refuses a
+    # text of over 4300 digits, and no version has more than 18
+    if not (text.isascii() and text.isdigit() and len(text) <= 18) or int(text) < 1:
         raise ServiceError(422, f"If-Match: expected a version as an entity tag (e.g. \"3\", from GET's ETag), got "
                                 f"{value[:40]!r}", {"field": "If-Match"})
     return int(text)

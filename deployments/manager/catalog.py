@@ -204,8 +204,12 @@ def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None,
     if not first.strip():
         raise _bad("items: the body is empty; the first line is the header "
                    '{"start_token_id": ..., "end_token_id": ...}', "body")
-    try:
-        header = json.loads(first)
+    from deployments.json_body import BodyRejected, parse_json
+
+    try:  # strict, as every admin body: no lone surrogates, no repeated keys, no NaN (a 422, never a 500 later)
+        header = parse_json(first, field="header")
+    except BodyRejected as error:
+        raise _bad(f"items: line {line_no}: {error}", error.field) from None
     except (ValueError, RecursionError) as exc:
         raise _bad(f"items: line {line_no}: the header is not JSON: {exc}", "header") from None
     if not isinstance(header, dict):

@@ -1,7 +1,10 @@
 """Issue 23 over real HTTP against the shared Serve app: requests that used to slip past a guard or answer 500.
 
 * a guard header sent twice (``x-request-timeout-seconds: 300`` then ``0``): the ingress read the first copy and
-  Serve's proxy the last, so the timeout was lifted; now a 400 naming the header.
+  Serve's proxy the last, so the timeout was lifted; now a 400 naming the header;
+* 500s: a catalog header with a lone surrogate (``"\\ud800"``) in ``description``, an ``If-Match`` of 5,000 digits
+  (past Python's int limit) or of a non-ASCII digit; each is a 422 now, nothing stored;
+* a catalog header that gives a key twice was taken (the last copy won): admin bodies are strict JSON, a 422.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import json
 import socket
 
 import pytest
+import requests
 
 pytestmark = pytest.mark.serve
 
@@ -48,3 +52,48 @@ def test_a_repeated_guard_header_is_a_400_naming_it(serve_app, header, values):
         status, answer = _raw(serve_app, "POST", "/v1/generate", [("Content-Type", "application/json"),
                                                                   (header, "30")], body)
         assert status == 200, answer[:300]
+
+
+NDJSON = {"Content-Type": "application/x-ndjson"}
+
+
+def _put_catalog(app, name: str, header: bytes) -> requests.Response:
+    return requests.put(f"{app.url}/admin/scenarios/{name}", data=header + b"\n[5]\n[6, 7]\n",
+                        headers={**NDJSON, **app.admin}, timeout=TIMEOUT)
+
+
+def _not_stored(app, name: str) -> None:
+    r = requests.get(f"{app.url}/admin/scenarios/{name}", headers=app.admin, timeout=TIMEOUT)
+    assert r.status_code == 404, r.text
+
+
+def test_lone_surrogate_in_a_catalog_header_is_a_422(serve_app):
+    for header in (b'{"start_token_id": 1000, "end_token_id": 2, "description": "\\ud800"}',
+                   b'{"start_token_id": 1000, "end_token_id": 2, "description": "a\xed\xa0\x80"}'):
+        r = _put_catalog(serve_app, "i23-surrogate", header)
+        assert r.status_code == 422, (r.status_code, r.text[:300])
+        error = r.json()["error"]
+        assert "surrogate" in error["message"] and error.get("field") == "header.description", error
+    _not_stored(serve_app, "i23-surrogate")
+
+
+def test_a_catalog_header_with_a_repeated_key_is_a_422(serve_app):
+    r = _put_catalog(serve_app, "i23-dup", b'{"start_token_id": 1000, "end_token_id": 2, "start_token_id": 1001}')
+    assert r.status_code == 422, (r.status_code, r.text[:300])
+    assert "duplicate key" in r.json()["error"]["message"] and "start_token_id" in r.json()["error"]["message"]
+    _not_stored(serve_app, "i23-dup")
+
+
+def test_an_if_match_out_of_range_is_a_422(serve_app):
+    name = "i23-ifmatch"
+    serve_app.put(name, {"type": "labels", "labels": ["a", "b"]})
+    url = f"{serve_app.url}/admin/scenarios/{name}"
+    for tag in ("9" * 5000, '"' + "1" * 5000 + '"', "\xb2", "1" * 19):
+        r = requests.patch(url, json={"add": ["c"]}, headers={**serve_app.admin, "If-Match": tag.encode("latin-1")},
+                           timeout=TIMEOUT)
+        assert r.status_code == 422, (r.status_code, r.text[:300])
+        assert r.json()["error"].get("field") == "If-Match", r.text[:300]
+    history = requests.get(f"{url}/versions", headers=serve_app.admin, timeout=TIMEOUT).json()["versions"]
+    assert [v["version"] for v in history] == [1]
+    r = requests.patch(url, json={"add": ["c"]}, headers={**serve_app.admin, "If-Match": '"1"'}, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["version"] == 2, r.text
