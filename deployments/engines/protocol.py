@@ -204,6 +204,12 @@ class Engine(ABC):
     def active_rows(self) -> int:
         """Rows decoding now."""
 
+    def admission_error(self, request: EngineRequest) -> str | None:
+        """Why ``request`` can never run on this engine (e.g. more key/value memory than its budget), or ``None``.
+
+        The replica answers such a request with a 422 before submitting it."""
+        return None
+
     def health(self) -> dict[str, Any]:
         return {"engine": self.name, "active_rows": self.active_rows, "stats": self.stats()}
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from bisect import bisect_right
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,6 +54,7 @@ from ..protocol import (
 from .kv_cache import cache_of, release_memory
 from .prefix_cache import PrefixCache
 from .sampling import sample_row, sample_rows
+from .shared_kv import SharedGroup, StepContext, install
 
 logger = logging.getLogger(__name__)
 
@@ -145,18 +147,35 @@ class DecodeEngine(Engine):
         vector_lane: mask and advance tree and single-label rows without item controls together with array
             operations (:mod:`processors.lanes`) instead of one cursor call per row; the same masks and states.
             Off by default: on the CPU it measured slower than the per-row path below batch ~64 (README).
+        kv_memory_mb: the budget of key/value cache and per-row logits memory, MiB. A request is admitted when its
+            estimate (:meth:`job_bytes`) fits beside the running ones, and refused (:meth:`admission_error`) when it
+            can never fit.
+
+    Memory layout: a request of one row keeps its prompt in the padded batch cache (one copy per request); a request
+    of ``w > 1`` rows (beams, ``n``) holds its prompt once and each row only its generated tokens
+    (:mod:`.shared_kv`); ``max_batch_size`` bounds the one-row requests, the memory budget bounds everything.
     """
 
     def __init__(
         self, model, tokenizer, *, max_batch_size: int = 16, eos_token_ids: tuple[int, ...] | None = None,
         prefix_cache_tokens: int = 8192, prefill_chunk_tokens: int = 256, prepare_threads: int = 2,
-        vector_lane: bool = False,
+        vector_lane: bool = False, kv_memory_mb: int = 4096,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+        if kv_memory_mb < 1:
+            raise ValueError(f"kv_memory_mb must be >= 1, got {kv_memory_mb}")
+        install(model)
         self.model = model
+        self.kv_budget = kv_memory_mb * 2**20
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        elem = next(model.parameters()).element_size()
+        self._token_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem  # keys + values, all layers
+        self._score_bytes = cfg.num_attention_heads * 4 * 2  # one layer's scores and probabilities, per row and prompt token
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -168,7 +187,8 @@ class DecodeEngine(Engine):
         self._queue: queue.Queue[Job] = queue.Queue()
         self._waiting: list[_Pending] = []
         self._chunking: _Pending | None = None
-        self._rows: list[_Row] = []
+        self._rows: list[_Row] = []  # the padded rows first (their cache: _cache, _mask), then each group's rows
+        self._groups: list[SharedGroup] = []  # requests of several rows, prompt held once
         self._beams: dict[int, _Beams] = {}
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None
@@ -217,6 +237,35 @@ class DecodeEngine(Engine):
     def active_rows(self) -> int:
         return len(self._rows)
 
+    @property
+    def _narrow_rows(self) -> int:
+        return 0 if self._mask is None else self._mask.shape[0]
+
+    def job_bytes(self, request: EngineRequest) -> int:
+        """Estimated memory of a request while it decodes: key/value cache (its prompt once, each row's generated
+        tokens), per-row logits and their working copies, and the attention scores of its rows over the prompt."""
+        width = request.num_beams if request.num_beams > 1 else request.n
+        prompt = len(request.prompt_ids)
+        kv = (prompt + width * request.max_new_tokens) * self._token_bytes
+        logits = width * self.vocab_size * 4 * 4  # logits, log-probabilities, masked copy, ranking
+        scores = width * prompt * self._score_bytes if width > 1 else 0
+        return kv + logits + scores
+
+    def admission_error(self, request: EngineRequest) -> str | None:
+        need = self.job_bytes(request)
+        if need <= self.kv_budget:
+            return None
+        return (f"this request needs about {need / 2**20:.0f} MiB of key/value and logits memory (prompt "
+                f"{len(request.prompt_ids)} tokens, {max(request.n, request.num_beams)} rows x "
+                f"{request.max_new_tokens} new tokens), more than the replica's budget kv_memory_mb="
+                f"{self.kv_budget // 2**20}; lower num_beams, n or max_new_tokens")
+
+    def _bytes_in_use(self) -> int:
+        jobs = {id(r.job): r.job for r in self._rows}
+        if self._chunking is not None:
+            jobs[id(self._chunking.job)] = self._chunking.job
+        return sum(self.job_bytes(j.request) for j in jobs.values())
+
     # -- loop -----------------------------------------------------------------------------------
     def _run(self) -> None:
         torch.set_grad_enabled(False)
@@ -259,6 +308,7 @@ class DecodeEngine(Engine):
         for job in jobs.values():
             job.on_event(ErrorEvent(message))
         self._rows, self._cache, self._mask, self._logits = [], None, None, None
+        self._groups = []
         self._beams.clear()
 
     # -- preparation ----------------------------------------------------------------------------
@@ -298,7 +348,9 @@ class DecodeEngine(Engine):
 
     # -- admission ------------------------------------------------------------------------------
     def _admit(self) -> None:
-        room = self.max_batch_size - len(self._rows) - (self._chunking.job.width if self._chunking else 0)
+        chunking_narrow = self._chunking is not None and self._chunking.job.width == 1
+        room = self.max_batch_size - self._narrow_rows - (1 if chunking_narrow else 0)
+        memory = self._bytes_in_use() if self._waiting else 0
         admitted: list[tuple[_Pending, list[_Row]]] = []
         keep: list[_Pending] = []
         empty = not self._rows and self._chunking is None
@@ -312,7 +364,14 @@ class DecodeEngine(Engine):
             if not p.ready():
                 keep.append(p)
                 continue
-            fits = job.width <= room or (empty and not admitted)
+            need = self.job_bytes(job.request)
+            if need > self.kv_budget:
+                if isinstance(p.rows, Future):
+                    p.rows.cancel()
+                job.on_event(ErrorEvent(self.admission_error(job.request) or "too large"))
+                continue
+            alone = empty and not admitted
+            fits = (job.width > 1 or room >= 1 or alone) and (memory + need <= self.kv_budget or alone)
             if not fits:
                 keep.append(p)
                 continue
@@ -330,10 +389,12 @@ class DecodeEngine(Engine):
                 p.rows, p.done_tokens, p.reused = rows, length, length
                 p.cache = self._expand_prefix(kv, 1) if kv is not None else DynamicCache()
                 self._chunking = p
-                room -= job.width
+                room -= 1 if job.width == 1 else 0
+                memory += need
                 continue
             admitted.append((p, rows))
-            room -= job.width
+            room -= 1 if job.width == 1 else 0
+            memory += need
         self._waiting = keep
         if admitted:
             self._prefill(admitted)
@@ -392,7 +453,18 @@ class DecodeEngine(Engine):
             self.prefix_cache.store(job.prompt_ids, [
                 (layer.keys[i : i + 1].index_select(2, cols), layer.values[i : i + 1].index_select(2, cols)) for layer in layers
             ])
-        self._join(group, [(layer.keys, layer.values) for layer in layers], mask.to(self.device), out.logits[:, -1, :])
+        narrow = [i for i, job in enumerate(jobs) if job.width == 1]
+        if narrow:
+            self._join([group[i] for i in narrow], [(layer.keys, layer.values) for layer in layers],
+                       mask.to(self.device), out.logits[:, -1, :], narrow)
+        for i, (job, rows) in enumerate(group):
+            if job.width > 1:
+                # the prompt once: the cached prefix by reference, the rest copied out of the batched prefill
+                pad = width - len(rests[i])
+                shared = [([prefix_kv[li]] if prefix_kv is not None else [])
+                          + [(layer.keys[i : i + 1, :, plen + pad :].clone(), layer.values[i : i + 1, :, plen + pad :].clone())]
+                          for li, layer in enumerate(layers)]
+                self._join_group(job, rows, shared, out.logits[i : i + 1, -1, :])
         self._stats["prefills"] += 1
         self._stats["prefill_tokens"] += sum(len(r) for r in rests)
         self._stats["prefix_tokens_reused"] += plen * b
@@ -423,8 +495,11 @@ class DecodeEngine(Engine):
             self._trim_due = True
             layers = p.cache.layers
             self.prefix_cache.store(job.prompt_ids, [(layer.keys, layer.values) for layer in layers])
-            mask = torch.ones((1, end), dtype=torch.long, device=self.device)
-            self._join([(job, p.rows)], [(layer.keys, layer.values) for layer in layers], mask, out.logits[:, -1, :])
+            if job.width > 1:
+                self._join_group(job, p.rows, [[(layer.keys, layer.values)] for layer in layers], out.logits[:, -1, :])
+            else:
+                mask = torch.ones((1, end), dtype=torch.long, device=self.device)
+                self._join([(job, p.rows)], [(layer.keys, layer.values) for layer in layers], mask, out.logits[:, -1, :], [0])
             self._stats["prefills"] += 1
             self._stats["prefill_tokens"] += end - p.reused
             self._stats["prefix_tokens_reused"] += p.reused
@@ -433,24 +508,22 @@ class DecodeEngine(Engine):
             self._chunking = None
             job.on_event(ErrorEvent(f"prefill failed: {type(exc).__name__}: {exc}"))
 
-    def _join(self, group: list[tuple[Job, list[_Row]]], kv, mask, logits) -> None:
-        """Merge prompts' caches into the batch, each prompt once per row of its job.
+    def _join(self, group: list[tuple[Job, list[_Row]]], kv, mask, logits, sel: list[int]) -> None:
+        """Merge one-row jobs' prompt caches into the padded batch, after its rows and before the groups' rows.
 
-        The merged cache is written once into a zeroed buffer (old rows, then each prompt broadcast to its
-        rows): copying multi-gigabyte caches through repeat/pad/cat temporaries cost seconds per long prompt.
+        ``kv``, ``mask`` and ``logits`` hold one row per prefilled prompt; ``sel[i]`` is the row of ``group[i]``.
+        The merged cache is written once into a zeroed buffer (old rows, then the new prompts): copying
+        multi-gigabyte caches through pad/cat temporaries cost seconds per long prompt.
         """
-        widths = [job.width for job, _ in group]
-        repeats = torch.tensor(widths, device=self.device)
-        new_rows = sum(widths)
         rows = []
         for job, job_rows in group:
             job.remaining = job.n
-            if job.num_beams > 1:
-                self._beams[id(job)] = _Beams()
             rows.extend(job_rows)
-        logits = logits.float().repeat_interleave(repeats.to(logits.device), dim=0)
-        mask = mask.repeat_interleave(repeats.to(mask.device), dim=0)
-        old_rows = len(self._rows) if self._cache is not None else 0
+        index = torch.tensor(sel, device=self.device)
+        logits = logits.float().index_select(0, index.to(logits.device))
+        mask = mask.index_select(0, index.to(mask.device))
+        old_rows = self._narrow_rows
+        new_rows = len(sel)
         old_len = self._mask.shape[1] if old_rows else 0
         new_len = mask.shape[1]
         total = max(old_len, new_len)
@@ -459,23 +532,39 @@ class DecodeEngine(Engine):
             pair = []
             for new, old in ((k, self._cache.layers[li].keys if old_rows else None),
                              (v, self._cache.layers[li].values if old_rows else None)):
-                # room to grow (see _GrowingLayer), so the next steps append without copying
+                # room to grow (see GrowingLayer), so the next steps append without copying
                 out = new.new_zeros((old_rows + new_rows, new.shape[1], total + max(64, total // 8), new.shape[3]))
                 if old is not None:
                     out[:old_rows, :, total - old_len : total] = old
-                start = old_rows
-                for i, w in enumerate(widths):
-                    out[start : start + w, :, total - new_len : total] = new[i : i + 1]
-                    start += w
+                for j, i in enumerate(sel):
+                    out[old_rows + j, :, total - new_len : total] = new[i]
                 pair.append(out)
             merged.append(tuple(pair))
         if old_rows:
             self._mask = torch.cat([F.pad(self._mask, (total - old_len, 0)), F.pad(mask, (total - new_len, 0))])
-            self._logits = torch.cat([self._logits, logits])
-            self._rows = self._rows + rows
         else:
-            self._mask, self._logits, self._rows = mask, logits, rows
+            self._mask = mask
+        if self._logits is None:
+            self._logits = logits
+        else:
+            self._logits = torch.cat([self._logits[:old_rows], logits, self._logits[old_rows:]])
+        self._rows = self._rows[:old_rows] + rows + self._rows[old_rows:]
+        for g in self._groups:
+            g.start += len(rows)
         self._cache = cache_of([(k[:, :, :total], v[:, :, :total]) for k, v in merged], buffers=merged)
+
+    def _join_group(self, job: Job, rows: list[_Row], shared, logits: torch.Tensor) -> None:
+        """A job of several rows joins after the batch's rows: its prompt held once (``shared``, per layer a list of
+        ``(keys, values)`` segments), its rows' generated keys/values apart (:class:`.shared_kv.SharedGroup`)."""
+        job.remaining = job.n
+        if job.num_beams > 1:
+            self._beams[id(job)] = _Beams()
+        group = SharedGroup(job, shared, len(rows))
+        group.start = len(self._rows)
+        self._groups.append(group)
+        logits = logits.float().expand(len(rows), -1)
+        self._logits = logits.contiguous() if self._logits is None else torch.cat([self._logits, logits])
+        self._rows = self._rows + rows
 
     # -- one decode step ------------------------------------------------------------------------
     def _row_steps(self, rows: list[_Row]) -> tuple[list[Step], dict[int, str]]:
@@ -573,24 +662,24 @@ class DecodeEngine(Engine):
         self._stats["steps"] += 1
         self._stats["rows_decoded"] += len(rows)
         if not nxt:
-            self._rows, self._cache, self._mask, self._logits = [], None, None, None
+            self._rows, self._cache, self._mask, self._logits, self._groups = [], None, None, None, []
             self._trim_due = True
         else:
-            order = [i for i, _, _ in nxt]
-            if order != list(range(len(rows))):
-                idx = torch.tensor(order, device=self.device)
-                self._cache.batch_select_indices(idx)
-                self._mask = self._mask.index_select(0, idx)
-                self._trim()
+            nxt = self._regroup(nxt)
             self._rows = [row for _, row, _ in nxt]
-            positions = self._mask.sum(dim=1, keepdim=True)
-            self._mask = torch.cat([self._mask, torch.ones((len(nxt), 1), dtype=self._mask.dtype, device=self.device)], dim=1)
+            positions = []
+            if self._mask is not None:
+                positions.append(self._mask.sum(dim=1))
+                ones = torch.ones((self._mask.shape[0], 1), dtype=self._mask.dtype, device=self.device)
+                self._mask = torch.cat([self._mask, ones], dim=1)
+            for g in self._groups:
+                positions.append(torch.full((g.rows,), g.prompt_len + g.generated, dtype=torch.long, device=self.device))
+            step = StepContext(self._cache.layers if self._mask is not None else None, self._mask, self._groups)
             t_fwd = time.perf_counter()
             out = self.model(
-                input_ids=torch.tensor([t for _, _, t in nxt], device=self.device)[:, None], attention_mask=self._mask,
-                position_ids=positions, past_key_values=self._cache, use_cache=True,
+                input_ids=torch.tensor([t for _, _, t in nxt], device=self.device)[:, None],
+                position_ids=torch.cat(positions)[:, None], use_cache=False, cs_step=step,
             )
-            self._cache = out.past_key_values
             self._logits = out.logits[:, -1, :].float()
             self._stats["forward_seconds"] += time.perf_counter() - t_fwd
         step_seconds = time.perf_counter() - t0
@@ -598,6 +687,37 @@ class DecodeEngine(Engine):
         self._stats["chain_seconds"] += t_chain
         if self.on_step is not None:
             self.on_step(step_seconds, t_chain)
+
+    def _regroup(self, nxt: list[tuple[int, _Row, int]]) -> list[tuple[int, _Row, int]]:
+        """Lay the next batch out (padded rows, then each group's rows) and select the caches' rows to match: the
+        padded cache's rows, and within each group only the generated part (a beam reorder). Returns ``nxt`` in
+        the new row order."""
+        n0 = self._narrow_rows
+        narrow = [e for e in nxt if e[0] < n0]
+        starts = [g.start for g in self._groups]
+        buckets: list[list[tuple[int, _Row, int]]] = [[] for _ in self._groups]
+        for e in nxt:
+            if e[0] >= n0:
+                buckets[bisect_right(starts, e[0]) - 1].append(e)
+        order = [src for src, _, _ in narrow]
+        if order != list(range(n0)):
+            if order:
+                idx = torch.tensor(order, device=self.device)
+                self._cache.batch_select_indices(idx)
+                self._mask = self._mask.index_select(0, idx)
+                self._trim()
+            else:
+                self._cache, self._mask = None, None
+        kept = []
+        for g, bucket in zip(self._groups, buckets):
+            if bucket:
+                g.select([src - g.start for src, _, _ in bucket], self.device)
+                kept.append(g)
+        at = len(narrow)
+        for g in kept:
+            g.start, at = at, at + g.rows
+        self._groups = kept
+        return narrow + [e for bucket in buckets for e in bucket]
 
     def _redraw(self, i: int, row: _Row, logits: torch.Tensor) -> int:
         """A ``distinct`` row whose sampled token lost its item to another row of its request earlier in this step:
