@@ -113,7 +113,8 @@ _WRITE_SCRIPT = """
 -- ARGV: version key prefix, name, action, created_at, type, body ('' when stored as content), from_version,
 --       channel, deadline (ms), fingerprint ('' = no idempotency key), idempotency ttl (s),
 --       content refs (JSON [[sha, manifest or false], ...]), content key prefix, expected current ('' = any),
---       bodies to keep (0 = all), body sha256 ('' = the body is inline)
+--       bodies to keep (0 = all), body sha256 ('' = the body is inline), the write's answer ('' = none; JSON,
+--       kept with the idempotency key so that a retry gets it)
 local done = redis.call('GET', KEYS[6])
 if done then
   return {1, tonumber(done)}  -- a retry of a write call that was applied: the same version, not a second one
@@ -213,11 +214,27 @@ end
 redis.call('SET', KEYS[6], v, 'EX', 3600)
 if ARGV[10] ~= '' then
   redis.call('HSET', KEYS[7], 'fingerprint', ARGV[10], 'action', action, 'name', name, 'version', v,
-             'from_version', ARGV[7])
+             'from_version', ARGV[7], 'answer', ARGV[17])
   redis.call('EXPIRE', KEYS[7], tonumber(ARGV[11]))
 end
 redis.call('PUBLISH', ARGV[8], cjson.encode({name = name, version = v, action = action}))
 return {1, v}
+"""
+
+# KEYS: idempotency key; ARGV: fingerprint, action, name, version, answer (JSON), ttl (s). A request that wrote
+# nothing keeps its answer under its key, unless the key already holds a record (then: reused, or the same request).
+_REMEMBER_SCRIPT = """
+local seen = redis.call('HGET', KEYS[1], 'fingerprint')
+if seen then
+  if seen ~= ARGV[1] then
+    return -4
+  end
+  return 2
+end
+redis.call('HSET', KEYS[1], 'fingerprint', ARGV[1], 'action', ARGV[2], 'name', ARGV[3], 'version', ARGV[4],
+           'from_version', '', 'answer', ARGV[5])
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[6]))
+return 1
 """
 
 
@@ -354,6 +371,7 @@ class ScenarioStore:
         self.idempotency_ttl_s = max(1.0, float(idempotency_ttl_s))
         self.channel = f"{prefix}changes"
         self._script = redis_client.register_script(_WRITE_SCRIPT)
+        self._remember_script = redis_client.register_script(_REMEMBER_SCRIPT)
 
     # ------------------------------------------------------------------ keys
 
@@ -391,7 +409,8 @@ class ScenarioStore:
     def _write(self, name: str, action: str, body: dict | None = None, from_version: int | None = None, *,
                idempotency_key: str | None = None, fingerprint: str | None = None,
                content: bytes | None = None, expect_current: int | None = None,
-               body_json: bytes | None = None, packed_body: PackedBody | None = None) -> WriteResult:
+               body_json: bytes | None = None, packed_body: PackedBody | None = None,
+               answer: dict[str, Any] | None = None) -> WriteResult:
         validate_name(name)
         if body is not None:
             if not isinstance(body, dict):
@@ -446,7 +465,7 @@ class ScenarioStore:
                     "" if from_version is None else str(int(from_version)), self.channel, str(deadline_ms),
                     fingerprint or "", str(int(self.idempotency_ttl_s)), json.dumps(refs), f"{self.prefix}c:",
                     "" if expect_current is None else str(int(expect_current)), str(int(self.history_bodies or 0)),
-                    body_sha]
+                    body_sha, "" if answer is None else json.dumps(answer, separators=(",", ":"))]
             status, version = (int(x) for x in self._script(keys=keys, args=args, client=self.client))
             if status != NO_CONTENT or (content is None and not body_sha):
                 break
@@ -522,7 +541,8 @@ class ScenarioStore:
     @_redis_errors
     def put(self, name: str, body: dict, *, idempotency_key: str | None = None, fingerprint: str | None = None,
             content: bytes | None = None, expect_current: int | None = None, action: str = "put",
-            body_json: bytes | None = None, packed_body: PackedBody | None = None) -> WriteResult:
+            body_json: bytes | None = None, packed_body: PackedBody | None = None,
+            answer: dict[str, Any] | None = None) -> WriteResult:
         """Store ``body`` as the new current version of ``name``; return its version number.
 
         ``idempotency_key``: a write already made with this key for the same request (same
@@ -535,12 +555,14 @@ class ScenarioStore:
         ``body_json``: the body's JSON (UTF-8 bytes), stored instead of serializing ``body`` (a large inline tree as
         the client sent it; ``body`` then holds its other fields, for its type and content reference).
         ``packed_body``: :func:`pack_body` of those bytes, made while it compiled (not compressed again here).
+        ``answer``: what the write answers besides its name and version (a PATCH's report), kept with the
+        idempotency key in the same script, so :meth:`idempotent_result` gives a retry the first answer exactly.
         """
         if action not in ("put", "patch"):
             raise ValueError(f"action {action!r}")
         return self._write(name, action, body, idempotency_key=idempotency_key, fingerprint=fingerprint,
                            content=content, expect_current=expect_current, body_json=body_json,
-                           packed_body=packed_body)
+                           packed_body=packed_body, answer=answer)
 
     @_redis_errors
     def delete(self, name: str, *, idempotency_key: str | None = None) -> WriteResult:
@@ -577,7 +599,8 @@ class ScenarioStore:
     @_redis_errors
     def idempotent_result(self, key: str, fingerprint: str) -> dict[str, Any] | None:
         """The write made earlier with idempotency key ``key``: ``{"action", "name", "version"}`` (plus
-        ``from_version`` for a rollback), or None when the key is unknown (or expired). Raises
+        ``from_version`` for a rollback, ``answer`` where the write kept one: see :meth:`put` and
+        :meth:`remember_result`), or None when the key is unknown (or expired). Raises
         ``ServiceError(422)`` when the key was used for a request with another ``fingerprint``."""
         validate_idempotency_key(key)
         raw = self.client.hgetall(self.idempotency_key(key))
@@ -589,9 +612,26 @@ class ScenarioStore:
             result: dict[str, Any] = {"action": raw["action"], "name": raw["name"], "version": int(raw["version"])}
             if raw.get("from_version"):
                 result["from_version"] = int(raw["from_version"])
+            if raw.get("answer"):
+                result["answer"] = json.loads(raw["answer"])
         except (KeyError, ValueError) as exc:
             raise ServiceError(500, f"stored idempotency record {self.idempotency_key(key)} is corrupt: {exc}") from None
         return result
+
+    @_redis_errors
+    def remember_result(self, key: str, fingerprint: str, action: str, name: str, version: int,
+                        answer: dict[str, Any]) -> dict[str, Any] | None:
+        """Keep the answer of a request made with idempotency key ``key`` that wrote nothing (a PATCH that changed
+        nothing), as a write keeps its own: a retry gets this answer, not a new write. Returns None when kept,
+        or the record already kept under ``key`` for the same request (a concurrent first attempt; see
+        :meth:`idempotent_result`); 422 when the key was used for another request."""
+        validate_idempotency_key(key)
+        status = int(self._remember_script(keys=[self.idempotency_key(key)], client=self.client, args=[
+            fingerprint, action, name, str(int(version)), json.dumps(answer, separators=(",", ":")),
+            str(int(self.idempotency_ttl_s))]))
+        if status == KEY_REUSED:
+            raise self._key_reused(key)
+        return None if status == WRITTEN else self.idempotent_result(key, fingerprint)
 
     @_redis_errors
     def content(self, sha256: str) -> bytes | None:

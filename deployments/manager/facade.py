@@ -299,19 +299,26 @@ class ConfigManager:
             if base is not None and current != base:
                 raise BaseChanged(name, base, current)
             body, content, report = await asyncio.to_thread(self._apply_delta, name, record["scenario"], add, remove)
-            answer = {"name": name, "base_version": current, **report.to_json()}
+            # the answer besides name and version: kept with the Idempotency-Key, a retry gets it exactly
+            answer = {"base_version": current, **report.to_json(), "changed": report.changed}
             if not report.changed:
-                return {**answer, "version": current, "changed": False}
+                if idempotency_key is not None and fingerprint is not None:  # a retry must not write later either
+                    first = await asyncio.to_thread(self.store.remember_result, idempotency_key, fingerprint,
+                                                    "patch", name, current, answer)
+                    if first is not None:  # the same request, answered meanwhile: its answer
+                        return await self._replay(first)
+                return {"name": name, **answer, "version": current}
             try:
                 result = await self._store_new(name, body, content, action="patch", idempotency_key=idempotency_key,
-                                               fingerprint=fingerprint, expect_current=current, started=started)
+                                               fingerprint=fingerprint, expect_current=current, started=started,
+                                               answer=answer)
             except BaseChanged:
                 if base is not None:
                     raise
                 continue  # a write landed since we read: apply the delta to it
             if result.get("replayed"):
                 return result
-            return {**answer, "version": result["version"], "changed": True}
+            return {"name": name, **answer, "version": result["version"]}
         raise ServiceError(503, f"scenario {name!r} kept changing during the PATCH ({PATCH_ATTEMPTS} attempts); "
                                 "nothing was stored by it; retry", {"name": name})
 
@@ -357,8 +364,9 @@ class ConfigManager:
 
     async def _store_new(self, name: str, body: dict[str, Any], content: bytes | None, *, action: str,
                          idempotency_key: str | None, fingerprint: str | None, expect_current: int | None = None,
-                         started: float | None = None) -> dict[str, Any]:
-        """Compile ``body``, store it (with its content) and wait for every replica: the tail of a put/patch."""
+                         started: float | None = None, answer: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Compile ``body``, store it (with its content) and wait for every replica: the tail of a put/patch.
+        ``answer``: what the write answers besides name and version, kept with the Idempotency-Key."""
         started = time.monotonic() if started is None else started
         parsed = time.monotonic()
         compiled = await self.compiler.compile(name, body)
@@ -366,13 +374,16 @@ class ConfigManager:
         async with self.scenarios.lock:
             version = await asyncio.to_thread(functools.partial(
                 self.store.put, name, body, idempotency_key=idempotency_key, fingerprint=fingerprint,
-                content=content, expect_current=expect_current, action=action))
+                content=content, expect_current=expect_current, action=action, answer=answer))
             stored_at = time.monotonic()
             if not version.replayed:
                 self.scenarios.install(name, version, compiled, await asyncio.to_thread(object_ref, compiled))
                 epoch = self.registry.bump()
-        if version.replayed:
-            return await self._replay({"action": action, "name": name, "version": int(version)})
+        if version.replayed:  # the same request, stored meanwhile: its first answer
+            first = None
+            if idempotency_key is not None and fingerprint is not None:
+                first = await asyncio.to_thread(self.store.idempotent_result, idempotency_key, fingerprint)
+            return await self._replay(first or {"action": action, "name": name, "version": int(version)})
         logger.info("stored scenario %r version %d (%s; parse %.3f s, compile %.3f s, store %.3f s, object store %.3f s)",
                     name, version, action, parsed - started, compiled_at - parsed, stored_at - compiled_at,
                     time.monotonic() - stored_at)
@@ -455,7 +466,8 @@ class ConfigManager:
             await self.sync_from_store()
         logger.info("answered a retried %s of scenario %r with its first result (version %d)", action, name, version)
         await self.registry.wait_for_acks(self.registry.epoch, name, version)
-        result: dict[str, Any] = {"name": name, "version": version}
+        # the first answer exactly, where the write kept it (a PATCH's report), else what a write answers
+        result: dict[str, Any] = {"name": name, **(first.get("answer") or {}), "version": version}
         if action == "rollback":
             result["from_version"] = first.get("from_version")
         if action == "delete":

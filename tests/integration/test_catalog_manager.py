@@ -160,7 +160,10 @@ def test_patch_tree_adds_removes_reports_noops_and_keeps_history(tokenizer, data
         assert served_items(r0, "cat") == (3, set(ITEMS))
         first = await manager.patch("cat", {"add": [[50]]}, idempotency_key="p-1")
         replay = await manager.patch("cat", {"add": [[50]]}, idempotency_key="p-1")
-        assert first["version"] == 4 and replay == {"name": "cat", "version": 4, "replayed": True}
+        # (issue 23: the replay is the first answer exactly, its report included, marked replayed)
+        assert first["version"] == 4 and {k: replay[k] for k in ("name", "version", "replayed")} == {
+            "name": "cat", "version": 4, "replayed": True}
+        assert replay == {**first, "replayed": True}, (first, replay)
         with pytest.raises(ServiceError) as info:
             await manager.patch("cat", {"add": [[51]]}, idempotency_key="p-1")
         assert info.value.status == 422

@@ -1,5 +1,6 @@
 """Issue 23, the admin PATCH and catalog defects, against the real config manager (embedded Redis, real tokenizer,
-no replicas): a PATCH changes exactly its delta and keeps to ``max_tree_keys``.
+no replicas): a PATCH changes exactly its delta, keeps to ``max_tree_keys``, and a replay (the same
+``Idempotency-Key``) gets its first answer exactly, also for a PATCH that changed nothing.
 
 The served items are read from the tables the manager serves (the compiled tree), not from the stored body: every
 path from the root to the end token, walked as the decoding walks them.
@@ -155,3 +156,24 @@ def test_patch_keeps_to_max_tree_keys(manager):
     # up to the limit is fine
     answer = manager.run(manager.patch("p23-keys", {"add": [list(i) for i in items[2:]]}))
     assert answer["added"] == MAX_KEYS - 2 and answer["version"] == 2
+
+
+def test_replayed_patch_answers_the_first_answer(manager):
+    """The same Idempotency-Key and PATCH again: exactly the first answer (the report too), no new version; a no-op
+    PATCH records its key as well, so its replay does not make a version after another write."""
+    name = "p23-replay"
+    manager.run(manager.put(name, {"type": "labels", "labels": ["a", "b"]}))
+    delta = {"add": ["c", "a"], "remove": ["z"]}
+    first = manager.run(manager.patch(name, delta, "k-23-first"))
+    assert first["changed"] and first["added"] == 1 and first["already_present"] == ["a"]
+    again = manager.run(manager.patch(name, delta, "k-23-first"))
+    assert again.pop("replayed") is True and again == first, (first, again)
+
+    noop = {"add": ["a"]}
+    first_noop = manager.run(manager.patch(name, noop, "k-23-noop"))
+    assert first_noop["changed"] is False and first_noop["version"] == first["version"]
+    manager.run(manager.patch(name, {"remove": ["a"]}))  # another write: "a" is gone, a replay must not add it
+    replay = manager.run(manager.patch(name, noop, "k-23-noop"))
+    assert replay.pop("replayed") is True and replay == first_noop, (first_noop, replay)
+    record = manager.run(manager.get(name))
+    assert record["version"] == first["version"] + 1 and "a" not in record["scenario"]["labels"], record
