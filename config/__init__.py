@@ -4,6 +4,7 @@ Pure Python (pydantic, numpy, ijson, jsonschema, pyyaml): nothing here imports R
 """
 
 from config.scenarios import (
+    GrammarScenario,
     JsonSchemaScenario,
     JsonScenario,
     LabelsScenario,
@@ -29,6 +30,7 @@ from config.tree_file import DEFAULT_SEP, MAX_REPORTED_PROBLEMS, TreeData, TreeF
 __all__ = [
     "DEFAULT_SEP",
     "MAX_REPORTED_PROBLEMS",
+    "GrammarScenario",
     "JsonSchemaScenario",
     "JsonScenario",
     "LabelsScenario",

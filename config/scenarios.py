@@ -8,6 +8,7 @@ A scenario is discriminated by ``type``:
 ``json_schema`` a JSON Schema in ``schema``
 ``json``        any JSON value
 ``regex``       a regular expression in ``pattern``
+``grammar``     a context-free grammar in ``grammar`` (Lark syntax, as llguidance reads it)
 =============== =================================================================================
 
 Every kind may also carry ``think`` (a thinking budget), a ``system_prompt``, a ``description`` and generation
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_
 
 from pydantic import (
     BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, TypeAdapter, ValidationError, WithJsonSchema,
-    model_validator,
+    field_validator, model_validator,
 )
 
 from config.tree_file import DEFAULT_SEP, TreeData, fits_vocab, load_tree
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from config.settings import Limits
 
 __all__ = [
+    "GrammarScenario",
     "JsonScenario",
     "JsonSchemaScenario",
     "LabelsScenario",
@@ -339,8 +341,39 @@ class RegexScenario(ScenarioBase):
             limits.check_regex(pattern, "pattern")
 
 
+class GrammarScenario(ScenarioBase):
+    """Constrain output to the sentences of a context-free grammar (field ``grammar``).
+
+    The grammar is Lark text as llguidance reads it (``start: "yes" | "no" | NUMBER`` with ``NUMBER: /[0-9]+/``;
+    its ``start`` rule is the whole output; ``/regex/`` terminals in Rust syntax; ``%ignore``, ``%import common``
+    and llguidance's extensions as documented there). It is checked and built by the grammar library when the
+    scenario compiles (a syntax error is a ``compile`` error naming ``grammar``); here only its size and its
+    regexes are bounded (``limits.max_grammar_bytes``, ``max_regex_length``, ``max_regex_repeat``).
+    """
+
+    type: Literal["grammar"] = Field(description="Scenario kind.")
+    grammar: str = Field(min_length=1, description="The Lark grammar the whole output must be a sentence of.")
+
+    constraint_field: ClassVar[str | None] = "grammar"
+
+    @classmethod
+    def check_limits(cls, body: Mapping[str, Any], limits: Limits) -> None:
+        grammar = body.get("grammar")
+        if isinstance(grammar, str):
+            limits.check_grammar(grammar, "grammar")
+
+    @field_validator("grammar")
+    @classmethod
+    def _not_blank(cls, grammar: str) -> str:
+        if not grammar.strip():
+            raise ValueError("must not be blank (a Lark grammar with a start rule)")
+        if "\x00" in grammar:
+            raise ValueError("must not contain NUL characters")
+        return grammar
+
+
 Scenario = Annotated[
-    Union[TreeScenario, LabelsScenario, JsonSchemaScenario, JsonScenario, RegexScenario],
+    Union[TreeScenario, LabelsScenario, JsonSchemaScenario, JsonScenario, RegexScenario, GrammarScenario],
     Field(discriminator="type"),
 ]
 ScenarioAdapter: TypeAdapter[Scenario] = TypeAdapter(Scenario, config=ConfigDict(title="Scenario"))

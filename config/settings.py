@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["LimitExceeded", "Limits", "ServerSettings", "json_depth", "regex_repeat", "schema_patterns"]
+__all__ = ["LimitExceeded", "Limits", "ServerSettings", "grammar_regexes", "json_depth", "regex_repeat", "schema_patterns"]
 
 MAX_SEED = 2**63 - 1
 """Largest ``seed`` a request may give (a signed 64-bit integer; torch generators take no more)."""
@@ -155,6 +155,39 @@ def regex_repeat(pattern: str) -> int:
     return min(total, _HUGE)
 
 
+def grammar_regexes(grammar: str) -> list[tuple[int, str]]:
+    """The ``/regex/`` literals of a Lark grammar with the line of each, as Lark reads them: outside ``"..."``
+    strings and ``//`` comments, from a ``/`` to the next one not escaped by a backslash (flags after it)."""
+    found: list[tuple[int, str]] = []
+    i, n, line = 0, len(grammar), 1
+    while i < n:
+        c = grammar[i]
+        if c == "\n":
+            line += 1
+        elif c == '"':  # a string literal: skip it, escapes included
+            i += 1
+            while i < n and grammar[i] != '"':
+                if grammar[i] == "\\":
+                    i += 1
+                elif grammar[i] == "\n":
+                    line += 1
+                i += 1
+        elif c == "/" and grammar.startswith("//", i):  # a comment, to the end of the line
+            end = grammar.find("\n", i)
+            i = n if end < 0 else end
+            continue
+        elif c == "/":
+            start = i + 1
+            i = start
+            while i < n and grammar[i] != "/" and grammar[i] != "\n":
+                i += 2 if grammar[i] == "\\" else 1
+            found.append((line, grammar[start:min(i, n)]))
+            if i < n and grammar[i] == "\n":
+                continue  # an unclosed regex: the grammar library reports it
+        i += 1
+    return found
+
+
 def schema_patterns(schema: Any, field: str = "schema"):
     """The regexes of a JSON schema with the JSON path of each: every ``pattern`` keyword, every key of a
     ``patternProperties`` (``propertyNames`` is a schema: its ``pattern`` is found like any other).
@@ -222,6 +255,11 @@ class Limits(BaseModel):
         "applies to m times (n when open), sequential pieces add up, nested ones multiply, other atoms count 1 "
         "(a{1000000} and ((a{100}){100}){100} are 1000000, (a{10000}) written 400 times is 4000000). Applies to a "
         "regex scenario and to every pattern inside a JSON schema.",
+    )
+    max_grammar_bytes: int = Field(
+        default=256 * 1024, ge=16,
+        description="Largest grammar of a grammar scenario (Lark text, UTF-8); each /regex/ in it is held to "
+        "max_regex_length and max_regex_repeat too.",
     )
     max_json_depth: int = Field(default=64, ge=4, description="Deepest nesting of a JSON request body.")
     compile_timeout_s: float = Field(
@@ -305,6 +343,18 @@ class Limits(BaseModel):
         if repeat > self.max_regex_repeat:
             raise LimitExceeded(field, f"a size of {repeat} with its counted repetitions written out",
                                 "max_regex_repeat", self.max_regex_repeat)
+
+    def check_grammar(self, grammar: str, field: str = "grammar") -> None:
+        """Raise :class:`LimitExceeded` for a Lark grammar larger than ``max_grammar_bytes`` (UTF-8) or with a
+        ``/regex/`` terminal over the regex limits (:meth:`check_regex`), named by its line."""
+        size = len(grammar.encode("utf-8", "surrogatepass"))
+        if size > self.max_grammar_bytes:
+            raise LimitExceeded(field, f"{size} bytes", "max_grammar_bytes", self.max_grammar_bytes)
+        for line, pattern in grammar_regexes(grammar):
+            try:
+                self.check_regex(pattern, field)
+            except LimitExceeded as exc:
+                raise LimitExceeded(field, f"the regex on line {line}: {exc.what}", exc.limit_name, exc.limit) from None
 
     def check_json_depth(self, body: Any, field: str = "body") -> None:
         """Raise :class:`LimitExceeded` for a JSON body nested deeper than ``max_json_depth``."""

@@ -50,7 +50,8 @@ class StreamOptions(BaseModel):
 
 
 class StructuredOutputs(BaseModel):
-    """A one-off constraint (vLLM's ``structured_outputs``): exactly one of ``choice``, ``json``, ``regex``."""
+    """A one-off constraint (vLLM's ``structured_outputs``): exactly one of ``choice``, ``json``, ``regex``,
+    ``grammar``."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -59,12 +60,16 @@ class StructuredOutputs(BaseModel):
         default=None, alias="json", description="A JSON Schema (object or JSON text) the output must satisfy."
     )
     regex: str | None = Field(default=None, min_length=1, description="A regular expression the output must match.")
+    grammar: str | None = Field(
+        default=None, min_length=1, description="A Lark grammar (llguidance's dialect) the output must be a sentence of."
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "StructuredOutputs":
-        given = [name for name, value in (("choice", self.choice), ("json", self.json_), ("regex", self.regex)) if value is not None]
+        given = [name for name, value in (("choice", self.choice), ("json", self.json_), ("regex", self.regex),
+                                          ("grammar", self.grammar)) if value is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of 'choice', 'json', 'regex' (got {given or 'none'})")
+            raise ValueError(f"give exactly one of 'choice', 'json', 'regex', 'grammar' (got {given or 'none'})")
         return self
 
 
@@ -101,11 +106,12 @@ class _OpenAIBody(BaseModel):
     )
     scenario: str | None = Field(default=None, description="Extra field: name of a stored scenario.")
     structured_outputs: StructuredOutputs | None = Field(
-        default=None, description="Extra field: a one-off constraint (exactly one of choice, json, regex)."
+        default=None, description="Extra field: a one-off constraint (exactly one of choice, json, regex, grammar)."
     )
     guided_choice: list[str] | None = Field(default=None, description="vLLM's older name for structured_outputs.choice.")
     guided_json: dict[str, Any] | str | None = Field(default=None, description="vLLM's older name for structured_outputs.json.")
     guided_regex: str | None = Field(default=None, description="vLLM's older name for structured_outputs.regex.")
+    guided_grammar: str | None = Field(default=None, description="vLLM's older name for structured_outputs.grammar.")
     num_beams: int = Field(default=1, ge=1, strict=True, description="Extra field: beam search width (1 = sampling).")
     stop: str | list[str] | None = Field(
         default=None, description="Stop strings (at most 16): a choice ends before the first one it produces."
@@ -291,14 +297,15 @@ def _inline_scenario(
     fmt, so = body.response_format, body.structured_outputs
     if fmt is not None and fmt.type == "text":
         fmt = None
-    names = {key: f"structured_outputs.{key}" for key in ("choice", "json", "regex")}
+    names = {key: f"structured_outputs.{key}" for key in ("choice", "json", "regex", "grammar")}
     guided = {key: value for key, value in (("choice", body.guided_choice), ("json", body.guided_json),
-                                            ("regex", body.guided_regex)) if value is not None}
+                                            ("regex", body.guided_regex), ("grammar", body.guided_grammar))
+              if value is not None}
     given = [name for name, value in (("scenario", body.scenario), ("response_format", fmt), ("structured_outputs", so),
                                       *((f"guided_{key}", True) for key in guided)) if value is not None]
     if len(given) > 1:
         raise ServiceError(422, f"give at most one of 'scenario', 'response_format', 'structured_outputs', "
-                                f"'guided_choice', 'guided_json', 'guided_regex' (got {given})")
+                                f"'guided_choice', 'guided_json', 'guided_regex', 'guided_grammar' (got {given})")
     if guided:  # vLLM's older extra fields: the same constraint as structured_outputs
         try:
             so = StructuredOutputs.model_validate(guided)
@@ -317,6 +324,8 @@ def _inline_scenario(
         return {"type": "labels", "labels": so.choice}, names["choice"]
     if so.regex is not None:
         return {"type": "regex", "pattern": so.regex}, names["regex"]
+    if so.grammar is not None:
+        return {"type": "grammar", "grammar": so.grammar}, names["grammar"]
     schema = so.json_
     if isinstance(schema, str):
         try:

@@ -1,6 +1,6 @@
 """Grammar compiles in a separate process, bounded in time and memory.
 
-llguidance does the expensive part of a JSON-schema or regex grammar (its lexer: regexes, their
+llguidance does the expensive part of a JSON-schema, regex or Lark grammar (its lexer: regexes, their
 intersections and emptiness checks) when the grammar is validated, and the cost of that part is not
 bounded by the grammar's size: ``{"type": "string", "allOf": [{"pattern": "a{1,}"}, ..., {"pattern":
 "a{24,}"}]}`` (under 1 KB) takes 47 s and 4 GB, and each more pattern doubles both. A thread running it
@@ -60,14 +60,15 @@ _MEMORY_SIGNS = ("memory allocation of", "MemoryError", "Cannot allocate memory"
 
 def build_grammar(kind: str, source: str, lltok, json_options: dict | None = None) -> tuple[str, list[str]]:
     """The checked llguidance grammar for a JSON schema (``kind`` ``json``/``json_schema``, ``source`` the
-    schema as JSON text) or a regex (``kind`` ``regex``, ``source`` the pattern), and what it does not enforce.
+    schema as JSON text), a regex (``kind`` ``regex``, ``source`` the pattern) or a Lark grammar (``kind``
+    ``grammar``, ``source`` its text), and what it does not enforce.
 
     A JSON schema is compiled as its closest enforceable relaxation (:func:`schema_check.compile_relaxed`):
     the notes name each keyword removed or weakened (``not at #/properties/a``); empty for a regex or a schema
     enforced as written. Raises ``ValueError`` naming the problem. This is the step whose cost can explode; it
     runs in the worker process when a :class:`GrammarWorker` is used, in the caller's process otherwise.
     """
-    if kind == "regex":
+    if kind in ("regex", "grammar"):
         return _checked(kind, source, lltok, None), []
     schema = json.loads(source)
     if not isinstance(schema, dict) or not schema:
@@ -83,12 +84,16 @@ def _checked(kind: str, source: str, lltok, json_options: dict | None) -> str:
             grammar = llguidance.LLMatcher.grammar_from_regex(source)
         except (ValueError, RuntimeError) as exc:
             raise ValueError(f"invalid regex {source!r}: {exc}") from exc
+    elif kind == "grammar":  # Lark text; llguidance checks it below
+        grammar = llguidance.LLMatcher.grammar_from_lark(source)
     else:
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=dict(json_options or {}))  # type: ignore[arg-type]
         except (ValueError, RuntimeError) as exc:
             raise ValueError(f"invalid JSON schema: {exc}") from exc
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
+    if is_error and kind == "grammar":
+        raise ValueError(f"grammar: invalid Lark grammar: {messages[0].strip() if messages else 'unknown error'}")
     if is_error:
         raise ValueError(f"invalid {kind} constraint: {messages[0] if messages else 'unknown error'}")
     return grammar

@@ -1,4 +1,4 @@
-"""JSON, JSON-schema and regex constraints backed by llguidance.
+"""JSON, JSON-schema, regex and Lark-grammar constraints backed by llguidance.
 
 A :class:`GrammarSpec` is the compiled, picklable form: the llguidance grammar string, checked
 against the tokenizer at compile time. Matchers (per-row parser state) are created from it on the
@@ -33,6 +33,7 @@ __all__ = [
     "GrammarCursor",
     "GrammarSpec",
     "compile_json_schema",
+    "compile_lark",
     "compile_regex",
     "get_lltokenizer",
     "new_matcher",
@@ -54,7 +55,7 @@ class GrammarSpec:
     """A grammar checked against one tokenizer.
 
     Args:
-        kind: ``json``, ``json_schema`` or ``regex`` (for reporting).
+        kind: ``json``, ``json_schema``, ``regex`` or ``grammar`` (for reporting).
         grammar: the llguidance grammar string.
         eos_token_id: the token that ends a row once the grammar accepts.
         vocab_size: the tokenizer vocabulary it was checked against.
@@ -88,13 +89,13 @@ class GrammarSpec:
 
     @property
     def exact(self) -> bool:
-        """Whether every output the grammar completes is valid (no validation can fail): a regex, or a schema
-        enforced as written whose objects cannot repeat a key."""
+        """Whether every output the grammar completes is valid (no validation can fail): a regex, a Lark grammar,
+        or a schema enforced as written whose objects cannot repeat a key."""
         return not self.validates or (not self.unenforced and not self.repeatable_keys)
 
     def output_error(self, text: str) -> str | None:
-        """Why a finished output's text is not valid for this constraint (``None``: it is). Regexes are
-        enforced exactly by their grammar and not checked again."""
+        """Why a finished output's text is not valid for this constraint (``None``: it is). Regexes
+        and Lark grammars are enforced exactly by their grammar and not checked again."""
         if not self.validates:
             return None
         return validator_for_schema(self.schema).error(text)
@@ -133,6 +134,14 @@ def compile_regex(pattern: str, tokenizer, *, eos_token_id: int, worker=None) ->
     info = TokenizerInfo.of(tokenizer)
     grammar, _ = _grammar("regex", pattern, info, worker)
     return GrammarSpec(kind="regex", grammar=grammar, eos_token_id=int(eos_token_id), vocab_size=info.vocab_size)
+
+
+def compile_lark(grammar: str, tokenizer, *, eos_token_id: int, worker=None) -> GrammarSpec:
+    """Compile a Lark grammar (llguidance's Lark dialect; its ``start`` rule is the whole output); ``worker`` as
+    for :func:`compile_json_schema`. Its outputs need no check after generation (:attr:`GrammarSpec.exact`)."""
+    info = TokenizerInfo.of(tokenizer)
+    checked, _ = _grammar("grammar", grammar, info, worker)
+    return GrammarSpec(kind="grammar", grammar=checked, eos_token_id=int(eos_token_id), vocab_size=info.vocab_size)
 
 
 def new_matcher(spec: GrammarSpec, tokenizer):

@@ -8,7 +8,7 @@ Example::
 
     >>> from processors import registry
     >>> registry.names()
-    ('tree', 'labels', 'json_schema', 'json', 'regex')
+    ('tree', 'labels', 'json_schema', 'json', 'regex', 'grammar')
     >>> registry.get("labels")
     <LabelsKind 'labels'>
 """

@@ -1,5 +1,6 @@
 """Cursor conformance: every constraint kind against the ``processors.base.Cursor`` contract (``docs/design.md``,
-"Constraint contract"). Kinds: tree, labels (single, multi), json, json_schema, regex, and the ``RowCursor`` chain
+"Constraint contract"). Kinds: tree, labels (single, multi), json, json_schema, regex, grammar (Lark), and the
+``RowCursor`` chain
 with and without think mode. Properties, each checked by seeded random walks over the kind's own allowed sets:
 (a) allowed tokens advance cleanly, a token outside the set records an error and leaves only the end token;
 (b) ``copy()`` is independent both ways; (c) a finished row allows only its end token and stays put; (d) the set
@@ -29,6 +30,7 @@ from processors import (
     ThinkCursor, TreeCursor, apply_steps, bitmask_to_ids, build_label_tables, build_tree_tables, compile_json_schema,
     compile_regex, compile_scenario, compile_think, constraint_cursor,
 )
+from processors.grammar import compile_lark
 from processors.items import resolve_exclude
 from processors.masks import mask_padded_vocab
 from vocab import build_tokenizer, decode, tid, tree_data
@@ -62,6 +64,10 @@ SCHEMA = {"type": "object", "required": ["name", "age", "kind"], "additionalProp
     "age": {"type": "integer", "minimum": 0, "maximum": 120}, "kind": {"enum": ["x", "y"]},
     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}}}
 PATTERN = r"(cat|dog)s?-[0-9]{1,3}(\.[a-z]{2})?"
+LARK = '''start: answer
+answer: "yes" | "no" | NUMBER | "[" NUMBER ("," NUMBER)* "]"
+NUMBER: /[0-9]{1,4}/
+'''
 
 
 @dataclass
@@ -173,9 +179,16 @@ def _real_kinds(tok) -> dict[str, Kind]:
     def check_regex(tokens):
         assert re.fullmatch(PATTERN, text(tokens)), text(tokens)
 
+    lark = pytest.importorskip("lark")
+    lark_parser = lark.Lark(LARK)
+    lark_spec = compile_lark(LARK, tok, eos_token_id=eos)
+
+    def check_lark(tokens):
+        lark_parser.parse(text(tokens))  # raises on an output outside the grammar
+
     openers = tuple(tok.encode(t, add_special_tokens=False)[0] for t in ("{", "["))
     grammars = [("json", any_json, lambda t: json.loads(text(t))), ("json_schema", schema, check_schema),
-                ("regex", regex, check_regex)]
+                ("regex", regex, check_regex), ("grammar", lark_spec, check_lark)]
     out = {name: Kind(name, tok, lambda spec=spec: GrammarCursor(spec, tok), check, closers,
                       _compiled(name, spec, tok), walks=6, openers=openers) for name, spec, check in grammars}
     out["chain_json_think"] = Kind("chain_json_think", tok, lambda: RowCursor(chain, tok),
@@ -185,11 +198,11 @@ def _real_kinds(tok) -> dict[str, Kind]:
 
 TINY_KINDS = ["tree", "labels", "labels_cursor", "multi_label", "chain_tree", "chain_multi_think", "chain_free_think",
               "tree_items", "chain_tree_budget"]
-REAL_KINDS = ["json", "json_schema", "regex", "chain_json_think"]
+REAL_KINDS = ["json", "json_schema", "regex", "grammar", "chain_json_think"]
 ALL_KINDS = TINY_KINDS + REAL_KINDS
 # LabelCursor without multi-label is not a chain kind; the processor form binds no item controls
 WITH_PROCESSOR = [k for k in ALL_KINDS if k not in ("labels_cursor", "tree_items", "chain_tree_budget")]
-WITH_PRIME = ["json", "json_schema", "regex", "chain_tree", "chain_multi_think", "chain_free_think", "chain_json_think"]
+WITH_PRIME = ["json", "json_schema", "regex", "grammar", "chain_tree", "chain_multi_think", "chain_free_think", "chain_json_think"]
 THINKING = {"chain_multi_think", "chain_free_think", "chain_json_think"}
 _BUILT: dict[str, Kind] = {}
 

@@ -432,7 +432,9 @@ def test_one_off_constraints(setup, extra, inline):
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"response_format": {"type": "json_schema"}}, "json_schema"),
         ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
-        ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar"),
+        ({"structured_outputs": {"grammar": "start: /a{99999}/"}}, "structured_outputs.grammar"),  # max_regex_repeat
+        ({"structured_outputs": {"grammar": " "}}, "structured_outputs.grammar"),
+        ({"guided_grammar": ""}, "guided_grammar"),
         ({"structured_outputs": {"choice": [" padded"]}}, "structured_outputs.choice"),
         ({"structured_outputs": {"json": "{nope"}}, "structured_outputs.json"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": 5}}}}, "response_format.json_schema.schema"),

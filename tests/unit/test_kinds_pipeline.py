@@ -35,6 +35,7 @@ BODIES = {
     "json_schema": {"type": "json_schema", "schema": {"enum": ["yes", "no"]}},
     "json": {"type": "json"},
     "regex": {"type": "regex", "pattern": "(yes|no)"},
+    "grammar": {"type": "grammar", "grammar": 'start: "yes" | "no"'},
 }
 
 

@@ -111,8 +111,8 @@ def test_think_markers_must_differ():
 
 
 def test_unknown_type_and_missing_type():
-    text = error_text({"type": "grammar", "pattern": "x"})
-    assert "'grammar'" in text and "'tree', 'labels', 'json_schema', 'json', 'regex'" in text
+    text = error_text({"type": "cfg", "pattern": "x"})
+    assert "'cfg'" in text and "'tree', 'labels', 'json_schema', 'json', 'regex', 'grammar'" in text
     assert "discriminator 'type'" in error_text({"labels": ["a"]})
 
 
