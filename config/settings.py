@@ -240,7 +240,11 @@ class Limits(BaseModel):
     max_new_tokens: int = Field(default=1024, ge=1, description="Largest max_new_tokens a request may ask for.")
     default_max_new_tokens: int = Field(default=64, ge=1, description="max_new_tokens when neither request nor scenario sets it.")
     max_n: int = Field(default=8, ge=1, description="Largest n (outputs per request).")
-    max_num_beams: int = Field(default=8, ge=1, description="Largest num_beams.")
+    max_num_beams: int = Field(
+        default=8, ge=1, le=1024,
+        description="Largest num_beams (up to 1024). A beam request's n may be up to its num_beams (max_n bounds "
+                    "sampled requests); its key/value memory is bounded by kv_memory_mb.",
+    )
     max_tree_keys: int = Field(default=2_000_000, ge=1, description="Most prefix_dict keys in a tree scenario.")
     max_labels: int = Field(default=100_000, ge=1, description="Most labels in a labels scenario.")
     max_exclude_items: int = Field(
@@ -384,6 +388,12 @@ class ServerSettings(BaseModel):
     admin_token: str | None = Field(default=None, repr=False, description="Bearer token for /admin; None = generated at first start, stored under data_dir (mode 0600).")
     num_replicas: int = Field(default=1, ge=1, description="Model replicas.")
     max_batch_size: int = Field(default=16, ge=1, description="Most rows decoded together in one forward pass per replica.")
+    kv_memory_mb: int = Field(
+        default=4096, ge=64,
+        description="engine transformers: key/value cache and per-row logits memory per replica, MiB. Requests are "
+                    "admitted while their estimates fit together; one that can never fit is a 422 (a wide beam "
+                    "request holds its prompt once and per beam only its generated tokens: docs/engines.md).",
+    )
     prefix_cache_tokens: int = Field(default=8192, ge=0, description="Prompt-prefix key/value cache per replica, in tokens (0 = off).")
     prefill_chunk_tokens: int = Field(
         default=256, ge=16,

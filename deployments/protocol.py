@@ -71,7 +71,8 @@ def check_request_limits(
     rename = rename or {}
     for field, value, limit_name in (
         ("max_new_tokens", max_new_tokens, "max_new_tokens"),
-        ("n", n, "max_n"),
+        # a beam request's n is bounded by its num_beams (checked with the request), sampled rows by max_n
+        ("n", n, "max_num_beams" if num_beams is not None and num_beams > 1 else "max_n"),
         ("num_beams", num_beams, "max_num_beams"),
     ):
         limit = getattr(limits, limit_name)

@@ -244,6 +244,10 @@ class ModelReplica:
         items = admit_item_controls(req, compiled, max_new, limits, self.settings.engine)  # exclude, distinct, budget
         engine_request = EngineRequest(prompt_ids=prompt_ids, compiled=compiled, max_new_tokens=max_new,
                                        sampling=sampling, n=req.n, num_beams=req.num_beams, items=items)
+        too_large = self.engine.admission_error(engine_request)
+        if too_large is not None:
+            raise ServiceError(422, too_large, {"field": "num_beams" if req.num_beams > 1 else "n",
+                                                "limit_name": "kv_memory_mb"})
         logger.info("generate scenario=%s version=%s n=%d beams=%d prompt_tokens=%d", name, version, req.n, req.num_beams,
                     len(prompt_ids), extra={"scenario": name, "scenario_version": version})
         return req, name, version, prompt_ids, engine_request

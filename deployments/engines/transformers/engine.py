@@ -150,6 +150,8 @@ class DecodeEngine(Engine):
         kv_memory_mb: the budget of key/value cache and per-row logits memory, MiB. A request is admitted when its
             estimate (:meth:`job_bytes`) fits beside the running ones, and refused (:meth:`admission_error`) when it
             can never fit.
+        shared_prompt: hold the prompt of a several-row request once (default); ``False`` copies it into every row
+            of the padded batch, the layout before :mod:`.shared_kv` (kept for comparisons: ``bench/wide_beams.py``).
 
     Memory layout: a request of one row keeps its prompt in the padded batch cache (one copy per request); a request
     of ``w > 1`` rows (beams, ``n``) holds its prompt once and each row only its generated tokens
@@ -159,7 +161,7 @@ class DecodeEngine(Engine):
     def __init__(
         self, model, tokenizer, *, max_batch_size: int = 16, eos_token_ids: tuple[int, ...] | None = None,
         prefix_cache_tokens: int = 8192, prefill_chunk_tokens: int = 256, prepare_threads: int = 2,
-        vector_lane: bool = False, kv_memory_mb: int = 4096,
+        vector_lane: bool = False, kv_memory_mb: int = 4096, shared_prompt: bool = True,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -170,6 +172,7 @@ class DecodeEngine(Engine):
         install(model)
         self.model = model
         self.kv_budget = kv_memory_mb * 2**20
+        self.shared_prompt = shared_prompt
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -241,14 +244,23 @@ class DecodeEngine(Engine):
     def _narrow_rows(self) -> int:
         return 0 if self._mask is None else self._mask.shape[0]
 
+    def _is_group(self, job: Job) -> bool:
+        """Whether ``job`` decodes as a :class:`SharedGroup` (its prompt once) rather than in the padded batch."""
+        return self.shared_prompt and job.width > 1
+
+    def _padded_width(self, job: Job) -> int:
+        """Rows ``job`` takes in the padded batch (bounded by ``max_batch_size``)."""
+        return 0 if self._is_group(job) else job.width
+
     def job_bytes(self, request: EngineRequest) -> int:
         """Estimated memory of a request while it decodes: key/value cache (its prompt once, each row's generated
         tokens), per-row logits and their working copies, and the attention scores of its rows over the prompt."""
         width = request.num_beams if request.num_beams > 1 else request.n
         prompt = len(request.prompt_ids)
-        kv = (prompt + width * request.max_new_tokens) * self._token_bytes
+        copies = 1 if self.shared_prompt else width
+        kv = (copies * prompt + width * request.max_new_tokens) * self._token_bytes
         logits = width * self.vocab_size * 4 * 4  # logits, log-probabilities, masked copy, ranking
-        scores = width * prompt * self._score_bytes if width > 1 else 0
+        scores = width * prompt * self._score_bytes if width > 1 and self.shared_prompt else 0
         return kv + logits + scores
 
     def admission_error(self, request: EngineRequest) -> str | None:
@@ -348,8 +360,7 @@ class DecodeEngine(Engine):
 
     # -- admission ------------------------------------------------------------------------------
     def _admit(self) -> None:
-        chunking_narrow = self._chunking is not None and self._chunking.job.width == 1
-        room = self.max_batch_size - self._narrow_rows - (1 if chunking_narrow else 0)
+        room = self.max_batch_size - self._narrow_rows - (self._padded_width(self._chunking.job) if self._chunking else 0)
         memory = self._bytes_in_use() if self._waiting else 0
         admitted: list[tuple[_Pending, list[_Row]]] = []
         keep: list[_Pending] = []
@@ -371,7 +382,7 @@ class DecodeEngine(Engine):
                 job.on_event(ErrorEvent(self.admission_error(job.request) or "too large"))
                 continue
             alone = empty and not admitted
-            fits = (job.width > 1 or room >= 1 or alone) and (memory + need <= self.kv_budget or alone)
+            fits = (self._padded_width(job) <= room or alone) and (memory + need <= self.kv_budget or alone)
             if not fits:
                 keep.append(p)
                 continue
@@ -389,11 +400,11 @@ class DecodeEngine(Engine):
                 p.rows, p.done_tokens, p.reused = rows, length, length
                 p.cache = self._expand_prefix(kv, 1) if kv is not None else DynamicCache()
                 self._chunking = p
-                room -= 1 if job.width == 1 else 0
+                room -= self._padded_width(job)
                 memory += need
                 continue
             admitted.append((p, rows))
-            room -= 1 if job.width == 1 else 0
+            room -= self._padded_width(job)
             memory += need
         self._waiting = keep
         if admitted:
@@ -453,12 +464,12 @@ class DecodeEngine(Engine):
             self.prefix_cache.store(job.prompt_ids, [
                 (layer.keys[i : i + 1].index_select(2, cols), layer.values[i : i + 1].index_select(2, cols)) for layer in layers
             ])
-        narrow = [i for i, job in enumerate(jobs) if job.width == 1]
+        narrow = [i for i, job in enumerate(jobs) if not self._is_group(job)]
         if narrow:
             self._join([group[i] for i in narrow], [(layer.keys, layer.values) for layer in layers],
                        mask.to(self.device), out.logits[:, -1, :], narrow)
         for i, (job, rows) in enumerate(group):
-            if job.width > 1:
+            if self._is_group(job):
                 # the prompt once: the cached prefix by reference, the rest copied out of the batched prefill
                 pad = width - len(rests[i])
                 shared = [([prefix_kv[li]] if prefix_kv is not None else [])
@@ -495,7 +506,7 @@ class DecodeEngine(Engine):
             self._trim_due = True
             layers = p.cache.layers
             self.prefix_cache.store(job.prompt_ids, [(layer.keys, layer.values) for layer in layers])
-            if job.width > 1:
+            if self._is_group(job):
                 self._join_group(job, p.rows, [[(layer.keys, layer.values)] for layer in layers], out.logits[:, -1, :])
             else:
                 mask = torch.ones((1, end), dtype=torch.long, device=self.device)
@@ -511,14 +522,18 @@ class DecodeEngine(Engine):
     def _join(self, group: list[tuple[Job, list[_Row]]], kv, mask, logits, sel: list[int]) -> None:
         """Merge one-row jobs' prompt caches into the padded batch, after its rows and before the groups' rows.
 
-        ``kv``, ``mask`` and ``logits`` hold one row per prefilled prompt; ``sel[i]`` is the row of ``group[i]``.
+        ``kv``, ``mask`` and ``logits`` hold one row per prefilled prompt; ``sel[i]`` is the row of ``group[i]``,
+        copied into each of that job's rows (one, unless ``shared_prompt`` is off).
         The merged cache is written once into a zeroed buffer (old rows, then the new prompts): copying
         multi-gigabyte caches through pad/cat temporaries cost seconds per long prompt.
         """
         rows = []
         for job, job_rows in group:
             job.remaining = job.n
+            if job.num_beams > 1:
+                self._beams[id(job)] = _Beams()
             rows.extend(job_rows)
+        sel = [i for (job, _), i in zip(group, sel) for _ in range(job.width)]
         index = torch.tensor(sel, device=self.device)
         logits = logits.float().index_select(0, index.to(logits.device))
         mask = mask.index_select(0, index.to(mask.device))

@@ -1,0 +1,128 @@
+"""Wide requests with the real model (issue 19): the prompt held once per request (``shared_kv``) decodes the same
+beams as the padded layout that copies it into every row; a request too large for the memory budget is refused
+while another is served; a cancelled wide request frees its memory. Every output is checked against the catalog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import itertools
+import time
+import weakref
+
+import pytest
+
+from config import ServerSettings, load_scenario
+from deployments.engines import EngineRequest, EventCollector, SamplingParams
+from deployments.engines.transformers import DecodeEngine
+from deployments.protocol import ServiceError
+from processors import build_prompt_ids, compile_scenario
+
+pytestmark = pytest.mark.integration
+
+CODES = [1000 + 7 * i for i in range(8)]
+ROOT = 2000
+CATALOG = set(itertools.product(CODES, repeat=3))  # 512 items of 3 codes
+
+
+def _tree(eos: int) -> dict:
+    prefix = {str(ROOT): list(CODES)}
+    for a in CODES:
+        prefix[f"{ROOT}_{a}"] = list(CODES)
+        for b in CODES:
+            prefix[f"{ROOT}_{a}_{b}"] = list(CODES)
+            for c in CODES:
+                prefix[f"{ROOT}_{a}_{b}_{c}"] = [eos]
+    return {"type": "tree", "tree": {"start_token_id": ROOT, "end_token_id": eos, "prefix_dict": prefix}}
+
+
+@pytest.fixture(scope="module")
+def tree(tokenizer):
+    return compile_scenario(load_scenario(_tree(tokenizer.eos_token_id)), tokenizer)
+
+
+def _prompt(tokenizer, words: int) -> list[int]:
+    history = " ".join(f"item{i % 97}" for i in range(words))
+    return build_prompt_ids(None, tokenizer, messages=[{"role": "user", "content": f"History: {history}. Next?"}])
+
+
+def _items(outputs, eos) -> list[tuple[int, ...]]:
+    items = []
+    for out in outputs.values():
+        assert out.finish_reason == "stop" and out.token_ids[-1] == eos, out
+        item = tuple(out.token_ids[:-1])
+        assert item in CATALOG, item
+        items.append(item)
+    return items
+
+
+def _beams(engine, prompt, tree, width, n=None) -> EventCollector:
+    c = EventCollector()
+    engine.submit(EngineRequest(prompt_ids=prompt, compiled=tree, max_new_tokens=4, n=n or width, num_beams=width,
+                                sampling=SamplingParams(temperature=0)), c)
+    return c
+
+
+def test_shared_prompt_beams_equal_the_padded_layout(model, tokenizer, tree):
+    eos = tokenizer.eos_token_id
+    prompts = [_prompt(tokenizer, 40), _prompt(tokenizer, 7)]
+    results = {}
+    for shared in (False, True):
+        engine = DecodeEngine(model, tokenizer, max_batch_size=64, prefix_cache_tokens=0, shared_prompt=shared).start()
+        try:
+            # two wide requests and a sampled one together: groups of different prompts share forward passes
+            runs = [_beams(engine, p, tree, 16) for p in prompts]
+            sampled = EventCollector()
+            engine.submit(EngineRequest(prompt_ids=prompts[0], compiled=tree, max_new_tokens=4, n=4,
+                                        sampling=SamplingParams(temperature=1.0, seed=7)), sampled)
+            results[shared] = [_items(c.wait(120), eos) for c in runs] + [_items(sampled.wait(120), eos)]
+        finally:
+            engine.stop()
+    for items in results[True][:2]:
+        assert len(items) == 16 and len(set(items)) == 16  # beams end on distinct items of the catalog
+    assert results[True] == results[False]
+
+
+def test_too_large_a_request_is_refused_while_another_is_served(model, tokenizer, tree):
+    from deployments.replica import ModelReplica
+
+    replica = ModelReplica(ServerSettings(kv_memory_mb=64, limits={"max_num_beams": 1024}), None,
+                           model=model, tokenizer=tokenizer)
+    try:
+        eos = tokenizer.eos_token_id
+        async def both():
+            wide = replica.generate({"inline_scenario": _tree(eos), "prompt": "History: a b c. Next?",
+                                     "num_beams": 512, "n": 512, "max_new_tokens": 4})
+            small = replica.generate({"inline_scenario": _tree(eos), "prompt": "History: a b c. Next?",
+                                      "num_beams": 4, "n": 4, "max_new_tokens": 4})
+            return await asyncio.gather(wide, small, return_exceptions=True)
+        wide, small = asyncio.run(both())
+        assert isinstance(wide, ServiceError) and wide.status == 422, wide
+        assert "kv_memory_mb=64" in wide.message and wide.detail["field"] == "num_beams"
+        assert len(small["outputs"]) == 4
+        for out in small["outputs"]:
+            assert tuple(out["token_ids"][:-1]) in CATALOG and out["finish_reason"] == "stop"
+    finally:
+        replica.shutdown()
+
+
+def test_a_cancelled_wide_request_frees_its_memory(model, tokenizer, tree):
+    engine = DecodeEngine(model, tokenizer, prefix_cache_tokens=0, prefill_chunk_tokens=256).start()
+    try:
+        c = EventCollector()
+        ticket = engine.submit(EngineRequest(prompt_ids=_prompt(tokenizer, 400), compiled=tree, max_new_tokens=4,
+                                             n=8, num_beams=256, sampling=SamplingParams(temperature=0)), c)
+        deadline = time.monotonic() + 120
+        while not engine._groups and time.monotonic() < deadline:  # decoding: its group holds the prompt
+            time.sleep(0.005)
+        assert engine._groups, "the wide request never started decoding"
+        prompt_keys = weakref.ref(engine._groups[0].shared[0][0][0])
+        ticket.cancel()
+        assert c.done.wait(60) and c.error == "cancelled"
+        time.sleep(0.2)
+        gc.collect()
+        assert engine.active_rows == 0 and not engine._groups
+        assert prompt_keys() is None, "the cancelled request's prompt cache is still referenced"
+    finally:
+        engine.stop()
