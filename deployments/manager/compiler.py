@@ -259,11 +259,24 @@ class StoredScenarioCompiler:
 
     def save_content(self, data: bytes) -> str:
         """Keep ``data`` (a catalog upload, canonical) as a local copy under its SHA-256; returns the hash."""
+        return self.keep_content(data)[0]
+
+    def keep_content(self, data: bytes) -> tuple[str, bool]:
+        """:meth:`save_content`, and whether the copy is new (no copy was there): a write refused before anything
+        was stored gives a new copy back with :meth:`discard_content`."""
         sha = hashlib.sha256(data).hexdigest()
         local = os.path.join(self._content_dir, f"{sha}.json")
-        if _file_sha256(local) != sha:
-            _write_atomic(self._content_dir, local, data)
-        return sha
+        if _file_sha256(local) == sha:
+            return sha, False
+        _write_atomic(self._content_dir, local, data)
+        return sha, True
+
+    def discard_content(self, sha: str) -> None:
+        """Remove the local copy of content ``sha`` that a refused write made (and forget its parsed catalog).
+        Only for a copy :meth:`keep_content` called new: stored versions keep theirs (and Redis has the bytes)."""
+        self._catalogs.pop(sha, None)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self._content_dir, f"{sha}.json"))
 
     def stored_content(self, body: Any) -> bytes | None:
         """The bytes of the local copy a pinned tree body refers to (to store them with the version)."""

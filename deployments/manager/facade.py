@@ -247,13 +247,13 @@ class ConfigManager:
             catalog = parse_catalog(data, vocab_size=self.compiler.vocab_size,
                                     max_items=self.settings.limits.max_tree_keys)
             content = catalog.content()
-            sha = self.compiler.save_content(content)
+            sha, new = self.compiler.keep_content(content)
             self.compiler.remember_catalog(sha, catalog)
-            return catalog_body(catalog, content), content
+            return catalog_body(catalog, content), content, (sha if new else None)
 
-        body, content = await asyncio.to_thread(prepare)
+        body, content, new_sha = await asyncio.to_thread(prepare)
         result = await self._store_new(name, body, content, action="put", idempotency_key=idempotency_key,
-                                       fingerprint=fingerprint, started=started)
+                                       fingerprint=fingerprint, started=started, new_content=new_sha)
         return {**result, "items": body["items"]}
 
     async def patch(self, name: str, delta: Any, idempotency_key: str | None = None,
@@ -298,7 +298,8 @@ class ConfigManager:
             current = int(record["version"])
             if base is not None and current != base:
                 raise BaseChanged(name, base, current)
-            body, content, report = await asyncio.to_thread(self._apply_delta, name, record["scenario"], add, remove)
+            body, content, report, new_sha = await asyncio.to_thread(self._apply_delta, name, record["scenario"], add,
+                                                                     remove)
             # the answer besides name and version: kept with the Idempotency-Key, a retry gets it exactly
             answer = {"base_version": current, **report.to_json(), "changed": report.changed}
             if not report.changed:
@@ -311,7 +312,7 @@ class ConfigManager:
             try:
                 result = await self._store_new(name, body, content, action="patch", idempotency_key=idempotency_key,
                                                fingerprint=fingerprint, expect_current=current, started=started,
-                                               answer=answer)
+                                               answer=answer, new_content=new_sha)
             except BaseChanged:
                 if base is not None:
                     raise
@@ -328,7 +329,8 @@ class ConfigManager:
         return parse_json_body(raw, self.settings.limits, scenario=scenario)
 
     def _apply_delta(self, name: str, body: dict[str, Any], add: list[Any], remove: list[Any]):
-        """``(new body, content to store or None, report)``: the delta applied to a stored body (worker thread)."""
+        """``(new body, content to store or None, report, sha of the content when its local copy is new)``: the
+        delta applied to a stored body (worker thread)."""
         from config import load_tree
 
         from .catalog import Catalog, apply_labels_delta, apply_tree_delta, catalog_body, items_from_tree
@@ -336,7 +338,7 @@ class ConfigManager:
         kind = body.get("type")
         if kind == "labels":
             new_body, report = apply_labels_delta(body, add, remove)
-            return new_body, None, report
+            return new_body, None, report, None
         if kind != "tree":
             raise ServiceError(409, f"scenario {name!r} is a {kind} scenario: PATCH adds and removes tree items or "
                                     "labels; PUT the whole scenario instead", {"name": name, "type": kind})
@@ -353,28 +355,43 @@ class ConfigManager:
         catalog, report = apply_tree_delta(base, add, remove, vocab_size=self.compiler.vocab_size,
                                            max_items=self.settings.limits.max_tree_keys)
         if not report.changed:
-            return body, None, report
+            return body, None, report, None
         if not len(catalog):  # (not catalog.items: that makes a tuple per item)
             raise ServiceError(422, f"remove: the PATCH would leave scenario {name!r} without items; DELETE it instead",
                                {"name": name, "field": "remove"})
         content = catalog.content()
-        sha = self.compiler.save_content(content)
+        sha, new = self.compiler.keep_content(content)
         self.compiler.remember_catalog(sha, catalog)
-        return catalog_body(catalog, content), content, report
+        return catalog_body(catalog, content), content, report, (sha if new else None)
 
     async def _store_new(self, name: str, body: dict[str, Any], content: bytes | None, *, action: str,
                          idempotency_key: str | None, fingerprint: str | None, expect_current: int | None = None,
-                         started: float | None = None, answer: dict[str, Any] | None = None) -> dict[str, Any]:
+                         started: float | None = None, answer: dict[str, Any] | None = None,
+                         new_content: str | None = None) -> dict[str, Any]:
         """Compile ``body``, store it (with its content) and wait for every replica: the tail of a put/patch.
-        ``answer``: what the write answers besides name and version, kept with the Idempotency-Key."""
+        ``answer``: what the write answers besides name and version, kept with the Idempotency-Key.
+        ``new_content``: the sha of the content whose local copy this write made; a refusal before anything is
+        stored (does not compile, 409, Redis down, ...) removes that copy again."""
         started = time.monotonic() if started is None else started
         parsed = time.monotonic()
-        compiled = await self.compiler.compile(name, body)
+        async def refused() -> None:
+            if new_content is not None:
+                await asyncio.to_thread(self.compiler.discard_content, new_content)
+
+        try:
+            compiled = await self.compiler.compile(name, body)
+        except BaseException:
+            await refused()
+            raise
         compiled_at = time.monotonic()
         async with self.scenarios.lock:
-            version = await asyncio.to_thread(functools.partial(
-                self.store.put, name, body, idempotency_key=idempotency_key, fingerprint=fingerprint,
-                content=content, expect_current=expect_current, action=action, answer=answer))
+            try:
+                version = await asyncio.to_thread(functools.partial(
+                    self.store.put, name, body, idempotency_key=idempotency_key, fingerprint=fingerprint,
+                    content=content, expect_current=expect_current, action=action, answer=answer))
+            except BaseException:
+                await refused()
+                raise
             stored_at = time.monotonic()
             if not version.replayed:
                 self.scenarios.install(name, version, compiled, await asyncio.to_thread(object_ref, compiled))

@@ -1,6 +1,7 @@
 """Issue 23, the admin PATCH and catalog defects, against the real config manager (embedded Redis, real tokenizer,
 no replicas): a PATCH changes exactly its delta, keeps to ``max_tree_keys``, and a replay (the same
-``Idempotency-Key``) gets its first answer exactly, also for a PATCH that changed nothing.
+``Idempotency-Key``) gets its first answer exactly, also for a PATCH that changed nothing; a refused catalog
+upload or PATCH leaves no content file behind in ``data/tree-content``.
 
 The served items are read from the tables the manager serves (the compiled tree), not from the stored body: every
 path from the root to the end token, walked as the decoding walks them.
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -177,3 +180,24 @@ def test_replayed_patch_answers_the_first_answer(manager):
     assert replay.pop("replayed") is True and replay == first_noop, (first_noop, replay)
     record = manager.run(manager.get(name))
     assert record["version"] == first["version"] + 1 and "a" not in record["scenario"]["labels"], record
+
+
+def test_refused_catalog_upload_leaves_no_content_file(manager):
+    """A catalog refused after its content was written (here: its header field fails the scenario check) leaves
+    nothing in data/tree-content; an accepted one keeps its file."""
+    content_dir = os.path.join(manager.settings.data_dir, "tree-content")
+    before = set(os.listdir(content_dir)) if os.path.isdir(content_dir) else set()
+    bad = b'{"start_token_id": 1000, "end_token_id": 2, "max_new_tokens": -5}\n[3]\n[4]\n'
+    with pytest.raises(ServiceError) as refused:
+        manager.run(manager.put_items("p23-refused", bad))
+    assert refused.value.status == 422, refused.value.message
+    after = set(os.listdir(content_dir)) if os.path.isdir(content_dir) else set()
+    assert after == before, after - before
+    random_items = b"".join(b"[%d]\n" % t for t in random.Random(23).sample(range(10, 40), 5))
+    manager.run(manager.put_items("p23-kept", b'{"start_token_id": 1000, "end_token_id": 2}\n' + random_items))
+    kept = set(os.listdir(content_dir)) - before
+    assert len(kept) == 1
+    # the same items under a refused header: the copy a stored version uses stays
+    with pytest.raises(ServiceError):
+        manager.run(manager.put_items("p23-refused", bad.split(b"\n")[0] + b"\n" + random_items))
+    assert set(os.listdir(content_dir)) - before == kept
