@@ -1,8 +1,8 @@
 """The `openai` client against the shared app, as a client moving from vLLM's OpenAI server would call it.
 
 The request shapes are those of vLLM's structured-outputs documentation (``structured_outputs`` with ``choice``,
-``regex``, ``json``; ``response_format`` with ``json_schema``; the older ``guided_choice`` / ``guided_json`` /
-``guided_regex`` extra fields) and the client's usual calls (``parse`` with a pydantic model, JSON mode, logprobs,
+``regex``, ``json``, ``grammar``; ``response_format`` with ``json_schema``; the older ``guided_choice`` /
+``guided_json`` / ``guided_regex`` / ``guided_grammar`` extra fields) and the client's usual calls (``parse`` with a pydantic model, JSON mode, logprobs,
 stop, n, seed, streaming). Every answer is checked against its constraint.
 """
 
@@ -86,6 +86,20 @@ def test_regex(client, model, extra):
               n=2, temperature=1.0, seed=2, max_tokens=20)
     for c in r.choices:
         assert c.finish_reason == "stop" and re.fullmatch(PHONE, c.message.content), c
+
+
+LARK = 'start: "yes" | "no" | NUMBER\nNUMBER: /[0-9]{1,4}/\n'
+
+
+@pytest.mark.parametrize("extra", [{"structured_outputs": {"grammar": LARK}}, {"guided_grammar": LARK}])
+def test_grammar(client, model, extra):
+    lark = pytest.importorskip("lark")
+    parser = lark.Lark(LARK)
+    r = _chat(client, model, messages=[{"role": "user", "content": "Is the sky blue? Say yes, no or a number."}],
+              extra_body=extra, n=3, temperature=1.2, seed=3, max_tokens=12)
+    for c in r.choices:
+        assert c.finish_reason == "stop", c
+        parser.parse(c.message.content)  # raises unless the answer is a sentence of the grammar
 
 
 @pytest.mark.parametrize("extra", [
