@@ -28,14 +28,28 @@ def ready_line(url: str | None, replicas: int, scenarios: int) -> str:
 
 
 def serve_http_url() -> str | None:
-    """The address Serve's HTTP proxy listens on (``http_options`` of serve_config.yaml), or None if unknown."""
-    try:
-        from ray.serve.context import _get_global_client
+    """The address Serve's HTTP proxy listens on (``http_options`` of serve_config.yaml), or None if unknown.
 
-        options = _get_global_client().http_config
-        host = options.host if options.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        return f"http://{host}:{options.port}{options.root_path or ''}"
-    except Exception:  # not inside Serve, or an older Serve: the line goes without the address
+    ``serve.status()`` does not carry the HTTP options; Serve's REST API does (``GET /api/serve/applications/`` on
+    the Ray dashboard answers a ``ServeInstanceDetails`` with ``http_options``). The dashboard is found from the
+    cluster this process is connected to (``JobSubmissionClient`` resolves its address through the cluster's GCS,
+    so a dashboard moved off its default port is still found, and it sends the cluster's authentication), and
+    the REST API is read with the client the ``serve`` CLI uses.
+    """
+    try:
+        import ray
+
+        if not ray.is_initialized():  # not inside Ray: never start a cluster just to print a line
+            return None
+        from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+        from ray.job_submission import JobSubmissionClient
+
+        dashboard = JobSubmissionClient(ray.get_runtime_context().gcs_address).get_address()
+        options = ServeSubmissionClient(dashboard).get_serve_details().get("http_options") or {}
+        host = options.get("host") or "127.0.0.1"
+        host = host if host not in ("0.0.0.0", "::") else "127.0.0.1"
+        return f"http://{host}:{int(options['port'])}{options.get('root_path') or ''}"
+    except Exception:  # no dashboard, or Serve not started: the line goes without the address
         logger.debug("could not read Serve's HTTP options", exc_info=True)
         return None
 
