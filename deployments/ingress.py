@@ -491,7 +491,7 @@ class Ingress:
         """422 naming the field when a request asks for more than ``settings.limits`` allows."""
         check_request_limits(
             self.limits, max_new_tokens=request.max_new_tokens, n=request.n, num_beams=request.num_beams,
-            seed=request.seed, rename=rename,
+            seed=request.seed, exclude=request.exclude, rename=rename,
         )
 
     async def open_stream(self, request: GenerateRequest) -> tuple[dict[str, Any] | None, Any]:

@@ -58,9 +58,14 @@ def check_request_limits(
     n: int | None = None,
     num_beams: int | None = None,
     seed: int | None = None,
+    exclude: list | None = None,
     rename: dict[str, str] | None = None,
 ) -> None:
     """422 naming the field when a request asks for more than ``limits`` (a ``config.Limits``) allows.
+
+    ``exclude``: at most ``max_exclude_items`` items, and a tree item of at most ``max_new_tokens`` token ids (a
+    longer item can never be produced): checked with the request, before it goes to a replica (an item of
+    millions of ids used to travel to the replica and be walked there).
 
     The ingress checks what a client sent; a replica checks again what it will run (it can be called
     without the ingress), with the scenario's defaults applied. ``rename`` maps our field names to
@@ -84,6 +89,20 @@ def check_request_limits(
             )
     if seed is not None and seed > MAX_SEED:
         raise ServiceError(422, f"seed: {seed} is above the largest seed, {MAX_SEED} (2**63 - 1)", {"field": "seed"})
+    if exclude is not None:
+        if len(exclude) > limits.max_exclude_items:
+            raise ServiceError(
+                422, f"exclude: {len(exclude)} items exceeds the limit max_exclude_items={limits.max_exclude_items}",
+                {"field": "exclude", "limit_name": "max_exclude_items", "limit": limits.max_exclude_items},
+            )
+        longest = limits.max_new_tokens
+        for i, item in enumerate(exclude):
+            if isinstance(item, (list, tuple)) and len(item) > longest:
+                raise ServiceError(
+                    422, f"exclude[{i}]: {len(item)} token ids exceeds the limit max_new_tokens={longest}: an item "
+                         "longer than the most tokens a request may generate can never be produced",
+                    {"field": f"exclude[{i}]", "limit_name": "max_new_tokens", "limit": longest},
+                )
 
 
 def unwrap_service_error(exc: BaseException) -> ServiceError | None:
@@ -134,7 +153,9 @@ class GenerateRequest(_Strict):
         default=None,
         description="tree and labels scenarios: items that must not be produced. A tree item is the list of token "
                     "ids after the root up to its end (without the end token); a label item is the label. An item "
-                    "that is not in the scenario is a 422 naming exclude[i]. At most the limit max_exclude_items.",
+                    "that is not in the scenario is a 422 naming exclude[i]. At most the limit max_exclude_items "
+                    "items, each tree item at most the limit max_new_tokens token ids (a longer one can never be "
+                    "produced; a 422 naming exclude[i] before the request reaches a model replica).",
     )
     distinct: bool = Field(
         default=False, strict=True,

@@ -213,7 +213,7 @@ class ModelReplica:
         except Exception as exc:
             raise ServiceError(422, f"invalid request: {exc}") from None
         limits = self.settings.limits
-        check_request_limits(limits, n=req.n, num_beams=req.num_beams, seed=req.seed)
+        check_request_limits(limits, n=req.n, num_beams=req.num_beams, seed=req.seed, exclude=req.exclude)
         if req.messages is not None and not req.messages:
             raise ServiceError(422, "messages: give at least one message", {"field": "messages"})
         name, version, compiled = await self._resolve_scenario(req)

@@ -4,7 +4,9 @@
   Serve's proxy the last, so the timeout was lifted; now a 400 naming the header;
 * 500s: a catalog header with a lone surrogate (``"\\ud800"``) in ``description``, an ``If-Match`` of 5,000 digits
   (past Python's int limit) or of a non-ASCII digit; each is a 422 now, nothing stored;
-* a catalog header that gives a key twice was taken (the last copy won): admin bodies are strict JSON, a 422.
+* a catalog header that gives a key twice was taken (the last copy won): admin bodies are strict JSON, a 422;
+* an ``exclude`` item of 2,000,000 ids went to a model replica to be walked; now each item is bounded by
+  ``max_new_tokens`` (a longer item can never be produced), a 422 naming ``exclude[i]`` at the ingress.
 """
 
 from __future__ import annotations
@@ -97,3 +99,27 @@ def test_an_if_match_out_of_range_is_a_422(serve_app):
     assert [v["version"] for v in history] == [1]
     r = requests.patch(url, json={"add": ["c"]}, headers={**serve_app.admin, "If-Match": '"1"'}, timeout=TIMEOUT)
     assert r.status_code == 200 and r.json()["version"] == 2, r.text
+
+
+def test_an_exclude_item_longer_than_max_new_tokens_is_refused_at_the_ingress(serve_app):
+    from config import Limits
+
+    longest = Limits().max_new_tokens
+    serve_app.put("i23-exclude", {"type": "tree", "tree": {"start_token_id": 1000, "end_token_id": 2,
+                                                          "prefix_dict": {"1000": [5, 6], "1000_5": [2, 5]}}})
+    base = {"scenario": "i23-exclude", "prompt": "x", "max_new_tokens": 4}
+    for path, body in (("/v1/generate", base),
+                       ("/v1/chat/completions", {"scenario": "i23-exclude", "max_tokens": 4,
+                                                 "messages": [{"role": "user", "content": "x"}]})):
+        huge = {**body, "exclude": [[5], [5] * 2_000_000]}
+        r = requests.post(f"{serve_app.url}{path}", json=huge, timeout=TIMEOUT)
+        assert r.status_code == 422, (r.status_code, r.text[:300])
+        error = r.json()["error"]
+        assert error["message"].startswith("exclude[1]:") and f"max_new_tokens={longest}" in error["message"], error
+        assert error.get("field") == "exclude[1]" and error.get("limit_name") == "max_new_tokens", error
+    # at the bound the item is judged as before: not an item of this tree (a 422 naming it, from the replica)
+    r = requests.post(f"{serve_app.url}/v1/generate", json={**base, "exclude": [[5] * longest]}, timeout=TIMEOUT)
+    assert r.status_code == 422 and r.json()["error"]["message"].startswith("exclude[0]:"), r.text[:300]
+    assert "not an item" in r.json()["error"]["message"], r.text[:300]
+    r = requests.post(f"{serve_app.url}/v1/generate", json={**base, "exclude": [[5, 5]]}, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["outputs"][0]["token_ids"] in ([5], [6], [5, 2], [6, 2]), r.text[:300]
