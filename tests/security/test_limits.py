@@ -45,7 +45,8 @@ COVERED = {
     "max_schema_bytes": ["test_schema_bytes"],
     "max_schema_depth": ["test_schema_depth"],
     "max_regex_length": ["test_regex_length"],
-    "max_regex_repeat": ["test_regex_repeat", "test_regex_repeat_measure"],
+    "max_regex_repeat": ["test_regex_repeat", "test_regex_repeat_measure", "test_grammar_limits"],
+    "max_grammar_bytes": ["test_grammar_limits"],  # more in tests/unit/test_grammar_kind.py
     "max_json_depth": ["test_json_depth"],
     "compile_timeout_s": ["test_compile_timeout"],
     "compile_memory_mb": ["test_compile_memory"],  # more in tests/security/test_compile_bounds.py
@@ -91,7 +92,7 @@ def live(serve_app):
     """The shared app with a cheap labels scenario (generation stops after the label)."""
     serve_app.put("sec-lim-labels", LABELS)
     yield serve_app
-    for name in ("sec-lim-labels", "sec-lim-s", "sec-lim-r"):
+    for name in ("sec-lim-labels", "sec-lim-s", "sec-lim-r", "sec-lim-g"):
         requests.delete(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=60)
 
 
@@ -280,6 +281,28 @@ def test_regex_repeat(live):
         _refused(_post(live, "/v1/completions", {"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": bad}}),
                  422, "max_regex_repeat", "structured_outputs.regex")
     assert _history(live, "sec-lim-r") == before
+
+
+def test_grammar_limits(live):
+    """A grammar scenario: its size (max_grammar_bytes, here a long comment) and each /regex/ in it (the regex
+    limits), on a stored scenario and on the OpenAI one-off form."""
+    limit = DEFAULTS.max_grammar_bytes
+    head = 'start: "yes" | "no"\n// '
+    at_limit = head + "x" * (limit - len(head.encode()))
+    assert _put(live, "sec-lim-g", {"type": "grammar", "grammar": at_limit}).status_code == 200
+    before = _history(live, "sec-lim-g")
+    error = _refused(_put(live, "sec-lim-g", {"type": "grammar", "grammar": at_limit + "x"}), 422, "max_grammar_bytes",
+                     "invalid scenario: grammar")
+    assert str(limit + 1) in error["message"]
+    repeat = DEFAULTS.max_regex_repeat
+    bad = f'start: "a" n\nn: /b{{{repeat + 1}}}/\n'
+    _refused(_put(live, "sec-lim-g", {"type": "grammar", "grammar": bad}), 422, "max_regex_repeat",
+             "invalid scenario: grammar: the regex on line 2")
+    assert _history(live, "sec-lim-g") == before
+    for one_off in (at_limit + "x", bad):
+        name = "max_grammar_bytes" if one_off != bad else "max_regex_repeat"
+        _refused(_post(live, "/v1/completions", {"prompt": "x", "max_tokens": 2, "structured_outputs": {"grammar": one_off}}),
+                 422, name, "structured_outputs.grammar")
 
 
 def test_regex_repeat_measure():
