@@ -7,7 +7,8 @@ token (``finish_reason: stop``) against the schema as written (:meth:`processors
 JSON, no repeated key, every keyword, formats) and, when it fails, generates that one output again (a new engine
 request, ``n=1``, a new seed) up to ``json_regenerate_attempts`` attempts in all. An output still invalid after the
 last attempt ends with ``finish_reason: "error"`` and ``error: "invalid output after N attempts: ..."`` (its text is
-the last attempt's). ``length`` and ``error`` outputs are returned as they are, not regenerated.
+the last attempt's). ``length`` and ``error`` outputs are returned as they are, not regenerated. ``usage`` counts
+the tokens of every attempt (:attr:`CheckedRun.rejected_tokens`): each was generated.
 
 What a client sees: :class:`CheckedRun` yields the same engine events as the engine, so the replica's response and
 stream code is unchanged. For a constraint whose grammar can produce an invalid output (:attr:`GrammarSpec.exact`
@@ -66,7 +67,8 @@ class CheckedRun:
         max_attempts: ``json_regenerate_attempts``.
 
     After the events ran out, :attr:`attempts` maps each output index to the attempts it took (1 when it was not
-    regenerated).
+    regenerated), and :attr:`rejected_tokens` is the number of tokens the rejected attempts generated (not in any
+    returned output, but generated all the same: the replica counts them in ``usage.completion_tokens``).
     """
 
     def __init__(self, engine, request: EngineRequest, tokenizer, max_attempts: int):
@@ -77,6 +79,7 @@ class CheckedRun:
         self.spec = spec if getattr(spec, "validates", False) else None
         self.hold = self.spec is not None and not self.spec.exact
         self.attempts: dict[int, int] = {}
+        self.rejected_tokens = 0
 
     def output_error(self, ids: list[int]) -> str | None:
         """Why output tokens ``ids`` are not a valid output (``None``: they are, or nothing is checked)."""
@@ -137,6 +140,7 @@ class CheckedRun:
                     error = self.output_error(ev.token_ids) if ev.finish_reason == "stop" else None
                     if error is not None and self.hold and attempt < self.max_attempts:
                         last[index] = (tokens, ev)
+                        self.rejected_tokens += len(ev.token_ids)
                         launch(self._retry_request(index, attempt + 1), index)
                         continue
                     for token in tokens:
@@ -153,6 +157,7 @@ class CheckedRun:
                         return
                     # a regeneration failed as a whole: the output is its last attempt, ended as an error
                     tokens, previous = last.pop(source)
+                    self.rejected_tokens -= len(previous.token_ids)  # returned after all: counted as the output
                     for token in tokens:
                         yield TokenEvent(source, token)
                     left -= 1

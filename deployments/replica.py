@@ -258,11 +258,12 @@ class ModelReplica:
         return CheckedRun(self.engine, engine_request, self.tokenizer, self.settings.json_regenerate_attempts)
 
     def _response(self, name, version, prompt_ids, outputs: dict[int, FinishedEvent], compiled=None,
-                  stopped: dict[int, str] | None = None) -> GenerateResponse:
+                  stopped: dict[int, str] | None = None, rejected_tokens: int = 0) -> GenerateResponse:
         """``stopped``: the final text of outputs ended by a stop string; ``compiled``: think scenarios split
-        their text into ``reasoning_content`` and ``answer``."""
+        their text into ``reasoning_content`` and ``answer``; ``rejected_tokens``: tokens of JSON attempts that
+        were generated again (:class:`CheckedRun`), counted in ``usage.completion_tokens`` with the outputs'."""
         outs = []
-        completion = 0
+        completion = rejected_tokens
         think = getattr(compiled, "think", None)
         for index in sorted(outputs):
             ev = outputs[index]
@@ -289,7 +290,8 @@ class ModelReplica:
         req, name, version, prompt_ids, engine_request = await self._start(request)
         outputs: dict[int, FinishedEvent] = {}
         stops = _Stops(self.tokenizer, req.stop)
-        async with aclosing(self._checked(engine_request).events()) as events:  # leaving early cancels
+        run = self._checked(engine_request)
+        async with aclosing(run.events()) as events:  # leaving early cancels
             async for ev in events:
                 if isinstance(ev, TokenEvent) and stops.active:
                     stops.token(ev.index, ev.token_id, outputs)
@@ -302,7 +304,8 @@ class ModelReplica:
                 elif isinstance(ev, ErrorEvent):
                     raise ServiceError(500, ev.message)
         record.outputs(outputs)
-        response = self._response(name, version, prompt_ids, outputs, engine_request.compiled, stops.final)
+        response = self._response(name, version, prompt_ids, outputs, engine_request.compiled, stops.final,
+                                  run.rejected_tokens)
         if req.logprobs is not None:
             await self._add_logprobs(response, prompt_ids, req.logprobs, engine_request.compiled)
         return response.model_dump()
@@ -367,8 +370,9 @@ class ModelReplica:
                 split_sent[idx] = (reasoning, answer)
             return out
 
+        run = self._checked(engine_request)
         try:
-            async with aclosing(self._checked(engine_request).events()) as events:  # leaving early cancels
+            async with aclosing(run.events()) as events:  # leaving early cancels
                 async for ev in events:
                     if isinstance(ev, TokenEvent):
                         idx = ev.index
@@ -385,7 +389,8 @@ class ModelReplica:
                         if idx in outputs:  # a stop string ended it
                             yield event(idx, None, "", visible, True, finish_reason="stop")
                             if len(outputs) == engine_request.n:
-                                resp = self._response(name, version, prompt_ids, outputs, engine_request.compiled, stops.final)
+                                resp = self._response(name, version, prompt_ids, outputs, engine_request.compiled, stops.final,
+                                                      run.rejected_tokens)
                                 yield {"type": "done", "index": 0, "response": resp.model_dump()}
                                 return
                     elif isinstance(ev, FinishedEvent):
@@ -397,7 +402,8 @@ class ModelReplica:
                         piece = final[len(before):] if final.startswith(before) else ""
                         yield event(ev.index, None, piece, final, True, finish_reason=ev.finish_reason)
                     elif isinstance(ev, DoneEvent):
-                        resp = self._response(name, version, prompt_ids, outputs, engine_request.compiled, stops.final)
+                        resp = self._response(name, version, prompt_ids, outputs, engine_request.compiled, stops.final,
+                                              run.rejected_tokens)
                         yield {"type": "done", "index": 0, "response": resp.model_dump()}
                         return
                     elif isinstance(ev, ErrorEvent):
