@@ -40,6 +40,15 @@ def admit_item_controls(req, compiled, max_new_tokens: int, limits, engine: str 
                     " (the shortest item)"),
             {"field": "max_new_tokens", "minimum": need},
         )
+    # beams end on different sequences: with one item per output they need n different items, the same rule
+    # as distinct (a 422 naming n and what is available, never fewer outputs than asked)
+    single_item = int(compiled.settings.get("max_items", 1) or 1) <= 1
+    beams_need_items = req.num_beams > 1 and req.n > 1 and single_item
+    if beams_need_items and not exclude:
+        tables = getattr(constraint, "tables", constraint)
+        if tables.root >= 0 and (count := int(item_metrics(tables)[1][tables.root])) < req.n:
+            raise ServiceError(422, f"n: the scenario has {count} item(s), fewer than the n={req.n} different "
+                                    "outputs beam search returns", {"field": "n", "available": count})
     if not exclude and not distinct:
         return None
     field = "exclude" if exclude else "distinct"
@@ -64,9 +73,9 @@ def admit_item_controls(req, compiled, max_new_tokens: int, limits, engine: str 
     tables = getattr(constraint, "tables", constraint)
     if tables.root >= 0:
         free = int(item_metrics(tables)[1][tables.root]) - items.n_excluded
-        wanted = req.n if distinct else 1
+        wanted = req.n if distinct or beams_need_items else 1
         if free < wanted:
-            field = "n" if distinct and free >= 1 else "exclude"
+            field = "n" if (distinct or beams_need_items) and free >= 1 else "exclude"
             raise ServiceError(422, f"{field}: the scenario has {free} item(s) left after exclude, fewer than the "
                                     f"{wanted} asked for", {"field": field, "available": free})
     return items if (items.book or items.distinct) else None

@@ -126,3 +126,26 @@ def test_a_cancelled_wide_request_frees_its_memory(model, tokenizer, tree):
         assert prompt_keys() is None, "the cancelled request's prompt cache is still referenced"
     finally:
         engine.stop()
+
+
+def test_more_beam_outputs_than_items_is_a_422_like_distinct(model, tokenizer):
+    """Beams return different sequences; with fewer items than ``n`` the answer is a 422 naming ``n`` and what is
+    available, as for sampled ``distinct`` rows, not fewer outputs with a 200."""
+    from deployments.replica import ModelReplica
+
+    eos = tokenizer.eos_token_id
+    small = {"type": "tree", "tree": {"start_token_id": ROOT, "end_token_id": eos,
+                                      "prefix_dict": {str(ROOT): CODES[:3], **{f"{ROOT}_{c}": [eos] for c in CODES[:3]}}}}
+    replica = ModelReplica(ServerSettings(), None, model=model, tokenizer=tokenizer)
+    try:
+        base = {"inline_scenario": small, "prompt": "Next:", "max_new_tokens": 3}
+        for extra in ({"num_beams": 4, "n": 4}, {"n": 4, "distinct": True, "temperature": 1.0},
+                      {"num_beams": 4, "n": 3, "exclude": [[CODES[0]]]}):
+            with pytest.raises(ServiceError) as info:
+                asyncio.run(replica.generate({**base, **extra}))
+            assert info.value.status == 422 and info.value.detail["field"] == "n", (extra, info.value.message)
+            assert info.value.detail["available"] == (2 if "exclude" in extra else 3)
+        out = asyncio.run(replica.generate({**base, "num_beams": 4, "n": 3}))
+        assert sorted(tuple(o["token_ids"]) for o in out["outputs"]) == sorted((c, eos) for c in CODES[:3])
+    finally:
+        replica.shutdown()
