@@ -149,3 +149,26 @@ def test_more_beam_outputs_than_items_is_a_422_like_distinct(model, tokenizer):
         assert sorted(tuple(o["token_ids"]) for o in out["outputs"]) == sorted((c, eos) for c in CODES[:3])
     finally:
         replica.shutdown()
+
+
+def test_tree_ranked_beams_equal_the_masked_path(model, tokenizer, tree, monkeypatch):
+    """Beams ranked from the tree's tables (``tree_beams``) against the same requests through the full-vocabulary
+    mask and log-softmax (the path every other constraint takes), forced by turning the tree plan off."""
+    from deployments.engines.transformers import engine as engine_module
+
+    eos = tokenizer.eos_token_id
+    prompts = [_prompt(tokenizer, 30), _prompt(tokenizer, 5)]
+    results = []
+    for tree_ranked in (True, False):
+        if not tree_ranked:
+            monkeypatch.setattr(engine_module, "plan_tree_beams", lambda cursors: None)
+        engine = DecodeEngine(model, tokenizer, prefix_cache_tokens=0).start()
+        try:
+            runs = [_beams(engine, p, tree, w) for p, w in zip(prompts, (32, 8))]
+            results.append([_items(c.wait(120), eos) for c in runs])
+            ranked = engine.stats()["tree_ranked_steps"]
+        finally:
+            engine.stop()
+        assert (ranked > 0) == tree_ranked, ranked
+    assert results[0] == results[1]
+    assert all(len(set(items)) == len(items) for items in results[0])

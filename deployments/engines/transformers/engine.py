@@ -55,10 +55,25 @@ from .kv_cache import cache_of, release_memory
 from .prefix_cache import PrefixCache
 from .sampling import sample_row, sample_rows
 from .shared_kv import SharedGroup, StepContext, install
+from .tree_beams import plan_tree_beams, row_logsumexp, tree_beam_candidates
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DecodeEngine", "Job"]
+
+_FREE_STEP = Step(FREE, None, 0)
+
+
+class _Unmasked:
+    """Stands for a row the chain must leave alone this step (a tree beam ranked from its tables)."""
+
+    @staticmethod
+    def step() -> Step:
+        return _FREE_STEP
+
+
+_UNMASKED = _Unmasked()
+
 
 class Job(RequestTicket):
     """A submitted :class:`EngineRequest` inside this engine: the request, its callback and its cancel flag."""
@@ -208,6 +223,7 @@ class DecodeEngine(Engine):
             "steps": 0, "step_seconds": 0.0, "chain_seconds": 0.0, "rows_decoded": 0, "prefills": 0,
             "fallback_rows": 0, "prefill_tokens": 0, "prefix_tokens_reused": 0, "prefill_chunks": 0,
             "failed_rows": 0, "cancelled_jobs": 0, "forward_seconds": 0.0,
+            "tree_ranked_steps": 0,  # beam steps of one request ranked from its tree's tables (tree_beams)
             "torch_threads": 0,  # intra-op threads torch uses on the engine thread (set when it starts)
         }
 
@@ -582,11 +598,15 @@ class DecodeEngine(Engine):
         self._rows = self._rows + rows
 
     # -- one decode step ------------------------------------------------------------------------
-    def _row_steps(self, rows: list[_Row]) -> tuple[list[Step], dict[int, str]]:
-        """Each row's allowed set; a cursor that raises fails its row only."""
+    def _row_steps(self, rows: list[_Row], skip: set[int] = frozenset()) -> tuple[list[Step], dict[int, str]]:  # type: ignore[assignment]
+        """Each row's allowed set (rows in ``skip``: none, they are ranked from their tables); a cursor that raises
+        fails its row only."""
         steps: list[Step] = []
         failed: dict[int, str] = {}
         for i, row in enumerate(rows):
+            if i in skip:
+                steps.append(_FREE_STEP)
+                continue
             try:
                 steps.append(row.cursor.step())
             except Exception as exc:
@@ -599,13 +619,25 @@ class DecodeEngine(Engine):
         t0 = time.perf_counter()
         rows = self._rows
         logits = self._logits
-        beam_at = [i for i, r in enumerate(rows) if r.job.num_beams > 1]
+        beam_groups: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            if row.job.num_beams > 1:
+                beam_groups.setdefault(id(row.job), []).append(i)
+        # beam requests on a plain tree are ranked straight from their tables (tree_beams): no mask over their rows
+        tree_ranked: dict[int, tuple] = {}
+        for key, idxs in beam_groups.items():
+            plan = plan_tree_beams([rows[i].cursor for i in idxs])
+            if plan is not None:
+                tree_ranked[key] = (plan, row_logsumexp(logits, idxs))
+        skip = {i for key in tree_ranked for i in beam_groups[key]}
+        beam_at = [i for idxs in beam_groups.values() for i in idxs if i not in skip]
         # beam scores: log-probabilities of the model's distribution, masked (as HF beam search does)
         logprobs = torch.log_softmax(logits[beam_at], dim=-1) if beam_at else None
         if self.vector_lane:
-            failed = mask_rows(logits, [r.cursor for r in rows], self._mask_buffer)
+            failed = mask_rows(logits, [_UNMASKED if i in skip else r.cursor for i, r in enumerate(rows)],
+                               self._mask_buffer)
         else:
-            steps, failed = self._row_steps(rows)
+            steps, failed = self._row_steps(rows, skip)
             apply_steps(logits, steps, self._mask_buffer)
         mask_padded_vocab(logits, self.vocab_size)
         if beam_at:
@@ -614,11 +646,10 @@ class DecodeEngine(Engine):
         # the next batch: (source row index, row object, token)
         nxt: list[tuple[int, _Row, int]] = []
         sampled: list[int] = []
-        beam_groups: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             job = row.job
             if job.num_beams > 1:
-                beam_groups.setdefault(id(job), []).append(i)
+                continue
             elif job.cancelled.is_set():
                 self._finish(row, "error", "cancelled")
             elif i in failed:
@@ -638,14 +669,21 @@ class DecodeEngine(Engine):
         groups = []
         if beam_groups:
             position = {i: k for k, i in enumerate(beam_at)}
-            for idxs in beam_groups.values():
+            for key, idxs in beam_groups.items():
                 job = rows[idxs[0]].job
                 if job.cancelled.is_set():
                     self._beams.pop(id(job), None)
                     self._cancelled(job)
                     continue
-                top = self._beam_candidates(rows, idxs, logprobs[[position[i] for i in idxs]], failed)
-                groups.append((idxs, top[0].numel(), logprobs.shape[1]))
+                if key in tree_ranked:
+                    plan, lse = tree_ranked[key]
+                    scores = torch.tensor([rows[i].score for i in idxs], dtype=torch.float32)
+                    top = tree_beam_candidates(plan, logits, idxs, lse, scores, 2 * job.num_beams)
+                    self._stats["tree_ranked_steps"] += 1
+                    groups.append((idxs, top[0].numel(), logits.shape[1]))
+                else:
+                    top = self._beam_candidates(rows, idxs, logprobs[[position[i] for i in idxs]], failed)
+                    groups.append((idxs, top[0].numel(), logprobs.shape[1]))
                 parts.extend(top)
         host = torch.cat(parts).tolist() if parts else []
         at = 0
@@ -830,14 +868,11 @@ class DecodeEngine(Engine):
         for src, _, _ in picked:
             cursors.append(rows[src].cursor.copy() if src in seen else rows[src].cursor)
             seen.add(src)
-        out = []
-        for slot, ((src, token, score), cursor) in enumerate(zip(picked, cursors)):
-            try:
-                cursor.advance(token)
-            except Exception:  # a beam whose constraint fails is dropped; the request goes on with the others
-                logger.exception("a beam's constraint failed")
-                continue
-            out.append((src, _Row(job, slot, cursor, None, rows[src].tokens + [token], score), token))
+        # all survivors' cursors advance together (plain tree rows as array operations, processors.lanes); a beam
+        # whose constraint fails is dropped, the request goes on with the others
+        failed = advance_rows(cursors, [token for _, token, _ in picked])
+        out = [(src, _Row(job, slot, cursor, None, rows[src].tokens + [token], score), token)
+               for slot, ((src, token, score), cursor) in enumerate(zip(picked, cursors)) if slot not in failed]
         if not out:
             self._beams.pop(id(job), None)
             self._emit_beams(job, beams)
