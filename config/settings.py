@@ -387,7 +387,10 @@ class ServerSettings(BaseModel):
                     "CPU that serving leaves, instead of slowing requests during a swap.")
     admin_token: str | None = Field(default=None, repr=False, description="Bearer token for /admin; None = generated at first start, stored under data_dir (mode 0600).")
     num_replicas: int = Field(default=1, ge=1, description="Model replicas.")
-    max_batch_size: int = Field(default=16, ge=1, description="Most rows decoded together in one forward pass per replica.")
+    max_batch_size: int = Field(
+        default=16, ge=1,
+        description="Most one-row requests decoded together in one forward pass per replica (engine transformers: "
+                    "requests of several rows, beams or n, are bounded by kv_memory_mb instead; engine vllm: all rows).")
     kv_memory_mb: int = Field(
         default=4096, ge=64,
         description="engine transformers: key/value cache and per-row logits memory per replica, MiB. Requests are "
@@ -465,6 +468,14 @@ class ServerSettings(BaseModel):
         default=32, ge=1,
         description="Most generation requests one client may have in flight per ingress replica; past it a 429 with "
                     "Retry-After. A client is its peer address, or see client_ip_header.",
+    )
+    max_inflight_rows_per_client: int = Field(
+        default=32, ge=1,
+        description="Most rows (max(n, num_beams) per request) one client's generations may hold on the model "
+                    "replicas at a time, per ingress replica. A request past it waits at the ingress, in that "
+                    "client's first-come queue, until the client's earlier requests finish; other clients' requests "
+                    "are not behind it. A request of more rows than this is sent when the client has nothing else "
+                    "in flight.",
     )
     client_ip_header: str | None = Field(
         default=None,
