@@ -6,7 +6,15 @@ proxy headers that would lift the request timeout.
   429 with ``Retry-After``. A client is its peer address, or the last address of ``client_ip_header`` when the
   service runs behind a proxy that sets that header (the peer is then the proxy). A request counts from the
   moment its headers reach the ingress until its response (a stream included) ends or the client goes away.
-  With several ingress replicas, the bound holds per replica.
+  With several ingress replicas, the bound holds per replica. The middleware notes the client in the request's
+  scope (``scope["cs.client"]``) for :class:`RowBudget`.
+* :class:`RowBudget`: work per client counted in rows (``max(n, num_beams)`` of a request: what it holds in a
+  replica's batch), not in requests. A client's generations hold at most ``max_inflight_rows_per_client`` rows
+  on the model replicas at a time (per ingress replica); a request past that waits at the ingress, in the
+  client's own first-come queue, until the client's earlier requests give rows back. Another client is not
+  behind that queue: its request goes to the replicas at once, behind at most that many rows of each other
+  client, instead of behind everything one client sent (issue 23, item 6). A request larger than the budget
+  (the budget is at least ``max_n`` and ``max_num_beams``) is sent when the client has nothing else in flight.
 * :class:`ProxyHeaderCheck`: Serve's HTTP proxy lets a client choose its own request timeout
   (``x-request-timeout-seconds``, where 0 or less means none) and switch off the disconnect check
   (``x-request-disconnect-disabled: ?1``). Either would let a slow client be held longer than the service's
@@ -18,16 +26,20 @@ proxy headers that would lift the request timeout.
 from __future__ import annotations
 
 import math
+import asyncio
+from collections import deque
 from typing import Any
 
 from deployments.protocol import ServiceError
 
-__all__ = ["GENERATE_PATHS", "InflightPerClient", "ProxyHeaderCheck"]
+__all__ = ["CLIENT_SCOPE_KEY", "RELEASE_SCOPE_KEY", "GENERATE_PATHS", "InflightPerClient", "ProxyHeaderCheck", "RowBudget"]
 
 GENERATE_PATHS = frozenset({"/v1/generate", "/v1/completions", "/v1/chat/completions"})
 RETRY_AFTER_S = 1
 TIMEOUT_HEADER = b"x-request-timeout-seconds"
 DISCONNECT_HEADER = b"x-request-disconnect-disabled"
+CLIENT_SCOPE_KEY = "cs.client"  # where InflightPerClient leaves the client's identity for the routes
+RELEASE_SCOPE_KEY = "cs.release"  # functions InflightPerClient calls when the request ends (RowBudget's rows)
 
 
 async def _answer(error: ServiceError, scope, receive, send, headers: dict[str, str] | None = None) -> None:
@@ -65,6 +77,8 @@ class InflightPerClient:
         if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in self.paths:
             return await self.app(scope, receive, send)
         client = self.client_of(scope)
+        scope[CLIENT_SCOPE_KEY] = client
+        scope[RELEASE_SCOPE_KEY] = []
         count = self.inflight.get(client, 0)
         if count >= self.limit:
             error = ServiceError(
@@ -77,11 +91,76 @@ class InflightPerClient:
         try:
             await self.app(scope, receive, send)
         finally:
+            for release in scope.get(RELEASE_SCOPE_KEY) or ():  # a stream that never started gives its rows back too
+                release()
             left = self.inflight.get(client, 1) - 1
             if left > 0:
                 self.inflight[client] = left
             else:
                 self.inflight.pop(client, None)
+
+
+class RowBudget:
+    """Rows (``max(n, num_beams)`` per request) each client has on the model replicas, at most ``limit`` (see the
+    module docstring). ``await acquire(client, rows)`` waits its turn in the client's queue; ``release`` gives the
+    rows back. One event loop per ingress replica: no lock needed."""
+
+    def __init__(self, limit: int):
+        self.limit = int(limit)
+        self.held: dict[str, int] = {}
+        self.waiting: dict[str, deque[tuple[int, asyncio.Future]]] = {}
+
+    def _fits(self, client: str, rows: int) -> bool:
+        held = self.held.get(client, 0)
+        return held == 0 or held + rows <= self.limit
+
+    async def acquire(self, client: str, rows: int) -> None:
+        rows = max(1, int(rows))
+        queue = self.waiting.get(client)
+        if not queue and self._fits(client, rows):
+            self.held[client] = self.held.get(client, 0) + rows
+            return
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        entry = (rows, future)
+        self.waiting.setdefault(client, deque()).append(entry)
+        try:
+            await future  # release() adds our rows to held before it wakes us
+        except BaseException:
+            if future.done() and not future.cancelled():
+                self.release(client, rows)  # woken and cancelled at once: give the rows back
+            else:
+                queue = self.waiting.get(client)
+                if queue is not None and entry in queue:
+                    queue.remove(entry)
+                    if not queue:
+                        self.waiting.pop(client, None)
+                self._wake(client)  # a smaller request behind us may fit now
+            raise
+
+    def release(self, client: str, rows: int) -> None:
+        left = self.held.get(client, 0) - max(1, int(rows))
+        if left > 0:
+            self.held[client] = left
+        else:
+            self.held.pop(client, None)
+        self._wake(client)
+
+    def _wake(self, client: str) -> None:
+        queue = self.waiting.get(client)
+        while queue and self._fits(client, queue[0][0]):  # first come, first served within the client
+            rows, future = queue.popleft()
+            if future.done():
+                continue
+            self.held[client] = self.held.get(client, 0) + rows
+            future.set_result(None)
+        if not queue:
+            self.waiting.pop(client, None)
+
+    def rows_of(self, client: str) -> int:
+        return self.held.get(client, 0)
+
+    def waiting_of(self, client: str) -> int:
+        return len(self.waiting.get(client) or ())
 
 
 class ProxyHeaderCheck:

@@ -54,7 +54,7 @@ from deployments.auth import check_bearer, resolve_admin_token
 from deployments.metrics import _in_serve_replica, route_logs_to_serve
 from deployments.console import mount_console
 from deployments.docs import mount_docs, plain_openapi
-from deployments.guards import InflightPerClient, ProxyHeaderCheck
+from deployments.guards import CLIENT_SCOPE_KEY, RELEASE_SCOPE_KEY, InflightPerClient, ProxyHeaderCheck, RowBudget
 from deployments.json_body import StrictJSONBody
 from deployments.manager.catalog import CATALOG_CONTENT_TYPES
 from deployments.store import NAME_PATTERN, validate_name
@@ -442,6 +442,7 @@ class Ingress:
         self.model_name = self.settings.served_model_name or served_model_name(self.settings.model)
         self.created = int(time.time())
         self.deaths = DeathMemory()  # requests in flight at a model replica's death: retried once, never again
+        self.rows = RowBudget(self.settings.max_inflight_rows_per_client)  # work per client, in rows
         route_logs_to_serve()
         self._admin_token = resolve_admin_token(self.settings)
         self.http_app = build_http_app(self)
@@ -516,8 +517,9 @@ class Ingress:
                 raise to_service_error(exc) from None
         raise AssertionError("unreachable")
 
-    async def events(self, first: dict[str, Any] | None, stream: Any) -> AsyncIterator[dict[str, Any]]:
-        """``first`` and the rest of the stream; a failure mid-stream becomes a last ``error`` event."""
+    async def events(self, first: dict[str, Any] | None, stream: Any, release: Any = None) -> AsyncIterator[dict[str, Any]]:
+        """``first`` and the rest of the stream; a failure mid-stream becomes a last ``error`` event. ``release``
+        (from :meth:`hold_rows`) is called when the stream ends, however it ends."""
         done = False
         try:
             if first is not None:
@@ -534,37 +536,65 @@ class Ingress:
         finally:
             if not done:  # client went away: stop generating for it
                 _cancel(stream)
+            if release is not None:
+                release()
 
-    async def native_sse(self, first: dict[str, Any] | None, stream: Any) -> AsyncIterator[str]:
-        async with aclosing(self.events(first, stream)) as events:
+    async def native_sse(self, first: dict[str, Any] | None, stream: Any, release: Any = None) -> AsyncIterator[str]:
+        async with aclosing(self.events(first, stream, release)) as events:
             async for event in events:
                 yield sse(event)
         yield _SSE_DONE
 
     async def openai_sse(
-        self, first: dict[str, Any] | None, stream: Any, *, chat: bool, n: int, include_usage: bool
+        self, first: dict[str, Any] | None, stream: Any, *, chat: bool, n: int, include_usage: bool, release: Any = None
     ) -> AsyncIterator[str]:
         """The OpenAI-style chunks of :func:`openai_stream_chunks` as server-sent events, then ``[DONE]``."""
-        chunks = openai_stream_chunks(self.events(first, stream), model=self.model_name, chat=chat, n=n,
+        chunks = openai_stream_chunks(self.events(first, stream, release), model=self.model_name, chat=chat, n=n,
                                       include_usage=include_usage)
         async with aclosing(chunks):
             async for chunk in chunks:
                 yield sse(chunk)
         yield _SSE_DONE
 
-    async def openai_generate(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool):
+    async def openai_generate(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool,
+                              http: Request | None = None):
         request, rename = openai_to_generate(body, self.limits, served=self.model_name)
         self.check_limits(request, rename)
-        if request.stream:
-            first, stream = await self.open_stream(request)
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                self.openai_sse(first, stream, chat=chat, n=request.n, include_usage=include_usage),
-                media_type="text/event-stream",
-                headers=_SSE_HEADERS,
-            )
-        result = await self.generate(request.model_dump())
-        return openai_response(result, chat=chat, model=self.model_name)
+        release = await self.hold_rows(http, request)
+        try:
+            if request.stream:
+                first, stream = await self.open_stream(request)
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                response = StreamingResponse(
+                    self.openai_sse(first, stream, chat=chat, n=request.n, include_usage=include_usage, release=release),
+                    media_type="text/event-stream",
+                    headers=_SSE_HEADERS,
+                )
+                release = None  # the stream gives the rows back when it ends
+                return response
+            result = await self.generate(request.model_dump())
+            return openai_response(result, chat=chat, model=self.model_name)
+        finally:
+            if release is not None:
+                release()
+
+    async def hold_rows(self, http: Request | None, request: GenerateRequest) -> Any:
+        """Wait until the request's client may put ``max(n, num_beams)`` more rows on the model replicas
+        (:class:`RowBudget`, ``max_inflight_rows_per_client``); returns the function that gives them back (once)."""
+        client = str(http.scope.get(CLIENT_SCOPE_KEY) or "unknown") if http is not None else "unknown"
+        rows = max(request.n, request.num_beams)
+        await self.rows.acquire(client, rows)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.rows.release(client, rows)
+
+        if http is not None and isinstance(http.scope.get(RELEASE_SCOPE_KEY), list):
+            http.scope[RELEASE_SCOPE_KEY].append(release)  # the middleware calls it when the request ends, at the latest
+        return release
 
     async def health(self) -> dict[str, Any]:
         async def ask(method: Any) -> tuple[dict[str, Any] | None, str | None]:
@@ -769,24 +799,32 @@ def build_http_app(ingress: Ingress) -> FastAPI:
     app.add_middleware(RequestIdCheck)
 
     @app.post("/v1/generate", response_model=GenerateResponse, responses={**_SSE_RESPONSE, **_ERROR_RESPONSES}, tags=["generate"])
-    async def generate(body: GenerateBody):
+    async def generate(body: GenerateBody, http: Request):
         """Generate under a stored scenario (or unconstrained). ``stream: true`` gives SSE ``data: {event}`` lines."""
         request = GenerateRequest.model_validate(body.model_dump())
         ingress.check_limits(request)
-        if request.stream:
-            first, stream = await ingress.open_stream(request)
-            return StreamingResponse(ingress.native_sse(first, stream), media_type="text/event-stream", headers=_SSE_HEADERS)
-        return await ingress.generate(request.model_dump())
+        release = await ingress.hold_rows(http, request)
+        try:
+            if request.stream:
+                first, stream = await ingress.open_stream(request)
+                response = StreamingResponse(ingress.native_sse(first, stream, release), media_type="text/event-stream",
+                                             headers=_SSE_HEADERS)
+                release = None  # the stream gives the rows back when it ends
+                return response
+            return await ingress.generate(request.model_dump())
+        finally:
+            if release is not None:
+                release()
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_SSE_RESPONSE, **_ERROR_RESPONSES}, tags=["openai"])
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, http: Request):
         """OpenAI-compatible completions; ``scenario`` / ``response_format`` / ``structured_outputs`` constrain."""
-        return await ingress.openai_generate(body, chat=False)
+        return await ingress.openai_generate(body, chat=False, http=http)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_SSE_RESPONSE, **_ERROR_RESPONSES}, tags=["openai"])
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, http: Request):
         """OpenAI-compatible chat completions; ``scenario`` / ``response_format`` / ``structured_outputs`` constrain."""
-        return await ingress.openai_generate(body, chat=True)
+        return await ingress.openai_generate(body, chat=True, http=http)
 
     @app.get("/v1/models", response_model=ModelList, tags=["openai"])
     async def models():
