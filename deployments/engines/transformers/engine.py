@@ -18,12 +18,17 @@ three stages before they decode:
 
 Beam search runs inside the same batch: a request with ``num_beams = B`` holds ``B`` rows; each step
 its candidates are ranked over all its rows (log-probabilities of the masked logits, summed), the best
-``B`` live ones continue (the key/value cache rows are gathered accordingly and cursors follow their
-beam), ended candidates are kept as hypotheses with a length-normalized score. So a beam request
+``B`` live ones continue (their generated key/value rows are gathered accordingly, the prompt is held once, and
+cursors follow their beam), ended candidates are kept as hypotheses with a length-normalized score. So a beam request
 shares forward passes with everyone else and stops at the next step when it is cancelled.
 
 Failures stay with their row: a row whose sampling or cursor fails finishes with ``error``; a failed
 prefill fails only its own jobs; only a failed forward of the whole batch fails the jobs in it.
+
+The engine's parts: this module (the loop, preparation, one decode step, sampling, finishing rows),
+:mod:`.admission` (which waiting requests join), :mod:`.batch` (prefill and the key/value layouts, including the
+prompt held once per wide request, :mod:`.shared_kv`), :mod:`.beams` and :mod:`.tree_beams` (beam ranking),
+:mod:`.jobs` (a request's bookkeeping).
 
 Nothing here imports Ray: the replica knows it only as an :class:`~deployments.engines.protocol.Engine`,
 and tests drive it directly. See ``docs/design.md`` (engine contract).
@@ -33,15 +38,12 @@ from __future__ import annotations
 
 import logging
 import queue
-from bisect import bisect_right
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
 from processors import GrammarSpec, RowCursor, apply_steps
@@ -49,9 +51,13 @@ from processors.lanes import advance_rows, lane_of, mask_rows
 from processors.masks import FREE, MaskBuffer, Step, mask_padded_vocab
 
 from ..protocol import (
-    DoneEvent, Engine, EngineEvent, EngineRequest, ErrorEvent, FinishedEvent, RequestTicket, TokenEvent,
+    DoneEvent, Engine, EngineEvent, EngineRequest, ErrorEvent, FinishedEvent, TokenEvent,
 )
-from .kv_cache import cache_of, release_memory
+from .admission import AdmissionMixin
+from .batch import BatchMixin
+from .beams import BeamMixin
+from .jobs import FREE_STEP, UNMASKED, Beams, Job, Pending, Row
+from .kv_cache import release_memory
 from .prefix_cache import PrefixCache
 from .sampling import sample_row, sample_rows
 from .shared_kv import SharedGroup, StepContext, install
@@ -61,90 +67,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DecodeEngine", "Job"]
 
-_FREE_STEP = Step(FREE, None, 0)
-
-
-class _Unmasked:
-    """Stands for a row the chain must leave alone this step (a tree beam ranked from its tables)."""
-
-    @staticmethod
-    def step() -> Step:
-        return _FREE_STEP
-
-
-_UNMASKED = _Unmasked()
-
-
-class Job(RequestTicket):
-    """A submitted :class:`EngineRequest` inside this engine: the request, its callback and its cancel flag."""
-
-    def __init__(self, request: EngineRequest, on_event: Callable[[EngineEvent], None]):
-        self.request = request
-        self.on_event = on_event
-        self.cancelled = threading.Event()
-        self.remaining = 0
-        r = request
-        self.prompt_ids, self.compiled, self.max_new_tokens = r.prompt_ids, r.compiled, r.max_new_tokens
-        self.sampling, self.n, self.num_beams = r.sampling, r.n, r.num_beams
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    @property
-    def width(self) -> int:
-        """Rows this job holds in the batch."""
-        return self.num_beams if self.num_beams > 1 else self.n
-
-
-class _Row:
-    __slots__ = ("job", "index", "cursor", "generator", "tokens", "score")
-
-    def __init__(self, job: Job, index: int, cursor: RowCursor, generator: torch.Generator | None,
-                 tokens: list[int] | None = None, score: float = 0.0):
-        self.job = job
-        self.index = index
-        self.cursor = cursor
-        self.generator = generator
-        self.tokens: list[int] = tokens if tokens is not None else []
-        self.score = score  # beam rows: sum of the log-probabilities of ``tokens``
-
-
-class _Beams:
-    """Ended hypotheses of one beam request: ``(normalized score, tokens, finish_reason)``."""
-
-    __slots__ = ("hyps",)
-
-    def __init__(self):
-        self.hyps: list[tuple[float, list[int], str]] = []
-
-    def add(self, score: float, tokens: list[int], reason: str, keep: int) -> None:
-        self.hyps.append((score / max(len(tokens), 1), tokens, reason))
-        self.hyps.sort(key=lambda h: -h[0])
-        del self.hyps[keep:]
-
-    def worst(self) -> float:
-        return self.hyps[-1][0]
-
-
-@dataclass
-class _Pending:
-    """A job between submission and its first decode step."""
-
-    job: Job
-    rows: Future | list[_Row]
-    # chunked prefill: the prompt's cache so far and how many prompt tokens it holds
-    cache: DynamicCache | None = None
-    done_tokens: int = 0
-    reused: int = 0
-
-    def ready(self) -> bool:
-        return not isinstance(self.rows, Future) or self.rows.done()
-
-    def take_rows(self) -> list[_Row]:
-        return self.rows.result() if isinstance(self.rows, Future) else self.rows
-
-
-class DecodeEngine(Engine):
+class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
     name = "transformers"
 
     """Continuous-batching decode loop over ``model`` (see the module docstring).
@@ -203,11 +126,11 @@ class DecodeEngine(Engine):
         self.device = next(model.parameters()).device
         self.vocab_size = len(tokenizer)
         self._queue: queue.Queue[Job] = queue.Queue()
-        self._waiting: list[_Pending] = []
-        self._chunking: _Pending | None = None
-        self._rows: list[_Row] = []  # the padded rows first (their cache: _cache, _mask), then each group's rows
+        self._waiting: list[Pending] = []
+        self._chunking: Pending | None = None
+        self._rows: list[Row] = []  # the padded rows first (their cache: _cache, _mask), then each group's rows
         self._groups: list[SharedGroup] = []  # requests of several rows, prompt held once
-        self._beams: dict[int, _Beams] = {}
+        self._beams: dict[int, Beams] = {}
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None
         self._logits: torch.Tensor | None = None
@@ -255,44 +178,6 @@ class DecodeEngine(Engine):
     @property
     def active_rows(self) -> int:
         return len(self._rows)
-
-    @property
-    def _narrow_rows(self) -> int:
-        return 0 if self._mask is None else self._mask.shape[0]
-
-    def _is_group(self, job: Job) -> bool:
-        """Whether ``job`` decodes as a :class:`SharedGroup` (its prompt once) rather than in the padded batch."""
-        return self.shared_prompt and job.width > 1
-
-    def _padded_width(self, job: Job) -> int:
-        """Rows ``job`` takes in the padded batch (bounded by ``max_batch_size``)."""
-        return 0 if self._is_group(job) else job.width
-
-    def job_bytes(self, request: EngineRequest) -> int:
-        """Estimated memory of a request while it decodes: key/value cache (its prompt once, each row's generated
-        tokens), per-row logits and their working copies, and the attention scores of its rows over the prompt."""
-        width = request.num_beams if request.num_beams > 1 else request.n
-        prompt = len(request.prompt_ids)
-        copies = 1 if self.shared_prompt else width
-        kv = (copies * prompt + width * request.max_new_tokens) * self._token_bytes
-        logits = width * self.vocab_size * 4 * 4  # logits, log-probabilities, masked copy, ranking
-        scores = width * prompt * self._score_bytes if width > 1 and self.shared_prompt else 0
-        return kv + logits + scores
-
-    def admission_error(self, request: EngineRequest) -> str | None:
-        need = self.job_bytes(request)
-        if need <= self.kv_budget:
-            return None
-        return (f"this request needs about {need / 2**20:.0f} MiB of key/value and logits memory (prompt "
-                f"{len(request.prompt_ids)} tokens, {max(request.n, request.num_beams)} rows x "
-                f"{request.max_new_tokens} new tokens), more than the replica's budget kv_memory_mb="
-                f"{self.kv_budget // 2**20}; lower num_beams, n or max_new_tokens")
-
-    def _bytes_in_use(self) -> int:
-        jobs = {id(r.job): r.job for r in self._rows}
-        if self._chunking is not None:
-            jobs[id(self._chunking.job)] = self._chunking.job
-        return sum(self.job_bytes(j.request) for j in jobs.values())
 
     # -- loop -----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -343,7 +228,7 @@ class DecodeEngine(Engine):
     def _accept(self, job: Job) -> None:
         """Build the job's rows now, or on the prepare pool when its first masks may be slow."""
         slow = job.compiled is not None and isinstance(job.compiled.constraint, GrammarSpec)
-        rows: Future | list[_Row]
+        rows: Future | list[Row]
         if slow:
             rows = self._prepare.submit(self._new_rows, job, True)
         else:
@@ -353,9 +238,9 @@ class DecodeEngine(Engine):
                 logger.exception("building the rows of a job failed")
                 job.on_event(ErrorEvent(f"cannot start: {type(exc).__name__}: {exc}"))
                 return
-        self._waiting.append(_Pending(job, rows))
+        self._waiting.append(Pending(job, rows))
 
-    def _new_rows(self, job: Job, prime: bool) -> list[_Row]:
+    def _new_rows(self, job: Job, prime: bool) -> list[Row]:
         """The job's rows: one fresh cursor, copied for the others (same state, independent)."""
         # the same ItemRequest for every row of the job: exclude, and distinct across its rows
         first = RowCursor(job.compiled, self.tokenizer, eos_token_ids=self.eos_token_ids,
@@ -371,241 +256,23 @@ class DecodeEngine(Engine):
                 gen = torch.Generator(device="cpu").manual_seed(job.sampling.seed + i)
             # beam rows 1.. start at -inf: all beams hold the same prompt, only one may expand at first
             score = 0.0 if job.num_beams == 1 or i == 0 else float("-inf")
-            rows.append(_Row(job, i, cursor, gen, score=score))
+            rows.append(Row(job, i, cursor, gen, score=score))
         return rows
 
     # -- admission ------------------------------------------------------------------------------
-    def _admit(self) -> None:
-        room = self.max_batch_size - self._narrow_rows - (self._padded_width(self._chunking.job) if self._chunking else 0)
-        memory = self._bytes_in_use() if self._waiting else 0
-        admitted: list[tuple[_Pending, list[_Row]]] = []
-        keep: list[_Pending] = []
-        empty = not self._rows and self._chunking is None
-        for p in self._waiting:
-            job = p.job
-            if job.cancelled.is_set():
-                if isinstance(p.rows, Future):
-                    p.rows.cancel()
-                self._cancelled(job)
-                continue
-            if not p.ready():
-                keep.append(p)
-                continue
-            need = self.job_bytes(job.request)
-            if need > self.kv_budget:
-                if isinstance(p.rows, Future):
-                    p.rows.cancel()
-                job.on_event(ErrorEvent(self.admission_error(job.request) or "too large"))
-                continue
-            alone = empty and not admitted
-            fits = (self._padded_width(job) <= room or alone) and (memory + need <= self.kv_budget or alone)
-            if not fits:
-                keep.append(p)
-                continue
-            try:
-                rows = p.take_rows()
-            except Exception as exc:
-                logger.exception("preparing the rows of a job failed")
-                job.on_event(ErrorEvent(f"cannot start: {type(exc).__name__}: {exc}"))
-                continue
-            length, kv = self.prefix_cache.lookup(job.prompt_ids)
-            if len(job.prompt_ids) - length > self.prefill_chunk_tokens:
-                if self._chunking is not None:
-                    keep.append(p)  # one chunked prefill at a time
-                    continue
-                p.rows, p.done_tokens, p.reused = rows, length, length
-                p.cache = self._expand_prefix(kv, 1) if kv is not None else DynamicCache()
-                self._chunking = p
-                room -= self._padded_width(job)
-                memory += need
-                continue
-            admitted.append((p, rows))
-            room -= self._padded_width(job)
-            memory += need
-        self._waiting = keep
-        if admitted:
-            self._prefill(admitted)
-
     def _cancelled(self, job: Job) -> None:
         self._stats["cancelled_jobs"] += 1
         job.on_event(ErrorEvent("cancelled"))
 
-    @staticmethod
-    def _expand_prefix(prefix_kv, b: int) -> DynamicCache:
-        return cache_of([(k.expand(b, -1, -1, -1).contiguous(), v.expand(b, -1, -1, -1).contiguous()) for k, v in prefix_kv])
-
-    def _prefill(self, admitted: list[tuple[_Pending, list[_Row]]]) -> None:
-        """Prefill new prompts (grouped by their cached prefix), then merge into the running batch."""
-        groups: dict[int, tuple[list, list]] = {}
-        for p, rows in admitted:
-            length, kv = self.prefix_cache.lookup(p.job.prompt_ids)
-            # jobs that hit the same cached prefix object share one forward pass
-            key = id(kv[0][0].untyped_storage()) * 100003 + length if kv is not None else 0
-            groups.setdefault(key, (kv, []))[1].append((p.job, rows))
-        for kv, group in groups.values():
-            try:
-                self._prefill_group(group, kv)
-            except Exception as exc:  # only these jobs fail; rows already decoding keep going
-                logger.exception("prefill failed")
-                for job, _ in group:
-                    job.on_event(ErrorEvent(f"prefill failed: {type(exc).__name__}: {exc}"))
-
-    def _prefill_group(self, group: list[tuple[Job, list[_Row]]], prefix_kv) -> None:
-        """One forward over the prompts after a shared cached prefix (or whole prompts, left-padded).
-
-        Row layout of the resulting cache: ``[prefix | padding | rest of the prompt]``; the attention
-        mask zeroes the padding, position ids count only real tokens.
-        """
-        jobs = [job for job, _ in group]
-        plen = prefix_kv[0][0].shape[2] if prefix_kv is not None else 0
-        rests = [j.prompt_ids[plen:] for j in jobs]
-        width = max(len(r) for r in rests)
-        b = len(jobs)
-        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
-        rest_mask = torch.zeros((b, width), dtype=torch.long)
-        for i, r in enumerate(rests):
-            ids[i, width - len(r):] = torch.tensor(r)
-            rest_mask[i, width - len(r):] = 1
-        positions = (plen + rest_mask.cumsum(dim=1) - 1).clamp(min=0)
-        mask = torch.cat([torch.ones((b, plen), dtype=torch.long), rest_mask], dim=1)
-        past = self._expand_prefix(prefix_kv, b) if prefix_kv is not None else DynamicCache()
-        out = self.model(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), position_ids=positions.to(self.device),
-            past_key_values=past, use_cache=True, logits_to_keep=1,
-        )
-        layers = out.past_key_values.layers
-        for i, job in enumerate(jobs):  # remember this prompt's block prefixes (contiguous, in prompt order)
-            pad = width - len(rests[i])
-            cols = torch.cat([torch.arange(plen), torch.arange(plen + pad, plen + width)]).to(self.device)
-            self.prefix_cache.store(job.prompt_ids, [
-                (layer.keys[i : i + 1].index_select(2, cols), layer.values[i : i + 1].index_select(2, cols)) for layer in layers
-            ])
-        narrow = [i for i, job in enumerate(jobs) if not self._is_group(job)]
-        if narrow:
-            self._join([group[i] for i in narrow], [(layer.keys, layer.values) for layer in layers],
-                       mask.to(self.device), out.logits[:, -1, :], narrow)
-        for i, (job, rows) in enumerate(group):
-            if self._is_group(job):
-                # the prompt once: the cached prefix by reference, the rest copied out of the batched prefill
-                pad = width - len(rests[i])
-                shared = [([prefix_kv[li]] if prefix_kv is not None else [])
-                          + [(layer.keys[i : i + 1, :, plen + pad :].clone(), layer.values[i : i + 1, :, plen + pad :].clone())]
-                          for li, layer in enumerate(layers)]
-                self._join_group(job, rows, shared, out.logits[i : i + 1, -1, :])
-        self._stats["prefills"] += 1
-        self._stats["prefill_tokens"] += sum(len(r) for r in rests)
-        self._stats["prefix_tokens_reused"] += plen * b
-
-    def _prefill_chunk(self) -> None:
-        """Read the next chunk of the prompt being prefilled in chunks; join the batch after the last."""
-        p = self._chunking
-        job = p.job
-        if job.cancelled.is_set():
-            self._chunking = None
-            self._trim_due = True
-            self._cancelled(job)
-            return
-        try:
-            start = p.done_tokens
-            end = min(start + self.prefill_chunk_tokens, len(job.prompt_ids))
-            ids = torch.tensor([job.prompt_ids[start:end]], device=self.device)
-            out = self.model(
-                input_ids=ids, attention_mask=torch.ones((1, end), dtype=torch.long, device=self.device),
-                position_ids=torch.arange(start, end, device=self.device)[None], past_key_values=p.cache,
-                use_cache=True, logits_to_keep=1,
-            )
-            p.cache, p.done_tokens = out.past_key_values, end
-            self._stats["prefill_chunks"] += 1
-            if end < len(job.prompt_ids):
-                return
-            self._chunking = None
-            self._trim_due = True
-            layers = p.cache.layers
-            self.prefix_cache.store(job.prompt_ids, [(layer.keys, layer.values) for layer in layers])
-            if self._is_group(job):
-                self._join_group(job, p.rows, [[(layer.keys, layer.values)] for layer in layers], out.logits[:, -1, :])
-            else:
-                mask = torch.ones((1, end), dtype=torch.long, device=self.device)
-                self._join([(job, p.rows)], [(layer.keys, layer.values) for layer in layers], mask, out.logits[:, -1, :], [0])
-            self._stats["prefills"] += 1
-            self._stats["prefill_tokens"] += end - p.reused
-            self._stats["prefix_tokens_reused"] += p.reused
-        except Exception as exc:
-            logger.exception("chunked prefill failed")
-            self._chunking = None
-            job.on_event(ErrorEvent(f"prefill failed: {type(exc).__name__}: {exc}"))
-
-    def _join(self, group: list[tuple[Job, list[_Row]]], kv, mask, logits, sel: list[int]) -> None:
-        """Merge one-row jobs' prompt caches into the padded batch, after its rows and before the groups' rows.
-
-        ``kv``, ``mask`` and ``logits`` hold one row per prefilled prompt; ``sel[i]`` is the row of ``group[i]``,
-        copied into each of that job's rows (one, unless ``shared_prompt`` is off).
-        The merged cache is written once into a zeroed buffer (old rows, then the new prompts): copying
-        multi-gigabyte caches through pad/cat temporaries cost seconds per long prompt.
-        """
-        rows = []
-        for job, job_rows in group:
-            job.remaining = job.n
-            if job.num_beams > 1:
-                self._beams[id(job)] = _Beams()
-            rows.extend(job_rows)
-        sel = [i for (job, _), i in zip(group, sel) for _ in range(job.width)]
-        index = torch.tensor(sel, device=self.device)
-        logits = logits.float().index_select(0, index.to(logits.device))
-        mask = mask.index_select(0, index.to(mask.device))
-        old_rows = self._narrow_rows
-        new_rows = len(sel)
-        old_len = self._mask.shape[1] if old_rows else 0
-        new_len = mask.shape[1]
-        total = max(old_len, new_len)
-        merged = []
-        for li, (k, v) in enumerate(kv):
-            pair = []
-            for new, old in ((k, self._cache.layers[li].keys if old_rows else None),
-                             (v, self._cache.layers[li].values if old_rows else None)):
-                # room to grow (see GrowingLayer), so the next steps append without copying
-                out = new.new_zeros((old_rows + new_rows, new.shape[1], total + max(64, total // 8), new.shape[3]))
-                if old is not None:
-                    out[:old_rows, :, total - old_len : total] = old
-                for j, i in enumerate(sel):
-                    out[old_rows + j, :, total - new_len : total] = new[i]
-                pair.append(out)
-            merged.append(tuple(pair))
-        if old_rows:
-            self._mask = torch.cat([F.pad(self._mask, (total - old_len, 0)), F.pad(mask, (total - new_len, 0))])
-        else:
-            self._mask = mask
-        if self._logits is None:
-            self._logits = logits
-        else:
-            self._logits = torch.cat([self._logits[:old_rows], logits, self._logits[old_rows:]])
-        self._rows = self._rows[:old_rows] + rows + self._rows[old_rows:]
-        for g in self._groups:
-            g.start += len(rows)
-        self._cache = cache_of([(k[:, :, :total], v[:, :, :total]) for k, v in merged], buffers=merged)
-
-    def _join_group(self, job: Job, rows: list[_Row], shared, logits: torch.Tensor) -> None:
-        """A job of several rows joins after the batch's rows: its prompt held once (``shared``, per layer a list of
-        ``(keys, values)`` segments), its rows' generated keys/values apart (:class:`.shared_kv.SharedGroup`)."""
-        job.remaining = job.n
-        if job.num_beams > 1:
-            self._beams[id(job)] = _Beams()
-        group = SharedGroup(job, shared, len(rows))
-        group.start = len(self._rows)
-        self._groups.append(group)
-        logits = logits.float().expand(len(rows), -1)
-        self._logits = logits.contiguous() if self._logits is None else torch.cat([self._logits, logits])
-        self._rows = self._rows + rows
-
     # -- one decode step ------------------------------------------------------------------------
-    def _row_steps(self, rows: list[_Row], skip: set[int] = frozenset()) -> tuple[list[Step], dict[int, str]]:  # type: ignore[assignment]
+    def _row_steps(self, rows: list[Row], skip: set[int] = frozenset()) -> tuple[list[Step], dict[int, str]]:  # type: ignore[assignment]
         """Each row's allowed set (rows in ``skip``: none, they are ranked from their tables); a cursor that raises
         fails its row only."""
         steps: list[Step] = []
         failed: dict[int, str] = {}
         for i, row in enumerate(rows):
             if i in skip:
-                steps.append(_FREE_STEP)
+                steps.append(FREE_STEP)
                 continue
             try:
                 steps.append(row.cursor.step())
@@ -634,7 +301,7 @@ class DecodeEngine(Engine):
         # beam scores: log-probabilities of the model's distribution, masked (as HF beam search does)
         logprobs = torch.log_softmax(logits[beam_at], dim=-1) if beam_at else None
         if self.vector_lane:
-            failed = mask_rows(logits, [_UNMASKED if i in skip else r.cursor for i, r in enumerate(rows)],
+            failed = mask_rows(logits, [UNMASKED if i in skip else r.cursor for i, r in enumerate(rows)],
                                self._mask_buffer)
         else:
             steps, failed = self._row_steps(rows, skip)
@@ -644,7 +311,7 @@ class DecodeEngine(Engine):
             logprobs = logprobs.masked_fill(torch.isneginf(logits[beam_at]), float("-inf"))
         t_chain = time.perf_counter() - t0
         # the next batch: (source row index, row object, token)
-        nxt: list[tuple[int, _Row, int]] = []
+        nxt: list[tuple[int, Row, int]] = []
         sampled: list[int] = []
         for i, row in enumerate(rows):
             job = row.job
@@ -741,45 +408,14 @@ class DecodeEngine(Engine):
         if self.on_step is not None:
             self.on_step(step_seconds, t_chain)
 
-    def _regroup(self, nxt: list[tuple[int, _Row, int]]) -> list[tuple[int, _Row, int]]:
-        """Lay the next batch out (padded rows, then each group's rows) and select the caches' rows to match: the
-        padded cache's rows, and within each group only the generated part (a beam reorder). Returns ``nxt`` in
-        the new row order."""
-        n0 = self._narrow_rows
-        narrow = [e for e in nxt if e[0] < n0]
-        starts = [g.start for g in self._groups]
-        buckets: list[list[tuple[int, _Row, int]]] = [[] for _ in self._groups]
-        for e in nxt:
-            if e[0] >= n0:
-                buckets[bisect_right(starts, e[0]) - 1].append(e)
-        order = [src for src, _, _ in narrow]
-        if order != list(range(n0)):
-            if order:
-                idx = torch.tensor(order, device=self.device)
-                self._cache.batch_select_indices(idx)
-                self._mask = self._mask.index_select(0, idx)
-                self._trim()
-            else:
-                self._cache, self._mask = None, None
-        kept = []
-        for g, bucket in zip(self._groups, buckets):
-            if bucket:
-                g.select([src - g.start for src, _, _ in bucket], self.device)
-                kept.append(g)
-        at = len(narrow)
-        for g in kept:
-            g.start, at = at, at + g.rows
-        self._groups = kept
-        return narrow + [e for bucket in buckets for e in bucket]
-
-    def _redraw(self, i: int, row: _Row, logits: torch.Tensor) -> int:
+    def _redraw(self, i: int, row: Row, logits: torch.Tensor) -> int:
         """A ``distinct`` row whose sampled token lost its item to another row of its request earlier in this step:
         draw again under its new mask (its allowed set only shrank; the rows of a request advance in order)."""
         sub = logits[i : i + 1].clone()
         apply_steps(sub, [row.cursor.step()])
         return int(sample_row(sub[0], row.job.sampling, row.generator))
 
-    def _sample_each(self, rows: list[_Row], sampled: list[int], logits: torch.Tensor) -> torch.Tensor:
+    def _sample_each(self, rows: list[Row], sampled: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Row-by-row sampling after the batched sampler failed: a row that fails alone gets NaN."""
         out = []
         for i in sampled:
@@ -791,7 +427,7 @@ class DecodeEngine(Engine):
                 out.append(float("nan"))
         return torch.tensor(out, dtype=torch.float64, device=logits.device)
 
-    def _advance_lane(self, rows: list[_Row], sampled: list[int], host: list) -> dict[int, str | None]:
+    def _advance_lane(self, rows: list[Row], sampled: list[int], host: list) -> dict[int, str | None]:
         """Advance the sampled rows of the vector lane together (no item controls: their order does not matter);
         returns row -> None, or the message of a cursor that raised."""
         picked = [(i, int(t)) for i, t in zip(sampled, host[: len(sampled)]) if t == t and lane_of(rows[i].cursor)]
@@ -800,8 +436,8 @@ class DecodeEngine(Engine):
         failed = advance_rows([rows[i].cursor for i, _ in picked], [t for _, t in picked])
         return {i: failed.get(k) for k, (i, _) in enumerate(picked)}
 
-    def _advance_sampled(self, i: int, row: _Row, token: int, *, advanced: bool = False,
-                         error: str | None = None) -> list[tuple[int, _Row, int]]:
+    def _advance_sampled(self, i: int, row: Row, token: int, *, advanced: bool = False,
+                         error: str | None = None) -> list[tuple[int, Row, int]]:
         job = row.job
         if error is not None:
             self._fail_row(row, error)
@@ -823,83 +459,11 @@ class DecodeEngine(Engine):
             return [(i, row, token)]
         return []
 
-    def _beam_candidates(self, rows: list[_Row], idxs: list[int], logprobs: torch.Tensor, failed: dict[int, str]):
-        """One beam request's best ``2 * num_beams`` candidates as (scores, flat ids), on the device."""
-        for k, i in enumerate(idxs):
-            if i in failed:  # a beam whose cursor failed is dropped; its request goes on with the others
-                logprobs[k] = float("-inf")
-        scores = logprobs + torch.tensor([rows[i].score for i in idxs], dtype=logprobs.dtype, device=logprobs.device)[:, None]
-        flat = scores.view(-1)
-        top_scores, top_ids = torch.topk(flat, min(2 * rows[idxs[0]].job.num_beams, flat.numel()))
-        return top_scores.double(), top_ids.double()
-
-    def _beam_select(self, rows: list[_Row], idxs: list[int], top_scores: list[float], top_ids: list[int], vocab: int):
-        """Rank one beam request's candidates; returns the rows that go on as ``(source, row, token)``."""
-        job = rows[idxs[0]].job
-        beams = self._beams[id(job)]
-        width = job.num_beams
-        picked: list[tuple[int, int, float]] = []  # (row index, token, score)
-        for rank, (score, flat_id) in enumerate(zip(top_scores, top_ids)):
-            if score == float("-inf") or len(picked) >= width:
-                break
-            src = idxs[flat_id // vocab]
-            token = flat_id % vocab
-            cursor = rows[src].cursor
-            if token in cursor.stop_ids or token == cursor.end_token_id:
-                if rank < width:  # an ended candidate counts only among the best `width`
-                    beams.add(score, rows[src].tokens + [token], "stop", width)
-                continue
-            picked.append((src, token, score))
-        n_generated = len(rows[idxs[0]].tokens) + 1
-        if n_generated >= job.max_new_tokens:
-            for src, token, score in picked:
-                beams.add(score, rows[src].tokens + [token], "length", width)
-            picked = []
-        elif picked and len(beams.hyps) >= width and picked[0][2] / n_generated <= beams.worst():
-            picked = []  # no live beam can still beat the ended ones
-        if not picked:
-            self._beams.pop(id(job), None)
-            self._emit_beams(job, beams)
-            return []
-        # cursors: the first beam taken from a row keeps its cursor, later ones get copies (made before
-        # anything advances)
-        seen: set[int] = set()
-        cursors = []
-        for src, _, _ in picked:
-            cursors.append(rows[src].cursor.copy() if src in seen else rows[src].cursor)
-            seen.add(src)
-        # all survivors' cursors advance together (plain tree rows as array operations, processors.lanes); a beam
-        # whose constraint fails is dropped, the request goes on with the others
-        failed = advance_rows(cursors, [token for _, token, _ in picked])
-        out = [(src, _Row(job, slot, cursor, None, rows[src].tokens + [token], score), token)
-               for slot, ((src, token, score), cursor) in enumerate(zip(picked, cursors)) if slot not in failed]
-        if not out:
-            self._beams.pop(id(job), None)
-            self._emit_beams(job, beams)
-        return out
-
-    def _emit_beams(self, job: Job, beams: _Beams) -> None:
-        for index, (_, tokens, reason) in enumerate(beams.hyps[: job.n]):
-            for t in tokens:
-                job.on_event(TokenEvent(index, t))
-            job.on_event(FinishedEvent(index, tokens, reason))
-        job.on_event(DoneEvent())
-
-    def _trim(self) -> None:
-        """Drop leading columns that are padding in every remaining row."""
-        live = self._mask.any(dim=0).nonzero()
-        first = int(live[0]) if live.numel() else 0
-        if first > 0:
-            self._mask = self._mask[:, first:]
-            for layer in self._cache.layers:
-                layer.keys = layer.keys[:, :, first:, :]
-                layer.values = layer.values[:, :, first:, :]
-
-    def _fail_row(self, row: _Row, message: str) -> None:
+    def _fail_row(self, row: Row, message: str) -> None:
         self._stats["failed_rows"] += 1
         self._finish(row, "error", message)
 
-    def _finish(self, row: _Row, reason: str, error: str | None) -> None:
+    def _finish(self, row: Row, reason: str, error: str | None) -> None:
         if row.cursor.fell_back:
             self._stats["fallback_rows"] += 1
         job = row.job

@@ -1,0 +1,85 @@
+"""Beam search inside the batch: a request's candidates ranked over all its rows (summed log-probabilities of the
+masked distribution; tree requests straight from their tables, :mod:`.tree_beams`), ended candidates kept with a
+length-normalized score, the surviving beams' cursors copied and advanced together. Part of
+:class:`.engine.DecodeEngine`."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from processors.lanes import advance_rows
+
+from ..protocol import DoneEvent, FinishedEvent, TokenEvent
+from .jobs import Beams, Job, Row
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BeamMixin"]
+
+
+class BeamMixin:
+    """Beam ranking and selection of the decode engine (see :class:`.engine.DecodeEngine` for its state)."""
+
+    def _beam_candidates(self, rows: list[Row], idxs: list[int], logprobs: torch.Tensor, failed: dict[int, str]):
+        """One beam request's best ``2 * num_beams`` candidates as (scores, flat ids), on the device."""
+        for k, i in enumerate(idxs):
+            if i in failed:  # a beam whose cursor failed is dropped; its request goes on with the others
+                logprobs[k] = float("-inf")
+        scores = logprobs + torch.tensor([rows[i].score for i in idxs], dtype=logprobs.dtype, device=logprobs.device)[:, None]
+        flat = scores.view(-1)
+        top_scores, top_ids = torch.topk(flat, min(2 * rows[idxs[0]].job.num_beams, flat.numel()))
+        return top_scores.double(), top_ids.double()
+
+    def _beam_select(self, rows: list[Row], idxs: list[int], top_scores: list[float], top_ids: list[int], vocab: int):
+        """Rank one beam request's candidates; returns the rows that go on as ``(source, row, token)``."""
+        job = rows[idxs[0]].job
+        beams = self._beams[id(job)]
+        width = job.num_beams
+        picked: list[tuple[int, int, float]] = []  # (row index, token, score)
+        for rank, (score, flat_id) in enumerate(zip(top_scores, top_ids)):
+            if score == float("-inf") or len(picked) >= width:
+                break
+            src = idxs[flat_id // vocab]
+            token = flat_id % vocab
+            cursor = rows[src].cursor
+            if token in cursor.stop_ids or token == cursor.end_token_id:
+                if rank < width:  # an ended candidate counts only among the best `width`
+                    beams.add(score, rows[src].tokens + [token], "stop", width)
+                continue
+            picked.append((src, token, score))
+        n_generated = len(rows[idxs[0]].tokens) + 1
+        if n_generated >= job.max_new_tokens:
+            for src, token, score in picked:
+                beams.add(score, rows[src].tokens + [token], "length", width)
+            picked = []
+        elif picked and len(beams.hyps) >= width and picked[0][2] / n_generated <= beams.worst():
+            picked = []  # no live beam can still beat the ended ones
+        if not picked:
+            self._beams.pop(id(job), None)
+            self._emit_beams(job, beams)
+            return []
+        # cursors: the first beam taken from a row keeps its cursor, later ones get copies (made before
+        # anything advances)
+        seen: set[int] = set()
+        cursors = []
+        for src, _, _ in picked:
+            cursors.append(rows[src].cursor.copy() if src in seen else rows[src].cursor)
+            seen.add(src)
+        # all survivors' cursors advance together (plain tree rows as array operations, processors.lanes); a beam
+        # whose constraint fails is dropped, the request goes on with the others
+        failed = advance_rows(cursors, [token for _, token, _ in picked])
+        out = [(src, Row(job, slot, cursor, None, rows[src].tokens + [token], score), token)
+               for slot, ((src, token, score), cursor) in enumerate(zip(picked, cursors)) if slot not in failed]
+        if not out:
+            self._beams.pop(id(job), None)
+            self._emit_beams(job, beams)
+        return out
+
+    def _emit_beams(self, job: Job, beams: Beams) -> None:
+        for index, (_, tokens, reason) in enumerate(beams.hyps[: job.n]):
+            for t in tokens:
+                job.on_event(TokenEvent(index, t))
+            job.on_event(FinishedEvent(index, tokens, reason))
+        job.on_event(DoneEvent())
