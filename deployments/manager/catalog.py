@@ -39,7 +39,7 @@ import numpy as np
 
 from deployments.protocol import ServiceError
 
-__all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "DeltaReport", "apply_labels_delta", "apply_tree_delta",
+__all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "DeltaReport", "apply_delta", "apply_labels_delta", "apply_tree_delta",
            "catalog_body", "items_from_tree", "catalog_tables", "parse_catalog", "parse_delta", "parse_json_body",
            "tree_file_bytes"]
 
@@ -630,6 +630,41 @@ def catalog_body(catalog: Catalog, content: bytes) -> dict[str, Any]:
     return {"type": "tree", **catalog.options, "path": CATALOG_PATH,
             "content_sha256": hashlib.sha256(content).hexdigest(), "content_format": "items",
             "items": len(catalog)}
+
+
+def apply_delta(compiler: Any, limits: Any, name: str, body: dict[str, Any], add: list[Any], remove: list[Any]):
+    """``(new body, content to store or None, report, sha of the content when its local copy is new)``: a PATCH's
+    delta applied to a stored body (worker thread). ``compiler``: the manager's
+    :class:`~deployments.manager.compiler.StoredScenarioCompiler` (validation, stored catalogs, content copies)."""
+    from config import load_tree
+
+    kind = body.get("type")
+    if kind == "labels":
+        new_body, report = apply_labels_delta(body, add, remove)
+        return new_body, None, report, None
+    if kind != "tree":
+        raise ServiceError(409, f"scenario {name!r} is a {kind} scenario: PATCH adds and removes tree items or "
+                                "labels; PUT the whole scenario instead", {"name": name, "type": kind})
+    sha = body.get("content_sha256")
+    if body.get("content_format") == "items" and isinstance(sha, str):
+        base = compiler.catalog(name, sha)
+    else:  # an inline tree or a tree file: its items, once
+        scenario = compiler.validate(name, body)
+        tree = load_tree(scenario.tree if scenario.tree is not None else scenario.path,
+                         vocab_size=compiler.vocab_size)
+        options = {k: v for k, v in body.items() if k not in _RESERVED}
+        base = Catalog.from_items(int(tree.start_token_id), int(tree.end_token_id), items_from_tree(tree), options)
+    catalog, report = apply_tree_delta(base, add, remove, vocab_size=compiler.vocab_size,
+                                       max_items=limits.max_tree_keys)
+    if not report.changed:
+        return body, None, report, None
+    if not len(catalog):  # (not catalog.items: that makes a tuple per item)
+        raise ServiceError(422, f"remove: the PATCH would leave scenario {name!r} without items; DELETE it instead",
+                           {"name": name, "field": "remove"})
+    content = catalog.content()
+    sha, new = compiler.keep_content(content)
+    compiler.remember_catalog(sha, catalog)
+    return catalog_body(catalog, content), content, report, (sha if new else None)
 
 
 def parse_json_body(raw: bytes, limits: Any, *, scenario: bool) -> Any:

@@ -3,7 +3,7 @@
 Every compile the manager makes goes through :meth:`StoredScenarioCompiler.compile` (async) or
 :meth:`StoredScenarioCompiler.compile_blocking` (at start), which run :meth:`StoredScenarioCompiler._prepare`
 on the compiler's own threads, one at a time, bounded by ``limits.compile_timeout_s``:
-``_validate`` (422: limits, ``config.load_scenario``, a tree path confined to ``tree_dir``) ->
+``validate`` (422: limits, ``config.load_scenario``, a tree path confined to ``tree_dir``) ->
 ``_compile_now`` (400: ``processors.pipeline.ScenarioCompiler.compile_now``: grammars in its bounded worker
 process, each kind's limits on the compiled form). ``_compile_now`` is the one place that calls the processors.
 
@@ -138,7 +138,7 @@ class StoredScenarioCompiler:
 
     # ------------------------------------------------------------------ validate
 
-    def _validate(self, name: str, body: Any):
+    def validate(self, name: str, body: Any):
         """The scenario of ``body`` (422 when invalid). A tree stored with the content of its file
         (``content_sha256``) gets ``path`` pointing at that content (see :meth:`content_file`), never
         at the file it was read from."""
@@ -302,7 +302,7 @@ class StoredScenarioCompiler:
 
     def _prepare(self, name: str, body: Any):
         """Validate (422) and compile (400) a body; runs in a worker thread (a large tree takes a while)."""
-        scenario = self._validate(name, body)
+        scenario = self.validate(name, body)
         try:
             sha = content_sha256(body)
             if sha is not None and body.get("content_format") == "items":

@@ -14,7 +14,9 @@ replicas. It is the facade the ingress and the replicas call; the work is done b
 * :class:`~deployments.manager.reconciler.StoreReconciler`: the load at start, the change listener and the
   reconcile loop, the embedded-Redis restart, refusing unusable stored versions.
 
-``put``/``delete``/``rollback`` return once every live replica acknowledged an epoch that includes the change
+Every admin write (``put``, ``put_items``, ``patch``, ``rollback``, ``delete``) is one
+:class:`~deployments.manager.write_flow.WriteFlow` run (draft -> validate -> compile -> store -> publish -> ack); each
+method supplies only what differs. ``put``/``delete``/``rollback`` return once every live replica acknowledged an epoch that includes the change
 (read-your-writes), or raise 504 after ``broadcast_timeout_s``; a retry with the same ``Idempotency-Key`` gets
 the first write's answer instead of a second version.
 
@@ -26,57 +28,30 @@ calls (e.g. 1000); Serve's default (5) would queue acks behind polls.
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import logging
-import time
 from typing import Any
 
 from config import ServerSettings
 from deployments.metrics import ManagerMetrics, route_logs_to_serve
 from deployments.protocol import ServiceError
 from deployments.redis_server import connect_redis
-from deployments.store import (
-    IDEMPOTENCY_TTL_S,
-    BaseChanged,
-    ScenarioStore,
-    pack_body,
-    pruned_error,
-    request_fingerprint,
-    validate_idempotency_key,
-    validate_name,
-)
+from deployments.store import IDEMPOTENCY_TTL_S, BaseChanged, ScenarioStore, pack_body, pruned_error, request_fingerprint
+from deployments.store import validate_name
 
+from .catalog import parse_json_body
 from .compiler import StoredScenarioCompiler, compile_warnings, lower_manager_priority
 from .inline_tree import split_inline_tree
 from .reconciler import StoreReconciler
 from .registry import ReplicaRegistry
-from .served import ServedScenarios, object_ref
+from .served import ServedScenarios
+from .write_flow import Draft, Write, WriteFlow, as_version, body_fingerprint
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ConfigManager"]
 
 PATCH_ATTEMPTS = 5  # a PATCH without a base version re-applies its delta this often when writes race it
-
-
-def _fingerprint(action: str, name: str, body: Any) -> str:
-    """The request fingerprint of an admin write (422 for a body that is not JSON)."""
-    try:
-        return request_fingerprint(action, name, body)
-    except (TypeError, ValueError) as exc:
-        raise ServiceError(422, f"the scenario body is not JSON: {exc}") from None
-
-
-def _as_version(version: Any) -> int:
-    """A version number from a caller (``"3"`` from a URL is fine); 422 for anything else."""
-    try:
-        number = int(version)
-    except (TypeError, ValueError):
-        number = 0
-    if number < 1 or isinstance(version, bool) or (isinstance(version, float) and not version.is_integer()):
-        raise ServiceError(422, f"invalid version {version!r}: versions are integers from 1", {"field": "version"})
-    return number
 
 
 def _setting(part: str, attr: str) -> property:
@@ -134,6 +109,7 @@ class ConfigManager:
         self.reconciler = StoreReconciler(self.store, self.scenarios, self.compiler, self.registry,
                                           settings=self.settings, embedded=self._embedded,
                                           interval_s=reconcile_interval_s)
+        self._writes = WriteFlow(self)  # every admin write: draft -> validate -> compile -> store -> publish -> ack
         self._loop: asyncio.AbstractEventLoop | None = None
         self.reconciler.load()
         try:
@@ -158,72 +134,57 @@ class ConfigManager:
         """Validate, compile, store a new version of ``name`` and wait until every live replica
         serves it. Returns ``{"name", "version"}``, plus ``warnings`` when the compile accepted something it reports
         (a lenient tree load: keys outside the root, unknown fields, skipped ids; see ``config.load_tree``; not kept
-        for an idempotent replay). 422: invalid name or body; 400: does not
-        compile (nothing stored in either case); 503: Redis down; 504: replicas did not ack.
+        for an idempotent replay). 422: invalid name or body; 400: does not compile (nothing stored in either case);
+        503: Redis down; 504: replicas did not ack.
 
         A tree given as ``path`` is read once, here, and its content stored with the version
         (``content_sha256`` in the stored body): that version means those tokens forever. A body that
         already has ``content_sha256`` (e.g. one read back with :meth:`get`) uses the stored content.
 
-        ``idempotency_key`` (the ``Idempotency-Key`` header): when a write with this key and the same
-        request was already made (its client got a 503 although the write was stored, and retries), nothing
-        is written again: the answer is the first write's, with ``"replayed": True``. The same key with
-        another request is a 422."""
-        started = time.monotonic()
-        self._ensure_started()
-        validate_name(name)
+        ``idempotency_key`` (the ``Idempotency-Key`` header): when a write with this key and the same request was
+        already made (its client got a 503 although the write was stored, and retries), nothing is written again:
+        the answer is the first write's, with ``"replayed": True``. The same key with another request is a 422."""
         raw = inline = None
-        if isinstance(body, (bytes, bytearray)):  # the HTTP body as received: parsed here, once
-            raw = bytes(body)
-            # a large inline tree: its text goes to the tree loader, not through JSON objects and pydantic
-            inline = await asyncio.to_thread(split_inline_tree, raw, self.settings.limits)
-            if inline is None:
-                body = await asyncio.to_thread(self._parse_json_body, raw, True)
-        fingerprint = None
-        if idempotency_key is not None:
-            validate_idempotency_key(idempotency_key)
-            fingerprint = await asyncio.to_thread(_fingerprint, "put", name,
-                                                  body if inline is None else inline.fingerprint_body())
-            first = await asyncio.to_thread(self.store.idempotent_result, idempotency_key, fingerprint)
-            if first is not None:
-                return await self._replay(first)
-        compiled = body_json = content = packed = None
-        parsed = time.monotonic()
-        if inline is not None:
-            # the body's compression for the store runs beside the compile (zlib releases the GIL)
-            packing = asyncio.ensure_future(asyncio.to_thread(pack_body, inline.json))
-            try:
-                compiled = await self.compiler.compile_inline(name, inline)
-            finally:
-                packed = await packing
-            if compiled is not None:  # stored as the client sent it (a GET gives back its tree)
-                stored, body_json = inline.rest, inline.json
-            else:  # refused on the split way: the whole body, parsed and compiled the exact way, names the problem
-                packed = None
-                body = await asyncio.to_thread(self._parse_json_body, raw, True)
-        if compiled is None:
+
+        async def request() -> None:
+            nonlocal body, raw, inline
+            if isinstance(body, (bytes, bytearray)):  # the HTTP body as received: parsed here, once
+                raw = bytes(body)
+                # a large inline tree: its text goes to the tree loader, not through JSON objects and pydantic
+                inline = await asyncio.to_thread(split_inline_tree, raw, self.settings.limits)
+                if inline is None:
+                    body = await asyncio.to_thread(parse_json_body, raw, self.settings.limits, scenario=True)
+
+        def fingerprint() -> str:
+            return body_fingerprint("put", name, body if inline is None else inline.fingerprint_body())
+
+        async def draft(_fingerprint: str | None) -> Draft:
+            nonlocal body
+            if inline is not None:
+                # the body's compression for the store runs beside the compile (zlib releases the GIL)
+                packing = asyncio.ensure_future(asyncio.to_thread(pack_body, inline.json))
+                try:
+                    compiled = await self.compiler.compile_inline(name, inline)
+                finally:
+                    packed = await packing
+                if compiled is not None:  # stored as the client sent it (a GET gives back its tree)
+                    return Draft(body=inline.rest, compiled=compiled, body_json=inline.json, packed=packed,
+                                 note=", inline tree split")
+                # refused on the split way: the whole body, parsed and compiled the exact way, names the problem
+                body = await asyncio.to_thread(parse_json_body, raw, self.settings.limits, scenario=True)
             stored = await asyncio.to_thread(self.compiler.pin_tree_file, name, body)
-            compiled = await self.compiler.compile(name, stored)
-            content = await asyncio.to_thread(self.compiler.stored_content, stored)
-        compiled_at = time.monotonic()
-        async with self.scenarios.lock:
-            version = await asyncio.to_thread(functools.partial(
-                self.store.put, name, stored, idempotency_key=idempotency_key, fingerprint=fingerprint,
-                content=content, body_json=body_json, packed_body=packed))
-            stored_at = time.monotonic()
-            if not version.replayed:
-                self.scenarios.install(name, version, compiled, await asyncio.to_thread(object_ref, compiled))
-                epoch = self.registry.bump()
-        if version.replayed:  # the same request, sent again while the first one was still running
-            return await self._replay({"action": "put", "name": name, "version": int(version)})
-        # where a large PUT's time went before the replicas fetch it (the rest is theirs)
-        logger.info("stored scenario %r version %d%s (parse %.3f s, compile %.3f s, store %.3f s, object store %.3f s)",
-                    name, version, ", inline tree split" if body_json is not None else "", parsed - started,
-                    compiled_at - parsed, stored_at - compiled_at, time.monotonic() - stored_at)
-        await self.registry.wait_for_acks(epoch, name, version)
-        self.metrics.swapped(name, "put", started)
-        warnings = compile_warnings(compiled)
-        return {"name": name, "version": int(version), **({"warnings": warnings} if warnings else {})}
+            return Draft(body=stored, load_content=True)
+
+        def store(d: Draft, fp: str | None):
+            return self.store.put(name, d.body, idempotency_key=idempotency_key, fingerprint=fp, content=d.content,
+                                  body_json=d.body_json, packed_body=d.packed)
+
+        def finish(d: Draft, answer: dict[str, Any], replayed: bool) -> dict[str, Any]:
+            warnings = [] if replayed else compile_warnings(d.compiled)
+            return {**answer, **({"warnings": warnings} if warnings else {})}
+
+        return await self._writes.run(Write("put", name, draft, store, fingerprint, request, finish,
+                                            idempotency_key=idempotency_key))
 
     async def put_items(self, name: str, data: bytes, idempotency_key: str | None = None) -> dict[str, Any]:
         """Store a catalog (the items format of :mod:`deployments.manager.catalog`: a header line, then one JSON
@@ -232,29 +193,30 @@ class ConfigManager:
         body names it (``content_sha256``, ``content_format: items``). Returns ``{"name", "version", "items"}``."""
         from .catalog import catalog_body, parse_catalog
 
-        started = time.monotonic()
-        self._ensure_started()
-        validate_name(name)
-        fingerprint = None
-        if idempotency_key is not None:
-            validate_idempotency_key(idempotency_key)
-            fingerprint = request_fingerprint("put_items", name, hashlib.sha256(bytes(data)).hexdigest())
-            first = await asyncio.to_thread(self.store.idempotent_result, idempotency_key, fingerprint)
-            if first is not None:
-                return await self._replay(first)
+        def fingerprint() -> str:
+            return request_fingerprint("put_items", name, hashlib.sha256(bytes(data)).hexdigest())
 
-        def prepare():
+        def prepare() -> Draft:
             catalog = parse_catalog(data, vocab_size=self.compiler.vocab_size,
                                     max_items=self.settings.limits.max_tree_keys)
             content = catalog.content()
             sha, new = self.compiler.keep_content(content)
             self.compiler.remember_catalog(sha, catalog)
-            return catalog_body(catalog, content), content, (sha if new else None)
+            return Draft(body=catalog_body(catalog, content), content=content, new_content=sha if new else None,
+                         lookup_first=True)
 
-        body, content, new_sha = await asyncio.to_thread(prepare)
-        result = await self._store_new(name, body, content, action="put", idempotency_key=idempotency_key,
-                                       fingerprint=fingerprint, started=started, new_content=new_sha)
-        return {**result, "items": body["items"]}
+        async def draft(_fingerprint: str | None) -> Draft:
+            return await asyncio.to_thread(prepare)
+
+        def store(d: Draft, fp: str | None):
+            return self.store.put(name, d.body, idempotency_key=idempotency_key, fingerprint=fp, content=d.content,
+                                  action="put")
+
+        def finish(d: Draft, answer: dict[str, Any], replayed: bool) -> dict[str, Any]:
+            return {**answer, "items": d.body["items"]}
+
+        return await self._writes.run(Write("put", name, draft, store, fingerprint, None, finish,
+                                            idempotency_key=idempotency_key))
 
     async def patch(self, name: str, delta: Any, idempotency_key: str | None = None,
                     base_version: int | None = None) -> dict[str, Any]:
@@ -269,235 +231,119 @@ class ConfigManager:
         stored. Without it, a write that lands between our read and our write (a PUT) is not overwritten: the
         delta is applied again to the new current version. Returns ``{"name", "version", "base_version",
         "changed", "added", "removed", "already_present", "not_present"}``."""
-        from .catalog import parse_delta
+        from .catalog import apply_delta, parse_delta
 
-        started = time.monotonic()
-        self._ensure_started()
-        validate_name(name)
-        if isinstance(delta, (bytes, bytearray)):
-            delta = await asyncio.to_thread(self._parse_json_body, bytes(delta), False)
-        add, remove, body_base = parse_delta(delta)
-        if base_version is not None:
-            base_version = _as_version(base_version)
-            if body_base is not None and body_base != base_version:
-                raise ServiceError(422, f"base_version: {body_base} in the body and {base_version} in If-Match differ",
-                                   {"field": "base_version"})
-        base = base_version if base_version is not None else body_base
-        fingerprint = None
-        if idempotency_key is not None:
-            validate_idempotency_key(idempotency_key)
-            fingerprint = await asyncio.to_thread(_fingerprint, "patch", name, {"add": add, "remove": remove,
-                                                                                 "base_version": base})
-            first = await asyncio.to_thread(self.store.idempotent_result, idempotency_key, fingerprint)
-            if first is not None:
-                return await self._replay(first)
-        for _attempt in range(PATCH_ATTEMPTS):
+        add: list[Any] = []
+        remove: list[Any] = []
+        base: int | None = None
+
+        async def request() -> None:
+            nonlocal delta, add, remove, base, base_version
+            if isinstance(delta, (bytes, bytearray)):
+                delta = await asyncio.to_thread(parse_json_body, bytes(delta), self.settings.limits,
+                                          scenario=False)
+            add, remove, body_base = parse_delta(delta)
+            if base_version is not None:
+                base_version = as_version(base_version)
+                if body_base is not None and body_base != base_version:
+                    raise ServiceError(422, f"base_version: {body_base} in the body and {base_version} in If-Match "
+                                            "differ", {"field": "base_version"})
+            base = base_version if base_version is not None else body_base
+
+        def fingerprint() -> str:
+            return body_fingerprint("patch", name, {"add": add, "remove": remove, "base_version": base})
+
+        async def draft(fp: str | None) -> Draft:
             record = await asyncio.to_thread(self.store.get, name)
             if record is None:
                 await self._not_found(name, None)
             current = int(record["version"])
             if base is not None and current != base:
                 raise BaseChanged(name, base, current)
-            body, content, report, new_sha = await asyncio.to_thread(self._apply_delta, name, record["scenario"], add,
-                                                                     remove)
+            body, content, report, new_sha = await asyncio.to_thread(
+                apply_delta, self.compiler, self.settings.limits, name, record["scenario"], add, remove)
             # the answer besides name and version: kept with the Idempotency-Key, a retry gets it exactly
             answer = {"base_version": current, **report.to_json(), "changed": report.changed}
             if not report.changed:
-                if idempotency_key is not None and fingerprint is not None:  # a retry must not write later either
-                    first = await asyncio.to_thread(self.store.remember_result, idempotency_key, fingerprint,
+                if idempotency_key is not None and fp is not None:  # a retry must not write later either
+                    first = await asyncio.to_thread(self.store.remember_result, idempotency_key, fp,
                                                     "patch", name, current, answer)
                     if first is not None:  # the same request, answered meanwhile: its answer
-                        return await self._replay(first)
-                return {"name": name, **answer, "version": current}
-            try:
-                result = await self._store_new(name, body, content, action="patch", idempotency_key=idempotency_key,
-                                               fingerprint=fingerprint, expect_current=current, started=started,
-                                               answer=answer, new_content=new_sha)
-            except BaseChanged:
-                if base is not None:
-                    raise
-                continue  # a write landed since we read: apply the delta to it
-            if result.get("replayed"):
-                return result
-            return {"name": name, **answer, "version": result["version"]}
-        raise ServiceError(503, f"scenario {name!r} kept changing during the PATCH ({PATCH_ATTEMPTS} attempts); "
-                                "nothing was stored by it; retry", {"name": name})
+                        return Draft(result=await self._writes.replay(first))
+                return Draft(result={"name": name, **answer, "version": current})
+            return Draft(body=body, content=content, new_content=new_sha, answer=answer, expect_current=current,
+                         redraft_on_conflict=base is None, lookup_first=True)
 
-    def _parse_json_body(self, raw: bytes, scenario: bool) -> Any:
-        from .catalog import parse_json_body
+        def store(d: Draft, fp: str | None):
+            return self.store.put(name, d.body, idempotency_key=idempotency_key, fingerprint=fp, content=d.content,
+                                  expect_current=d.expect_current, action="patch", answer=d.answer)
 
-        return parse_json_body(raw, self.settings.limits, scenario=scenario)
+        def finish(d: Draft, answer: dict[str, Any], replayed: bool) -> dict[str, Any]:
+            return answer if replayed else {"name": name, **(d.answer or {}), "version": answer["version"]}
 
-    def _apply_delta(self, name: str, body: dict[str, Any], add: list[Any], remove: list[Any]):
-        """``(new body, content to store or None, report, sha of the content when its local copy is new)``: the
-        delta applied to a stored body (worker thread)."""
-        from config import load_tree
+        def exhausted() -> ServiceError:
+            return ServiceError(503, f"scenario {name!r} kept changing during the PATCH ({PATCH_ATTEMPTS} attempts); "
+                                     "nothing was stored by it; retry", {"name": name})
 
-        from .catalog import Catalog, apply_labels_delta, apply_tree_delta, catalog_body, items_from_tree
-
-        kind = body.get("type")
-        if kind == "labels":
-            new_body, report = apply_labels_delta(body, add, remove)
-            return new_body, None, report, None
-        if kind != "tree":
-            raise ServiceError(409, f"scenario {name!r} is a {kind} scenario: PATCH adds and removes tree items or "
-                                    "labels; PUT the whole scenario instead", {"name": name, "type": kind})
-        sha = body.get("content_sha256")
-        if body.get("content_format") == "items" and isinstance(sha, str):
-            base = self.compiler.catalog(name, sha)
-        else:  # an inline tree or a tree file: its items, once
-            scenario = self.compiler._validate(name, body)
-            tree = load_tree(scenario.tree if scenario.tree is not None else scenario.path,
-                             vocab_size=self.compiler.vocab_size)
-            options = {k: v for k, v in body.items()
-                       if k not in ("type", "tree", "path", "content_sha256", "content_format", "items")}
-            base = Catalog.from_items(int(tree.start_token_id), int(tree.end_token_id), items_from_tree(tree), options)
-        catalog, report = apply_tree_delta(base, add, remove, vocab_size=self.compiler.vocab_size,
-                                           max_items=self.settings.limits.max_tree_keys)
-        if not report.changed:
-            return body, None, report, None
-        if not len(catalog):  # (not catalog.items: that makes a tuple per item)
-            raise ServiceError(422, f"remove: the PATCH would leave scenario {name!r} without items; DELETE it instead",
-                               {"name": name, "field": "remove"})
-        content = catalog.content()
-        sha, new = self.compiler.keep_content(content)
-        self.compiler.remember_catalog(sha, catalog)
-        return catalog_body(catalog, content), content, report, (sha if new else None)
-
-    async def _store_new(self, name: str, body: dict[str, Any], content: bytes | None, *, action: str,
-                         idempotency_key: str | None, fingerprint: str | None, expect_current: int | None = None,
-                         started: float | None = None, answer: dict[str, Any] | None = None,
-                         new_content: str | None = None) -> dict[str, Any]:
-        """Compile ``body``, store it (with its content) and wait for every replica: the tail of a put/patch.
-        ``answer``: what the write answers besides name and version, kept with the Idempotency-Key.
-        ``new_content``: the sha of the content whose local copy this write made; a refusal before anything is
-        stored (does not compile, 409, Redis down, ...) removes that copy again."""
-        started = time.monotonic() if started is None else started
-        parsed = time.monotonic()
-        async def refused() -> None:
-            if new_content is not None:
-                await asyncio.to_thread(self.compiler.discard_content, new_content)
-
-        try:
-            compiled = await self.compiler.compile(name, body)
-        except BaseException:
-            await refused()
-            raise
-        compiled_at = time.monotonic()
-        async with self.scenarios.lock:
-            try:
-                version = await asyncio.to_thread(functools.partial(
-                    self.store.put, name, body, idempotency_key=idempotency_key, fingerprint=fingerprint,
-                    content=content, expect_current=expect_current, action=action, answer=answer))
-            except BaseException:
-                await refused()
-                raise
-            stored_at = time.monotonic()
-            if not version.replayed:
-                self.scenarios.install(name, version, compiled, await asyncio.to_thread(object_ref, compiled))
-                epoch = self.registry.bump()
-        if version.replayed:  # the same request, stored meanwhile: its first answer
-            first = None
-            if idempotency_key is not None and fingerprint is not None:
-                first = await asyncio.to_thread(self.store.idempotent_result, idempotency_key, fingerprint)
-            return await self._replay(first or {"action": action, "name": name, "version": int(version)})
-        logger.info("stored scenario %r version %d (%s; parse %.3f s, compile %.3f s, store %.3f s, object store %.3f s)",
-                    name, version, action, parsed - started, compiled_at - parsed, stored_at - compiled_at,
-                    time.monotonic() - stored_at)
-        await self.registry.wait_for_acks(epoch, name, version)
-        self.metrics.swapped(name, action, started)
-        return {"name": name, "version": int(version)}
+        return await self._writes.run(Write("patch", name, draft, store, fingerprint, request, finish,
+                                            attempts=PATCH_ATTEMPTS, exhausted=exhausted,
+                                            idempotency_key=idempotency_key))
 
     async def rollback(self, name: str, version: int, idempotency_key: str | None = None) -> dict[str, Any]:
         """Store a NEW version of ``name`` with the body of ``version`` (compiled and broadcast like a
         put; a tree read from a file gets the content stored with ``version``, not today's file). Returns
         ``{"name", "version", "from_version"}``. ``idempotency_key`` as for :meth:`put`."""
-        started = time.monotonic()
-        self._ensure_started()
-        validate_name(name)
-        version = _as_version(version)
-        if idempotency_key is not None:
-            validate_idempotency_key(idempotency_key)
-            first = await asyncio.to_thread(self.store.idempotent_result, idempotency_key,
-                                            request_fingerprint("rollback", name, None, version))
-            if first is not None:
-                return await self._replay(first)
-        record = await asyncio.to_thread(self.store.get, name, version)
-        if record is None:
-            await self._not_found(name, version)
-        if record.get("pruned"):
-            raise pruned_error(name, version)
-        if record["scenario"] is None:
-            raise ServiceError(409, f"version {version} of scenario {name!r} is a delete entry; "
-                                    "there is no body to roll back to")
-        compiled = await self.compiler.compile(name, record["scenario"])
-        async with self.scenarios.lock:
-            new_version = await asyncio.to_thread(functools.partial(
-                self.store.rollback, name, version, idempotency_key=idempotency_key))
-            if not new_version.replayed:
-                self.scenarios.install(name, new_version, compiled, await asyncio.to_thread(object_ref, compiled))
-                epoch = self.registry.bump()
-        if new_version.replayed:
-            return await self._replay({"action": "rollback", "name": name, "version": int(new_version),
-                                       "from_version": version})
-        logger.info("rolled scenario %r back to the body of version %d as version %d", name, version, new_version)
-        await self.registry.wait_for_acks(epoch, name, new_version)
-        self.metrics.swapped(name, "rollback", started)
-        return {"name": name, "version": int(new_version), "from_version": version}
+
+        async def request() -> None:
+            nonlocal version
+            version = as_version(version)
+
+        def fingerprint() -> str:
+            return request_fingerprint("rollback", name, None, version)
+
+        async def draft(_fingerprint: str | None) -> Draft:
+            body = await self._stored_body(name, version, "there is no body to roll back to", None)
+            return Draft(body=body,
+                         replay={"action": "rollback", "name": name, "from_version": version})
+
+        def store(d: Draft, fp: str | None):
+            return self.store.rollback(name, version, idempotency_key=idempotency_key)
+
+        def finish(d: Draft, answer: dict[str, Any], replayed: bool) -> dict[str, Any]:
+            return answer if replayed else {**answer, "from_version": version}
+
+        def log(d: Draft, new_version: int) -> None:
+            logger.info("rolled scenario %r back to the body of version %d as version %d", name, version, new_version)
+
+        return await self._writes.run(Write("rollback", name, draft, store, fingerprint, request, finish, log,
+                                            idempotency_key=idempotency_key))
 
     async def delete(self, name: str, idempotency_key: str | None = None) -> dict[str, Any]:
         """Delete ``name`` (a delete entry in its history) and wait until no live replica serves it.
         Returns ``{"name", "version", "deleted": True}`` where version is the delete entry's.
         ``idempotency_key`` as for :meth:`put` (a retried delete gets its first answer, not a 404)."""
-        started = time.monotonic()
-        self._ensure_started()
-        validate_name(name)
-        if idempotency_key is not None:
-            validate_idempotency_key(idempotency_key)
-            first = await asyncio.to_thread(self.store.idempotent_result, idempotency_key,
-                                            request_fingerprint("delete", name))
-            if first is not None:
-                return await self._replay(first)
-        async with self.scenarios.lock:
-            version = await asyncio.to_thread(
-                functools.partial(self.store.delete, name, idempotency_key=idempotency_key))
-            if not version.replayed:
-                self.scenarios.remove(name)
-                epoch = self.registry.bump()
-        if version.replayed:
-            return await self._replay({"action": "delete", "name": name, "version": int(version)})
-        logger.info("deleted scenario %r (version %d)", name, version)
-        await self.registry.wait_for_acks(epoch, name, version)
-        self.metrics.swapped(name, "delete", started)
-        return {"name": name, "version": int(version), "deleted": True}
 
-    async def _replay(self, first: dict[str, Any]) -> dict[str, Any]:
-        """The answer to a retried write: the first write's result (plus ``"replayed": True``), once the
-        replicas serve what is current (the first attempt may have stored its version and died before
-        broadcasting it; a new manager loaded it at start, this one picks it up now)."""
-        name, version, action = first["name"], int(first["version"]), first["action"]
-        served = self.scenarios.served.get(name)
-        behind = (name in self.scenarios.served) if action == "delete" else (
-            served is None or served.version < version)
-        if behind:
-            await self.sync_from_store()
-        logger.info("answered a retried %s of scenario %r with its first result (version %d)", action, name, version)
-        await self.registry.wait_for_acks(self.registry.epoch, name, version)
-        # the first answer exactly, where the write kept it (a PATCH's report), else what a write answers
-        result: dict[str, Any] = {"name": name, **(first.get("answer") or {}), "version": version}
-        if action == "rollback":
-            result["from_version"] = first.get("from_version")
-        if action == "delete":
-            result["deleted"] = True
-        result["replayed"] = True
-        return result
+        async def draft(_fingerprint: str | None) -> Draft:
+            return Draft(removes=True)
+
+        def store(d: Draft, fp: str | None):
+            return self.store.delete(name, idempotency_key=idempotency_key)
+
+        def finish(d: Draft, answer: dict[str, Any], replayed: bool) -> dict[str, Any]:
+            return answer if replayed else {**answer, "deleted": True}
+
+        def log(d: Draft, version: int) -> None:
+            logger.info("deleted scenario %r (version %d)", name, version)
+
+        return await self._writes.run(Write("delete", name, draft, store, lambda: request_fingerprint("delete", name),
+                                            None, finish, log, idempotency_key=idempotency_key))
 
     async def get(self, name: str, version: int | None = None) -> dict[str, Any]:
         """The stored record ``{"name", "version", "scenario", "created_at", "action"}`` of the
         current version (or of ``version``). 404 when there is none."""
         self._ensure_started()
         validate_name(name)
-        version = None if version is None else _as_version(version)
+        version = None if version is None else as_version(version)
         record = await asyncio.to_thread(self.store.get, name, version)
         if record is None:
             await self._not_found(name, version)
@@ -532,25 +378,29 @@ class ConfigManager:
         served = self.scenarios.served.get(name)
         if version is None and served is None:
             await self._not_found(name, None)
-        version = served.version if version is None else _as_version(version)
+        version = served.version if version is None else as_version(version)
         if served is not None and served.version == version:
             # With Ray the object store holds the tables (awaiting the ref is ray.get without blocking).
             compiled = served.compiled if served.compiled is not None else await served.ref
         else:
-            record = await asyncio.to_thread(self.store.get, name, version)
-            if record is None:
-                await self._not_found(name, version)
-            if record.get("pruned"):
-                raise pruned_error(name, version)
-            if record["scenario"] is None:
-                raise ServiceError(409, f"version {version} of scenario {name!r} is a delete entry; it allows nothing",
-                                   {"name": name, "version": version})
-            compiled = await self.compiler.compile(name, record["scenario"])
+            body = await self._stored_body(name, version, "it allows nothing", {"name": name, "version": version})
+            compiled = await self.compiler.compile(name, body)
         from deployments.console import replay
 
         report = await asyncio.to_thread(replay, compiled, self.tokenizer, list(token_ids),
                                          limit=int(limit), last_only=bool(last_only))
         return {"name": name, "version": version, "type": compiled.kind, **report}
+
+    async def _stored_body(self, name: str, version: int, delete_entry: str, detail: dict | None) -> Any:
+        """The stored body of ``version`` of ``name``: 404 unknown, 410 pruned, 409 a delete entry."""
+        record = await asyncio.to_thread(self.store.get, name, version)
+        if record is None:
+            await self._not_found(name, version)
+        if record.get("pruned"):
+            raise pruned_error(name, version)
+        if record["scenario"] is None:
+            raise ServiceError(409, f"version {version} of scenario {name!r} is a delete entry; {delete_entry}", detail)
+        return record["scenario"]
 
     async def _not_found(self, name: str, version) -> None:
         known = sorted(self.scenarios.served)
