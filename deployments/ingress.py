@@ -89,6 +89,19 @@ HEALTH_TIMEOUT_S = 5.0
 # A request that was already in flight at an earlier replica death is never sent again (see DeathMemory).
 MODEL_RETRIES = 1
 DEATH_MEMORY_SIZE = 4096  # request fingerprints remembered after a replica death
+# How long the ingress waits for some model replica to answer a ping before it calls the service unavailable (503):
+# after a replica died under a request (before its retry), while the last check found none, and in /healthz.
+# Serve's router holds a call while no replica is alive until one is started (17 s and more), instead of failing.
+REPLICA_PROBE_TIMEOUT_S = 5.0
+# After a check that found no live replica, requests are answered 503 at once for this long, then checked again.
+NO_REPLICA_HOLD_S = 1.0
+# A generation call without an answer (its first event, for a stream) after this long has the ingress check that
+# some replica is alive (one ping shared by all such calls, a success reused for ALIVE_REUSE_S): when none is, the
+# call, held by Serve's router, is cancelled and answered 503.
+REPLICA_CHECK_AFTER_S = 2.0
+ALIVE_REUSE_S = 1.0
+RETRY_AFTER_NO_REPLICA_S = 5
+NO_REPLICA_MESSAGE = "no live model replica: the service is unavailable until one is running again; retry later"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _SSE_DONE = "data: [DONE]\n\n"
 
@@ -235,7 +248,14 @@ class ScenarioList(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok", "degraded"] = Field(description="degraded: the manager or its Redis reports a problem.")
+    """The health report; when ``status`` is ``unavailable`` (HTTP 503) it also has ``model``: why no model replica
+    can generate."""
+
+    model_config = ConfigDict(extra="allow")
+
+    status: Literal["ok", "degraded", "unavailable"] = Field(
+        description="degraded: the manager or its Redis reports a problem (generation works); unavailable (HTTP 503): "
+                    "no model replica is alive or registered, generation requests are answered 503.")
     ingress: Literal["ok"] = "ok"
     manager: dict[str, Any] = Field(description="The config manager's own health report (or why it is unreachable).")
     replicas: dict[str, Any] = Field(description="Per model replica: the scenario versions it serves.")
@@ -443,6 +463,9 @@ class Ingress:
         self.created = int(time.time())
         self.deaths = DeathMemory()  # requests in flight at a model replica's death: retried once, never again
         self.rows = RowBudget(self.settings.max_inflight_rows_per_client)  # work per client, in rows
+        self._no_replica_at: float | None = None  # when a check last found no live model replica (None: none did)
+        self._probe: asyncio.Future | None = None  # the check in progress, shared by the requests that wait on it
+        self._alive_at: float | None = None  # when a check last found a live replica
         route_logs_to_serve()
         self._admin_token = resolve_admin_token(self.settings)
         self.http_app = build_http_app(self)
@@ -467,22 +490,108 @@ class Ingress:
         except Exception as exc:
             raise to_service_error(exc) from None
 
+    async def _ping_some_replica(self) -> bool:
+        """Whether some model replica answers a ping within ``REPLICA_PROBE_TIMEOUT_S`` (a ping that reached a dead
+        one is sent again: Serve's router leaves that replica out from then on)."""
+        deadline = time.monotonic() + REPLICA_PROBE_TIMEOUT_S
+        while (left := deadline - time.monotonic()) > 0:
+            call = self.model.ping.remote()
+
+            async def answer(call=call):
+                return await call
+
+            try:
+                await asyncio.wait_for(answer(), left)
+                return True
+            except asyncio.TimeoutError:
+                _cancel(call)
+                return False
+            except asyncio.CancelledError:
+                _cancel(call)
+                raise
+            except Exception as exc:
+                if not _replica_died(exc):
+                    logger.warning("model replica ping failed: %s: %s", type(exc).__name__, exc)
+                    return False
+        return False
+
+    async def replica_alive(self, *, fresh: bool = False) -> bool:
+        """Whether a model replica is alive. Not checked (True) while nothing suggested otherwise, unless ``fresh``;
+        after a check found none, False for ``NO_REPLICA_HOLD_S``, then checked again. Concurrent callers share
+        one check."""
+        if not fresh and self._no_replica_at is None:
+            return True
+        if not fresh and time.monotonic() - self._no_replica_at < NO_REPLICA_HOLD_S:
+            return False
+        if fresh and self._no_replica_at is None and self._alive_at is not None and \
+                time.monotonic() - self._alive_at < ALIVE_REUSE_S:
+            return True
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._ping_some_replica())
+        alive = await asyncio.shield(self._probe)
+        if alive:
+            if self._no_replica_at is not None:
+                logger.warning("a model replica answers again")
+            self._no_replica_at, self._alive_at = None, time.monotonic()
+        else:
+            if self._no_replica_at is None:
+                logger.warning("no model replica answered within %g s: generation requests are answered 503",
+                               REPLICA_PROBE_TIMEOUT_S)
+            self._no_replica_at = time.monotonic()
+        return alive
+
+    async def require_replica(self, *, fresh: bool = False) -> None:
+        """503 (detail ``retry_after``) at once when no model replica is alive (:meth:`replica_alive`), instead of a
+        request held by Serve's router until a new replica has started."""
+        if not await self.replica_alive(fresh=fresh):
+            raise ServiceError(503, NO_REPLICA_MESSAGE, {"retry_after": RETRY_AFTER_NO_REPLICA_S})
+
+    async def checked(self, awaitable: Any, call: Any) -> Any:
+        """``await awaitable`` (a generation call, or a stream's first event), except that when it has no answer
+        after ``REPLICA_CHECK_AFTER_S`` and no model replica is alive (:meth:`replica_alive`), ``call`` is cancelled
+        and the answer is a 503: Serve's router would hold it until a new replica has started."""
+
+        async def wait() -> Any:
+            return await awaitable
+
+        task = asyncio.ensure_future(wait())
+        try:
+            done, _ = await asyncio.wait({task}, timeout=REPLICA_CHECK_AFTER_S)
+            if not done:
+                check = asyncio.ensure_future(self.replica_alive(fresh=True))
+                done, _ = await asyncio.wait({task, check}, return_when=asyncio.FIRST_COMPLETED)
+                if task not in done:
+                    if not check.result():
+                        task.cancel()
+                        _cancel(call)
+                        raise ServiceError(503, NO_REPLICA_MESSAGE, {"retry_after": RETRY_AFTER_NO_REPLICA_S})
+                else:
+                    check.cancel()
+            return await task
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+
     async def generate(self, payload: dict[str, Any]) -> Any:
         """``model.generate(payload)``, sent again to another replica when the one that had it died.
 
         Generation has no side effects, so a request whose replica process dies (a crash, a lost node)
         is retried up to ``MODEL_RETRIES`` times; a seeded request gives the same answer on any replica.
-        A request that was in flight at an earlier death is not retried (503, see :class:`DeathMemory`).
+        A request that was in flight at an earlier death is not retried (503, see :class:`DeathMemory`), nor
+        one after whose replica's death no replica answers a ping (503, :meth:`require_replica`).
         """
+        await self.require_replica()
         for attempt in range(MODEL_RETRIES + 1):
             try:
-                return _log_generated(await self.model.generate.remote(payload))
+                call = self.model.generate.remote(payload)
+                return _log_generated(await self.checked(call, call))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 if _replica_died(exc) and self.deaths.record(request_fingerprint(payload)):
                     raise _not_retried(exc) from None
                 if attempt < MODEL_RETRIES and _replica_died(exc):
+                    await self.require_replica(fresh=True)
                     logger.warning("model replica died during a request (%s); retrying on another replica "
                                    "(attempt %d of %d)", type(exc).__name__, attempt + 1, MODEL_RETRIES)
                     continue
@@ -497,11 +606,12 @@ class Ingress:
 
     async def open_stream(self, request: GenerateRequest) -> tuple[dict[str, Any] | None, Any]:
         """Start a streamed generation and wait for its first event, so an early error is a plain HTTP error."""
+        await self.require_replica()
         for attempt in range(MODEL_RETRIES + 1):
             stream = None
             try:
                 stream = self.model.options(stream=True).generate_stream.remote(request.model_dump())
-                return await stream.__anext__(), stream
+                return await self.checked(stream.__anext__(), stream), stream
             except StopAsyncIteration:
                 return None, stream
             except asyncio.CancelledError:
@@ -512,6 +622,7 @@ class Ingress:
                 if _replica_died(exc) and self.deaths.record(request_fingerprint(request.model_dump())):
                     raise _not_retried(exc) from None
                 if attempt < MODEL_RETRIES and _replica_died(exc):  # nothing was sent to the client yet
+                    await self.require_replica(fresh=True)
                     logger.warning("model replica died before the first event (%s); retrying", type(exc).__name__)
                     continue
                 raise to_service_error(exc) from None
@@ -605,17 +716,24 @@ class Ingress:
             except asyncio.TimeoutError:
                 return None, f"no answer within {HEALTH_TIMEOUT_S:g} s"
 
-        (manager, manager_error), (replicas, replicas_error) = await asyncio.gather(
-            ask(self.manager.health), ask(self.manager.replica_versions)
+        (manager, manager_error), (replicas, replicas_error), alive = await asyncio.gather(
+            ask(self.manager.health), ask(self.manager.replica_versions), self.replica_alive(fresh=True)
         )
         if manager is None:
             manager = {"status": "unreachable", "error": manager_error}
+        # No model replica: none answers a ping, or the manager (read fine) knows of none (a replica registers
+        # before it takes traffic). Generation cannot work: 503, whatever the rest says.
+        no_replica = not alive or (replicas_error is None and isinstance(replicas, dict) and not replicas)
         report = {
             "status": "ok" if _manager_ok(manager) and replicas_error is None else "degraded",
             "ingress": "ok",
             "manager": manager if isinstance(manager, dict) else {"report": manager},
             "replicas": replicas if isinstance(replicas, dict) else {},
         }
+        if no_replica:
+            report["status"] = "unavailable"
+            report["model"] = (NO_REPLICA_MESSAGE if not alive else
+                               "no model replica is registered with the config manager (none running, or one starting)")
         if replicas_error is not None:
             report["replicas_error"] = replicas_error
         return redact_json(report, self.settings.redact_paths)  # public: no internal paths (Redis socket, data dir)
@@ -834,10 +952,15 @@ def build_http_app(ingress: Ingress) -> FastAPI:
     async def scenarios():
         return {"scenarios": await ingress.call(ingress.manager.list)}
 
-    @app.get("/healthz", response_model=HealthResponse, tags=["health"])
+    @app.get("/healthz", response_model=HealthResponse, tags=["health"],
+             responses={503: {"model": HealthResponse, "description": "No model replica is alive or registered"}})
     async def healthz():
-        """Always 200 while the ingress runs; ``status: degraded`` when the manager or Redis is not well."""
-        return await ingress.health()
+        """200 while generation works (``status: degraded`` when the manager or Redis is not well); 503 with
+        ``status: unavailable`` when no model replica answers or none is registered."""
+        report = await ingress.health()
+        if report.get("status") == "unavailable":
+            return JSONResponse(jsonable_encoder(HealthResponse.model_validate(report)), status_code=503)
+        return report
 
     bearer = HTTPBearer(auto_error=False, description="The admin token (ADMIN_TOKEN, or the generated token file).")
 

@@ -127,7 +127,8 @@ async def _awaitable_value(value):
 
 @pytest.fixture
 def setup(tmp_path):
-    model = FakeHandle(generate=fake_generate, generate_stream=fake_generate_stream)
+    model = FakeHandle(generate=fake_generate, generate_stream=fake_generate_stream,
+                       ping=lambda: _awaitable_value("replica-1"))
     manager = _manager()
     settings = {"data_dir": str(tmp_path), "admin_token": TOKEN, "limits": {"max_body_bytes": 4096, "max_new_tokens": 100, "max_n": 4}}
     ingress = Ingress(settings, model, manager)

@@ -57,6 +57,18 @@ class Replicas:
         return _Method()
 
     @property
+    def ping(self):  # another replica is alive: the ingress pings one before it retries after a death
+
+        class _Method:
+            @staticmethod
+            def remote():
+                async def call():
+                    return "replica-2"
+                return call()
+
+        return _Method()
+
+    @property
     def generate_stream(self):
         replicas = self
 
