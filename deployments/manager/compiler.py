@@ -308,9 +308,8 @@ class StoredScenarioCompiler:
             if sha is not None and body.get("content_format") == "items":
                 # a catalog: its tables straight from the parsed items (kept in memory after a PUT or PATCH), equal
                 # to those of the tree file they spell, without writing and parsing that file
+                from processors.catalog_tables import catalog_tables
                 from processors.kinds.tree import prebuilt_tables
-
-                from .catalog import catalog_tables
 
                 catalog = self.catalog(name, sha)
                 with prebuilt_tables(scenario.path, catalog_tables(catalog, self.vocab_size), catalog.start_token_id):
