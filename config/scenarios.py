@@ -129,6 +129,11 @@ class ScenarioBase(ConfigModel):
         request, may not use (a server file). Default: anything a stored scenario may use."""
 
     @classmethod
+    def check_one_off_limits(cls, body: Mapping[str, Any], limits: Limits) -> None:
+        """The limits a one-off constraint has beyond :meth:`check_limits` (smaller ones: it is compiled on a model
+        replica for one request). Raises ``config.settings.LimitExceeded`` naming the field. Default: none."""
+
+    @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> ScenarioBase:
         """Load a scenario of this kind from a JSON or YAML file (see :func:`load_scenario`)."""
         scenario = load_scenario(path)
@@ -268,6 +273,12 @@ class LabelsScenario(ScenarioBase):
         labels = body.get("labels")
         if isinstance(labels, list):
             limits.check_labels(len(labels), "labels")
+
+    @classmethod
+    def check_one_off_limits(cls, body: Mapping[str, Any], limits: Limits) -> None:
+        labels = body.get("labels")
+        if isinstance(labels, list):
+            limits.check_inline_labels(labels, "labels")
 
     @model_validator(mode="after")
     def _check_labels(self) -> LabelsScenario:
@@ -528,8 +539,9 @@ def _invalid(body: Mapping[str, Any], error: ValidationError) -> ScenarioError:
 def check_scenario_body(body: Any, limits: Limits | None = None, *, one_off: bool = False,
                         field: str = "body") -> None:
     """The cheap checks of a raw scenario body, before anything walks it recursively: a JSON object, the
-    ``limits`` (:meth:`config.Limits.check_scenario`, then the nesting depth, named ``field``), and with
-    ``one_off`` what a one-off constraint may not use (:meth:`ScenarioBase.check_one_off`).
+    ``limits`` (:meth:`config.Limits.check_scenario`, then the nesting depth, named ``field``; with ``one_off`` the
+    smaller bounds of a one-off constraint, :meth:`ScenarioBase.check_one_off_limits`), and with ``one_off`` what a
+    one-off constraint may not use (:meth:`ScenarioBase.check_one_off`).
 
     Raises:
         ScenarioError: ``invalid`` or ``limit``.
@@ -542,6 +554,8 @@ def check_scenario_body(body: Any, limits: Limits | None = None, *, one_off: boo
         try:
             limits.check_scenario(body)  # first: it names the limit of the field (schema depth, ...)
             limits.check_json_depth(body, field)
+            if one_off and (kind := scenario_model(body.get("type"))) is not None:
+                kind.check_one_off_limits(body, limits)
         except LimitExceeded as exc:
             raise ScenarioError("limit", str(exc), field=exc.field, reason=exc.reason, detail=exc.detail()) from None
     if one_off:

@@ -247,6 +247,16 @@ class Limits(BaseModel):
     )
     max_tree_keys: int = Field(default=2_000_000, ge=1, description="Most prefix_dict keys in a tree scenario.")
     max_labels: int = Field(default=100_000, ge=1, description="Most labels in a labels scenario.")
+    max_inline_labels: int = Field(
+        default=1000, ge=1,
+        description="Most labels in a one-off constraint (structured_outputs.choice, guided_choice, a one-off labels "
+                    "scenario): it is compiled on a model replica for its one request, so its bound is smaller than "
+                    "max_labels (stored scenarios, compiled once by the config manager). The smaller of the two applies.",
+    )
+    max_inline_label_bytes: int = Field(
+        default=64 * 1024, ge=16,
+        description="Most bytes (UTF-8) of all the labels of a one-off constraint together.",
+    )
     max_exclude_items: int = Field(
         default=10_000, ge=0, description="Most items in a request's exclude list (tree and labels scenarios)."
     )
@@ -315,6 +325,18 @@ class Limits(BaseModel):
         """Raise :class:`LimitExceeded` when a label set has more than ``max_labels`` labels."""
         if count > self.max_labels:
             raise LimitExceeded(field, f"{count} labels", "max_labels", self.max_labels)
+
+    def check_inline_labels(self, labels: list[Any], field: str = "labels") -> None:
+        """Raise :class:`LimitExceeded` when a one-off constraint's labels are more than ``max_inline_labels`` or
+        their UTF-8 bytes together more than ``max_inline_label_bytes`` (entries that are not strings are left to
+        validation)."""
+        if len(labels) > self.max_inline_labels:
+            raise LimitExceeded(field, f"{len(labels)} labels in a one-off constraint", "max_inline_labels",
+                                self.max_inline_labels)
+        size = sum(len(label.encode("utf-8", "surrogatepass")) for label in labels if isinstance(label, str))
+        if size > self.max_inline_label_bytes:
+            raise LimitExceeded(field, f"{size} bytes of labels in a one-off constraint", "max_inline_label_bytes",
+                                self.max_inline_label_bytes)
 
     def check_tree_keys(self, count: int, field: str = "tree.prefix_dict") -> None:
         """Raise :class:`LimitExceeded` when a tree has more than ``max_tree_keys`` keys."""

@@ -42,6 +42,8 @@ COVERED = {
     "max_exclude_items": ["test_exclude_items"],  # more in tests/integration/test_item_controls.py
     "max_tree_keys": ["test_tree_keys_inline_and_path"],
     "max_labels": ["test_labels_live", "test_labels_in_process"],
+    "max_inline_labels": ["test_inline_labels"],
+    "max_inline_label_bytes": ["test_inline_labels"],
     "max_schema_bytes": ["test_schema_bytes"],
     "max_schema_depth": ["test_schema_depth"],
     "max_regex_length": ["test_regex_length"],
@@ -216,6 +218,40 @@ def test_labels_live(live):
     assert _history(live, "sec-lim-many")[0] == 404
     _refused(_post(live, "/v1/chat/completions", {"messages": _chat(), "structured_outputs": {"choice": many}, "max_tokens": 2}),
              422, "max_labels", "structured_outputs.choice")
+
+
+def test_inline_labels(live):
+    """Issue 23, item 9: a one-off choice is compiled on a model replica for its one request (100,000 labels cost
+    17-20 s of a replica each), so it has smaller bounds than a stored scenario: max_inline_labels and
+    max_inline_label_bytes, a 422 naming the field the client used, on every one-off route; a stored scenario of as
+    many labels is fine (max_labels)."""
+    from config import parse_scenario
+    from config.scenarios import ScenarioError
+
+    limit = DEFAULTS.max_inline_labels
+    assert limit < DEFAULTS.max_labels
+    many = [f"l{i}" for i in range(limit + 1)]
+    over = {"messages": _chat(), "max_tokens": 2}
+    _refused(_post(live, "/v1/chat/completions", {**over, "structured_outputs": {"choice": many}}),
+             422, "max_inline_labels", "structured_outputs.choice")
+    _refused(_post(live, "/v1/completions", {"prompt": "x", "max_tokens": 2, "guided_choice": many}),
+             422, "max_inline_labels", "guided_choice")
+    wide = ["x" * (DEFAULTS.max_inline_label_bytes // 2 + 1), "y" * (DEFAULTS.max_inline_label_bytes // 2)]
+    _refused(_post(live, "/v1/chat/completions", {**over, "structured_outputs": {"choice": wide}}),
+             422, "max_inline_label_bytes", "structured_outputs.choice")
+    # at the limits: accepted and answered with one of the labels
+    at = [f"l{i}" for i in range(limit)]
+    r = _post(live, "/v1/chat/completions", {"messages": _chat("Pick one."), "max_tokens": 8, "structured_outputs": {"choice": at}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] in at, r.text
+    # the replica's own check (a direct handle call skips the ingress): the same pipeline stage, one_off=True
+    with pytest.raises(ScenarioError) as error:
+        parse_scenario({"type": "labels", "labels": many}, DEFAULTS, one_off=True)
+    assert error.value.kind == "limit" and f"max_inline_labels={limit}" in str(error.value), error.value
+    # a stored scenario is bounded by max_labels only
+    r = _put(live, "sec-lim-manyish", {"type": "labels", "labels": many})
+    assert r.status_code == 200, r.text
+    requests.delete(f"{live.url}/admin/scenarios/sec-lim-manyish", headers=live.admin, timeout=60)
 
 
 def test_schema_bytes(live):
