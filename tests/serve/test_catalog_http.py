@@ -111,13 +111,26 @@ def test_patch_under_load_every_output_matches_its_version(serve_app, tokenizer,
             with lock:
                 (results.append((sent, r.json())) if r.status_code == 200 else errors.append(f"{r.status_code}: {r.text}"))
 
+    def answered_after(mark: float) -> bool:
+        with lock:
+            return any(r[0] > mark for r in results)
+
+    def until_load(cond, what: str) -> None:
+        """The load sets the pace (a loaded machine is slower, not wrong): wait for it, up to a generous bound."""
+        deadline = time.monotonic() + 600
+        while not cond():
+            assert not errors, errors[:5]
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.1)
+
     threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     patches: list[tuple[float, int]] = []
     try:
         for k in range(3, len(phrases)):
-            time.sleep(0.4)
+            # the next swap once a request sent after the last one was answered: every version serves some
+            until_load(lambda: answered_after(patches[-1][0] if patches else 0.0), "a request served by the last version")
             drop = sorted(current)[0]
             r = patch(serve_app, name, {"add": [list(phrases[k])], "remove": [list(drop)]})
             assert r.status_code == 200, r.text
@@ -126,7 +139,8 @@ def test_patch_under_load_every_output_matches_its_version(serve_app, tokenizer,
             current = (current - {drop}) | {phrases[k]}
             versions[answer["version"]] = set(current)
             patches.append((time.time(), answer["version"]))
-        time.sleep(1.5)
+        until_load(lambda: answered_after(patches[-1][0]) and len(results) >= 16,
+                   "16 answers, one sent after the last swap")
     finally:
         stop.set()
         for t in threads:

@@ -178,18 +178,32 @@ def test_hot_swap_under_load(serve_app):
                 else:
                     results.append((sent, i, r.json()))
 
+    def answered_after(mark: float) -> bool:
+        with lock:
+            return any(r[0] > mark for r in results)
+
+    def until_load(cond, what: str) -> None:
+        """The load sets the pace (a loaded machine is slower, not wrong): wait for it, up to a generous bound."""
+        deadline = time.monotonic() + 600
+        while not cond():
+            assert not errors, errors[:5]
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.1)
+
     threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
     for t in threads:
         t.start()
     puts: list[tuple[float, int]] = []
     try:
         for k in range(1, 11):
-            time.sleep(0.5)
+            # the next swap once a request sent after the last one was answered: every version serves some
+            until_load(lambda: answered_after(puts[-1][0] if puts else 0.0), "a request served by the last version")
             labels = [f"red {k}", f"blue {k}"]
             v = serve_app.put(name, {"type": "labels", "labels": labels})["version"]
             versions[v] = labels
             puts.append((time.time(), v))
-        time.sleep(2.0)
+        until_load(lambda: answered_after(puts[-1][0]) and len(results) >= 32,
+                   "32 answers, one sent after the last swap")
     finally:
         stop.set()
         for t in threads:
