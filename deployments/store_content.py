@@ -1,0 +1,135 @@
+"""What the scenario store keeps, as values: scenario names and idempotency keys checked, request fingerprints,
+bodies and content packed (compressed, hashed) and cut into chunks, and read back (``deployments/store.py`` writes
+them; docs/design.md section 4.1 has the keys).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from redis.client import NEVER_DECODE
+
+from deployments.store_errors import InvalidRequest, StoreCorrupt
+
+__all__ = ["BODY_INLINE_BYTES", "CHUNK_BYTES", "IDEMPOTENCY_KEY_PATTERN", "NAME_PATTERN", "PackedBody",
+           "content_sha256", "pack_body", "put_chunks", "read_content", "request_fingerprint",
+           "validate_idempotency_key", "validate_name"]
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+_NAME_RE = re.compile(NAME_PATTERN)
+_NAME_RULE = (
+    f"names must match {NAME_PATTERN}: 1 to 64 characters, letters, digits, '_', '.' or '-', "
+    "starting with a letter or digit"
+)
+
+# Stored content (tree files, catalogs, large bodies) is compressed and cut into values of at most this many bytes.
+CHUNK_BYTES = 1 << 20
+# A scenario body whose JSON is larger than this is stored as chunked content, not in the version's hash.
+BODY_INLINE_BYTES = 256 * 1024
+IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,200}$"  # printable ASCII without spaces, as a header value
+_IDEMPOTENCY_KEY_RE = re.compile(IDEMPOTENCY_KEY_PATTERN)
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def validate_name(name: Any) -> str:
+    """Return ``name`` if it is a valid scenario name, else raise :class:`InvalidRequest`."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise InvalidRequest(f"invalid scenario name {name!r}: {_NAME_RULE}", {"field": "name"})
+    return name
+
+
+def validate_idempotency_key(key: Any) -> str:
+    """Return ``key`` if it can be an idempotency key (1 to 200 printable ASCII characters, no spaces),
+    else raise :class:`InvalidRequest`."""
+    if not isinstance(key, str) or not _IDEMPOTENCY_KEY_RE.fullmatch(key):
+        raise InvalidRequest("invalid Idempotency-Key: 1 to 200 printable ASCII characters without spaces "
+                             "(e.g. a UUID)", {"field": "Idempotency-Key"})
+    return key
+
+
+def _compress(data: bytes) -> tuple[bytes, str]:
+    packed = zlib.compress(data, 1)
+    return (data, "raw") if len(packed) >= len(data) else (packed, "zlib")
+
+
+@dataclass(frozen=True)
+class PackedBody:
+    """A large body's text as the store keeps it (see :func:`pack_body`)."""
+
+    sha256: str
+    data: bytes
+    encoding: str
+
+
+def pack_body(raw: bytes) -> PackedBody | None:
+    """Hash and compress a body's JSON (UTF-8 bytes) as :meth:`ScenarioStore.put` would store it, ahead of the write
+    (the config manager does it on another thread while the body compiles); ``None`` for a body small enough to be
+    kept in the version's hash."""
+    if len(raw) <= BODY_INLINE_BYTES:
+        return None
+    data, encoding = _compress(raw)
+    return PackedBody(hashlib.sha256(raw).hexdigest(), data, encoding)
+
+
+def request_fingerprint(action: str, name: str, body: Any = None, from_version: int | None = None) -> str:
+    """SHA-256 (hex) of an admin write request as the client sent it: the action, the name, the body (keys
+    sorted, so their order does not matter) and the rolled-back version. An idempotency key may only be
+    reused for a request with the same fingerprint."""
+    text = json.dumps([action, name, body, from_version], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def content_sha256(body: Any) -> str | None:
+    """The ``content_sha256`` of a tree body stored with the content of its file, else None."""
+    if isinstance(body, dict) and body.get("type") == "tree" and isinstance(body.get("content_sha256"), str):
+        return body["content_sha256"]
+    return None
+
+
+def put_chunks(client: Any, base: str, data: bytes, packed: PackedBody | None = None) -> list[str]:
+    """Write ``data`` (compressed) as chunks of at most :data:`CHUNK_BYTES` under ``<base>:<i>`` (``base``: the
+    content key ``P c:<sha>``) and return its manifest ``[size, chunks, encoding]``; the manifest key itself is
+    written by the write script, with the version that refers to it, so no reader ever sees content whose chunks are not all there.
+    One SET per chunk in a pipeline without a transaction: Redis serves other clients between chunks.
+    ``packed``: ``data`` already compressed by :func:`pack_body` (used when it is of these very bytes)."""
+    if packed is not None and base.endswith(":" + packed.sha256):
+        packed_data, encoding = packed.data, packed.encoding
+    else:
+        packed_data, encoding = _compress(data)
+    pipe = client.pipeline(transaction=False)
+    count = 0
+    for count, start in enumerate(range(0, len(packed_data), CHUNK_BYTES), start=1):
+        pipe.set(f"{base}:{count - 1}", packed_data[start:start + CHUNK_BYTES])
+    if count == 0:  # empty content: one empty chunk
+        pipe.set(f"{base}:0", b"")
+        count = 1
+    pipe.execute()
+    return [str(len(data)), str(count), encoding]
+
+
+def read_content(client: Any, base: str) -> bytes | None:
+    """The bytes stored under the content key ``base`` (``P c:<sha>``): chunked (manifest ``<base>:m``) or, as
+    written before chunking, one string ``<base>``; None when neither exists."""
+    manifest = client.hgetall(base + ":m")
+    if not manifest:
+        return client.execute_command("GET", base, **{NEVER_DECODE: []})
+    try:
+        size, chunks, encoding = int(manifest["size"]), int(manifest["chunks"]), manifest["encoding"]
+    except (KeyError, ValueError):
+        raise StoreCorrupt(f"stored content manifest {base}:m is corrupt") from None
+    pipe = client.pipeline(transaction=False)
+    for i in range(chunks):
+        pipe.execute_command("GET", f"{base}:{i}", **{NEVER_DECODE: []})
+    parts = pipe.execute()
+    if any(part is None for part in parts):
+        raise StoreCorrupt(f"stored content {base} is missing chunks")
+    packed = b"".join(parts)
+    data = zlib.decompress(packed) if encoding == "zlib" else packed
+    if len(data) != size:
+        raise StoreCorrupt(f"stored content {base} has {len(data)} bytes, its manifest says {size}")
+    return data

@@ -1,0 +1,168 @@
+"""The scenario store's Lua scripts (``deployments/store.py``): every write is one of them, run atomically in Redis.
+
+:data:`WRITE_SCRIPT` (put, patch, rollback, delete: section 4.1 of docs/design.md) and :data:`REMEMBER_SCRIPT` (the
+answer of a request that wrote nothing, kept under its idempotency key), and the status codes they answer.
+
+The keys they write (``P`` is the prefix, ``cs:`` by default; ``N`` a scenario name, ``n`` a version number)::
+
+    P names              SET     names that currently exist (live)
+    P all                SET     every name that was ever written (history survives a delete)
+    P s:N:seq            STRING  last version number handed out for N (INCR)
+    P s:N:current        STRING  version currently in force; absent while N is deleted
+    P s:N:history        LIST    every version number of N, oldest first
+    P s:N:bodies         LIST    the versions of N that still hold a body, oldest first (bounded history)
+    P s:N:v:n            HASH    one version, written once; only pruning changes it later:
+                                   version, action (put | patch | rollback | delete), created_at (ISO 8601 UTC),
+                                   type and scenario (the body as JSON; not on a delete entry) or, for a body
+                                   over BODY_INLINE_BYTES, body_sha256 (the body is stored content),
+                                   from_version (rollback only), refs (the content SHA-256s it refers to),
+                                   pruned (when its body was dropped: the instant; scenario/body_sha256/refs gone)
+    P w:<id>             STRING  version made by the write call <id> (kept 1 hour): a retried call is applied once
+    P i:<key>            HASH    an admin write made with the idempotency key <key> (kept ``idempotency_ttl_s``,
+                                   24 h by default): fingerprint (of the request), action, name, version,
+                                   from_version; a retry with the key is answered with this version
+    P c:<sha256>:m       HASH    stored content (a tree file as read at the PUT, a catalog, a large body) under
+                                   the SHA-256 (hex) of its bytes: size, chunks, encoding (zlib | raw)
+    P c:<sha256>:<i>     STRING  chunk i of that content (compressed), at most CHUNK_BYTES (1 MiB) each
+    P c:<sha256>:refs    SET     the versions ("N:n") whose bodies refer to it; when pruning empties it, the
+                                   content is removed
+    P c:<sha256>         STRING  content written before chunking (one value; read, never written now)
+    P changes            pub/sub channel: {"name", "version", "action"} after every write
+"""
+
+from __future__ import annotations
+
+__all__ = ["BASE_CHANGED", "KEY_REUSED", "NOT_LIVE", "NO_CONTENT", "REMEMBER_SCRIPT", "REPLAYED", "TOO_LATE",
+           "WRITE_SCRIPT", "WRITTEN"]
+
+# Script answers: {status, version}
+WRITTEN, REPLAYED, NOT_LIVE, TOO_LATE, NO_CONTENT, KEY_REUSED, BASE_CHANGED = 1, 2, -1, -2, -3, -4, -5
+
+WRITE_SCRIPT = """
+-- KEYS: seq, current, history, names, all, write id, idempotency key, bodies
+-- ARGV: version key prefix, name, action, created_at, type, body ('' when stored as content), from_version,
+--       channel, deadline (ms), fingerprint ('' = no idempotency key), idempotency ttl (s),
+--       content refs (JSON [[sha, manifest or false], ...]), content key prefix, expected current ('' = any),
+--       bodies to keep (0 = all), body sha256 ('' = the body is inline), the write's answer ('' = none; JSON,
+--       kept with the idempotency key so that a retry gets it)
+local done = redis.call('GET', KEYS[6])
+if done then
+  return {1, tonumber(done)}  -- a retry of a write call that was applied: the same version, not a second one
+end
+local now = redis.call('TIME')
+if tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) > tonumber(ARGV[9]) then
+  return {-2, 0}  -- the writer has given up on this call (the server was hung): never apply it late
+end
+if ARGV[10] ~= '' then
+  local seen = redis.call('HMGET', KEYS[7], 'fingerprint', 'version')
+  if seen[1] then
+    if seen[1] ~= ARGV[10] then
+      return {-4, 0}  -- the key was used for another request
+    end
+    return {2, tonumber(seen[2])}  -- a retried request: its first result, nothing written again
+  end
+end
+local name, action = ARGV[2], ARGV[3]
+if action == 'delete' and redis.call('SISMEMBER', KEYS[4], name) == 0 then
+  return {-1, 0}
+end
+if ARGV[14] ~= '' then
+  local cur = redis.call('GET', KEYS[2])
+  if cur ~= ARGV[14] then
+    return {-5, tonumber(cur) or 0}  -- the scenario changed since the caller read it
+  end
+end
+local cprefix = ARGV[13]
+local refs = cjson.decode(ARGV[12])
+for _, ref in ipairs(refs) do
+  local sha, manifest = ref[1], ref[2]
+  if manifest then
+    if redis.call('EXISTS', cprefix .. sha .. ':m') == 0 then
+      redis.call('HSET', cprefix .. sha .. ':m', 'size', manifest[1], 'chunks', manifest[2], 'encoding', manifest[3])
+    end
+  elseif redis.call('EXISTS', cprefix .. sha .. ':m') == 0 and redis.call('EXISTS', cprefix .. sha) == 0 then
+    return {-3, 0}
+  end
+end
+local v, vkey
+repeat
+  v = redis.call('INCR', KEYS[1])
+  vkey = ARGV[1] .. v
+until redis.call('EXISTS', vkey) == 0
+local fields = {'version', v, 'action', action, 'created_at', ARGV[4]}
+if action ~= 'delete' then
+  table.insert(fields, 'type'); table.insert(fields, ARGV[5])
+  if ARGV[16] ~= '' then
+    table.insert(fields, 'body_sha256'); table.insert(fields, ARGV[16])
+  else
+    table.insert(fields, 'scenario'); table.insert(fields, ARGV[6])
+  end
+end
+if ARGV[7] ~= '' then
+  table.insert(fields, 'from_version'); table.insert(fields, ARGV[7])
+end
+local shas = {}
+for _, ref in ipairs(refs) do
+  table.insert(shas, ref[1])
+  redis.call('SADD', cprefix .. ref[1] .. ':refs', name .. ':' .. v)
+end
+if #shas > 0 then
+  table.insert(fields, 'refs'); table.insert(fields, table.concat(shas, ','))
+end
+redis.call('HSET', vkey, unpack(fields))
+redis.call('RPUSH', KEYS[3], v)
+redis.call('SADD', KEYS[5], name)
+if action == 'delete' then
+  redis.call('DEL', KEYS[2])
+  redis.call('SREM', KEYS[4], name)
+else
+  redis.call('SET', KEYS[2], v)
+  redis.call('SADD', KEYS[4], name)
+  -- bounded history: the oldest bodies beyond the newest ARGV[15] are dropped, their metadata stays
+  redis.call('RPUSH', KEYS[8], v)
+  local keep = tonumber(ARGV[15])
+  while keep > 0 and redis.call('LLEN', KEYS[8]) > keep do
+    local old = redis.call('LPOP', KEYS[8])
+    local okey = ARGV[1] .. old
+    local oldrefs = redis.call('HGET', okey, 'refs')
+    redis.call('HDEL', okey, 'scenario', 'body_sha256', 'refs')
+    redis.call('HSET', okey, 'pruned', ARGV[4])
+    if oldrefs then
+      for sha in string.gmatch(oldrefs, '[^,]+') do
+        local rkey = cprefix .. sha .. ':refs'
+        if redis.call('SREM', rkey, name .. ':' .. old) == 1 and redis.call('SCARD', rkey) == 0 then
+          local chunks = tonumber(redis.call('HGET', cprefix .. sha .. ':m', 'chunks') or '0')
+          for i = 0, chunks - 1 do
+            redis.call('UNLINK', cprefix .. sha .. ':' .. i)
+          end
+          redis.call('UNLINK', cprefix .. sha .. ':m', rkey)
+        end
+      end
+    end
+  end
+end
+redis.call('SET', KEYS[6], v, 'EX', 3600)
+if ARGV[10] ~= '' then
+  redis.call('HSET', KEYS[7], 'fingerprint', ARGV[10], 'action', action, 'name', name, 'version', v,
+             'from_version', ARGV[7], 'answer', ARGV[17])
+  redis.call('EXPIRE', KEYS[7], tonumber(ARGV[11]))
+end
+redis.call('PUBLISH', ARGV[8], cjson.encode({name = name, version = v, action = action}))
+return {1, v}
+"""
+
+# KEYS: idempotency key; ARGV: fingerprint, action, name, version, answer (JSON), ttl (s). A request that wrote
+# nothing keeps its answer under its key, unless the key already holds a record (then: reused, or the same request).
+REMEMBER_SCRIPT = """
+local seen = redis.call('HGET', KEYS[1], 'fingerprint')
+if seen then
+  if seen ~= ARGV[1] then
+    return -4
+  end
+  return 2
+end
+redis.call('HSET', KEYS[1], 'fingerprint', ARGV[1], 'action', ARGV[2], 'name', ARGV[3], 'version', ARGV[4],
+           'from_version', '', 'answer', ARGV[5])
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[6]))
+return 1
+"""
