@@ -466,6 +466,7 @@ class Ingress:
         self._no_replica_at: float | None = None  # when a check last found no live model replica (None: none did)
         self._probe: asyncio.Future | None = None  # the check in progress, shared by the requests that wait on it
         self._alive_at: float | None = None  # when a check last found a live replica
+        self._calls = 0  # generation requests of this ingress on the model replicas (held rows), streams included
         route_logs_to_serve()
         self._admin_token = resolve_admin_token(self.settings)
         self.http_app = build_http_app(self)
@@ -505,6 +506,12 @@ class Ingress:
                 return True
             except asyncio.TimeoutError:
                 _cancel(call)
+                if self._calls >= self._replica_slots() - 1:
+                    # every replica may be full (max_ongoing_requests), so Serve's router queues the ping: a busy
+                    # service, not a dead one; the calls keep waiting as before
+                    logger.warning("no model replica answered a ping within %g s, with %d requests in flight (the "
+                                   "replicas may be full); not treated as down", REPLICA_PROBE_TIMEOUT_S, self._calls)
+                    return True
                 return False
             except asyncio.CancelledError:
                 _cancel(call)
@@ -514,6 +521,12 @@ class Ingress:
                     logger.warning("model replica ping failed: %s: %s", type(exc).__name__, exc)
                     return False
         return False
+
+    def _replica_slots(self) -> int:
+        """Requests the model replicas take at once (their ``max_ongoing_requests``, all replicas)."""
+        from deployments.app import REPLICA_REQUESTS_PER_BATCH_SLOT
+
+        return self.settings.num_replicas * REPLICA_REQUESTS_PER_BATCH_SLOT * self.settings.max_batch_size
 
     async def replica_alive(self, *, fresh: bool = False) -> bool:
         """Whether a model replica is alive. Not checked (True) while nothing suggested otherwise, unless ``fresh``;
@@ -695,12 +708,14 @@ class Ingress:
         client = str(http.scope.get(CLIENT_SCOPE_KEY) or "unknown") if http is not None else "unknown"
         rows = max(request.n, request.num_beams)
         await self.rows.acquire(client, rows)
+        self._calls += 1
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
+                self._calls -= 1
                 self.rows.release(client, rows)
 
         if http is not None and isinstance(http.scope.get(RELEASE_SCOPE_KEY), list):
