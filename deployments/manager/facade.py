@@ -39,7 +39,7 @@ from deployments.redis_server import connect_redis
 from deployments.store import IDEMPOTENCY_TTL_S, BaseChanged, ScenarioStore, pack_body, pruned_error, request_fingerprint
 from deployments.store import validate_name
 
-from .catalog import parse_json_body
+from .catalog import catalog_body, parse_catalog, parse_json_body
 from .compiler import StoredScenarioCompiler, compile_warnings, lower_manager_priority
 from .inline_tree import split_inline_tree
 from .reconciler import StoreReconciler
@@ -183,16 +183,14 @@ class ConfigManager:
             warnings = [] if replayed else compile_warnings(d.compiled)
             return {**answer, **({"warnings": warnings} if warnings else {})}
 
-        return await self._writes.run(Write("put", name, draft, store, fingerprint, request, finish,
-                                            idempotency_key=idempotency_key))
+        return await self._writes.run(Write("put", name, draft, store, fingerprint=fingerprint, request=request,
+                                            finish=finish, idempotency_key=idempotency_key))
 
     async def put_items(self, name: str, data: bytes, idempotency_key: str | None = None) -> dict[str, Any]:
         """Store a catalog (the items format of :mod:`deployments.manager.catalog`: a header line, then one JSON
         array of token ids per line) as a new version of tree scenario ``name``, like :meth:`put`. The bytes are
         parsed and validated once, here; the canonical catalog is stored as tree content (chunked) and the stored
         body names it (``content_sha256``, ``content_format: items``). Returns ``{"name", "version", "items"}``."""
-        from .catalog import catalog_body, parse_catalog
-
         def fingerprint() -> str:
             return request_fingerprint("put_items", name, hashlib.sha256(bytes(data)).hexdigest())
 
@@ -215,7 +213,7 @@ class ConfigManager:
         def finish(d: Draft, answer: dict[str, Any], replayed: bool) -> dict[str, Any]:
             return {**answer, "items": d.body["items"]}
 
-        return await self._writes.run(Write("put", name, draft, store, fingerprint, None, finish,
+        return await self._writes.run(Write("put", name, draft, store, fingerprint=fingerprint, finish=finish,
                                             idempotency_key=idempotency_key))
 
     async def patch(self, name: str, delta: Any, idempotency_key: str | None = None,
@@ -285,8 +283,8 @@ class ConfigManager:
             return ServiceError(503, f"scenario {name!r} kept changing during the PATCH ({PATCH_ATTEMPTS} attempts); "
                                      "nothing was stored by it; retry", {"name": name})
 
-        return await self._writes.run(Write("patch", name, draft, store, fingerprint, request, finish,
-                                            attempts=PATCH_ATTEMPTS, exhausted=exhausted,
+        return await self._writes.run(Write("patch", name, draft, store, fingerprint=fingerprint, request=request,
+                                            finish=finish, attempts=PATCH_ATTEMPTS, exhausted=exhausted,
                                             idempotency_key=idempotency_key))
 
     async def rollback(self, name: str, version: int, idempotency_key: str | None = None) -> dict[str, Any]:
@@ -315,8 +313,8 @@ class ConfigManager:
         def log(d: Draft, new_version: int) -> None:
             logger.info("rolled scenario %r back to the body of version %d as version %d", name, version, new_version)
 
-        return await self._writes.run(Write("rollback", name, draft, store, fingerprint, request, finish, log,
-                                            idempotency_key=idempotency_key))
+        return await self._writes.run(Write("rollback", name, draft, store, fingerprint=fingerprint, request=request,
+                                            finish=finish, log=log, idempotency_key=idempotency_key))
 
     async def delete(self, name: str, idempotency_key: str | None = None) -> dict[str, Any]:
         """Delete ``name`` (a delete entry in its history) and wait until no live replica serves it.
@@ -335,8 +333,9 @@ class ConfigManager:
         def log(d: Draft, version: int) -> None:
             logger.info("deleted scenario %r (version %d)", name, version)
 
-        return await self._writes.run(Write("delete", name, draft, store, lambda: request_fingerprint("delete", name),
-                                            None, finish, log, idempotency_key=idempotency_key))
+        return await self._writes.run(Write("delete", name, draft, store, finish=finish, log=log,
+                                            fingerprint=lambda: request_fingerprint("delete", name),
+                                            idempotency_key=idempotency_key))
 
     async def get(self, name: str, version: int | None = None) -> dict[str, Any]:
         """The stored record ``{"name", "version", "scenario", "created_at", "action"}`` of the

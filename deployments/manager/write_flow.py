@@ -129,16 +129,16 @@ class WriteFlow:
             first = await asyncio.to_thread(m.store.idempotent_result, write.idempotency_key, fingerprint)
             if first is not None:
                 return await self.replay(first)
-        for _attempt in range(write.attempts):
+        for attempt in range(1, write.attempts + 1):
             draft = await write.draft(fingerprint)
             if draft.result is not None:
                 return draft.result
             try:
                 return await self._write(write, draft, fingerprint, started)
             except BaseChanged:
-                if not draft.redraft_on_conflict:
+                if not draft.redraft_on_conflict or (attempt == write.attempts and write.exhausted is None):
                     raise
-                continue  # a write landed since the draft read the current version: draft again on it
+                # a write landed since the draft read the current version: draft again on it
         assert write.exhausted is not None
         raise write.exhausted()
 
@@ -184,7 +184,7 @@ class WriteFlow:
         if write.log is not None:
             write.log(draft, int(version))
         else:  # where a large write's time went before the replicas fetch it (the rest is theirs)
-            logger.info("stored scenario %r version %d (%s%s; parse %.3f s, compile %.3f s, store %.3f s, "
+            logger.info("stored scenario %r version %d (%s%s; draft %.3f s, compile %.3f s, store %.3f s, "
                         "object store %.3f s)", name, version, write.action, draft.note, drafted - started,
                         compiled_at - drafted, stored_at - compiled_at, time.monotonic() - stored_at)
         await m.registry.wait_for_acks(epoch, name, version)
