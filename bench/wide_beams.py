@@ -9,8 +9,9 @@ and ``H`` in ``--history``, in the same run:
 * ``padded``: the same engine with ``shared_prompt=False``, the layout before issue 19 (prompt copied into each
   row), where its estimate fits ``--padded-max-gb``;
 * ``hf``: HF ``generate`` with ``prefix_allowed_tokens_fn`` over the same tree, where ``B x H <= --hf-max-cost``;
-* ``floor``: the model's own work with no constraint: the history's prefill, then ``levels + 1`` forwards of ``B``
-  one-token rows attending to the prompt held once (the same attention as ``ours``, no masks, no ranking).
+* ``floor``: the model's own work with no constraint: the history's prefill (in the engine's 256-token chunks), then
+  ``levels + 1`` forwards of ``B`` one-token rows attending to the prompt held once (the same attention as ``ours``,
+  no masks, no ranking, no cursors).
 
 Reported: seconds and peak resident memory above the idle process (sampled every 5 ms), ratios to the floor, and
 validity (every returned item in the catalog, the ``n`` items of a request distinct). Then ``--concurrent`` requests
@@ -146,6 +147,7 @@ def main() -> None:
     from deployments.engines.transformers.shared_kv import SharedGroup, StepContext
     from deployments.model_loader import load_model_and_tokenizer
     from processors import compile_scenario
+    from transformers import DynamicCache
 
     model, tokenizer = load_model_and_tokenizer(None)
     model = model.eval()
@@ -175,9 +177,12 @@ def main() -> None:
 
     def floor_run(prompt, beams):
         t = time.perf_counter()
-        ids = torch.tensor([prompt])
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        shared = [[(layer.keys, layer.values)] for layer in out.past_key_values.layers]
+        cache = DynamicCache()
+        for start in range(0, len(prompt), 256):  # the prefill in the engine's chunks (faster than one pass here)
+            ids = torch.tensor([prompt[start : start + 256]])
+            cache = model(input_ids=ids, position_ids=torch.arange(start, start + ids.shape[1])[None],
+                          past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
+        shared = [[(layer.keys, layer.values)] for layer in cache.layers]
         group = SharedGroup(None, shared, beams)
         token = torch.full((beams, 1), BASE_TOKEN, dtype=torch.long)
         for step in range(max_new):

@@ -274,7 +274,10 @@ class StoreReconciler:
                 while not stop.is_set() and self.store.client is client:
                     if pubsub.get_message(timeout=0.5) is not None:
                         self._wake()
-            except (redis.RedisError, OSError) as exc:
+            except (redis.RedisError, OSError, ValueError) as exc:
+                # ValueError: the connection's socket was closed under us (the manager shutting down)
+                if stop.is_set():
+                    break
                 logger.debug("change listener: %s; retrying in %.1f s", exc, backoff)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
