@@ -1,0 +1,94 @@
+"""ASGI middlewares of the ingress's own: the body size limit (413) and the ``X-Request-Id`` check (422).
+
+(The strict JSON body check is ``deployments/json_body.py``; the per-client bound and proxy headers are
+``deployments/guards.py``.)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from deployments.ingress.errors import _error_response
+from deployments.protocol import ServiceError
+
+
+class BodySizeLimit:
+    """ASGI middleware: a body over ``max_bytes`` is a 413.
+
+    With a ``Content-Length`` header the check is up front. Without one (chunked upload) the body is read
+    here, up to the limit, and replayed to the app: FastAPI turns errors raised while it reads a body into
+    a 400, so the limit cannot be enforced from inside ``receive``.
+    """
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app = app
+        self.max_bytes = int(max_bytes)
+
+    async def _reject(self, scope, receive, send) -> None:
+        error = ServiceError(
+            413, f"request body: more than {self.max_bytes} bytes exceeds the limit max_body_bytes={self.max_bytes}",
+            {"field": "body", "limit_name": "max_body_bytes", "limit": self.max_bytes},
+        )
+        await _error_response(error)(scope, receive, send)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = next((value for key, value in scope.get("headers") or [] if key == b"content-length"), None)
+        if length is not None:
+            try:
+                too_large = int(length) > self.max_bytes
+            except ValueError:
+                too_large = False
+            if too_large:
+                return await self._reject(scope, receive, send)
+            return await self.app(scope, receive, send)
+
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # client went away
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await self._reject(scope, receive, send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@~-]{1,128}")
+
+
+class RequestIdCheck:
+    """ASGI middleware: a client's ``X-Request-Id`` must be 1-128 characters of ``A-Z a-z 0-9 . _ : / + = @ ~ -``.
+
+    Serve's proxy takes the client's id as the request id (it tags every log line of the request and comes
+    back in the ``x-request-id`` response header) or makes a UUID when there is none. It cannot be replaced
+    by a fresh one from here, so an id that would garble the logs (spaces, quotes, kilobytes) is refused.
+    """
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            for key, value in scope.get("headers") or []:
+                if key == b"x-request-id" and not _REQUEST_ID.fullmatch(value.decode("latin-1")):
+                    error = ServiceError(422, "X-Request-Id: give 1 to 128 characters of A-Z a-z 0-9 . _ : / + = @ ~ - "
+                                              "(or none: the service makes one)", {"field": "X-Request-Id"})
+                    return await _error_response(error)(scope, receive, send)
+        return await self.app(scope, receive, send)

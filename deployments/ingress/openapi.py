@@ -1,0 +1,49 @@
+"""OpenAPI patches: the scenario and PATCH request bodies (read as bytes by their routes, so FastAPI cannot
+describe them) and the scenario schema's ``$defs`` moved into ``components``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from config import ScenarioAdapter
+from deployments.manager.catalog import CATALOG_CONTENT_TYPES
+
+
+def _scenario_openapi_extra() -> dict[str, Any]:
+    schema = ScenarioAdapter.json_schema(ref_template="#/components/schemas/{model}")
+    catalog = {"type": "string", "description": "A catalog: a header line {\"start_token_id\": ..., \"end_token_id\": "
+               "...} then one JSON array of token ids (after the root, without the end token) per line."}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema},
+                                                           CATALOG_CONTENT_TYPES[0]: {"schema": catalog}}}}
+
+
+def _patch_openapi_extra() -> dict[str, Any]:
+    item = {"oneOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}, {"type": "string"}]}
+    schema = {"type": "object", "additionalProperties": False, "properties": {
+        "add": {"type": "array", "items": item, "description": "Tree items (token ids after the root) or labels."},
+        "remove": {"type": "array", "items": item},
+        "base_version": {"type": "integer", "minimum": 1, "description": "409 unless this version is current."}}}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+
+def _with_scenario_components(app: FastAPI) -> None:
+    """Move the scenario schema's ``$defs`` into ``components`` so ``/docs`` resolves them."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    body = (operation.get("requestBody") or {}).get("content", {}).get("application/json", {})
+                    defs = (body.get("schema") or {}).pop("$defs", None)
+                    if defs:
+                        components.update(defs)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

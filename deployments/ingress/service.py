@@ -1,0 +1,94 @@
+"""The :class:`Ingress` class: settings, handles and per-process state, the admin token check, request limits and
+the OpenAI routes' flow. Its other parts: :class:`~deployments.ingress.replicas.ReplicaCalls`,
+:class:`~deployments.ingress.sse.Streams`, :class:`~deployments.ingress.health.HealthCheck`; its app:
+:func:`~deployments.ingress.app.build_http_app`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from config import ServerSettings
+from deployments.auth import check_bearer, resolve_admin_token
+from deployments.guards import RowBudget
+from deployments.ingress.app import build_http_app
+from deployments.ingress.health import HealthCheck
+from deployments.ingress.replicas import DeathMemory, ReplicaCalls
+from deployments.ingress.sse import _SSE_HEADERS, Streams
+from deployments.metrics import _in_serve_replica, route_logs_to_serve
+from deployments.openai_api import (
+    ChatCompletionRequest, CompletionRequest, openai_response, openai_to_generate, served_model_name,
+)
+from deployments.protocol import GenerateRequest, check_request_limits
+
+
+class Ingress(ReplicaCalls, Streams, HealthCheck):
+    """HTTP front of the service; a plain class (``deployments/app.py`` turns it into a Serve deployment).
+
+    Args:
+        settings: ``ServerSettings`` or its ``model_dump()`` (limits, data_dir / admin_token, model name).
+        model_handle: handle to the model replicas (``generate``, ``generate_stream``).
+        manager_handle: handle to the config manager (scenario CRUD, ``list``, ``health``, ``replica_versions``).
+    """
+
+    def __init__(self, settings: dict[str, Any] | ServerSettings, model_handle: Any, manager_handle: Any):
+        self.settings = settings if isinstance(settings, ServerSettings) else ServerSettings.model_validate(settings)
+        self.limits = self.settings.limits
+        self.model = model_handle
+        self.manager = manager_handle
+        self.model_name = self.settings.served_model_name or served_model_name(self.settings.model)
+        self.created = int(time.time())
+        self.deaths = DeathMemory()  # requests in flight at a model replica's death: retried once, never again
+        self.rows = RowBudget(self.settings.max_inflight_rows_per_client)  # work per client, in rows
+        self._no_replica_at: float | None = None  # when a check last found no live model replica (None: none did)
+        self._probe: asyncio.Future | None = None  # the check in progress, shared by the requests that wait on it
+        self._alive_at: float | None = None  # when a check last found a live replica
+        self._calls = 0  # generation requests of this ingress on the model replicas (held rows), streams included
+        route_logs_to_serve()
+        self._admin_token = resolve_admin_token(self.settings)
+        self.http_app = build_http_app(self)
+        if _in_serve_replica():  # `serve run` prints no line of its own once the app serves (Ray 2.60)
+            from deployments.ready import announce_when_ready
+
+            announce_when_ready(self)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """Ray Serve's late-bound ingress hook: the app whose routes are bound to this instance."""
+        return self.http_app
+
+    def check_admin(self, authorization: str | None) -> bool:
+        return check_bearer(authorization, self._admin_token)
+
+    def check_limits(self, request: GenerateRequest, rename: dict[str, str] | None = None) -> None:
+        """422 naming the field when a request asks for more than ``settings.limits`` allows."""
+        check_request_limits(
+            self.limits, max_new_tokens=request.max_new_tokens, n=request.n, num_beams=request.num_beams,
+            seed=request.seed, exclude=request.exclude, rename=rename,
+        )
+
+    async def openai_generate(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool,
+                              http: Request | None = None):
+        request, rename = openai_to_generate(body, self.limits, served=self.model_name)
+        self.check_limits(request, rename)
+        release = await self.hold_rows(http, request)
+        try:
+            if request.stream:
+                first, stream = await self.open_stream(request)
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                response = StreamingResponse(
+                    self.openai_sse(first, stream, chat=chat, n=request.n, include_usage=include_usage, release=release),
+                    media_type="text/event-stream",
+                    headers=_SSE_HEADERS,
+                )
+                release = None  # the stream gives the rows back when it ends
+                return response
+            result = await self.generate(request.model_dump())
+            return openai_response(result, chat=chat, model=self.model_name)
+        finally:
+            if release is not None:
+                release()

@@ -1,0 +1,70 @@
+"""Server-sent events: a stream's events (a failure mid-stream becomes a last ``error`` event), framed natively
+or as OpenAI chunks, then ``data: [DONE]``.
+
+:class:`Streams` is a part of :class:`deployments.ingress.service.Ingress`.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import aclosing
+from typing import Any, AsyncIterator
+
+from config import ServerSettings
+from deployments.ingress.errors import to_service_error
+from deployments.ingress.replicas import _cancel, _log_generated
+from deployments.openai_api import openai_stream_chunks
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(data: dict[str, Any]) -> str:
+    """One server-sent event carrying ``data`` as compact JSON."""
+    return "data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n\n"
+
+
+class Streams:
+    """The ingress's server-sent event streams."""
+
+    settings: ServerSettings
+    model_name: str
+
+    async def events(self, first: dict[str, Any] | None, stream: Any, release: Any = None) -> AsyncIterator[dict[str, Any]]:
+        """``first`` and the rest of the stream; a failure mid-stream becomes a last ``error`` event. ``release``
+        (from :meth:`hold_rows`) is called when the stream ends, however it ends."""
+        done = False
+        try:
+            if first is not None:
+                yield first
+                async for event in stream:
+                    if event.get("type") == "done":
+                        _log_generated(event.get("response"))
+                    yield event
+            done = True
+        except Exception as exc:
+            done = True
+            error = to_service_error(exc)
+            yield {"type": "error", "index": 0, "error": self.settings.redact_paths(error.message), "status": error.status}
+        finally:
+            if not done:  # client went away: stop generating for it
+                _cancel(stream)
+            if release is not None:
+                release()
+
+    async def native_sse(self, first: dict[str, Any] | None, stream: Any, release: Any = None) -> AsyncIterator[str]:
+        async with aclosing(self.events(first, stream, release)) as events:
+            async for event in events:
+                yield sse(event)
+        yield _SSE_DONE
+
+    async def openai_sse(
+        self, first: dict[str, Any] | None, stream: Any, *, chat: bool, n: int, include_usage: bool, release: Any = None
+    ) -> AsyncIterator[str]:
+        """The OpenAI-style chunks of :func:`openai_stream_chunks` as server-sent events, then ``[DONE]``."""
+        chunks = openai_stream_chunks(self.events(first, stream, release), model=self.model_name, chat=chat, n=n,
+                                      include_usage=include_usage)
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield sse(chunk)
+        yield _SSE_DONE
