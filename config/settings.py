@@ -246,6 +246,12 @@ class Limits(BaseModel):
                     "sampled requests); its key/value memory is bounded by kv_memory_mb.",
     )
     max_tree_keys: int = Field(default=2_000_000, ge=1, description="Most prefix_dict keys in a tree scenario.")
+    max_item_tokens: int = Field(
+        default=1024, ge=1,
+        description="Most token ids in one catalog item (a line of a catalog upload, an item a PATCH adds): checked "
+                    "when the items are parsed, before any table is built, so an upload cannot make the compile's "
+                    "time or memory grow with one huge item.",
+    )
     max_labels: int = Field(default=100_000, ge=1, description="Most labels in a labels scenario.")
     max_inline_labels: int = Field(
         default=1000, ge=1,

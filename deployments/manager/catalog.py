@@ -109,14 +109,20 @@ def _check_id(value: Any, what: str, vocab_size: int) -> int:
 
 
 def check_items(items: list[Any], *, end_token_id: int, vocab_size: int, where: str, numbers: list[int] | None = None,
-                allow_empty: bool = False) -> list[tuple[int, ...]]:
+                allow_empty: bool = False, max_item_tokens: int | None = None) -> list[tuple[int, ...]]:
     """``items`` (decoded JSON values) as tuples, or a 422 naming the first bad ones (``where[i]`` or line numbers
     from ``numbers``). The common case runs at C speed: one pass over the types, one numpy check of the ids.
     ``allow_empty``: the empty item ``[]`` is valid (a stored catalog made from a tree whose root allows the end
-    token; a client's items are never empty)."""
+    token; a client's items are never empty). ``max_item_tokens``: an item longer than that is a 422 naming it and
+    the limit (``Limits.max_item_tokens``), checked first."""
     def name(i: int) -> str:
         return f"line {numbers[i]}" if numbers is not None else f"{where}[{i}]"
 
+    if max_item_tokens is not None:
+        too_long = _first_too_long(np.fromiter((len(item) if isinstance(item, list) else 0 for item in items),
+                                               dtype=np.int64, count=len(items)), max_item_tokens)
+        if too_long is not None:
+            raise _item_too_long(name(too_long), len(items[too_long]), max_item_tokens, where)
     problems: list[str] = []
     ok = set(map(type, items)) <= {list} and set(map(type, chain.from_iterable(items))) <= {int}
     if ok:
@@ -138,6 +144,18 @@ def check_items(items: list[Any], *, end_token_id: int, vocab_size: int, where: 
         raise _bad(f"{where}: {len(problems)}{'+' if len(problems) >= _SHOWN else ''} invalid items: "
                    + "; ".join(problems), where, problems=problems)
     return [tuple(item) for item in items]
+
+
+def _first_too_long(lengths: np.ndarray, limit: int) -> int | None:
+    """The index of the first length over ``limit``, or None."""
+    over = np.flatnonzero(lengths > limit)
+    return int(over[0]) if over.size else None
+
+
+def _item_too_long(what: str, length: int, limit: int, field_name: str) -> ServiceError:
+    return ServiceError(422, f"{field_name}: {what}: an item of {length} tokens exceeds the limit "
+                             f"max_item_tokens={limit}",
+                        {"field": field_name, "limit_name": "max_item_tokens", "limit": limit})
 
 
 _TO_SPACE = bytes.maketrans(b"[],\n", b"    ")
@@ -188,10 +206,12 @@ def _fast_items(body: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray] | Non
     return lines, flat, lengths
 
 
-def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None, allow_empty: bool = False) -> Catalog:
+def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None, allow_empty: bool = False,
+                  max_item_tokens: int | None = None) -> Catalog:
     """Parse and validate a catalog upload (see the module docstring); a 422 names the line. ``allow_empty``: the
     line ``[]`` (the empty item) is valid, as in a catalog the manager stored for a patched tree whose root allows the
-    end token (:func:`items_from_tree`); an upload never has it."""
+    end token (:func:`items_from_tree`); an upload never has it. ``max_item_tokens``: an item line with more ids is
+    a 422 naming its line and ``max_item_tokens`` (an upload; a stored catalog is read without it)."""
     if not isinstance(data, (bytes, bytearray)):
         raise _bad("items: the body must be catalog text (one JSON value per line)", "body")
     data = bytes(data)
@@ -230,15 +250,21 @@ def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None,
     body = b"" if end < 0 else data[end + 1:]
     fast = _fast_items(body)
     if fast is None:
-        return _slow_catalog(body, line_no + 1, start, end_id, options, vocab_size, max_items, allow_empty)
+        return _slow_catalog(body, line_no + 1, start, end_id, options, vocab_size, max_items, allow_empty,
+                             max_item_tokens)
     lines, flat, lengths = fast
     if max_items is not None and len(lines) > max_items:
         raise _too_many(len(lines), max_items)
+    if max_item_tokens is not None:
+        too_long = _first_too_long(lengths, max_item_tokens)
+        if too_long is not None:  # its line number: the too_long-th non-blank line after the header
+            numbers = [line_no + 1 + i for i, line in enumerate(body.split(b"\n")) if line.strip()]
+            raise _item_too_long(f"line {numbers[too_long]}", int(lengths[too_long]), max_item_tokens, "items")
     if not lines:
         raise _bad("items: the catalog has no items (one JSON array of token ids per line after the header)", "items")
     if flat.max() >= vocab_size or (flat == end_id).any() or len(set(lines)) != len(lines):
         return _slow_catalog(body, line_no + 1, start, end_id, options, vocab_size, max_items,
-                             allow_empty)  # to name the lines
+                             allow_empty, max_item_tokens)  # to name the lines
     return Catalog(start, end_id, lines, flat, lengths, options)
 
 
@@ -248,7 +274,7 @@ def _too_many(count: int, limit: int) -> ServiceError:
 
 
 def _slow_catalog(body: bytes, first_line: int, start: int, end: int, options: dict[str, Any], vocab_size: int,
-                  max_items: int | None, allow_empty: bool = False) -> Catalog:
+                  max_items: int | None, allow_empty: bool = False, max_item_tokens: int | None = None) -> Catalog:
     """The item lines parsed one JSON value at a time: names the first bad lines (422)."""
     raw_lines = body.split(b"\n")
     numbers = [first_line + i for i, line in enumerate(raw_lines) if line.strip()]
@@ -264,7 +290,7 @@ def _slow_catalog(body: bytes, first_line: int, start: int, end: int, options: d
     if not items:
         raise _bad("items: the catalog has no items (one JSON array of token ids per line after the header)", "items")
     tuples = check_items(items, end_token_id=end, vocab_size=vocab_size, where="items", numbers=numbers,
-                         allow_empty=allow_empty)
+                         allow_empty=allow_empty, max_item_tokens=max_item_tokens)
     seen: dict[tuple[int, ...], int] = {}
     for n, item in zip(numbers, tuples):
         if item in seen:
@@ -385,13 +411,15 @@ def _too_many_after_patch(count: int, limit: int) -> ServiceError:
 
 
 def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, vocab_size: int,
-                     max_items: int | None = None) -> tuple[Catalog, DeltaReport]:
+                     max_items: int | None = None, max_item_tokens: int | None = None) -> tuple[Catalog, DeltaReport]:
     """``catalog`` with the items ``add`` appended and ``remove`` taken out (order kept). A result of more than
     ``max_items`` items is a 422 naming ``max_tree_keys``, as a PUT of that catalog is; when the sizes alone show it
-    (the result has at least ``len(add) - len(remove)`` items), before the items are checked."""
+    (the result has at least ``len(add) - len(remove)`` items), before the items are checked. An added item longer
+    than ``max_item_tokens`` is a 422 naming ``add[i]`` and ``max_item_tokens`` (removes are not bounded)."""
     if max_items is not None and len(add) - len(remove) > max_items:
         raise _too_many_after_patch(len(add) - len(remove), max_items)
-    adds = check_items(add, end_token_id=catalog.end_token_id, vocab_size=vocab_size, where="add")
+    adds = check_items(add, end_token_id=catalog.end_token_id, vocab_size=vocab_size, where="add",
+                       max_item_tokens=max_item_tokens)
     removes = check_items(remove, end_token_id=catalog.end_token_id, vocab_size=vocab_size, where="remove")
     _check_unique(adds, "add")
     _check_unique(removes, "remove")
@@ -456,7 +484,7 @@ def apply_delta(compiler: Any, limits: Any, name: str, body: dict[str, Any], add
         options = {k: v for k, v in body.items() if k not in _RESERVED}
         base = Catalog.from_items(int(tree.start_token_id), int(tree.end_token_id), items_from_tree(tree), options)
     catalog, report = apply_tree_delta(base, add, remove, vocab_size=compiler.vocab_size,
-                                       max_items=limits.max_tree_keys)
+                                       max_items=limits.max_tree_keys, max_item_tokens=limits.max_item_tokens)
     if not report.changed:
         return body, None, report, None
     if not len(catalog):  # (not catalog.items: that makes a tuple per item)

@@ -196,7 +196,8 @@ class ConfigManager:
 
         def prepare() -> Draft:
             catalog = parse_catalog(data, vocab_size=self.compiler.vocab_size,
-                                    max_items=self.settings.limits.max_tree_keys)
+                                    max_items=self.settings.limits.max_tree_keys,
+                                    max_item_tokens=self.settings.limits.max_item_tokens)
             content = catalog.content()
             sha, new = self.compiler.keep_content(content)
             self.compiler.remember_catalog(sha, catalog)

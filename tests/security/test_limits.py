@@ -41,6 +41,7 @@ COVERED = {
     "max_num_beams": ["test_n_and_num_beams"],
     "max_exclude_items": ["test_exclude_items"],  # more in tests/integration/test_item_controls.py
     "max_tree_keys": ["test_tree_keys_inline_and_path"],
+    "max_item_tokens": ["test_item_tokens_catalog_and_patch"],  # more in tests/unit/test_catalog_unit.py
     "max_labels": ["test_labels_live", "test_labels_in_process"],
     "max_inline_labels": ["test_inline_labels"],
     "max_inline_label_bytes": ["test_inline_labels"],
@@ -385,7 +386,7 @@ def test_json_depth(live):
 # --------------------------------------------------------------------------------------------- in-process (small limits)
 
 
-SMALL = Limits(max_labels=3, max_tree_keys=3)
+SMALL = Limits(max_labels=3, max_tree_keys=3, max_item_tokens=3)
 
 
 @pytest.fixture(scope="module")
@@ -443,6 +444,29 @@ def test_tree_keys_inline_and_path(small_manager, tokenizer, tmp_path):
     error = _refused_by(small_manager, "treefile4", {"type": "tree", "path": str(big)}, "max_tree_keys", 3)
     assert str(big) in error.message
     assert small_manager.run(small_manager.put("treefile3", {"type": "tree", "path": "small.json"}))["version"] == 1
+
+
+def test_item_tokens_catalog_and_patch(small_manager):
+    """A catalog line or a PATCH add longer than max_item_tokens is a 422 naming the line / ``add[i]`` and the
+    limit, nothing stored; an item at the limit is accepted (3 tokens: 3 states, within max_tree_keys=3 too)."""
+    header = b'{"start_token_id": 1000, "end_token_id": 2}\n'
+    for body, where in ((header + b"[5]\n\n[5,6,7,8]\n", "items: line 4:"),  # the fast parse
+                        (header + b'[5]\n[5, 6, 7, 8]\n"x"\n', "items: line 3:")):  # the per-line parse
+        with pytest.raises(ServiceError) as error:
+            small_manager.run(small_manager.put_items("items4", body))
+        assert error.value.status == 422, error.value.message
+        assert error.value.message.startswith(where) and "max_item_tokens=3" in error.value.message, error.value.message
+        assert error.value.detail["limit_name"] == "max_item_tokens" and error.value.detail["limit"] == 3
+        assert not small_manager.store.versions("items4")
+    assert small_manager.run(small_manager.put_items("items3", header + b"[5,6,7]\n"))["version"] == 1
+    with pytest.raises(ServiceError) as error:
+        small_manager.run(small_manager.patch("items3", {"add": [[5, 6, 8], [5, 6, 7, 8]]}))
+    assert error.value.status == 422, error.value.message
+    assert error.value.message.startswith("add: add[1]:") and "max_item_tokens=3" in error.value.message
+    assert error.value.detail["limit_name"] == "max_item_tokens"
+    assert len(small_manager.store.versions("items3")) == 1  # nothing stored
+    answer = small_manager.run(small_manager.patch("items3", {"add": [[5, 6, 8]]}))
+    assert answer["version"] == 2 and answer["added"] == 1
 
 
 @pytest.mark.parametrize("path", ["/etc/passwd", "../../../../etc/passwd", "sub/../../escape.json", "link.json"])

@@ -55,3 +55,27 @@ def test_labels_delta_keeps_order_and_reports_noops():
         with pytest.raises(ServiceError) as info:
             apply_labels_delta(body, add, remove)
         assert info.value.status == 422 and info.value.detail["field"] == field
+
+
+def test_item_tokens_are_bounded_where_items_are_parsed():
+    """``max_item_tokens``: a catalog line (fast and per-line parse) or a PATCH add longer than the limit is a 422
+    naming it and the limit; at the limit it parses; a stored catalog (no limit given) is read as it is."""
+    from deployments.manager.catalog import apply_tree_delta, parse_catalog
+
+    header = b'{"start_token_id": 100, "end_token_id": 2}\n'
+    assert len(parse_catalog(header + b"[5,6,7]\n[5]\n", vocab_size=1000, max_item_tokens=3)) == 2
+    for body, where in ((header + b"\n[5]\n[5,6,7,8]\n", "items: line 4:"),
+                        (header + b"[5]\n[5,6,7,8]\n[1.5]\n", "items: line 3:")):
+        with pytest.raises(ServiceError) as info:
+            parse_catalog(body, vocab_size=1000, max_item_tokens=3)
+        assert info.value.status == 422 and info.value.message.startswith(where), info.value.message
+        assert "an item of 4 tokens exceeds the limit max_item_tokens=3" in info.value.message
+        assert info.value.detail == {"field": "items", "limit_name": "max_item_tokens", "limit": 3}
+        assert len(parse_catalog(body.replace(b"[1.5]\n", b""), vocab_size=1000)) == 2  # no limit: read
+    catalog = parse_catalog(header + b"[5]\n", vocab_size=1000)
+    new, report = apply_tree_delta(catalog, [[5, 6, 7]], [[5, 6, 7, 8, 9]], vocab_size=1000, max_item_tokens=3)
+    assert report.added == 1 and report.not_present == [[5, 6, 7, 8, 9]]  # removes are not bounded
+    with pytest.raises(ServiceError) as info:
+        apply_tree_delta(catalog, [[5, 6], [5, 6, 7, 8]], [], vocab_size=1000, max_item_tokens=3)
+    assert info.value.status == 422 and info.value.message.startswith("add: add[1]: an item of 4 tokens")
+    assert info.value.detail == {"field": "add", "limit_name": "max_item_tokens", "limit": 3}
