@@ -14,7 +14,9 @@
 Invalid JSON and bodies nested deeper than the parser can go are left to the caller (``json.JSONDecodeError`` and
 ``RecursionError`` as from ``json.loads``), so their existing errors stay as they were.
 
-:class:`StrictJSONBody` is the ASGI middleware that applies it to every request body the ingress receives.
+:class:`StrictJSONBody` is the ASGI middleware that applies it to every request body the ingress receives; it
+keeps what it parsed in the request's scope (``JSON_BODY_SCOPE_KEY``), where the routes of a
+:class:`ParsedJSONRoute` take it instead of parsing the body again: a body is parsed once.
 
 Example::
 
@@ -36,9 +38,15 @@ import sys
 from collections import Counter
 from typing import Any, Callable
 
+from fastapi.routing import APIRoute
+from starlette.requests import Request
+
 from deployments.protocol import ServiceError
 
-__all__ = ["BodyRejected", "StrictJSONBody", "parse_json"]
+__all__ = ["JSON_BODY_SCOPE_KEY", "BodyRejected", "ParsedJSONRoute", "StrictJSONBody", "parse_json"]
+
+#: the scope entry where :class:`StrictJSONBody` keeps the body it parsed (absent: not parsed there)
+JSON_BODY_SCOPE_KEY = "constrained_serve.json_body"
 
 #: a ``\uXXXX`` escape of a surrogate code point (D800-DFFF) in JSON text; a pair is fine, the walk tells
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -198,8 +206,9 @@ class StrictJSONBody:
     """ASGI middleware: a request body that :func:`parse_json` refuses is a 422 naming the field.
 
     Every body of a ``POST``/``PUT``/``PATCH``/``DELETE`` is read here and, unless refused, replayed unchanged
-    to the app (which parses it again, as before). What is not JSON at all goes on to the app, whose error for
-    it is unchanged. ``admits(scope)`` may keep a body from being read here (the ingress: admin routes without
+    to the app, with the parsed value in ``scope[JSON_BODY_SCOPE_KEY]`` (a :class:`ParsedJSONRoute` takes it from
+    there instead of parsing the body again). What is not JSON at all goes on to the app, whose error for it is
+    unchanged. ``admits(scope)`` may keep a body from being read here (the ingress: admin routes without
     the admin token get their 401 without the body being parsed).
     """
 
@@ -223,9 +232,9 @@ class StrictJSONBody:
         if raw.strip():
             try:
                 if len(raw) > _THREAD_BYTES:  # a large tree takes a second or more: not on the event loop
-                    await asyncio.to_thread(parse_json, raw)
+                    scope[JSON_BODY_SCOPE_KEY] = await asyncio.to_thread(parse_json, raw)
                 else:
-                    parse_json(raw)
+                    scope[JSON_BODY_SCOPE_KEY] = parse_json(raw)
             except BodyRejected as error:
                 from starlette.responses import JSONResponse
 
@@ -244,3 +253,26 @@ class StrictJSONBody:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+class _ParsedJSONRequest(Request):
+    """A request whose ``json()`` is the body :class:`StrictJSONBody` parsed, when it parsed it."""
+
+    async def json(self) -> Any:
+        if JSON_BODY_SCOPE_KEY in self.scope:
+            return self.scope[JSON_BODY_SCOPE_KEY]
+        return await super().json()
+
+
+class ParsedJSONRoute(APIRoute):
+    """A FastAPI route that validates the body :class:`StrictJSONBody` parsed (``scope[JSON_BODY_SCOPE_KEY]``)
+    instead of parsing the body a second time; a body not parsed there (not JSON, not read there) is parsed by
+    FastAPI as usual, with its usual errors."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def parsed_body_handler(request: Request) -> Any:
+            return await handler(_ParsedJSONRequest(request.scope, request.receive))
+
+        return parsed_body_handler

@@ -512,8 +512,9 @@ def _completion_logprobs(items: list[dict[str, Any]] | None, text: str) -> dict[
     }
 
 
-def openai_response(result: dict[str, Any], *, chat: bool, model: str) -> dict[str, Any]:
-    response = GenerateResponse.model_validate(result)
+def openai_response(result: GenerateResponse | dict[str, Any], *, chat: bool, model: str) -> dict[str, Any]:
+    """The OpenAI answer for a replica's :class:`GenerateResponse` (validated only when given as a dict)."""
+    response = result if isinstance(result, GenerateResponse) else GenerateResponse.model_validate(result)
     common = {
         "created": int(time.time()),
         "model": model,

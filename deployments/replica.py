@@ -194,11 +194,14 @@ class ModelReplica:
             return None, None, compiled
         return None, None, None
 
-    def _job_params(self, req: GenerateRequest, compiled: CompiledScenario | None) -> tuple[int, SamplingParams]:
+    def _job_params(self, req: GenerateRequest, compiled: CompiledScenario | None,
+                    checked: bool = False) -> tuple[int, SamplingParams]:
+        """``checked``: the request's own limits were checked (by the ingress); a default is checked here."""
         limits = self.settings.limits
         defaults = compiled.settings if compiled is not None else {}
         max_new = req.max_new_tokens or defaults.get("max_new_tokens") or limits.default_max_new_tokens
-        check_request_limits(limits, max_new_tokens=max_new)  # with the scenario's default applied
+        if not (checked and req.max_new_tokens):
+            check_request_limits(limits, max_new_tokens=max_new)  # with the scenario's default applied
         pick = lambda name, fallback: getattr(req, name) if getattr(req, name) is not None else defaults.get(name, fallback)  # noqa: E731
         return max_new, SamplingParams(
             temperature=float(pick("temperature", 1.0)),
@@ -207,13 +210,20 @@ class ModelReplica:
             seed=req.seed,
         )
 
-    async def _start(self, request: dict) -> tuple[GenerateRequest, str | None, int | None, list[int], EngineRequest]:
-        try:
-            req = request if isinstance(request, GenerateRequest) else GenerateRequest.model_validate(request)
-        except Exception as exc:
-            raise ServiceError(422, f"invalid request: {exc}") from None
+    async def _start(self, request: dict | GenerateRequest) -> tuple[GenerateRequest, str | None, int | None, list[int], EngineRequest]:
+        """A :class:`GenerateRequest` is one the ingress validated and checked against the limits: only what this
+        replica alone knows is checked here (the scenario, its defaults, the prompt's length, memory). A dict (a
+        caller without the ingress) is validated and checked first."""
         limits = self.settings.limits
-        check_request_limits(limits, n=req.n, num_beams=req.num_beams, seed=req.seed, exclude=req.exclude)
+        checked = isinstance(request, GenerateRequest)
+        if checked:
+            req = request
+        else:
+            try:
+                req = GenerateRequest.model_validate(request)
+            except Exception as exc:
+                raise ServiceError(422, f"invalid request: {exc}") from None
+            check_request_limits(limits, n=req.n, num_beams=req.num_beams, seed=req.seed, exclude=req.exclude)
         if req.messages is not None and not req.messages:
             raise ServiceError(422, "messages: give at least one message", {"field": "messages"})
         name, version, compiled = await self._resolve_scenario(req)
@@ -240,7 +250,7 @@ class ModelReplica:
                 413, f"prompt: {len(prompt_ids)} tokens exceeds the limit max_prompt_tokens={limits.max_prompt_tokens}",
                 {"field": "prompt", "limit_name": "max_prompt_tokens", "limit": limits.max_prompt_tokens},
             )
-        max_new, sampling = self._job_params(req, compiled)
+        max_new, sampling = self._job_params(req, compiled, checked)
         items = admit_item_controls(req, compiled, max_new, limits, self.settings.engine)  # exclude, distinct, budget
         engine_request = EngineRequest(prompt_ids=prompt_ids, compiled=compiled, max_new_tokens=max_new,
                                        sampling=sampling, n=req.n, num_beams=req.num_beams, items=items)
@@ -281,12 +291,13 @@ class ModelReplica:
         usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion, total_tokens=len(prompt_ids) + completion)
         return GenerateResponse(scenario=name, version=version, outputs=outs, usage=usage)
 
-    async def generate(self, request: dict) -> dict:
-        """Run one request to completion; returns a :class:`GenerateResponse` as a dict."""
+    async def generate(self, request: dict | GenerateRequest) -> dict | GenerateResponse:
+        """Run one request to completion. Given a :class:`GenerateRequest` (the ingress), returns the
+        :class:`GenerateResponse`; given a dict, the response as a dict."""
         with self.metrics.request(request, self._scenarios) as record:
             return await self._generate(request, record)
 
-    async def _generate(self, request: dict, record) -> dict:
+    async def _generate(self, request: dict | GenerateRequest, record) -> dict | GenerateResponse:
         req, name, version, prompt_ids, engine_request = await self._start(request)
         outputs: dict[int, FinishedEvent] = {}
         stops = _Stops(self.tokenizer, req.stop)
@@ -308,7 +319,7 @@ class ModelReplica:
                                   run.rejected_tokens)
         if req.logprobs is not None:
             await self._add_logprobs(response, prompt_ids, req.logprobs, engine_request.compiled)
-        return response.model_dump()
+        return response if isinstance(request, GenerateRequest) else response.model_dump()
 
     async def _add_logprobs(self, response: GenerateResponse, prompt_ids: list[int], top: int, compiled) -> None:
         """Fill each output's ``logprobs``: one forward pass over prompt + output, the model's own distribution
@@ -344,14 +355,14 @@ class ModelReplica:
         for output in response.outputs:
             output.logprobs = await asyncio.to_thread(score, list(output.token_ids))
 
-    async def generate_stream(self, request: dict) -> AsyncIterator[dict]:
+    async def generate_stream(self, request: dict | GenerateRequest) -> AsyncIterator[dict]:
         """Yield event dicts: ``token`` events as tokens are sampled, then ``done`` with the response (or ``error``)."""
         with self.metrics.request(request, self._scenarios) as record:
             async with aclosing(self._generate_stream(request, record)) as stream:
                 async for event in stream:
                     yield event
 
-    async def _generate_stream(self, request: dict, record) -> AsyncIterator[dict]:
+    async def _generate_stream(self, request: dict | GenerateRequest, record) -> AsyncIterator[dict]:
         req, name, version, prompt_ids, engine_request = await self._start(request)
         outputs: dict[int, FinishedEvent] = {}
         texts: dict[int, list[int]] = {}

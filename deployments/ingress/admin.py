@@ -17,6 +17,7 @@ from deployments.ingress.models import (
     ScenarioPatchOut, ScenarioVersionOut, ScenarioVersionsOut,
 )
 from deployments.ingress.openapi import _patch_openapi_extra, _scenario_openapi_extra
+from deployments.json_body import ParsedJSONRoute
 from deployments.manager.catalog import CATALOG_CONTENT_TYPES
 from deployments.protocol import ServiceError
 from deployments.store import validate_name
@@ -94,7 +95,7 @@ def mount_admin(app: FastAPI, ingress: Ingress) -> Any:
         if refused is not None:
             raise StarletteHTTPException(401, refused.message, headers={"WWW-Authenticate": "Bearer"})
 
-    admin = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)], responses={401: {"model": ErrorBody}, **_ERROR_RESPONSES})
+    admin = APIRouter(prefix="/admin", tags=["admin"], route_class=ParsedJSONRoute, dependencies=[Depends(require_admin)], responses={401: {"model": ErrorBody}, **_ERROR_RESPONSES})
 
     def idempotent(args: tuple, key: str | None) -> tuple:
         return args if key is None else (*args, key)

@@ -18,9 +18,9 @@ from deployments.ingress.middleware import BodySizeLimit, RequestIdCheck
 from deployments.ingress.models import _ERROR_RESPONSES, _SSE_RESPONSE, GenerateBody, HealthResponse, ScenarioList
 from deployments.ingress.openapi import _with_scenario_components
 from deployments.ingress.sse import _SSE_HEADERS
-from deployments.json_body import StrictJSONBody
+from deployments.json_body import ParsedJSONRoute, StrictJSONBody
 from deployments.openai_api import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelList
-from deployments.protocol import GenerateRequest, GenerateResponse
+from deployments.protocol import GenerateResponse
 
 if TYPE_CHECKING:
     from deployments.ingress.service import Ingress
@@ -54,6 +54,7 @@ def build_http_app(ingress: Ingress) -> FastAPI:
         redoc_url=None,
         swagger_ui_oauth2_redirect_url=None,
     )
+    app.router.route_class = ParsedJSONRoute  # the body StrictJSONBody parsed is validated, not parsed again
     _install_error_handlers(app, not_found=lambda request, status: _admin_not_found(ingress, request, status),
                             redact=ingress.settings.redact_paths)
     # Outermost last: request id, proxy timeout headers, in-flight bound per client, body size, strict JSON.
@@ -67,7 +68,7 @@ def build_http_app(ingress: Ingress) -> FastAPI:
     @app.post("/v1/generate", response_model=GenerateResponse, responses={**_SSE_RESPONSE, **_ERROR_RESPONSES}, tags=["generate"])
     async def generate(body: GenerateBody, http: Request):
         """Generate under a stored scenario (or unconstrained). ``stream: true`` gives SSE ``data: {event}`` lines."""
-        request = GenerateRequest.model_validate(body.model_dump())
+        request = body.to_request()  # validated once (as GenerateBody), here and on the replica
         ingress.check_limits(request)
         release = await ingress.hold_rows(http, request)
         try:
@@ -77,7 +78,7 @@ def build_http_app(ingress: Ingress) -> FastAPI:
                                              headers=_SSE_HEADERS)
                 release = None  # the stream gives the rows back when it ends
                 return response
-            return await ingress.generate(request.model_dump())
+            return await ingress.generate(request)  # a GenerateResponse: FastAPI serializes it without validating it again
         finally:
             if release is not None:
                 release()

@@ -35,6 +35,11 @@ class GenerateBody(GenerateRequest):
         default=None, exclude=True, description="Not accepted here (one-off constraints go through the OpenAI routes)."
     )
 
+    def to_request(self) -> GenerateRequest:
+        """This body as the :class:`GenerateRequest` the replicas take, without validating it again (it is valid)."""
+        fields = {name: getattr(self, name) for name in GenerateRequest.model_fields}
+        return GenerateRequest.model_construct(_fields_set=set(self.model_fields_set), **fields)
+
     @field_validator("messages")
     @classmethod
     def _some_messages(cls, value: Any) -> Any:

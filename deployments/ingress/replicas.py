@@ -20,7 +20,7 @@ from fastapi import Request
 from config import ServerSettings
 from deployments.guards import CLIENT_SCOPE_KEY, RELEASE_SCOPE_KEY, RowBudget
 from deployments.ingress.errors import to_service_error
-from deployments.protocol import GenerateRequest, ServiceError, unwrap_service_error
+from deployments.protocol import GenerateRequest, GenerateResponse, ServiceError, unwrap_service_error
 
 # Serve configures this logger in every replica (its files and the `serve run` console); a module logger
 # below WARNING would be dropped there.
@@ -93,7 +93,11 @@ def _not_retried(exc: BaseException) -> ServiceError:
 
 def _log_generated(response: Any) -> Any:
     """One INFO line per finished generation with its scenario and version (Serve adds the request id)."""
-    if isinstance(response, dict):
+    if isinstance(response, GenerateResponse):
+        logger.info("generate scenario=%s version=%s outputs=%d completion_tokens=%s", response.scenario,
+                    response.version, len(response.outputs), response.usage.completion_tokens,
+                    extra={"scenario": response.scenario, "scenario_version": response.version})
+    elif isinstance(response, dict):
         usage = response.get("usage") or {}
         logger.info("generate scenario=%s version=%s outputs=%d completion_tokens=%s", response.get("scenario"),
                     response.get("version"), len(response.get("outputs") or ()), usage.get("completion_tokens"),
@@ -225,8 +229,10 @@ class ReplicaCalls:
             task.cancel()
             raise
 
-    async def generate(self, payload: dict[str, Any]) -> Any:
-        """``model.generate(payload)``, sent again to another replica when the one that had it died.
+    async def generate(self, request: GenerateRequest) -> Any:
+        """``model.generate(request)``, sent again to another replica when the one that had it died; the answer is
+        the replica's :class:`GenerateResponse` (the request goes as the model: the replica does not validate it
+        again).
 
         Generation has no side effects, so a request whose replica process dies (a crash, a lost node)
         is retried up to ``MODEL_RETRIES`` times; a seeded request gives the same answer on any replica.
@@ -236,12 +242,12 @@ class ReplicaCalls:
         await self.require_replica()
         for attempt in range(MODEL_RETRIES + 1):
             try:
-                call = self.model.generate.remote(payload)
+                call = self.model.generate.remote(request)
                 return _log_generated(await self.checked(call, call))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if _replica_died(exc) and self.deaths.record(request_fingerprint(payload)):
+                if _replica_died(exc) and self.deaths.record(request_fingerprint(request.model_dump())):
                     raise _not_retried(exc) from None
                 if attempt < MODEL_RETRIES and _replica_died(exc):
                     await self.require_replica(fresh=True)
@@ -256,7 +262,7 @@ class ReplicaCalls:
         for attempt in range(MODEL_RETRIES + 1):
             stream = None
             try:
-                stream = self.model.options(stream=True).generate_stream.remote(request.model_dump())
+                stream = self.model.options(stream=True).generate_stream.remote(request)
                 return await self.checked(stream.__anext__(), stream), stream
             except StopAsyncIteration:
                 return None, stream

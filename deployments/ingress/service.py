@@ -87,7 +87,7 @@ class Ingress(ReplicaCalls, Streams, HealthCheck):
                 )
                 release = None  # the stream gives the rows back when it ends
                 return response
-            result = await self.generate(request.model_dump())
+            result = await self.generate(request)
             return openai_response(result, chat=chat, model=self.model_name)
         finally:
             if release is not None:

@@ -79,6 +79,8 @@ class FakeHandle:
         class _Method:
             @staticmethod
             def remote(*args):
+                # a generate request goes as its model (pickled by Ray); these stand-ins read it as its dict
+                args = tuple(a.model_dump() if hasattr(a, "model_dump") else a for a in args)
                 handle.calls.append((name, args))
                 result = handle.methods[name](*args)
                 return result if handle.stream else _awaitable(result)

@@ -28,7 +28,8 @@ class Replicas:
         self.calls: list[str] = []  # the prompt of every call
         self.deaths = 0
 
-    def _run(self, payload: dict) -> dict:
+    def _run(self, payload) -> dict:
+        payload = payload.model_dump() if hasattr(payload, "model_dump") else payload  # the ingress sends the model
         prompt = payload["prompt"]
         self.calls.append(prompt)
         if prompt in self.kills or prompt in self.dies_once:
