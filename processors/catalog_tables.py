@@ -4,9 +4,11 @@ A catalog (``deployments/manager/catalog.py``: the items format of ``PUT /admin/
 ``Content-Type: application/x-ndjson``) is a list of items, each the token ids after the root, without the end
 token. :func:`catalog_tables` gives the compiled :class:`~processors.tables.MaskTables` of the tree those items
 spell; :func:`tree_file_bytes` gives that tree in the tree file format (:mod:`config.tree_file`). Both build the
-same trie (items sorted as rows of a padded matrix; a node is new where a row first differs from the row before,
-numbered row by row, so a parent comes before its children), so the tables equal those of the tree file once
-loaded (``tests/unit/test_catalog_tables.py`` compares both on random catalogs). See docs/design.md section 4.3.
+same trie (:class:`_Trie`: built level by level over the flat ids, no padded matrix, so time and memory follow the
+total number of ids rather than items x longest item; nodes numbered in preorder, so a parent comes before its
+children), so the tables equal those of the tree file once loaded (``tests/unit/test_catalog_tables.py`` compares
+both on random catalogs; ``tests/unit/test_catalog_tables_rewrite.py`` compares both with the padded-matrix build
+they replaced). See docs/design.md section 4.3.
 
 The items come as a :class:`CatalogItems`: any object with ``start_token_id``, ``end_token_id``, ``flat`` (every
 item's ids, concatenated) and ``lengths`` (each item's length), and ``len()`` (the item count).
@@ -35,66 +37,110 @@ class CatalogItems(Protocol):
     def __len__(self) -> int: ...
 
 
+class _Trie:
+    """The trie of a catalog's items, built level by level over the items' flat ids (no padded matrix): at depth
+    ``d`` the items longer than ``d`` give the keys ``parent * K + token[d]``, whose ``np.unique`` gives the nodes of
+    depth ``d + 1`` in lexicographic order, so time and memory follow the total number of ids, not items x longest
+    item. The nodes are then numbered in preorder (a prefix before its extensions, siblings by token): the order
+    of the padded-matrix build this replaces (items sorted as rows, a node numbered where a row first differs from
+    the row before), so the states, edges and tree file bytes are the same.
+
+    Per node (preorder id): ``parent`` (-1 for the root), ``token`` (the id on the edge from the parent),
+    ``depth``, ``start`` (where a path through it starts in ``flat``: its first ``depth`` ids are the node's
+    prefix), ``has_child``, ``is_end`` (the prefix is an item)."""
+
+    def __init__(self, catalog: CatalogItems):
+        n = len(catalog)
+        lengths = np.asarray(catalog.lengths, dtype=np.int64)
+        flat = np.asarray(catalog.flat)
+        starts = np.zeros(n, dtype=np.int64)
+        if n > 1:
+            np.cumsum(lengths[:-1], out=starts[1:])
+        k = np.int64(max(int(flat.max(initial=0)), 0) + 1)
+        # level by level: per level, the nodes' parent (index in the level above), token, a path start, end flag
+        parents, tokens, reps, ends = [np.zeros(1, np.int64)], [np.zeros(1, np.int64)], [np.zeros(1, np.int64)], []
+        items = np.arange(n, dtype=np.int64)  # the items still going, and the node each is at (level index)
+        at = np.zeros(n, dtype=np.int64)
+        d = 0
+        while True:
+            done = lengths[items] == d
+            end_flag = np.zeros(parents[-1].size, dtype=bool)
+            end_flag[at[done]] = True
+            ends.append(end_flag)
+            items, at = items[~done], at[~done]
+            if items.size == 0:
+                break
+            key = at * k + flat[starts[items] + d]
+            uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+            parents.append(uniq // k)
+            tokens.append(uniq % k)
+            reps.append(starts[items[first]])
+            at = inverse.reshape(-1).astype(np.int64)
+            d += 1
+        # preorder ids: subtree sizes bottom-up, then each node's id from its parent's, level by level top-down
+        sizes = [np.ones(p.size, dtype=np.int64) for p in parents]
+        for level in range(len(parents) - 1, 0, -1):
+            sizes[level - 1] += np.bincount(parents[level], weights=sizes[level],
+                                            minlength=parents[level - 1].size).astype(np.int64)
+        ids = [np.zeros(1, dtype=np.int64)]
+        for level in range(1, len(parents)):
+            par, size = parents[level], sizes[level]
+            before = np.cumsum(size) - size  # the sizes of the earlier nodes of this level...
+            group_first = np.flatnonzero(np.concatenate(([True], par[1:] != par[:-1])))
+            first_of = np.repeat(group_first, np.diff(np.append(group_first, par.size)))
+            before -= before[first_of]  # ...of the same parent (siblings are contiguous, by token)
+            ids.append(ids[level - 1][par] + 1 + before)
+        total = int(sizes[0][0])
+        self.n_nodes = total
+        self.parent = np.full(total, -1, dtype=np.int64)
+        self.token = np.zeros(total, dtype=np.int64)
+        self.depth = np.zeros(total, dtype=np.int64)
+        self.start = np.zeros(total, dtype=np.int64)
+        self.is_end = np.zeros(total, dtype=bool)
+        for level, node in enumerate(ids):
+            if level:
+                self.parent[node] = ids[level - 1][parents[level]]
+                self.token[node] = tokens[level]
+            self.depth[node] = level
+            self.start[node] = reps[level]
+            self.is_end[node] = ends[level]
+        self.has_child = np.zeros(total, dtype=bool)
+        self.has_child[self.parent[1:]] = True
+        self.flat = flat
+
+
 def tree_file_bytes(catalog: CatalogItems) -> bytes:
     """The tree (tree file format) whose paths are the catalog's items: a state per prefix that has a
     continuation, the end token among its candidates when that prefix is an item itself. A prefix without a
     continuation has no key: the tree format then allows only the end token there.
 
-    The trie is built with array passes (items sorted as rows of a padded matrix; a prefix is a new node where
-    a row first differs from the one before); only the key texts are made per state, each from its parent's."""
-    n = len(catalog)
-    lengths = catalog.lengths
-    width = int(lengths.max()) if n else 0
-    matrix = np.full((n, width), -1, dtype=np.int32)  # ids < 2**31; int32 halves the peak at 10^7 keys
-    row = np.repeat(np.arange(n), lengths)
-    col = np.arange(catalog.flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    matrix[row, col] = catalog.flat
-    order = np.lexsort(matrix.T[::-1]) if width else np.arange(n)
-    matrix, lengths = matrix[order], lengths[order]
-    # first column where a row differs from the row before (rows are distinct; -1 pads shorter rows)
-    differs = np.ones((n, width + 1), dtype=bool)
-    if n > 1:
-        differs[1:, :width] = matrix[1:] != matrix[:-1]
-    first_diff = differs.argmax(axis=1)
-    first_diff[0] = 0
-    # node (i, d): the prefix of length d of row i, for d <= length; new where first_diff[i] < d (or i == 0)
-    depth = np.arange(width + 1)
-    exists = depth[None, :] <= lengths[:, None]
-    new = exists & (depth[None, :] > first_diff[:, None])
-    new[0, :] = exists[0, :]
-    n_nodes = int(new.sum())
-    ids = np.full(new.shape, -1, dtype=np.int32 if n_nodes < 2**31 else np.int64)
-    ids[new] = np.arange(n_nodes, dtype=ids.dtype)  # row-major: a parent (i, d - 1) or an earlier row's node has a smaller id
-    node = np.maximum.accumulate(ids, axis=0)  # an old node is the one the row before has at that depth
-    # edges (i, d) -> (i, d + 1) with token matrix[i, d], once each: where the child (i, d + 1) is new
-    ei, ed = np.nonzero(new[:, 1:])
-    parent, token = node[ei, ed], matrix[ei, ed]
-    is_end = np.zeros(n_nodes, dtype=bool)
-    is_end[node[np.arange(n), lengths]] = True
-    node_row, node_depth = np.nonzero(new)  # id order
-    internal = np.flatnonzero(np.bincount(parent, minlength=n_nodes) > 0)  # states with a continuation: keys
-    # candidates of every internal state: its edges' tokens, then the end token where the prefix is an item
-    ends_at = internal[is_end[internal]]
-    cand_state = np.concatenate((parent, ends_at))
-    cand_code = np.concatenate((token, np.full(ends_at.size, catalog.end_token_id, dtype=np.int64)))
-    order = np.argsort(cand_state, kind="stable")
-    cand_state, cand_code = cand_state[order], cand_code[order]
+    The trie is built level by level (:class:`_Trie`, no padded matrix); only the key texts are made per state,
+    each from the ids of an item through it."""
     head = json.dumps({"start_token_id": catalog.start_token_id, "end_token_id": catalog.end_token_id,
                        "sep": "_"})[:-1] + ',"prefix_dict":{'
-    text = _KeyWriter(max(int(matrix.max(initial=0)), catalog.start_token_id, catalog.end_token_id) + 1)
     blocks = [head.encode("ascii")]
-    # the text of a block of states at a time (bounded memory): '"root_t1_t2":[c1,c2],'
-    slot = np.zeros(n_nodes, dtype=np.int64)
-    slot[internal] = np.arange(internal.size)
-    n_cands = np.bincount(slot[cand_state], minlength=internal.size)
-    cand_offsets = np.concatenate(([0], np.cumsum(n_cands)))
-    for lo in range(0, internal.size, _TEXT_BLOCK):
-        states = internal[lo:lo + _TEXT_BLOCK]
-        rows, depths = node_row[states], node_depth[states]
-        counts = n_cands[lo:lo + states.size]
-        first, last = int(cand_offsets[lo]), int(cand_offsets[lo + states.size])
-        blocks.append(text.block(catalog.start_token_id, matrix, rows, depths, cand_code[first:last], counts,
-                                 final=lo + _TEXT_BLOCK >= internal.size))
+    if len(catalog):
+        trie = _Trie(catalog)
+        internal = np.flatnonzero(trie.has_child)  # states with a continuation: keys, in preorder
+        # candidates of every internal state: its children's tokens (ascending), then the end token where the
+        # prefix is an item
+        children = np.arange(1, trie.n_nodes)  # preorder: siblings come by token
+        ends_at = internal[trie.is_end[internal]]
+        cand_state = np.concatenate((trie.parent[children], ends_at))
+        cand_code = np.concatenate((trie.token[children], np.full(ends_at.size, catalog.end_token_id, dtype=np.int64)))
+        order = np.argsort(cand_state, kind="stable")
+        cand_code = cand_code[order]
+        text = _KeyWriter(max(int(trie.flat.max(initial=0)), catalog.start_token_id, catalog.end_token_id) + 1)
+        slot = np.zeros(trie.n_nodes, dtype=np.int64)
+        slot[internal] = np.arange(internal.size)
+        n_cands = np.bincount(slot[cand_state], minlength=internal.size)
+        cand_offsets = np.concatenate(([0], np.cumsum(n_cands)))
+        for lo in range(0, internal.size, _TEXT_BLOCK):  # a block of states at a time (bounded memory)
+            states = internal[lo:lo + _TEXT_BLOCK]
+            counts = n_cands[lo:lo + states.size]
+            first, last = int(cand_offsets[lo]), int(cand_offsets[lo + states.size])
+            blocks.append(text.block(catalog.start_token_id, trie.flat, trie.start[states], trie.depth[states],
+                                     cand_code[first:last], counts, final=lo + _TEXT_BLOCK >= internal.size))
     blocks.append(b"}}")
     return b"".join(blocks)
 
@@ -104,56 +150,25 @@ def catalog_tables(catalog: CatalogItems, vocab_size: int) -> MaskTables:
     built straight from the items: the same states in the same order, the same edges, without writing the tree
     file and parsing it again (``tests/unit/test_catalog_tables.py`` checks both give equal tables).
 
-    The trie comes from the same array passes as :func:`tree_file_bytes` (items sorted as rows of a padded
-    matrix; a node is new where a row first differs from the row before, numbered row by row, so a parent comes
-    before its children). The states are the nodes with a continuation, in that order (the keys of the tree file);
+    The trie is built level by level (:class:`_Trie`: time and memory follow the total number of ids), its nodes
+    numbered in preorder. The states are the nodes with a continuation, in that order (the keys of the tree file);
     an edge leads to its child's state, to ``LEAF`` when the child has no continuation, and the end token, where
     the prefix is an item itself, to ``DONE``. Edges are sorted by ``(state, token)`` in one sort."""
-    n = len(catalog)
     end = catalog.end_token_id
-    if n == 0:  # the tree file has no keys: no state, the root allows only the end token
+    if len(catalog) == 0:  # the tree file has no keys: no state, the root allows only the end token
         return MaskTables(offsets=np.zeros(1, dtype=np.int64), tokens=np.zeros(0, dtype=np.int32),
                           next_state=np.zeros(0, dtype=np.int32), root=LEAF, end_token_id=end,
                           vocab_size=int(vocab_size))
-    lengths = catalog.lengths
-    width = int(lengths.max())
-    matrix = np.full((n, width), -1, dtype=np.int32)
-    row = np.repeat(np.arange(n), lengths)
-    col = np.arange(catalog.flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    matrix[row, col] = catalog.flat
-    del row, col
-    order = _row_order(matrix)
-    matrix, lengths = matrix[order], lengths[order]
-    differs = np.ones((n, width + 1), dtype=bool)
-    if n > 1:
-        differs[1:, :width] = matrix[1:] != matrix[:-1]
-    first_diff = differs.argmax(axis=1)
-    first_diff[0] = 0
-    del differs
-    depth = np.arange(width + 1)
-    exists = depth[None, :] <= lengths[:, None]
-    new = exists & (depth[None, :] > first_diff[:, None])
-    new[0, :] = exists[0, :]
-    del exists
-    n_nodes = int(new.sum())
-    ids = np.full(new.shape, -1, dtype=np.int64)
-    ids[new] = np.arange(n_nodes, dtype=np.int64)
-    node = np.maximum.accumulate(ids, axis=0)
-    # the edges (i, d) -> (i, d + 1) with token matrix[i, d], once each: where the child is new
-    ei, ed = np.nonzero(new[:, 1:])
-    parent, token, child = node[ei, ed], matrix[ei, ed].astype(np.int64), ids[ei, ed + 1]
-    del ids, ei, ed
-    is_end = np.zeros(n_nodes, dtype=bool)
-    is_end[node[np.arange(n), lengths]] = True
-    del node
-    has_child = np.bincount(parent, minlength=n_nodes) > 0
-    state_of = np.full(n_nodes, LEAF, dtype=np.int64)  # node -> its state (nodes with a continuation), else LEAF
-    internal = np.flatnonzero(has_child)
+    trie = _Trie(catalog)
+    state_of = np.full(trie.n_nodes, LEAF, dtype=np.int64)  # node -> its state (nodes with a continuation), else LEAF
+    internal = np.flatnonzero(trie.has_child)
     state_of[internal] = np.arange(internal.size, dtype=np.int64)
-    ends_at = internal[is_end[internal]]
-    edge_state = np.concatenate((state_of[parent], state_of[ends_at]))
-    edge_token = np.concatenate((token, np.full(ends_at.size, end, dtype=np.int64)))
+    ends_at = internal[trie.is_end[internal]]
+    child = np.arange(1, trie.n_nodes)
+    edge_state = np.concatenate((state_of[trie.parent[child]], state_of[ends_at]))
+    edge_token = np.concatenate((trie.token[child], np.full(ends_at.size, end, dtype=np.int64)))
     edge_next = np.concatenate((state_of[child], np.full(ends_at.size, DONE, dtype=np.int64)))
+    del trie
     order = np.argsort(edge_state * np.int64(vocab_size) + edge_token, kind="stable")
     edge_state, edge_token, edge_next = edge_state[order], edge_token[order], edge_next[order]
     offsets = np.zeros(internal.size + 1, dtype=np.int64)
@@ -163,7 +178,7 @@ def catalog_tables(catalog: CatalogItems, vocab_size: int) -> MaskTables:
 
 
 def _row_order(matrix: np.ndarray) -> np.ndarray:
-    """The order that sorts the rows of ``matrix`` (ids >= 0, -1 pads) lexicographically, as ``np.lexsort`` of its
+    """(No longer used by the builds above; kept for ``deployments.manager.catalog`` and its tests.) The order that sorts the rows of ``matrix`` (ids >= 0, -1 pads) lexicographically, as ``np.lexsort`` of its
     columns would, with fewer sort passes: the columns are packed big-endian into as few int64 words as they fit
     (three 16-bit ids a word for a 49,152-token vocabulary) and the words are lexsorted."""
     n, width = matrix.shape
@@ -199,7 +214,7 @@ class _KeyWriter:
         self.starts = np.concatenate(([0], np.cumsum(self.lengths)[:-1]))
         self.buffer = np.frombuffer(b"".join(pieces), dtype=np.uint8)
 
-    def block(self, root: int, matrix: np.ndarray, rows: np.ndarray, depths: np.ndarray, cands: np.ndarray,
+    def block(self, root: int, flat: np.ndarray, starts: np.ndarray, depths: np.ndarray, cands: np.ndarray,
               counts: np.ndarray, final: bool) -> bytes:
         v = self.vocab
         # per state: '"' root ('_' t)*depth '":[' c (',' c)* ']' ','
@@ -209,15 +224,15 @@ class _KeyWriter:
         codes[base] = v + self.QUOTE
         codes[base + 1] = root
         # the path: '_' and the token, for k < depth
-        owner = np.repeat(np.arange(rows.size), depths)
+        owner = np.repeat(np.arange(starts.size), depths)
         k = np.arange(owner.size) - np.repeat(np.cumsum(depths) - depths, depths)
         at = base[owner] + 2 + 2 * k
         codes[at] = v + self.SEP
-        codes[at + 1] = matrix[rows[owner], k]
+        codes[at + 1] = flat[starts[owner] + k]
         open_at = base + 2 + 2 * depths
         codes[open_at] = v + self.OPEN
         # candidates: c, then ',' c ...
-        owner = np.repeat(np.arange(rows.size), counts)
+        owner = np.repeat(np.arange(starts.size), counts)
         j = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
         at = open_at[owner] + 1 + 2 * j
         codes[at] = cands
