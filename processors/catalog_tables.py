@@ -62,6 +62,7 @@ class _Trie:
         items = np.arange(n, dtype=np.int64)  # the items still going, and the node each is at (level index)
         at = np.zeros(n, dtype=np.int64)
         d = 0
+        tail = None  # (depth, node at that depth, item): one item goes on alone from there, a chain made at once
         while True:
             done = lengths[items] == d
             end_flag = np.zeros(parents[-1].size, dtype=bool)
@@ -69,6 +70,9 @@ class _Trie:
             ends.append(end_flag)
             items, at = items[~done], at[~done]
             if items.size == 0:
+                break
+            if items.size == 1:  # (a long item alone would cost a level each)
+                tail = (d, int(at[0]), int(items[0]))
                 break
             key = at * k + flat[starts[items] + d]
             uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
@@ -79,6 +83,9 @@ class _Trie:
             d += 1
         # preorder ids: subtree sizes bottom-up, then each node's id from its parent's, level by level top-down
         sizes = [np.ones(p.size, dtype=np.int64) for p in parents]
+        chain = 0 if tail is None else int(lengths[tail[2]]) - tail[0]
+        if tail is not None:
+            sizes[tail[0]][tail[1]] += chain
         for level in range(len(parents) - 1, 0, -1):
             sizes[level - 1] += np.bincount(parents[level], weights=sizes[level],
                                             minlength=parents[level - 1].size).astype(np.int64)
@@ -104,6 +111,15 @@ class _Trie:
             self.depth[node] = level
             self.start[node] = reps[level]
             self.is_end[node] = ends[level]
+        if tail is not None:  # the chain right after its first node (its only child), in depth order
+            d, top, item = tail
+            node = int(ids[d][top]) + 1 + np.arange(chain, dtype=np.int64)
+            self.parent[node] = node - 1
+            self.parent[node[0]] = ids[d][top]
+            self.token[node] = flat[starts[item] + d:starts[item] + d + chain]
+            self.depth[node] = np.arange(d + 1, d + 1 + chain)
+            self.start[node] = starts[item]
+            self.is_end[node[-1]] = True
         self.has_child = np.zeros(total, dtype=bool)
         self.has_child[self.parent[1:]] = True
         self.flat = flat
