@@ -175,6 +175,8 @@ def catalog_tables(catalog: CatalogItems, vocab_size: int) -> MaskTables:
         return MaskTables(offsets=np.zeros(1, dtype=np.int64), tokens=np.zeros(0, dtype=np.int32),
                           next_state=np.zeros(0, dtype=np.int32), root=LEAF, end_token_id=end,
                           vocab_size=int(vocab_size))
+    if int(catalog.lengths.max()) <= _PADDED_WIDTH:  # (identical tables; a few sorts beat a level per id there)
+        return _padded_catalog_tables(catalog, vocab_size)
     trie = _Trie(catalog)
     state_of = np.full(trie.n_nodes, LEAF, dtype=np.int64)  # node -> its state (nodes with a continuation), else LEAF
     internal = np.flatnonzero(trie.has_child)
@@ -193,8 +195,64 @@ def catalog_tables(catalog: CatalogItems, vocab_size: int) -> MaskTables:
                       root=int(state_of[0]), end_token_id=end, vocab_size=int(vocab_size))
 
 
+def _padded_catalog_tables(catalog: CatalogItems, vocab_size: int) -> MaskTables:
+    """:func:`catalog_tables` of a non-empty catalog whose items are all short (``_PADDED_WIDTH``): the items sorted
+    as the rows of a padded matrix (a few sort passes, faster there than a level per id); a node is new where a row
+    first differs from the row before, numbered row by row: the same preorder numbering as :class:`_Trie`."""
+    n = len(catalog)
+    end = catalog.end_token_id
+    lengths = catalog.lengths
+    width = int(lengths.max())
+    matrix = np.full((n, width), -1, dtype=np.int32)
+    row = np.repeat(np.arange(n), lengths)
+    col = np.arange(catalog.flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    matrix[row, col] = catalog.flat
+    del row, col
+    order = _row_order(matrix)
+    matrix, lengths = matrix[order], lengths[order]
+    differs = np.ones((n, width + 1), dtype=bool)
+    if n > 1:
+        differs[1:, :width] = matrix[1:] != matrix[:-1]
+    first_diff = differs.argmax(axis=1)
+    first_diff[0] = 0
+    del differs
+    depth = np.arange(width + 1)
+    exists = depth[None, :] <= lengths[:, None]
+    new = exists & (depth[None, :] > first_diff[:, None])
+    new[0, :] = exists[0, :]
+    del exists
+    n_nodes = int(new.sum())
+    ids = np.full(new.shape, -1, dtype=np.int64)
+    ids[new] = np.arange(n_nodes, dtype=np.int64)
+    node = np.maximum.accumulate(ids, axis=0)
+    # the edges (i, d) -> (i, d + 1) with token matrix[i, d], once each: where the child is new
+    ei, ed = np.nonzero(new[:, 1:])
+    parent, token, child = node[ei, ed], matrix[ei, ed].astype(np.int64), ids[ei, ed + 1]
+    del ids, ei, ed
+    is_end = np.zeros(n_nodes, dtype=bool)
+    is_end[node[np.arange(n), lengths]] = True
+    del node
+    has_child = np.bincount(parent, minlength=n_nodes) > 0
+    state_of = np.full(n_nodes, LEAF, dtype=np.int64)  # node -> its state (nodes with a continuation), else LEAF
+    internal = np.flatnonzero(has_child)
+    state_of[internal] = np.arange(internal.size, dtype=np.int64)
+    ends_at = internal[is_end[internal]]
+    edge_state = np.concatenate((state_of[parent], state_of[ends_at]))
+    edge_token = np.concatenate((token, np.full(ends_at.size, end, dtype=np.int64)))
+    edge_next = np.concatenate((state_of[child], np.full(ends_at.size, DONE, dtype=np.int64)))
+    order = np.argsort(edge_state * np.int64(vocab_size) + edge_token, kind="stable")
+    edge_state, edge_token, edge_next = edge_state[order], edge_token[order], edge_next[order]
+    offsets = np.zeros(internal.size + 1, dtype=np.int64)
+    np.cumsum(np.bincount(edge_state, minlength=internal.size), out=offsets[1:])
+    return MaskTables(offsets=offsets, tokens=edge_token.astype(np.int32), next_state=edge_next.astype(np.int32),
+                      root=int(state_of[0]), end_token_id=end, vocab_size=int(vocab_size))
+
+
+_PADDED_WIDTH = 16  # the longest item for which catalog_tables uses the padded build
+
+
 def _row_order(matrix: np.ndarray) -> np.ndarray:
-    """(No longer used by the builds above; kept for ``deployments.manager.catalog`` and its tests.) The order that sorts the rows of ``matrix`` (ids >= 0, -1 pads) lexicographically, as ``np.lexsort`` of its
+    """The order that sorts the rows of ``matrix`` (ids >= 0, -1 pads) lexicographically, as ``np.lexsort`` of its
     columns would, with fewer sort passes: the columns are packed big-endian into as few int64 words as they fit
     (three 16-bit ids a word for a 49,152-token vocabulary) and the words are lexsorted."""
     n, width = matrix.shape

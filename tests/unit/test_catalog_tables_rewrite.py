@@ -14,6 +14,7 @@ import pytest
 
 from deployments.manager.catalog import Catalog
 from processors.catalog_tables import CatalogItems, catalog_tables, tree_file_bytes
+import processors.catalog_tables as catalog_tables_module
 from processors.tables import DONE, LEAF, MaskTables
 
 VOCAB = 49152
@@ -284,8 +285,13 @@ def assert_same_tables(new: MaskTables, old: MaskTables) -> None:
     assert new.version == old.version
 
 
+@pytest.mark.parametrize("level_build", [True, False], ids=["levels", "short-padded"])
 @pytest.mark.parametrize("name, items", CASES, ids=[name for name, _ in CASES])
-def test_tables_and_tree_file_equal_the_padded_build(name, items):
+def test_tables_and_tree_file_equal_the_padded_build(name, items, level_build, monkeypatch):
+    """``level_build``: catalog_tables builds every catalog level by level (else the padded build serves the
+    catalogs whose items are all short, as in service)."""
+    if level_build:
+        monkeypatch.setattr(catalog_tables_module, "_PADDED_WIDTH", 0)
     items = list(dict.fromkeys(items))
     for order in (items, items[::-1], sorted(items)):
         for end in (2, 4):  # 4: an id other items use as a token (never inside an item of this catalog)
