@@ -36,7 +36,10 @@ def test_sigterm_stops_the_service_with_one_line(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     out_path = tmp_path / "out.log"
-    env = {**os.environ, "RAY_ADDRESS": "local"}
+    # as from a user's shell: not the test session's RAY_SERVE_LOG_TO_STDERR=0 (tests/serve_app.py), under which
+    # Serve keeps the replicas' output, the ready line included, off the console
+    env = {k: v for k, v in os.environ.items() if k != "RAY_SERVE_LOG_TO_STDERR"}
+    env["RAY_ADDRESS"] = "local"
     with open(out_path, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "cli.serve_run", str(path)], cwd=ROOT, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
