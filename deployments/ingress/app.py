@@ -21,6 +21,7 @@ from deployments.ingress.sse import _SSE_HEADERS
 from deployments.json_body import ParsedJSONRoute, StrictJSONBody
 from deployments.openai_api import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelList
 from deployments.protocol import GenerateResponse
+from deployments.responses_api import ResponseObject, ResponsesRequest
 
 if TYPE_CHECKING:
     from deployments.ingress.service import Ingress
@@ -92,6 +93,12 @@ def build_http_app(ingress: Ingress) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         """OpenAI-compatible chat completions; ``scenario`` / ``response_format`` / ``structured_outputs`` constrain."""
         return await ingress.openai_generate(body, chat=True, http=http)
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses={**_SSE_RESPONSE, **_ERROR_RESPONSES}, tags=["openai"])
+    async def responses(body: ResponsesRequest, http: Request):
+        """OpenAI Responses API (``client.responses.create`` / ``parse`` / ``stream``); ``text.format`` or
+        ``scenario`` constrain; nothing is stored (``previous_response_id`` is a 400)."""
+        return await ingress.responses_generate(body, http=http)
 
     @app.get("/v1/models", response_model=ModelList, tags=["openai"])
     async def models():

@@ -24,7 +24,8 @@ from deployments.metrics import _in_serve_replica, route_logs_to_serve
 from deployments.openai_api import (
     ChatCompletionRequest, CompletionRequest, openai_response, openai_to_generate, served_model_name,
 )
-from deployments.protocol import GenerateRequest, check_request_limits
+from deployments.protocol import GenerateRequest, ServiceError, check_request_limits
+from deployments.responses_api import ResponsesRequest, chat_to_response, renamed_error, responses_to_chat
 
 
 class Ingress(ReplicaCalls, Streams, HealthCheck):
@@ -89,6 +90,28 @@ class Ingress(ReplicaCalls, Streams, HealthCheck):
                 return response
             result = await self.generate(request)
             return openai_response(result, chat=chat, model=self.model_name)
+        finally:
+            if release is not None:
+                release()
+
+    async def responses_generate(self, body: ResponsesRequest, http: Request | None = None):
+        """``POST /v1/responses``: the chat flow for the chat body the Responses body maps to, answered as a
+        Responses object or event stream (errors name the Responses fields)."""
+        try:
+            request, _ = openai_to_generate(responses_to_chat(body), self.limits, served=self.model_name)
+            self.check_limits(request, {"max_new_tokens": "max_output_tokens"})
+        except ServiceError as error:
+            raise renamed_error(error) from None
+        release = await self.hold_rows(http, request)
+        try:
+            if request.stream:
+                first, stream = await self.open_stream(request)
+                response = StreamingResponse(self.responses_sse(first, stream, body, release),
+                                             media_type="text/event-stream", headers=_SSE_HEADERS)
+                release = None  # the stream gives the rows back when it ends
+                return response
+            result = await self.generate(request)
+            return chat_to_response(openai_response(result, chat=True, model=self.model_name), body, model=self.model_name)
         finally:
             if release is not None:
                 release()

@@ -1,5 +1,6 @@
 """Server-sent events: a stream's events (a failure mid-stream becomes a last ``error`` event), framed natively
-or as OpenAI chunks, then ``data: [DONE]``.
+or as OpenAI chunks, then ``data: [DONE]``; or as the Responses API's named events (``event: <type>``, no
+``[DONE]``).
 
 :class:`Streams` is a part of :class:`deployments.ingress.service.Ingress`.
 """
@@ -14,6 +15,8 @@ from config import ServerSettings
 from deployments.ingress.errors import to_service_error
 from deployments.ingress.replicas import _cancel, _log_generated
 from deployments.openai_api import openai_stream_chunks
+from deployments.responses_api import ResponsesRequest
+from deployments.responses_stream import responses_events
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _SSE_DONE = "data: [DONE]\n\n"
@@ -68,3 +71,14 @@ class Streams:
             async for chunk in chunks:
                 yield sse(chunk)
         yield _SSE_DONE
+
+    async def responses_sse(
+        self, first: dict[str, Any] | None, stream: Any, body: ResponsesRequest, release: Any = None
+    ) -> AsyncIterator[str]:
+        """The Responses API events of :func:`responses_events` as named server-sent events (``event: <type>``)."""
+        chunks = openai_stream_chunks(self.events(first, stream, release), model=self.model_name, chat=True, n=1,
+                                      include_usage=True)
+        events = responses_events(chunks, body, model=self.model_name)
+        async with aclosing(events):
+            async for event in events:
+                yield f"event: {event['type']}\n" + sse(event)
