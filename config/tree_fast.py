@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from .cancel import checkpoint
+
 __all__ = ["CHUNK_BYTES", "SCAN_THREADS", "KeyBlock", "ScannedTree", "extend_hash", "object_field_span", "ordered_map",
            "parse_keys", "scan_tree_bytes", "scan_tree_file"]
 
@@ -64,12 +66,15 @@ def ordered_map(fn: Callable[[_T], _R], items: Iterable[_T], threads: int | None
     threads stay niced. An exception of ``fn`` is raised where its result is taken."""
     threads = SCAN_THREADS if threads is None else threads
     if threads < 2:
-        yield from map(fn, items)
+        for item in items:
+            checkpoint()
+            yield fn(item)
         return
     pool = ThreadPoolExecutor(threads, thread_name_prefix="tree-scan")
     try:
         pending: deque = deque()
         for item in items:
+            checkpoint()  # a compile stopped at its time limit ends here, between blocks
             pending.append(pool.submit(fn, item))
             if len(pending) >= 2 * threads:
                 yield pending.popleft().result()

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from config.cancel import checkpoint
 from config.tree_fast import ScannedTree, ordered_map, parse_keys, scan_tree_bytes, scan_tree_file
 
 __all__ = ["DEFAULT_SEP", "MAX_REPORTED_PROBLEMS", "TreeData", "TreeFileError", "fits_vocab", "is_tree_path",
@@ -382,10 +383,15 @@ class _TreeBuilder:
         candidates = self.candidates
         cand_append = candidates.append
         offsets_append = self.offsets.append
-        # Hot loop: one iteration per JSON event of a possibly huge file, so keep it free of function calls.
+        # Hot loop: one iteration per JSON event of a possibly huge file, so keep it free of function calls (but
+        # for a stop check every 65,536 keys: config.cancel).
+        n_keys = 0
         for event, key in events:
             if event == "end_map":
                 return
+            n_keys += 1
+            if not n_keys & 0xFFFF:
+                checkpoint()
             keys_append(key)
             event, value = next(events)
             if event == "start_array":

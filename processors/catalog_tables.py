@@ -21,6 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
+from config.cancel import checkpoint
 from processors.tables import DONE, LEAF, MaskTables
 
 __all__ = ["CatalogItems", "catalog_tables", "tree_file_bytes"]
@@ -64,6 +65,7 @@ class _Trie:
         d = 0
         tail = None  # (depth, node at that depth, item): one item goes on alone from there, a chain made at once
         while True:
+            checkpoint()  # a level each (config.cancel)
             done = lengths[items] == d
             end_flag = np.zeros(parents[-1].size, dtype=bool)
             end_flag[at[done]] = True
@@ -152,6 +154,7 @@ def tree_file_bytes(catalog: CatalogItems) -> bytes:
         n_cands = np.bincount(slot[cand_state], minlength=internal.size)
         cand_offsets = np.concatenate(([0], np.cumsum(n_cands)))
         for lo in range(0, internal.size, _TEXT_BLOCK):  # a block of states at a time (bounded memory)
+            checkpoint()
             states = internal[lo:lo + _TEXT_BLOCK]
             counts = n_cands[lo:lo + states.size]
             first, last = int(cand_offsets[lo]), int(cand_offsets[lo + states.size])

@@ -23,6 +23,8 @@ from typing import cast
 
 import numpy as np
 
+from config.cancel import checkpoint
+
 from .base import Cursor, as_ids
 from .masks import ALLOW, Step
 from .tables import DONE, LEAF, MaskTables, _freeze, content_hash
@@ -139,6 +141,7 @@ def build_label_tables(
         seen.add(lab)
     seqs = []
     for label in labels:
+        checkpoint()  # a label each: a large set is stoppable (config.cancel)
         ids = tokenize_continuation(tokenizer, " " + label if leading_space else label, what="label")
         if eos_token_id in ids:
             raise ValueError(f"label {label!r} contains the end token {eos_token_id}")
@@ -160,6 +163,8 @@ def build_label_tables(
     path: list[int] = [0]  # node ids along the previous sequence; path[d] = node at depth d
     prev: tuple[int, ...] = ()
     for i, (seq, _label) in enumerate(seqs):
+        if not i & 1023:
+            checkpoint()
         lcp = 0
         while lcp < min(len(seq), len(prev)) and seq[lcp] == prev[lcp]:
             lcp += 1

@@ -12,7 +12,8 @@ OpenAI routes), the console's inspect of an older version, and offline tools. Th
 3. compilation by the kind (:mod:`processors.registry`) for the compiler's tokenizer, JSON-schema and regex
    grammars in a :class:`~processors.compile_worker.GrammarWorker` killed at ``compile_timeout_s`` /
    ``compile_memory_mb``, then the limits that need the compiled form (the keys of a tree file); the whole of
-   stages 2 and 3 bounded by ``compile_timeout_s`` on a worker thread.
+   stages 2 and 3 bounded by ``compile_timeout_s`` on a worker thread, which is told to stop at that limit and
+   unwinds at the table builders' next checkpoint (:mod:`config.cancel`).
 
 Every failure is one :class:`config.ScenarioError` whose ``kind`` is ``invalid``, ``limit``, ``compile`` or
 ``timeout``; the message is the same wherever it happens, and only the HTTP edge chooses a status for it
@@ -34,13 +35,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
 import hashlib
 import json
 import logging
 import threading
-from collections import OrderedDict
-from concurrent.futures import Executor, ThreadPoolExecutor
+from collections import OrderedDict, deque
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
 from config import Limits, ScenarioError, check_scenario_body, parse_scenario, validate_scenario_body
@@ -48,6 +48,7 @@ from config.settings import LimitExceeded
 
 from . import registry
 from .compile import CompiledScenario, compile_scenario
+from config.cancel import CompileStopped, run_stoppable
 from .compile_worker import CompileCrashed, CompileLimitError, CompileTimeout, GrammarWorker
 from .tokenizer_info import TokenizerInfo
 
@@ -110,6 +111,8 @@ class ScenarioCompiler:
         self.cache = ScenarioCache(cache_size) if cache_size else None
         self._executor = executor
         self._own_pool: ThreadPoolExecutor | None = None
+        #: The futures of the compiles given up on most recently (tests wait on them to see how they ended).
+        self.abandoned: deque[Future] = deque(maxlen=8)
 
     # -- the stages -------------------------------------------------------------------------------------------
 
@@ -128,7 +131,7 @@ class ScenarioCompiler:
         try:
             compiled = compile_scenario(scenario, self.info, grammar_worker=self.grammar_worker)
             registry.get(scenario.type).check_compiled(scenario, compiled.constraint, self.limits)
-        except ScenarioError:
+        except (ScenarioError, CompileStopped):
             raise
         except LimitExceeded as exc:
             raise ScenarioError("limit", str(exc), field=exc.field, reason=exc.reason, detail=exc.detail()) from None
@@ -159,28 +162,48 @@ class ScenarioCompiler:
                              detail={"limit_name": "compile_timeout_s", "limit": timeout})
 
     async def run_bounded(self, fn: Callable[..., Any], *args: Any, executor: Executor | None = None) -> Any:
-        """``fn(*args)`` on a worker thread, awaited at most ``compile_timeout_s`` (then :meth:`timeout_error`;
-        the thread cannot be stopped and finishes in the background, unused)."""
-        loop = asyncio.get_running_loop()
-        call = functools.partial(contextvars.copy_context().run, fn, *args)
-        future = loop.run_in_executor(executor if executor is not None else self._executor, call)
+        """``fn(*args)`` on a worker thread, awaited at most ``compile_timeout_s`` (then :meth:`timeout_error`).
+        Past the limit the thread is told to stop (:mod:`config.cancel`): the table builders unwind at their
+        next checkpoint, so a timed-out compile does not keep a core, its memory or the next compile's turn."""
+        stop, outcome, call = _stoppable(fn, args)
+        future = asyncio.get_running_loop().run_in_executor(executor if executor is not None else self._executor, call)
         try:
             async with asyncio.timeout(self.limits.compile_timeout_s) as deadline:
                 return await future
         except TimeoutError:
             if deadline.expired():
+                self._abandon(stop, outcome)
                 raise self.timeout_error() from None
             raise
 
     def run_bounded_blocking(self, fn: Callable[..., Any], *args: Any, executor: Executor | None = None) -> Any:
         """:meth:`run_bounded` for a caller without an event loop (it waits)."""
-        future = (executor or self._executor or self._pool()).submit(fn, *args)
+        stop, outcome, call = _stoppable(fn, args)
+        future = (executor or self._executor or self._pool()).submit(call)
         try:
             return future.result(timeout=self.limits.compile_timeout_s)
         except TimeoutError:
             if not future.done():
+                future.cancel()  # still queued: it never starts
+                self._abandon(stop, outcome)
                 raise self.timeout_error() from None
             raise
+
+    def _abandon(self, stop: threading.Event, future: Future) -> None:
+        """Tell a compile past its limit to stop, and log how it ended (nobody else reads its result)."""
+        stop.set()
+        self.abandoned.append(future)
+
+        def ended(done: Future) -> None:
+            exc = None if done.cancelled() else done.exception()
+            if isinstance(exc, CompileStopped):
+                logger.info("a compile past compile_timeout_s stopped at a checkpoint")
+            elif exc is not None:
+                logger.info("a compile past compile_timeout_s ended with %s: %s", type(exc).__name__, exc)
+            else:
+                logger.warning("a compile past compile_timeout_s finished anyway (no checkpoint reached)")
+
+        future.add_done_callback(ended)
 
     async def prepare(self, body: Any, *, one_off: bool = False, field: str = "body",
                       executor: Executor | None = None) -> CompiledScenario:
@@ -260,3 +283,23 @@ class ScenarioCompiler:
             self.grammar_worker.close()
         if self._own_pool is not None:
             self._own_pool.shutdown(wait=False)
+
+
+def _stoppable(fn: Callable[..., Any], args: tuple) -> tuple[threading.Event, Future, Callable[[], Any]]:
+    """For a bounded run of ``fn(*args)``: its stop event, a future of how the call itself ended (an awaiting
+    future is cancelled at the timeout, the thread goes on), and the callable for the worker thread (in a copy of
+    the caller's context, inside :func:`~config.cancel.stop_scope`)."""
+    stop = threading.Event()
+    outcome: Future = Future()
+    context = contextvars.copy_context()
+
+    def call() -> Any:
+        try:
+            result = context.run(run_stoppable, stop, fn, *args)
+        except BaseException as exc:
+            outcome.set_exception(exc)
+            raise
+        outcome.set_result(result)
+        return result
+
+    return stop, outcome, call

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from config.cancel import checkpoint
+
 __all__ = ["DONE", "LEAF", "MaskTables", "build_tree_tables", "content_hash"]
 
 LEAF = -1
@@ -228,6 +230,7 @@ def _link_edges(tree, state: np.ndarray, tokens: np.ndarray, next_state: np.ndar
     # a query may share its high bits with several keys: try them in turn (rarely more than one)
     pending = np.arange(qidx.size)
     while pending.size:
+        checkpoint()
         p = pos[pending]
         inside = p < khigh.size
         pending, p = pending[inside], p[inside]
@@ -321,6 +324,7 @@ def _item_metrics(tables: "MaskTables") -> tuple[np.ndarray, np.ndarray, bool, i
     ready = np.flatnonzero(pending == 0)
     special_min = np.where(nxt == DONE, 0, 1)
     while ready.size:
+        checkpoint()  # one level each: a deep tree is stoppable (config.cancel)
         c = counts[ready]
         has = c > 0
         rs, rc = ready[has], c[has]

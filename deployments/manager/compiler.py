@@ -115,8 +115,8 @@ class StoredScenarioCompiler:
         self.settings = settings
         self.tokenizer = tokenizer
         self.store = store
-        # Compiles get their own threads: one that times out keeps running (a thread cannot be
-        # stopped) and must not starve the Redis calls, which go to asyncio's default executor.
+        # Compiles get their own threads, so that they never starve the Redis calls, which go to asyncio's default
+        # executor. One past compile_timeout_s is told to stop and unwinds at its next checkpoint (config.cancel).
         # They run at a lower priority (compile_nice): on a node that also serves, a large tree's compile takes the CPU
         # the replicas leave, so requests in flight during a swap are not slowed by it.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="config-manager-compile",
@@ -371,5 +371,5 @@ class StoredScenarioCompiler:
         async with self._gate:  # one compile at a time: the tokenizer is shared
             try:
                 return await self.pipeline.run_bounded(prepare, name, body)
-            except ScenarioError as exc:  # the time limit; the thread finishes in the background, unused
+            except ScenarioError as exc:  # the time limit; the thread was told to stop (config.cancel)
                 raise scenario_service_error(exc, "scenario", name=name) from None
