@@ -253,6 +253,7 @@ def responses_to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream, "scenario": body.scenario,
         "structured_outputs": body.structured_outputs, "top_k": body.top_k, "seed": body.seed,
         "num_beams": body.num_beams, **_chat_tools(body), **passed,
+        **({"parallel_tool_calls": body.parallel_tool_calls} if body.parallel_tool_calls is not None else {}),
     }
     if body.stream:
         data["stream_options"] = {"include_usage": True}

@@ -128,7 +128,7 @@ async def responses_events(chunks: AsyncIterator[dict[str, Any]], body: Response
                         yield out.delta(text)
                 _add_tool_call_deltas(calls, delta.get("tool_calls") or [])
                 finish_reason = choice.get("finish_reason") or finish_reason
-    status = "incomplete" if finish_reason == "length" else "completed"
+    status = "incomplete" if finish_reason == "length" or error is not None else "completed"
     if out.open is None and not calls and not any(item["type"] == "message" for item in out.output) and error is None:
         for event in out.start("message"):  # an empty answer is still a message
             yield event

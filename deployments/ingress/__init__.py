@@ -11,6 +11,7 @@ Routes:
 ``POST /v1/generate``                     native API (:class:`GenerateBody` -> ``GenerateResponse``), SSE when ``stream``
 ``POST /v1/completions``                  OpenAI completions; extra fields ``scenario``, ``structured_outputs``, ``top_k``
 ``POST /v1/chat/completions``             OpenAI chat completions; also ``response_format``
+``POST /v1/responses``                    OpenAI Responses API, mapped onto chat (``deployments/responses_api.py``)
 ``GET /v1/models``                        the served model
 ``GET /v1/scenarios``                     stored scenarios: name, type, current version
 ``GET /healthz``                          liveness, the manager's health, per-replica scenario versions
@@ -22,7 +23,8 @@ Routes:
 ========================================= ===========================================================
 
 Every error is JSON ``{"error": {"status": int, "message": str, ...detail}}``. The OpenAI request and response
-bodies, and their mapping to and from the native API, are in ``deployments/openai_api.py``.
+bodies, and their mapping to and from the native API, are in ``deployments/openai_api.py`` (the Responses API's in
+``deployments/responses_api.py`` and ``deployments/responses_stream.py``).
 
 Modules, one job each:
 
@@ -33,7 +35,7 @@ Modules, one job each:
 ``models.py``     the ingress's request/response models and documented error answers
 ``errors.py``     any exception -> :class:`~deployments.protocol.ServiceError`; the JSON error handlers
 ``replicas.py``   calls into the model replicas: liveness (503), the retry after a replica death, held rows
-``sse.py``        server-sent event streams (native and OpenAI)
+``sse.py``        server-sent event streams (native, OpenAI chunks, Responses API events)
 ``health.py``     ``GET /healthz``
 ``middleware.py`` body size limit, ``X-Request-Id`` check
 ``openapi.py``    OpenAPI patches for the bodies the admin routes read as bytes

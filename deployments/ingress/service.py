@@ -98,20 +98,23 @@ class Ingress(ReplicaCalls, Streams, HealthCheck):
         """``POST /v1/responses``: the chat flow for the chat body the Responses body maps to, answered as a
         Responses object or event stream (errors name the Responses fields)."""
         try:
-            request, _ = openai_to_generate(responses_to_chat(body), self.limits, served=self.model_name)
+            chat_body = responses_to_chat(body)
+            request, _ = openai_to_generate(chat_body, self.limits, served=self.model_name)
             self.check_limits(request, {"max_new_tokens": "max_output_tokens"})
         except ServiceError as error:
             raise renamed_error(error) from None
+        tools = getattr(chat_body, "tool_plan", None)  # set by openai_to_generate when the output is read as calls
         release = await self.hold_rows(http, request)
         try:
             if request.stream:
                 first, stream = await self.open_stream(request)
-                response = StreamingResponse(self.responses_sse(first, stream, body, release),
+                response = StreamingResponse(self.responses_sse(first, stream, body, release, tools=tools),
                                              media_type="text/event-stream", headers=_SSE_HEADERS)
                 release = None  # the stream gives the rows back when it ends
                 return response
             result = await self.generate(request)
-            return chat_to_response(openai_response(result, chat=True, model=self.model_name), body, model=self.model_name)
+            chat = openai_response(result, chat=True, model=self.model_name, **({"tools": tools} if tools is not None else {}))
+            return chat_to_response(chat, body, model=self.model_name)
         finally:
             if release is not None:
                 release()

@@ -73,11 +73,12 @@ class Streams:
         yield _SSE_DONE
 
     async def responses_sse(
-        self, first: dict[str, Any] | None, stream: Any, body: ResponsesRequest, release: Any = None
+        self, first: dict[str, Any] | None, stream: Any, body: ResponsesRequest, release: Any = None, tools: Any = None
     ) -> AsyncIterator[str]:
-        """The Responses API events of :func:`responses_events` as named server-sent events (``event: <type>``)."""
+        """The Responses API events of :func:`responses_events` as named server-sent events (``event: <type>``);
+        ``tools``: the chat body's tool plan (the output read as tool calls), if any."""
         chunks = openai_stream_chunks(self.events(first, stream, release), model=self.model_name, chat=True, n=1,
-                                      include_usage=True)
+                                      include_usage=True, **({"tools": tools} if tools is not None else {}))
         events = responses_events(chunks, body, model=self.model_name)
         async with aclosing(events):
             async for event in events:

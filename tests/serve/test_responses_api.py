@@ -177,3 +177,19 @@ def test_raw_errors(serve_app, model):
     assert r.status_code == 400 and "input[0].content[0]" in r.json()["error"]["message"], r.text
     schema = requests.get(f"{serve_app.url}/openapi.json", timeout=30).json()
     assert "/v1/responses" in schema["paths"]
+
+
+def test_scenario_with_thinking(client, model, serve_app):
+    labels = ["yes", "no", "maybe"]
+    serve_app.put("t-think-resp", {"type": "labels", "labels": labels, "think": {"max_thinking_tokens": 8}})
+    ask = dict(model=model, input="Is the sky blue?", temperature=0, extra_body={"scenario": "t-think-resp"})
+    r = client.responses.create(**ask)
+    assert [item.type for item in r.output] == ["reasoning", "message"] and r.output_text in labels, r
+    assert r.scenario == "t-think-resp" and r.scenario_version == 1  # extra fields, as on chat completions
+    reasoning, text = "", ""
+    for event in client.responses.create(stream=True, **ask):
+        if event.type == "response.reasoning_text.delta":
+            reasoning += event.delta
+        elif event.type == "response.output_text.delta":
+            text += event.delta
+    assert (reasoning, text) == (r.output[0].content[0].text, r.output_text)
