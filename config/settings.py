@@ -478,6 +478,13 @@ class ServerSettings(BaseModel):
                     "validation (the schema as written, repeated keys invalid) is generated again, up to this many "
                     "times in all; past it the output ends with finish_reason error (1 = validate, never regenerate).",
     )
+    json_regenerate_budget: float = Field(
+        default=1.0, ge=0, le=16, allow_inf_nan=False,
+        description="The regenerations of one request together generate at most this many times the request's own "
+                    "token budget (n x max_new_tokens): a request generates at most (1 + this) x n x max_new_tokens "
+                    "tokens in all. A retry is capped at what is left; once nothing is, a failing output ends with "
+                    "finish_reason error naming this setting (0 = never regenerate).",
+    )
     seed_examples: bool = Field(default=True, description="Store the example scenarios on first start (empty Redis).")
     history_bodies: int = Field(
         default=20, ge=0,

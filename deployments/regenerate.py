@@ -10,6 +10,12 @@ last attempt ends with ``finish_reason: "error"`` and ``error: "invalid output a
 the last attempt's). ``length`` and ``error`` outputs are returned as they are, not regenerated. ``usage`` counts
 the tokens of every attempt (:attr:`CheckedRun.rejected_tokens`): each was generated.
 
+The work is bounded per request as well as per output: the rejected attempts of a request generate at most
+``json_regenerate_budget`` x ``n`` x ``max_new_tokens`` tokens together (default 1.0: a request generates at most
+twice its own budget in all, however many of its outputs fail). A retry's ``max_new_tokens`` is capped at what is
+left of that budget when it starts (counting what the running retries may still generate); once nothing is left, a
+failing output ends with ``finish_reason: "error"`` whose message names ``json_regenerate_budget``.
+
 What a client sees: :class:`CheckedRun` yields the same engine events as the engine, so the replica's response and
 stream code is unchanged. For a constraint whose grammar can produce an invalid output (:attr:`GrammarSpec.exact`
 false: a relaxed schema, any JSON value, objects open to undeclared keys) the tokens of each output are held back
@@ -65,15 +71,20 @@ class CheckedRun:
         request: the request.
         tokenizer: decodes an output's tokens for the check.
         max_attempts: ``json_regenerate_attempts``.
+        budget: ``json_regenerate_budget``: the rejected attempts together generate at most ``budget`` x ``n`` x
+            ``max_new_tokens`` tokens.
 
     After the events ran out, :attr:`attempts` maps each output index to the attempts it took (1 when it was not
     regenerated), and :attr:`rejected_tokens` is the number of tokens the rejected attempts generated (not in any
     returned output, but generated all the same: the replica counts them in ``usage.completion_tokens``).
     """
 
-    def __init__(self, engine, request: EngineRequest, tokenizer, max_attempts: int):
+    def __init__(self, engine, request: EngineRequest, tokenizer, max_attempts: int, budget: float = 1.0):
         self.engine, self.request, self.tokenizer = engine, request, tokenizer
         self.max_attempts = max(1, int(max_attempts))
+        self.budget_factor = float(budget)
+        self.budget = int(self.budget_factor * request.n * request.max_new_tokens)
+        self._caps: dict[int, int] = {}  # output -> the max_new_tokens of its running retry (reserved of the budget)
         compiled = request.compiled
         spec = getattr(compiled, "constraint", None) if compiled is not None else None
         self.spec = spec if getattr(spec, "validates", False) else None
@@ -88,12 +99,17 @@ class CheckedRun:
         text = self.tokenizer.decode(_constrained_ids(ids, self.request.compiled), skip_special_tokens=True)
         return self.spec.output_error(text)
 
-    def _retry_request(self, index: int, attempt: int) -> EngineRequest:
+    def _budget_left(self) -> int:
+        """Tokens a new retry may generate: the budget less what rejected attempts generated and what the running
+        retries may still generate."""
+        return self.budget - self.rejected_tokens - sum(self._caps.values())
+
+    def _retry_request(self, index: int, attempt: int, max_new_tokens: int) -> EngineRequest:
         req = self.request
         s = req.sampling
         temperature = s.temperature if s.temperature >= _GREEDY and req.num_beams == 1 else RETRY_TEMPERATURE
         seed = None if s.seed is None else (s.seed + req.n * (attempt - 1) + index) % (2 ** 63)
-        return EngineRequest(prompt_ids=req.prompt_ids, compiled=req.compiled, max_new_tokens=req.max_new_tokens,
+        return EngineRequest(prompt_ids=req.prompt_ids, compiled=req.compiled, max_new_tokens=max_new_tokens,
                              sampling=SamplingParams(temperature=temperature, top_p=s.top_p, top_k=s.top_k, seed=seed),
                              n=1, num_beams=1)
 
@@ -136,19 +152,29 @@ class CheckedRun:
                 elif isinstance(ev, FinishedEvent):
                     index = ev.index if source is None else source
                     attempt = self.attempts[index] = self.attempts.get(index, 0) + 1
+                    self._caps.pop(index, None)
                     tokens = held.pop(index, [])
                     error = self.output_error(ev.token_ids) if ev.finish_reason == "stop" else None
+                    spent = False
                     if error is not None and self.hold and attempt < self.max_attempts:
                         last[index] = (tokens, ev)
                         self.rejected_tokens += len(ev.token_ids)
-                        launch(self._retry_request(index, attempt + 1), index)
-                        continue
+                        cap = min(self.request.max_new_tokens, self._budget_left())
+                        if cap > 0:
+                            self._caps[index] = cap
+                            launch(self._retry_request(index, attempt + 1, cap), index)
+                            continue
+                        spent = True  # nothing left to regenerate with: this attempt is the output after all
+                        self.rejected_tokens -= len(ev.token_ids)
+                        del last[index]
                     for token in tokens:
                         yield TokenEvent(index, token)
                     if error is not None:
+                        why = (f" (the request's regeneration budget is spent: json_regenerate_budget="
+                               f"{self.budget_factor:g})" if spent else "")
                         ev = dataclasses.replace(ev, finish_reason="error",
                                                  error=f"invalid output after {attempt} attempt"
-                                                       f"{'s' if attempt > 1 else ''}: {error}")
+                                                       f"{'s' if attempt > 1 else ''}{why}: {error}")
                     left -= 1
                     yield CheckedFinished(index, ev.token_ids, ev.finish_reason, ev.error, ev.fell_back, attempt)
                 elif isinstance(ev, ErrorEvent):
@@ -156,6 +182,7 @@ class CheckedRun:
                         yield ev
                         return
                     # a regeneration failed as a whole: the output is its last attempt, ended as an error
+                    self._caps.pop(source, None)
                     tokens, previous = last.pop(source)
                     self.rejected_tokens -= len(previous.token_ids)  # returned after all: counted as the output
                     for token in tokens:

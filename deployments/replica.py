@@ -239,7 +239,8 @@ class ModelReplica:
         messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
         try:
             prompt_ids = build_prompt_ids(compiled, self.tokenizer, prompt=req.prompt, messages=messages,
-                                          special_tokens_in_content=self.settings.allow_special_tokens_in_content)
+                                          special_tokens_in_content=self.settings.allow_special_tokens_in_content,
+                                          tools=req.tools)
         except (ValueError, TemplateError) as exc:  # e.g. the chat template refuses the messages
             field = "messages" if messages is not None else "prompt"
             raise ServiceError(422, f"{field}: cannot build the prompt: {exc}", {"field": field}) from None
@@ -265,7 +266,8 @@ class ModelReplica:
     def _checked(self, engine_request: EngineRequest) -> CheckedRun:
         """The engine's events for ``engine_request``, each finished JSON output validated against its schema
         and generated again when it fails (``deployments/regenerate.py``)."""
-        return CheckedRun(self.engine, engine_request, self.tokenizer, self.settings.json_regenerate_attempts)
+        return CheckedRun(self.engine, engine_request, self.tokenizer, self.settings.json_regenerate_attempts,
+                          self.settings.json_regenerate_budget)
 
     def _response(self, name, version, prompt_ids, outputs: dict[int, FinishedEvent], compiled=None,
                   stopped: dict[int, str] | None = None, rejected_tokens: int = 0) -> GenerateResponse:

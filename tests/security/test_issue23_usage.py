@@ -1,5 +1,7 @@
-"""Issue 23, defect 9: ``usage`` counted only the last attempt of a regenerated JSON output, so a client could have
-many attempts generated and be billed for one. Every attempt's tokens count now.
+"""Issue 23, defect 7: ``usage`` counted only the last attempt of a regenerated JSON output, so a client could have
+many attempts generated and be billed for one, and the regeneration work of a request was bounded only per output
+(``n`` x ``json_regenerate_attempts`` attempts). Every attempt's tokens count now, and the rejected attempts of a
+request generate at most ``json_regenerate_budget`` x ``n`` x ``max_new_tokens`` tokens together.
 
 A real model replica with the real model. The schema (``not`` every integer) fails every attempt; each attempt is
 a seeded engine request of its own (seed ``s``, then ``s + 1``, ``s + 2`` for one output, see
@@ -37,6 +39,10 @@ def _attempts(replica, value: int) -> None:
     replica.settings = replica.settings.model_copy(update={"json_regenerate_attempts": value})
 
 
+def _budget(replica, value: float) -> None:
+    replica.settings = replica.settings.model_copy(update={"json_regenerate_budget": value})
+
+
 def test_usage_counts_every_attempt(replica):
     # each attempt on its own: one attempt each, the seeds the regeneration uses
     _attempts(replica, 1)
@@ -59,3 +65,35 @@ def test_usage_counts_every_attempt(replica):
 
     done = asyncio.run(stream())[-1]
     assert done["type"] == "done" and done["response"]["usage"] == usage, done
+
+
+def test_a_zero_budget_never_regenerates(replica):
+    _budget(replica, 0.0)
+    try:
+        result = asyncio.run(replica.generate(_body(SEED, n=3)))
+    finally:
+        _budget(replica, 1.0)
+    assert len(result["outputs"]) == 3
+    for out in result["outputs"]:
+        assert out["attempts"] == 1 and out["finish_reason"] == "error", out
+        assert "json_regenerate_budget=0" in out["error"], out["error"]
+    assert result["usage"]["completion_tokens"] == sum(len(o["token_ids"]) for o in result["outputs"])
+
+
+@pytest.mark.parametrize("budget", [0.05, 0.2])
+def test_the_budget_bounds_the_tokens_of_a_request(replica, budget):
+    """Every attempt fails, so without the budget the request would run n x 3 attempts; with it, what all
+    attempts generated stays within (1 + budget) x n x max_new_tokens, and an output that stopped early says why."""
+    n, max_new = 4, 8
+    _budget(replica, budget)
+    try:
+        result = asyncio.run(replica.generate(_body(SEED, n=n)))
+    finally:
+        _budget(replica, 1.0)
+    outputs = result["outputs"]
+    assert len(outputs) == n and all(o["finish_reason"] == "error" for o in outputs), outputs
+    assert result["usage"]["completion_tokens"] <= (1 + budget) * n * max_new, result["usage"]
+    short = [o for o in outputs if o["attempts"] < ATTEMPTS]
+    assert short, "the budget should have stopped some regeneration"  # 0.2 x 4 x 8 = 6 tokens: under 8 retries
+    for out in short:
+        assert f"json_regenerate_budget={budget:g}" in out["error"], out["error"]
