@@ -9,6 +9,8 @@ Tests under ``tests/integration`` are marked ``integration`` automatically.
 
 from __future__ import annotations
 
+import asyncio
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,33 @@ def data_dir(tmp_path):
     path = str(tmp_path / "data")
     yield path
     close_embedded(path)
+
+
+@pytest.fixture(scope="session")
+def start_manager(tokenizer, tmp_path_factory):
+    """The real config manager in-process (embedded Redis, the real tokenizer, no replicas), as a context manager:
+    ``with start_manager("name", limits=Limits(...)) as manager:`` (keywords: ``ServerSettings`` fields; the data
+    directory is a fresh one, the example scenarios are not seeded). ``manager.run(coro)`` runs one of its
+    coroutines on the manager's own event loop. On the way out the manager is closed and its Redis stopped."""
+    from config import ServerSettings
+    from deployments.manager import ConfigManager
+    from deployments.redis_server import close_embedded
+
+    @contextmanager
+    def start(name: str, **settings):
+        data_dir = str(tmp_path_factory.mktemp(name))
+        loop = asyncio.new_event_loop()
+        manager = ConfigManager(ServerSettings(data_dir=data_dir, **{"seed_examples": False, **settings}),
+                                tokenizer=tokenizer)
+        manager.run = lambda coro: loop.run_until_complete(coro)
+        try:
+            yield manager
+        finally:
+            loop.run_until_complete(manager.close())
+            loop.close()
+            close_embedded(data_dir)
+
+    return start
 
 
 # The shared Ray Serve app (one start-up for tests/serve and tests/security).

@@ -115,20 +115,10 @@ def test_worker_is_killed_at_the_timeout(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def manager(tokenizer, tmp_path_factory):
+def manager(start_manager):
     """The real config manager (embedded Redis, real tokenizer, no replicas) with compile_memory_mb=512."""
-    from deployments.manager import ConfigManager
-    from deployments.redis_server import close_embedded
-
-    data_dir = str(tmp_path_factory.mktemp("compile-bounds"))
-    loop = asyncio.new_event_loop()
-    settings = ServerSettings(data_dir=data_dir, seed_examples=False, limits=Limits(compile_memory_mb=MEMORY_MB))
-    manager = ConfigManager(settings, tokenizer=tokenizer)
-    manager.run = lambda coro: loop.run_until_complete(coro)
-    yield manager
-    loop.run_until_complete(manager.close())
-    loop.close()
-    close_embedded(data_dir)
+    with start_manager("compile-bounds", limits=Limits(compile_memory_mb=MEMORY_MB)) as manager:
+        yield manager
 
 
 def test_admin_put_of_the_schema_is_a_clean_400(manager):

@@ -18,7 +18,7 @@ import asyncio
 
 import pytest
 
-from config import Limits, ScenarioError, ServerSettings
+from config import Limits, ScenarioError
 from config.cancel import CompileStopped, checkpoint, stop_scope
 from deployments.protocol import ServiceError
 from processors import ScenarioCompiler
@@ -86,20 +86,10 @@ def test_a_timed_out_deep_tree_compile_stops_on_the_async_path(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def manager(tokenizer, tmp_path_factory):
-    """The real config manager (embedded Redis, real tokenizer, no replicas) with a small compile_timeout_s."""
-    from deployments.manager import ConfigManager
-    from deployments.redis_server import close_embedded
-
-    data_dir = str(tmp_path_factory.mktemp("compile-stop"))
-    loop = asyncio.new_event_loop()
-    settings = ServerSettings(data_dir=data_dir, seed_examples=False, limits=Limits(compile_timeout_s=LIMIT_S))
-    manager = ConfigManager(settings, tokenizer=tokenizer)
-    manager.run = lambda coro: loop.run_until_complete(coro)
-    yield manager
-    loop.run_until_complete(manager.close())
-    loop.close()
-    close_embedded(data_dir)
+def manager(start_manager):
+    """The real config manager with a small compile_timeout_s."""
+    with start_manager("compile-stop", limits=Limits(compile_timeout_s=LIMIT_S)) as manager:
+        yield manager
 
 
 def test_timed_out_admin_writes_do_not_lock_the_admin_api_out(manager):

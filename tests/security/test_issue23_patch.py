@@ -9,7 +9,6 @@ path from the root to the end token, walked as the decoding walks them.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 import random
@@ -18,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from config import Limits, ServerSettings
+from config import Limits
 from deployments.protocol import ServiceError
 
 ROOT, END = 1000, 2
@@ -27,20 +26,10 @@ MAX_KEYS = 64
 
 
 @pytest.fixture(scope="module")
-def manager(tokenizer, tmp_path_factory):
+def manager(start_manager):
     """The real config manager with max_tree_keys=64 (a catalog or a PATCH past it is refused)."""
-    from deployments.manager import ConfigManager
-    from deployments.redis_server import close_embedded
-
-    data_dir = str(tmp_path_factory.mktemp("issue23-patch"))
-    loop = asyncio.new_event_loop()
-    settings_ = ServerSettings(data_dir=data_dir, seed_examples=False, limits=Limits(max_tree_keys=MAX_KEYS))
-    manager = ConfigManager(settings_, tokenizer=tokenizer)
-    manager.run = lambda coro: loop.run_until_complete(coro)
-    yield manager
-    loop.run_until_complete(manager.close())
-    loop.close()
-    close_embedded(data_dir)
+    with start_manager("issue23-patch", limits=Limits(max_tree_keys=MAX_KEYS)) as manager:
+        yield manager
 
 
 def served_items(manager, name: str) -> set[tuple[int, ...]]:

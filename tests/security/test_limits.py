@@ -390,19 +390,10 @@ SMALL = Limits(max_labels=3, max_tree_keys=3, max_item_tokens=3)
 
 
 @pytest.fixture(scope="module")
-def small_manager(tokenizer, tmp_path_factory):
+def small_manager(start_manager):
     """The real config manager (embedded Redis, real tokenizer, no replicas) with small limits."""
-    from deployments.manager import ConfigManager
-    from deployments.redis_server import close_embedded
-
-    data_dir = str(tmp_path_factory.mktemp("limits-data"))
-    loop = asyncio.new_event_loop()
-    manager = ConfigManager(ServerSettings(data_dir=data_dir, seed_examples=False, limits=SMALL), tokenizer=tokenizer)
-    manager.run = lambda coro: loop.run_until_complete(coro)
-    yield manager
-    loop.run_until_complete(manager.close())
-    loop.close()
-    close_embedded(data_dir)
+    with start_manager("limits-data", limits=SMALL) as manager:
+        yield manager
 
 
 def _refused_by(manager, name: str, body: dict, limit_name: str, limit) -> ServiceError:
