@@ -13,16 +13,17 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from contextlib import aclosing
 from pathlib import Path
-from typing import Any, AsyncIterator, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from config import Limits, ScenarioError, parse_scenario, scenario_model, scenario_to_dict
+from config import Limits
 from deployments.json_body import BodyRejected, parse_json
+from deployments.openai_stream import openai_stream_chunks
 from deployments.protocol import ChatMessage, GenerateRequest, GenerateResponse, ServiceError, Usage
-from deployments.scenario_errors import SCENARIO_ERROR_STATUS
+from deployments.scenario_errors import validated_one_off as _validated_inline
+from deployments.tool_calls import Tool, ToolChoice, ToolPlan, parse_tool_output, tool_setup
 
 __all__ = [
     "ChatCompletionRequest",
@@ -180,16 +181,39 @@ class TextPart(BaseModel):
     text: str = Field(description="The text.")
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str = Field(default="{}", description="The arguments as JSON text.")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class OpenAIChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"] = Field(description="developer is treated as system.")
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="developer is treated as system; tool: a function's result.")
     content: str | list[TextPart] | None = Field(default=None, description="Text, or a list of text parts.")
+    tool_calls: list[ToolCall] | None = Field(default=None, description="assistant: the calls it made.")
+    tool_call_id: str | None = Field(default=None, description="tool: the call this result answers.")
 
     def to_chat_message(self) -> ChatMessage:
         """The native message (a developer message is a system message; text parts are joined)."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return ChatMessage(role="system" if self.role == "developer" else self.role, content=content)
+        extra: dict[str, Any] = {}
+        if self.tool_calls:
+            extra["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.role == "tool":
+            extra["tool_call_id"] = self.tool_call_id
+        return ChatMessage(role="system" if self.role == "developer" else self.role, content=content, **extra)
 
 
 class ChatCompletionRequest(_OpenAIBody):
@@ -197,6 +221,16 @@ class ChatCompletionRequest(_OpenAIBody):
 
     messages: list[OpenAIChatMessage] = Field(min_length=1, description="The conversation.")
     response_format: ResponseFormat | None = Field(default=None, description="One-off JSON constraint.")
+    tools: list[Tool] | None = Field(default=None, description="Function tools the model may call.")
+    tool_choice: ToolChoice | None = Field(
+        default=None, description="none, auto (the default with tools), required, or {type: function, function: {name}}.")
+    parallel_tool_calls: bool | None = Field(default=None, description="false: at most one call per answer.")
+    _tool_plan: ToolPlan | None = PrivateAttr(default=None)
+
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        """How the output is read as tool calls (set by :func:`openai_to_generate`; ``None``: as text)."""
+        return self._tool_plan
 
 
 class _OpenAIResponse(BaseModel):
@@ -226,6 +260,8 @@ class CompletionResponse(_OpenAIResponse):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda value: value is None,
+                                              description="The function calls (finish_reason tool_calls).")
     reasoning_content: str | None = Field(default=None, description="Think scenarios: the thinking text.")
 
 
@@ -344,39 +380,6 @@ def _inline_scenario(
     return {"type": "json_schema", "schema": schema}, names["json"]
 
 
-def _validated_inline(scenario: dict[str, Any], field: str, limits: Limits | None = None) -> dict[str, Any]:
-    """Check a one-off scenario here (cheap), so a bad schema or label list is a 422 naming the OpenAI field.
-
-    The first stage of the scenario pipeline (``config.parse_scenario``: ``limits`` first, the stored scenarios'
-    limits: label count, schema depth and size, regex length and repetition, before the schema checker walks a
-    possibly deep schema; then validation); its error names the scenario's field, renamed here to the OpenAI field
-    that holds it (``schema.allOf[0].pattern`` -> ``response_format.json_schema.schema.allOf[0].pattern``).
-    """
-    try:
-        return scenario_to_dict(parse_scenario(scenario, limits, one_off=True))
-    except ScenarioError as error:
-        raise _openai_error(error, field, getattr(scenario_model(scenario["type"]), "constraint_field", None)) from None
-
-
-def _openai_error(error: ScenarioError, field: str, main: str | None) -> ServiceError:
-    """``error`` with its fields named as the client sent them: ``main`` (the scenario's field holding the
-    constraint) is ``field``."""
-    status = SCENARIO_ERROR_STATUS[error.kind]
-    if error.kind == "limit":
-        inner = error.field or ""
-        inside = main is not None and (inner == main or inner.startswith((f"{main}.", f"{main}[")))
-        where = field + inner[len(main):] if inside else f"{field}.{inner}"
-        return ServiceError(status, f"{where}: {error.reason}", {**error.detail, "field": where})
-    parts = []
-    for loc, item in zip(error.locs, error.detail.get("errors", ())):
-        loc = [str(p) for p in loc]
-        if loc and loc[0] == main:  # `field` already names it
-            loc = loc[1:]
-        parts.append(f"{'.'.join([field, *loc])}: {item['message']}")
-    message = "; ".join(parts[:5]) + (f"; and {len(parts) - 5} more" if len(parts) > 5 else "")
-    return ServiceError(status, message or f"{field}: {error.message}")
-
-
 def _same(value: Any, neutral: Any) -> bool:
     """``value == neutral`` without booleans standing in for numbers (``false`` is not ``0``)."""
     return value is neutral or (isinstance(value, bool) == isinstance(neutral, bool) and value == neutral)
@@ -436,6 +439,17 @@ def openai_to_generate(
     inline, field = _inline_scenario(body, limits)
     if inline is not None:
         inline = _validated_inline(inline, field, limits)
+    prompt_tools = None
+    if isinstance(body, ChatCompletionRequest):
+        plan, prompt_tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls, limits)
+        if plan is not None and (inline is not None or body.scenario is not None):
+            raise ServiceError(400, f"tool_choice: {plan.mode!r} (with tools) cannot be combined with "
+                                    f"{(field or 'scenario').split('.')[0]}: a call is decoded under its own "
+                                    "constraint (give tool_choice 'none' to answer under that one)",
+                               {"field": "tool_choice", "type": "invalid_request_error", "param": "tool_choice"})
+        if plan is not None:
+            inline = plan.scenario
+        body._tool_plan = plan
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     data: dict[str, Any] = {
         "scenario": body.scenario,
@@ -453,6 +467,8 @@ def openai_to_generate(
     }
     if logprobs is not None:
         data["logprobs"] = logprobs
+    if prompt_tools:
+        data["tools"] = prompt_tools
     if isinstance(body, ChatCompletionRequest):
         data["messages"] = [m.to_chat_message().model_dump() for m in body.messages]
     else:
@@ -512,8 +528,10 @@ def _completion_logprobs(items: list[dict[str, Any]] | None, text: str) -> dict[
     }
 
 
-def openai_response(result: GenerateResponse | dict[str, Any], *, chat: bool, model: str) -> dict[str, Any]:
-    """The OpenAI answer for a replica's :class:`GenerateResponse` (validated only when given as a dict)."""
+def openai_response(result: GenerateResponse | dict[str, Any], *, chat: bool, model: str,
+                    tools: ToolPlan | None = None) -> dict[str, Any]:
+    """The OpenAI answer for a replica's :class:`GenerateResponse` (validated only when given as a dict); with
+    ``tools`` (the request's :attr:`ChatCompletionRequest.tool_plan`) each output is read as tool calls."""
     response = result if isinstance(result, GenerateResponse) else GenerateResponse.model_validate(result)
     common = {
         "created": int(time.time()),
@@ -528,6 +546,9 @@ def openai_response(result: GenerateResponse | dict[str, Any], *, chat: bool, mo
              "logprobs": _chat_logprobs(o.logprobs)}
             for i, o in enumerate(response.outputs)
         ]
+        for choice, output in zip(choices, response.outputs) if tools is not None else ():
+            content, calls, choice["finish_reason"] = parse_tool_output(output.text, output.finish_reason, tools)
+            choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         _add_output_fields(choices, response)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "choices": choices, **common}
     choices = [
@@ -553,59 +574,3 @@ def _chat_message(output: Any) -> dict[str, Any]:
     if output.reasoning_content is None:
         return {"role": "assistant", "content": output.text}
     return {"role": "assistant", "content": output.answer or None, "reasoning_content": output.reasoning_content}
-
-
-async def openai_stream_chunks(
-    events: AsyncIterator[dict[str, Any]], *, model: str, chat: bool, n: int, include_usage: bool
-) -> AsyncIterator[dict[str, Any]]:
-    """OpenAI-style stream chunks for the native stream ``events`` (each chunk one server-sent event's data).
-
-    A role chunk per choice (chat), then text deltas and finish reasons, a usage chunk when ``include_usage``,
-    and an ``error`` object for a native ``error`` event. ``events`` is closed when this generator is.
-    """
-    chunk_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    created = int(time.time())
-    kind = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        body = {"id": chunk_id, "object": kind, "created": created, "model": model, "choices": choices}
-        if include_usage:
-            body["usage"] = usage
-        return body
-
-    def choice(index: int, text: str | None, finish_reason: str | None = None, role: bool = False,
-               reasoning: str | None = None) -> dict[str, Any]:
-        if not chat:
-            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        delta: dict[str, Any] = {"role": "assistant"} if role else {}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        if text is not None:
-            delta["content"] = text
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-
-    if chat:
-        yield chunk([choice(i, "", role=True) for i in range(n)])
-    finished: set[int] = set()
-    async with aclosing(events):
-        async for event in events:
-            kind_of = event.get("type")
-            if kind_of == "token":
-                index, reason, text = int(event.get("index") or 0), event.get("finish_reason"), event.get("text") or ""
-                if reason:
-                    finished.add(index)
-                if chat and "reasoning" in event:  # a think scenario: thinking and answer apart
-                    reasoning, answer = event.get("reasoning") or "", event.get("answer") or ""
-                    if reasoning or answer or reason:
-                        yield chunk([choice(index, answer or None, reason, reasoning=reasoning)])
-                    continue
-                yield chunk([choice(index, None if chat and reason and not text else text, reason)])
-            elif kind_of == "done" and event.get("response"):
-                response = GenerateResponse.model_validate(event["response"])
-                for index, output in enumerate(response.outputs):
-                    if index not in finished:
-                        yield chunk([choice(index, None if chat else "", output.finish_reason)])
-                if include_usage:
-                    yield chunk([], response.usage.model_dump())
-            elif kind_of == "error":
-                yield {"error": {"status": event.get("status", 500), "message": event.get("error") or "generation failed"}}

@@ -120,9 +120,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _none(value: Any) -> bool:
+    return value is None
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"] = Field(description="Who wrote the message.")
+    role: Literal["system", "user", "assistant", "tool"] = Field(
+        description="Who wrote the message (tool: a function's result, see tool_call_id).")
     content: str = Field(description="The message text.")
+    tool_calls: list[dict[str, Any]] | None = Field(
+        default=None, exclude_if=_none,
+        description="assistant: the function calls it made (OpenAI's shape: id, type, function.name, "
+                    "function.arguments).",
+    )
+    tool_call_id: str | None = Field(default=None, exclude_if=_none, description="tool: the call this result answers.")
 
 
 class GenerateRequest(_Strict):
@@ -139,6 +150,11 @@ class GenerateRequest(_Strict):
     )
     prompt: str | None = Field(default=None, description="Raw prompt text (no chat template).")
     messages: list[ChatMessage] | None = Field(default=None, description="Chat messages (chat template applied).")
+    tools: list[dict[str, Any]] | None = Field(
+        default=None, exclude_if=_none,
+        description="Function tools (OpenAI's shape) for the prompt: given to a chat template that takes tools, "
+                    "else listed in a system message (processors/tool_prompt.py). They do not constrain the output.",
+    )
     # strict: true is not 1 and "3" is not 3 (booleans, numbers and strings do not stand in for each other);
     # floats must be finite (NaN and infinities are refused).
     max_new_tokens: int | None = Field(default=None, ge=1, strict=True, description="Most tokens to generate per output.")

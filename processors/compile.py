@@ -17,6 +17,7 @@ from . import registry
 from .tables import content_hash
 from .think import ThinkSpec, compile_think
 from .special_tokens import contains_special_tokens, encode_chat, encode_segments
+from .tool_prompt import render_tools
 from .tokenizer_info import TokenizerInfo, hf_tokenizer
 
 __all__ = ["CompiledScenario", "Constraint", "build_prompt_ids", "compile_scenario", "eos_token_ids"]
@@ -128,6 +129,7 @@ def build_prompt_ids(
     prompt: str | None = None,
     messages: list[dict] | None = None,
     special_tokens_in_content: bool = False,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Token ids of the prompt for one request of a scenario.
 
@@ -140,7 +142,8 @@ def build_prompt_ids(
     A special token spelled in the prompt, in a message or in the system prompt (``<|im_end|>``) stays text
     unless ``special_tokens_in_content``: only the chat template's own markers are control tokens (see
     :mod:`processors.special_tokens`). Text that spells none is tokenized as it always was.
-    ``tokenizer``: a tokenizer or its :class:`TokenizerInfo`.
+    ``tokenizer``: a tokenizer or its :class:`TokenizerInfo`. ``tools`` (OpenAI function tools) and tool-call
+    turns in ``messages`` are rendered by :func:`processors.tool_prompt.render_tools`.
     """
     tokenizer = hf_tokenizer(tokenizer)
     if (prompt is None) == (messages is None):
@@ -151,7 +154,9 @@ def build_prompt_ids(
         system = settings.get("system_prompt")
         if system and not (msgs and msgs[0].get("role") == "system"):
             msgs.insert(0, {"role": "system", "content": system})
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        msgs, template_tools = render_tools(msgs, tools, tokenizer)
+        extra = {"tools": template_tools} if template_tools else {}
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **extra)
         contents = [m.get("content") for m in msgs]
     else:
         text = prompt
@@ -161,7 +166,7 @@ def build_prompt_ids(
     if special_tokens_in_content or not contains_special_tokens(tokenizer, contents):
         ids = list(tokenizer.encode(text + suffix, add_special_tokens=False))
     elif messages is not None:
-        ids = encode_chat(tokenizer, msgs, text, suffix)
+        ids = encode_chat(tokenizer, msgs, text, suffix, tools=template_tools)
     else:
         ids = encode_segments(tokenizer, [(prompt or "", False), (suffix, True)])
     if think is None and compiled is not None and compiled.start_token_id is not None:

@@ -88,7 +88,8 @@ def encode_segments(tokenizer, segments: Sequence[tuple[str, bool]]) -> list[int
     return ids
 
 
-def encode_chat(tokenizer, messages: list[dict], rendered: str, suffix: str = "") -> list[int]:
+def encode_chat(tokenizer, messages: list[dict], rendered: str, suffix: str = "",
+                tools: list[dict] | None = None) -> list[int]:
     """Token ids of the chat template applied to ``messages`` (``rendered``: that text, with the generation
     prompt) plus ``suffix`` (template text, e.g. a think marker), the messages' contents as plain text.
 
@@ -100,7 +101,8 @@ def encode_chat(tokenizer, messages: list[dict], rendered: str, suffix: str = ""
     """
     stand_ins = [dict(m, content=f"\ue000{i}\ue001") if isinstance(m.get("content"), str) else dict(m)
                  for i, m in enumerate(messages)]
-    skeleton = tokenizer.apply_chat_template(stand_ins, tokenize=False, add_generation_prompt=True)
+    extra = {"tools": tools} if tools else {}  # the template's tools argument, as ``rendered`` was made
+    skeleton = tokenizer.apply_chat_template(stand_ins, tokenize=False, add_generation_prompt=True, **extra)
     parts = _PLACEHOLDER.split(skeleton)  # template, index, template, index, ..., template
     indices = [int(i) for i in parts[1::2]]
     segments: list[tuple[str, bool]] = []

@@ -82,14 +82,15 @@ class Ingress(ReplicaCalls, Streams, HealthCheck):
                 first, stream = await self.open_stream(request)
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 response = StreamingResponse(
-                    self.openai_sse(first, stream, chat=chat, n=request.n, include_usage=include_usage, release=release),
+                    self.openai_sse(first, stream, chat=chat, n=request.n, include_usage=include_usage, release=release,
+                                    tools=getattr(body, "tool_plan", None)),
                     media_type="text/event-stream",
                     headers=_SSE_HEADERS,
                 )
                 release = None  # the stream gives the rows back when it ends
                 return response
             result = await self.generate(request)
-            return openai_response(result, chat=chat, model=self.model_name)
+            return openai_response(result, chat=chat, model=self.model_name, tools=getattr(body, "tool_plan", None))
         finally:
             if release is not None:
                 release()

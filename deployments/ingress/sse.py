@@ -62,11 +62,12 @@ class Streams:
         yield _SSE_DONE
 
     async def openai_sse(
-        self, first: dict[str, Any] | None, stream: Any, *, chat: bool, n: int, include_usage: bool, release: Any = None
+        self, first: dict[str, Any] | None, stream: Any, *, chat: bool, n: int, include_usage: bool, release: Any = None,
+        tools: Any = None,
     ) -> AsyncIterator[str]:
         """The OpenAI-style chunks of :func:`openai_stream_chunks` as server-sent events, then ``[DONE]``."""
         chunks = openai_stream_chunks(self.events(first, stream, release), model=self.model_name, chat=chat, n=n,
-                                      include_usage=include_usage)
+                                      include_usage=include_usage, tools=tools)
         async with aclosing(chunks):
             async for chunk in chunks:
                 yield sse(chunk)

@@ -166,8 +166,9 @@ def test_raw_errors(serve_app, model):
     r = requests.post(url, json={"model": model, "input": "Hi", "n": 2, "frob": 1}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["fields"] == ["frob", "n"], r.text
     r = requests.post(url, json={"model": model, "input": "Hi", "tools": [{"type": "function", "name": "f",
-                                                                          "parameters": {"type": "object"}}]}, timeout=30)
-    assert r.status_code == 400 and "tools" in r.json()["error"]["message"], r.text
+                                                                          "parameters": {"type": "object"}}],
+                                 "tool_choice": {"type": "function", "name": "g"}}, timeout=30)  # g: not a tool
+    assert r.status_code == 400 and "tool_choice" in r.json()["error"]["message"], r.text
     r = requests.post(url, json={"model": model, "input": "Hi", "text": {"format": {"type": "json_schema", "name": "x",
                                                                                     "schema": {"type": "bogus"}}}},
                       timeout=30)

@@ -369,7 +369,9 @@ def test_chat_shape_and_messages(setup):
         ({"frobnicate": 1, "zap": True}, 400, ["frobnicate", "zap"]),
         ({"frequency_penalty": 0.5}, 400, ["frequency_penalty"]),
         ({"logit_bias": {"1": 2}}, 400, ["logit_bias"]),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, ["tools"]),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {
+            "name": "g"}}}, 400, ["tool_choice.function.name"]),  # tools work (tests/unit/test_tool_calls.py)
+        ({"tool_choice": "required"}, 400, ["tool_choice"]),
         ({"echo": 0}, 400, ["echo"]),  # 0 is not false
         ({"logprobs": True, "stream": True}, 400, ["logprobs"]),
         ({"top_logprobs": 2}, 422, ["top_logprobs"]),
@@ -442,7 +444,7 @@ def test_one_off_constraints(setup, extra, inline):
         ({"structured_outputs": {"json": "{nope"}}, "structured_outputs.json"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": 5}}}}, "response_format.json_schema.schema"),
         ({"scenario": "sentiment", "response_format": {"type": "json_object"}}, "response_format"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages.0.role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages.0.content"),
     ],
 )

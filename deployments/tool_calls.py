@@ -1,0 +1,248 @@
+"""Tool calls (OpenAI ``tools``, ``tool_choice``, ``parallel_tool_calls``): a checked one-off constraint, and the
+model's finished output parsed into ``tool_calls``.
+
+A request with function tools and a ``tool_choice`` other than ``"none"`` is decoded under a one-off
+``json_schema`` scenario (:func:`tool_setup`), so a call gets the same whole-schema guarantee as a
+``response_format`` json_schema: the function name is one of the tools, the arguments satisfy that function's
+``parameters``; each finished output is validated against the schema as written and generated again within
+``json_regenerate_attempts`` (``deployments/regenerate.py``); an output still invalid is ``finish_reason:
+"error"``, never a call. The model writes (and the prompt asks for, ``processors/tool_prompt.py``):
+
+* a call: ``{"name": "<function>", "arguments": {...}}``;
+* several calls (``parallel_tool_calls`` true, the default, with ``"required"`` or ``"auto"``): a JSON list of them,
+  at least one;
+* under ``"auto"``, instead of a call, a text answer as a JSON string (``"Hello!"``), returned as ``content``.
+
+``"required"``: at least one call of any tool; a named function ``{"type": "function", "function": {"name": f}}``:
+exactly one call of ``f``; ``"none"``: no constraint from the tools (they are still shown in the prompt).
+:func:`parse_tool_output` turns a finished output into ``(content, tool_calls, finish_reason)`` and
+:func:`tool_call_deltas` a call list into OpenAI stream deltas. Both the chat route and the Responses API use them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from config import Limits
+from deployments.protocol import ServiceError
+from deployments.scenario_errors import validated_one_off
+
+__all__ = [
+    "FunctionDefinition",
+    "NamedToolChoice",
+    "Tool",
+    "ToolPlan",
+    "new_call_id",
+    "parse_tool_output",
+    "tool_call_deltas",
+    "tool_setup",
+]
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:\-]+$", description="The function name.")
+    description: str | None = Field(default=None, description="What the function does (shown to the model).")
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="JSON Schema of the arguments (an object); absent: no arguments.")
+    strict: bool | None = Field(default=None, description="Ignored: the arguments always satisfy the schema.")
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = Field(description="Only function tools are supported.")
+    function: FunctionDefinition
+
+
+class _FunctionName(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = Field(description="Only function tools are supported.")
+    function: _FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolPlan:
+    """How a request's output is read: ``mode`` (``auto``, ``required``, ``named``), the allowed function
+    ``names``, whether several calls may come (``parallel``), and the checked one-off ``scenario``."""
+
+    mode: str
+    names: tuple[str, ...]
+    parallel: bool
+    scenario: dict[str, Any]
+
+
+def _bad(field: str, message: str, status: int = 400) -> ServiceError:
+    return ServiceError(status, f"{field}: {message}", {"field": field, "type": "invalid_request_error", "param": field})
+
+
+#: keywords whose values are data, not schemas (a "$ref" string inside them is not a reference)
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _new_ref(ref: str, prefix: str) -> str:
+    pointer = ref[1:]
+    for section, tag in (("/$defs/", "_"), ("/definitions/", "_d_")):
+        if pointer.startswith(section):
+            return f"#/$defs/{prefix}{tag}{pointer[len(section):]}"
+    return f"#/$defs/{prefix}{pointer}"  # "#" (the parameters themselves), "#/properties/x", ...
+
+
+def _rewrite_refs(node: Any, prefix: str) -> Any:
+    if isinstance(node, dict):
+        return {key: (_new_ref(value, prefix) if key == "$ref" and isinstance(value, str) and value.startswith("#")
+                      else value if key in _DATA_KEYWORDS else _rewrite_refs(value, prefix))
+                for key, value in node.items()}
+    if isinstance(node, list):
+        return [_rewrite_refs(item, prefix) for item in node]
+    return node
+
+
+def _has_local_ref(node: Any) -> bool:
+    if isinstance(node, dict):
+        return any((key == "$ref" and isinstance(value, str) and value.startswith("#"))
+                   or (key not in _DATA_KEYWORDS and _has_local_ref(value)) for key, value in node.items())
+    return isinstance(node, list) and any(_has_local_ref(item) for item in node)
+
+
+def _arguments_schema(params: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments' schema inside the call schema; a schema with local references (``#/$defs/X``, pydantic's
+    nested models) moves to the root's ``$defs`` under ``prefix`` with its references rewritten."""
+    if not _has_local_ref(params):
+        return params
+    root = {key: value for key, value in params.items() if key not in ("$defs", "definitions")}
+    defs[prefix] = _rewrite_refs(root, prefix)
+    for section, tag in (("$defs", "_"), ("definitions", "_d_")):
+        for name, schema in (params.get(section) or {}).items():
+            defs[f"{prefix}{tag}{name}"] = _rewrite_refs(schema, prefix)
+    return {"$ref": f"#/$defs/{prefix}"}
+
+
+def _parameters(tool: Tool, i: int, field: str, limits: Limits | None) -> dict[str, Any]:
+    params = tool.function.parameters
+    if params is None:  # OpenAI: a function without parameters takes none
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    where = f"{field}[{i}].function.parameters"
+    if params.get("type", "object") != "object":
+        raise _bad(where, "the arguments' schema must describe an object (type: object)", 422)
+    return validated_one_off({"type": "json_schema", "schema": params}, where, limits)["schema"]
+
+
+def tool_setup(
+    tools: list[Tool] | list[dict[str, Any]] | None, tool_choice: ToolChoice | str | dict[str, Any] | None,
+    parallel_tool_calls: bool | None = None, limits: Limits | None = None, *, field: str = "tools",
+    choice_field: str = "tool_choice",
+) -> tuple[ToolPlan | None, list[dict[str, Any]] | None]:
+    """The constraint and the prompt tools for ``tools`` + ``tool_choice`` + ``parallel_tool_calls``.
+
+    Returns ``(plan, prompt_tools)``: ``plan`` is ``None`` when the output is not a call (no tools, or
+    ``tool_choice: "none"``); ``plan.scenario`` is the checked one-off ``json_schema`` scenario to decode under.
+    ``prompt_tools`` are the tools in OpenAI's chat shape for the prompt (``GenerateRequest.tools``), ``None``
+    without tools. ``field`` / ``choice_field`` name the fields in errors (the Responses API names them its way).
+
+    Raises:
+        ServiceError: 400 for a ``tool_choice`` that names no tool or a function not in ``tools``; 422 (from the
+            JSON-schema limits and checks) for a ``parameters`` schema refused, naming ``tools[i].function.parameters``.
+    """
+    parsed = [t if isinstance(t, Tool) else Tool.model_validate(t) for t in tools or []]
+    if isinstance(tool_choice, dict):
+        tool_choice = NamedToolChoice.model_validate(tool_choice)
+    if tool_choice is not None and not isinstance(tool_choice, NamedToolChoice) and \
+            tool_choice not in ("none", "auto", "required"):
+        raise _bad(choice_field, f"{tool_choice!r} is not one of 'none', 'auto', 'required' or a named function")
+    names = [t.function.name for t in parsed]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise _bad(field, f"function names must be distinct (given more than once: {', '.join(duplicates)})")
+    if not parsed:
+        if tool_choice is not None and tool_choice != "none":
+            raise _bad(choice_field, "needs 'tools' (no function to call was given)")
+        return None, None
+    prompt_tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True, exclude={"strict"})}
+                    for t in parsed]
+    mode = "auto" if tool_choice is None else "named" if isinstance(tool_choice, NamedToolChoice) else tool_choice
+    if mode == "none":
+        return None, prompt_tools
+    chosen = parsed
+    if isinstance(tool_choice, NamedToolChoice):
+        chosen = [t for t in parsed if t.function.name == tool_choice.function.name]
+        if not chosen:
+            raise _bad(f"{choice_field}.function.name", f"{tool_choice.function.name!r} is not one of the tools "
+                                                         f"({', '.join(names)})")
+    defs: dict[str, Any] = {}
+    calls = []
+    for i, tool in enumerate(parsed):
+        params = _parameters(tool, i, field, limits)  # every tool's schema is checked, chosen or not
+        if tool in chosen:
+            calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                          "properties": {"name": {"const": tool.function.name},
+                                         "arguments": _arguments_schema(params, f"tool{i}", defs)}})
+    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    parallel = parallel_tool_calls is not False and mode != "named"
+    answer = {"type": "array", "items": one, "minItems": 1} if parallel else one
+    schema = {"anyOf": [{"type": "string"}, answer]} if mode == "auto" else answer
+    if defs:
+        schema = {**schema, "$defs": defs}
+    scenario = validated_one_off({"type": "json_schema", "schema": schema}, field, limits)
+    return ToolPlan(mode=mode, names=tuple(t.function.name for t in chosen), parallel=parallel,
+                    scenario=scenario), prompt_tools
+
+
+def new_call_id() -> str:
+    """A call id as OpenAI writes them: ``call_`` and 24 random characters."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_tool_output(text: str, finish_reason: str, plan: ToolPlan | None
+                      ) -> tuple[str | None, list[dict[str, Any]] | None, str]:
+    """``(content, tool_calls, finish_reason)`` of one finished output of a request decoded under ``plan``.
+
+    A call (or a list of calls) becomes OpenAI ``tool_calls`` (``arguments`` as JSON text), ``content`` ``None``
+    and ``finish_reason: "tool_calls"``; a text answer (``"auto"``: a JSON string) becomes ``content``. An output
+    that did not finish (``length``, ``error``: never a valid call) comes back as text with its finish reason.
+    """
+    if plan is None or finish_reason != "stop":
+        return text, None, finish_reason
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text, None, finish_reason
+    if isinstance(value, str):
+        return value, None, "stop"
+    items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(c, dict) and c.get("name") in plan.names and "arguments" in c for c in items):
+        return text, None, finish_reason  # not a call (cannot happen under the plan's schema)
+    calls = [{"id": new_call_id(), "type": "function",
+              "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+             for c in items]
+    return None, calls, "tool_calls"
+
+
+def tool_call_deltas(calls: list[dict[str, Any]], piece: int = 32) -> list[dict[str, Any]]:
+    """The stream deltas of ``calls`` as OpenAI sends them: per call a first delta with ``index``, ``id``, ``type``,
+    ``function.name`` and ``arguments: ""``, then the arguments in fragments of ``piece`` characters."""
+    deltas: list[dict[str, Any]] = []
+    for index, call in enumerate(calls):
+        function = call["function"]
+        deltas.append({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
+                                       "function": {"name": function["name"], "arguments": ""}}]})
+        arguments = function["arguments"]
+        for at in range(0, len(arguments), piece):
+            deltas.append({"tool_calls": [{"index": index, "function": {"arguments": arguments[at:at + piece]}}]})
+    return deltas

@@ -1,0 +1,118 @@
+"""Structured-output libraries against the shared app, each pointed at it with ``base_url`` and nothing else changed:
+instructor (``Mode.TOOLS``, its default, and ``Mode.JSON_SCHEMA``), langchain-openai (``with_structured_output``
+with ``method="function_calling"`` and its default), pydantic-ai (its default tool output and ``NativeOutput``),
+litellm (``tools`` and ``response_format``). Tool calls ride on ``tools`` / ``tool_choice``
+(``deployments/tool_calls.py``), the other modes on ``response_format`` json_schema. Each answer is checked
+against its schema with ``jsonschema`` (the libraries validate too: an invalid answer would make them retry or
+raise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jsonschema
+import pytest
+from pydantic import BaseModel, Field
+
+pytestmark = pytest.mark.serve
+
+openai = pytest.importorskip("openai")
+
+
+class City(BaseModel):
+    """A city and its country."""
+
+    name: str = Field(max_length=16)
+    country: str = Field(max_length=16)
+    population: int = Field(ge=0, le=100_000_000)
+
+
+SCHEMA = City.model_json_schema()
+PROMPT = "Name a big city, its country and population."
+
+
+def check(value) -> City:
+    """``value`` (a City, or its dict) satisfies City's schema."""
+    data = value.model_dump() if isinstance(value, BaseModel) else value
+    jsonschema.validate(data, SCHEMA)
+    return City.model_validate(data)
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_app):
+    return f"{serve_app.url}/v1"
+
+
+@pytest.fixture(scope="module")
+def model(base_url):
+    return openai.OpenAI(base_url=base_url, api_key="unused").models.list().data[0].id
+
+
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
+def test_instructor(base_url, model, mode):
+    instructor = pytest.importorskip("instructor")
+    client = instructor.from_openai(openai.OpenAI(base_url=base_url, api_key="unused"),
+                                    **({} if mode == "TOOLS" else {"mode": instructor.Mode.JSON_SCHEMA}))
+    if mode == "TOOLS":
+        assert client.mode == instructor.Mode.TOOLS  # the default
+    city = client.chat.completions.create(model=model, response_model=City, max_tokens=100, temperature=0,
+                                          messages=[{"role": "user", "content": PROMPT}])
+    print(f"instructor Mode.{mode}: {city!r}")
+    check(city)
+
+
+@pytest.mark.parametrize("method", ["function_calling", None])
+def test_langchain_with_structured_output(base_url, model, method):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(model=model, base_url=base_url, api_key="unused", max_tokens=100, temperature=0)
+    structured = llm.with_structured_output(City, **({"method": method} if method else {}))
+    answer = structured.invoke(PROMPT)
+    print(f"langchain with_structured_output(method={method!r}): {answer!r}")
+    check(answer)
+    raw = llm.bind_tools([City], tool_choice="City").invoke(PROMPT)  # the tool call itself, as langchain reads it
+    print(f"langchain bind_tools: {raw.tool_calls!r}")
+    (call,) = raw.tool_calls
+    assert call["name"] == "City" and check(call["args"])
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_pydantic_ai(base_url, model, native):
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    chat_model = OpenAIChatModel(model, provider=OpenAIProvider(base_url=base_url, api_key="unused"))
+    agent = Agent(chat_model, output_type=NativeOutput(City) if native else City,
+                  model_settings={"max_tokens": 80, "temperature": 0})
+    result = agent.run_sync(PROMPT)
+    print(f"pydantic-ai {'NativeOutput' if native else 'tool output'}: {result.output!r}")
+    check(result.output)
+
+
+@pytest.fixture(scope="module")
+def litellm():
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of the price list at import
+    return pytest.importorskip("litellm")
+
+
+def test_litellm_tools(base_url, model, litellm):
+    tool = {"type": "function", "function": {"name": "save_city", "description": "Save a city.", "parameters": SCHEMA}}
+    r = litellm.completion(model=f"openai/{model}", api_base=base_url, api_key="unused", max_tokens=100, temperature=0,
+                           messages=[{"role": "user", "content": PROMPT}], tools=[tool], tool_choice="required",
+                           parallel_tool_calls=False)
+    choice = r.choices[0]
+    print(f"litellm tools: {choice.finish_reason} {choice.message.tool_calls!r}")
+    assert choice.finish_reason == "tool_calls"
+    for call in choice.message.tool_calls:
+        assert call.function.name == "save_city"
+        check(json.loads(call.function.arguments))
+
+
+def test_litellm_response_format(base_url, model, litellm):
+    r = litellm.completion(model=f"openai/{model}", api_base=base_url, api_key="unused", max_tokens=100, temperature=0,
+                           messages=[{"role": "user", "content": PROMPT}], response_format=City)
+    print(f"litellm response_format: {r.choices[0].message.content!r}")
+    check(json.loads(r.choices[0].message.content))
