@@ -1,10 +1,10 @@
-"""Fixtures for the unit tests: the tiny hand-built tokenizer (see ``vocab.py``)."""
+"""Fixtures for the unit tests: the tiny hand-built tokenizer (see ``processors/testing.py``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from vocab import build_tokenizer
+from processors.testing import build_tokenizer
 
 
 @pytest.fixture(scope="module")

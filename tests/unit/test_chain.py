@@ -16,7 +16,7 @@ from processors import (
     build_tree_tables,
     compile_think,
 )
-from vocab import EOS, allowed_ids, build_tokenizer, decode, drive, greedy, tid, tree_data
+from processors.testing import EOS, allowed_ids, build_tokenizer, decode, drive, greedy, tid, tree_data
 
 TOK = build_tokenizer()
 V = len(TOK)

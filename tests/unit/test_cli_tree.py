@@ -13,7 +13,7 @@ import pytest
 
 from cli.tree import main
 from config import is_tree_path, load_tree
-from vocab import decode, tid
+from processors.testing import decode, tid
 
 EOS_ID = 2
 ROOT = tid("\n")

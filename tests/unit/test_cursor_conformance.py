@@ -9,7 +9,7 @@ is never empty and ``apply_steps`` masks exactly what the ``Step`` says; (e) pad
 
 A walk takes a random allowed token or, more often as it grows, a "closing" one (end token, ``"``, ``}``, ...),
 and early on sometimes ``{``/``[``, so it explores and still ends. Table kinds use the 35-token vocabulary of
-``vocab.py``, grammar kinds the default model's tokenizer (fixture ``tokenizer``).
+``processors/testing.py``, grammar kinds the default model's tokenizer (fixture ``tokenizer``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from processors import (
 from processors.grammar import compile_lark
 from processors.items import resolve_exclude
 from processors.masks import mask_padded_vocab
-from vocab import build_tokenizer, decode, tid, tree_data
+from processors.testing import build_tokenizer, decode, tid, tree_data
 
 TINY = build_tokenizer()
 PAD_COLUMNS = 64

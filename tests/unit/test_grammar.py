@@ -22,7 +22,7 @@ from processors import (
     get_lltokenizer,
 )
 from processors.grammar import new_matcher
-from vocab import allowed_ids, decode, drive, greedy, tid
+from processors.testing import allowed_ids, decode, drive, greedy, tid
 
 YES_NO = {tid("yes"), tid("no"), tid("y"), tid("n")}
 SECOND_WORD = tid("es")  # id >= 32

@@ -18,7 +18,7 @@ from processors.items import ItemRules, item_rules, min_item_tokens, resolve_exc
 from processors.kinds.tree import check_multi_item
 from processors.tables import DONE, build_tree_tables, item_metrics
 from processors.tree import TreeCursor
-from vocab import tree_data
+from processors.testing import tree_data
 
 V = 40
 START, END, SEP = 30, 2, 20
@@ -317,7 +317,7 @@ LABELS = ["Sports", "Technology", "New York City", "New York"]
 @pytest.mark.parametrize("budget", range(1, 9))
 def test_multi_label_budget_ends_on_a_label(budget):
     from processors.labels import LabelCursor, build_label_tables
-    from vocab import build_tokenizer, decode
+    from processors.testing import build_tokenizer, decode
 
     tok = build_tokenizer()
     lt = build_label_tables(LABELS, tok, eos_token_id=tok.eos_token_id, vocab_size=len(tok), multi_label=True)
@@ -333,7 +333,7 @@ def test_multi_label_budget_ends_on_a_label(budget):
 
 def test_label_exclude_by_name():
     from processors.labels import build_label_tables
-    from vocab import build_tokenizer, decode
+    from processors.testing import build_tokenizer, decode
 
     tok = build_tokenizer()
     lt = build_label_tables(LABELS, tok, eos_token_id=tok.eos_token_id, vocab_size=len(tok))

@@ -24,7 +24,7 @@ from processors import (
     compile_scenario, constraint_cursor, get_lltokenizer, registry,
 )
 from processors.compile_worker import CompileMemoryExceeded
-from vocab import build_tokenizer, tid
+from processors.testing import build_tokenizer, tid
 
 TREE = {"type": "tree", "tree": {"start_token_id": tid(" New"), "end_token_id": 2,
                                  "prefix_dict": {str(tid(" New")): [tid(" York")],

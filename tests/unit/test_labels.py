@@ -18,7 +18,7 @@ from processors import (
     build_label_tables,
     tokenize_continuation,
 )
-from vocab import EOS, allowed_ids, decode, drive, greedy, tid
+from processors.testing import EOS, allowed_ids, decode, drive, greedy, tid
 
 LABELS = ["New York", "New York City", "Sports", "Technology", "Technology > AI", "Technology > AI > NLP"]
 PROMPT = [tid("ok"), tid(":")]

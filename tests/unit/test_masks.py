@@ -8,7 +8,7 @@ import torch
 
 from processors import ALLOW, BAN, BITMASK, FREE, Step, apply_steps, bitmask_to_ids, bitmask_words
 from processors.masks import check_scores
-from vocab import allowed_ids
+from processors.testing import allowed_ids
 
 W = 70  # three bitmask words, the last one partial
 NEG = float("-inf")

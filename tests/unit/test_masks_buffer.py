@@ -11,7 +11,7 @@ import torch
 
 from processors import ALLOW, BAN, BITMASK, FREE, Step, apply_steps
 from processors.masks import MaskBuffer
-from vocab import allowed_ids
+from processors.testing import allowed_ids
 
 W = 70
 NEG = float("-inf")

@@ -10,7 +10,7 @@ import torch
 
 from processors import CompiledScenario, ConstrainedLogitsProcessor, build_label_tables, build_tree_tables
 from processors.lanes import BUDGET, OFF, PLAIN, lane_of
-from vocab import build_tokenizer, tid, tree_data
+from processors.testing import build_tokenizer, tid, tree_data
 
 TOK = build_tokenizer()
 V = len(TOK)

@@ -18,7 +18,7 @@ import torch
 
 from processors import DONE, LEAF, MaskTables, TreeCursor, TreeLogitsProcessor, build_tree_tables
 from processors.masks import ALLOW
-from vocab import allowed_ids, drive, greedy, tree_data
+from processors.testing import allowed_ids, drive, greedy, tree_data
 
 V = 32
 START, END, PAD = 30, 2, 0

@@ -16,7 +16,7 @@ from processors import (
     ThinkSpec,
     compile_think,
 )
-from vocab import allowed_ids, drive, greedy, tid
+from processors.testing import allowed_ids, drive, greedy, tid
 
 BEGIN, END = "<think>\n", "</think>\n\n"
 T_OPEN, T_CLOSE = tid("<think>"), tid("</think>")

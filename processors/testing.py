@@ -1,4 +1,4 @@
-"""Hand-built vocabularies and a tiny decode driver for the unit tests (no model).
+"""Hand-built vocabularies and a tiny decode driver, for tests of processors and of code built on them (no model).
 
 :func:`build_tokenizer` returns a real HuggingFace fast tokenizer with 35 tokens: a Unigram model over
 byte-level pieces (GPT-2 style ``Ġ`` for a space, ``Ċ`` for a newline) with the ByteLevel pre-tokenizer
