@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployments.openai_api import (
-    PASSTHROUGH_FIELDS, ChatCompletionRequest, OpenAIChatMessage, StructuredOutputs, validation_error,
+    PASSTHROUGH_FIELDS, ChatCompletionRequest, StructuredOutputs, validation_error,
 )
 from deployments.protocol import ServiceError
 
@@ -159,11 +159,6 @@ def _check_fields(body: ResponsesRequest) -> dict[str, Any]:
     return passed
 
 
-def _chat_knows_tools() -> bool:
-    """Whether the chat layer takes tool messages (assistant ``tool_calls``, ``tool`` results)."""
-    return "tool_calls" in OpenAIChatMessage.model_fields
-
-
 def _text(content: Any, where: str) -> str:
     """A message's text: a string, or the text of its input_text / output_text parts."""
     if isinstance(content, str):
@@ -198,9 +193,6 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             continue  # an earlier answer's thinking, sent back: not part of the prompt
         elif kind in ("function_call", "function_call_output"):
-            if not _chat_knows_tools():
-                raise _bad(f"{where}: {kind} items need tool calls, which this service does not support yet",
-                           f"{where}.type")
             if kind == "function_call":
                 call = {"id": item.get("call_id"), "type": "function",
                         "function": {"name": item.get("name"), "arguments": item.get("arguments")}}

@@ -169,6 +169,8 @@ def test_raw_errors(serve_app, model):
                                                                           "parameters": {"type": "object"}}],
                                  "tool_choice": {"type": "function", "name": "g"}}, timeout=30)  # g: not a tool
     assert r.status_code == 400 and "tool_choice" in r.json()["error"]["message"], r.text
+    r = requests.post(url, json={"model": model, "input": "Hi", "tools": [{"type": "file_search"}]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].type", r.text
     r = requests.post(url, json={"model": model, "input": "Hi", "text": {"format": {"type": "json_schema", "name": "x",
                                                                                     "schema": {"type": "bogus"}}}},
                       timeout=30)
@@ -194,3 +196,40 @@ def test_scenario_with_thinking(client, model, serve_app):
         elif event.type == "response.output_text.delta":
             text += event.delta
     assert (reasoning, text) == (r.output[0].content[0].text, r.output_text)
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+           "additionalProperties": False}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.", "parameters": WEATHER,
+          "strict": True}]
+
+
+def test_function_tools(client, model):
+    ask = dict(model=model, tools=TOOLS, temperature=0, max_output_tokens=60)
+    # one call (with parallel calls the tiny model repeats the call until max_output_tokens)
+    r = client.responses.create(input="What is the weather in Paris?", tool_choice="required",
+                                parallel_tool_calls=False, **ask)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert r.status == "completed" and calls and r.tools[0].name == "get_weather", r.model_dump_json()
+    for call in calls:
+        assert call.name == "get_weather" and call.id.startswith("fc_") and call.call_id.startswith("call_"), call
+        jsonschema.validate(json.loads(call.arguments), WEATHER)
+    # the next turn: the call and its result go back as items; tool_choice none answers in text
+    call = calls[0]
+    turn = [{"role": "user", "content": "What is the weather in Paris?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
+    again = client.responses.create(input=turn, tool_choice="none", **{**ask, "max_output_tokens": 12})
+    assert [item.type for item in again.output] == ["message"] and again.output_text
+    assert again.usage.input_tokens > r.usage.input_tokens  # the call and its result are in the prompt
+    # a named function, streamed
+    kinds = []
+    with client.responses.stream(input="Weather in Oslo?", tool_choice={"type": "function", "name": "get_weather"},
+                                 **ask) as stream:
+        for event in stream:
+            kinds.append(event.type)
+        final = stream.get_final_response()
+    (call,) = final.output
+    assert call.type == "function_call" and call.name == "get_weather", final
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"

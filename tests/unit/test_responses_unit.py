@@ -82,7 +82,7 @@ def test_error_renames():
     assert error.message == "text.format.schema.type: bad; max_output_tokens: big" and error.detail == {"field": "text.format"}
 
 
-def test_tools_map_to_the_chat_form(monkeypatch):
+def test_tools_map_to_the_chat_form():
     tools = responses_api._chat_tools(_req(tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"}))
     assert tools == {"tools": [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description",
                                                                                          "parameters", "strict")}}],
@@ -94,17 +94,16 @@ def test_tools_map_to_the_chat_form(monkeypatch):
              {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": '{"city":"Oslo"}'},
              {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
              {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "rain"}]}]
-    monkeypatch.setattr(responses_api, "_chat_knows_tools", lambda: True)
     messages = responses_api._messages(_req(input=items))
     assert messages[1] == {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
         {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]}
     assert messages[2:] == [{"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
                             {"role": "tool", "tool_call_id": "call_2", "content": "rain"}]
-    monkeypatch.setattr(responses_api, "_chat_knows_tools", lambda: False)
-    with pytest.raises(ServiceError) as error:
-        responses_api._messages(_req(input=items))
-    assert error.value.status == 400 and error.value.detail["param"] == "input[1].type"
+    chat = responses_to_chat(_req(input=items, tools=[WEATHER]))  # the chat body takes them as they are
+    assert [m.role for m in chat.messages] == ["user", "assistant", "tool", "tool"]
+    assert chat.messages[1].tool_calls[1].function.arguments == '{"city":"Oslo"}' and chat.messages[3].tool_call_id == "call_2"
+    assert chat.tools[0].function.name == "get_weather" and chat.tool_choice is None
 
 
 def _chat(message: dict, finish_reason: str = "stop", **choice) -> dict:
