@@ -15,7 +15,7 @@ below then check what the run recorded:
 Bounded: ``FUZZ_EXAMPLES`` hypothesis examples per operation and mode (default 16), at most
 ``FUZZ_COVERAGE`` coverage cases per operation (default 32), and a wall-clock budget ``FUZZ_BUDGET_S``
 (default 100 s) after which no further request is sent (``test_every_operation_was_fuzzed`` then fails).
-Generation stays cheap: generate bodies get ``max_new_tokens`` (``max_tokens``) 4 where the generated value
+Generation stays cheap: generate bodies get ``max_new_tokens`` (``max_tokens``, ``max_output_tokens``) 4 where the generated value
 was valid and larger, and ``n`` / ``num_beams`` at most 2; values over the server's limits are kept (they
 must be 422s). Admin names that are valid get the prefix ``fz-`` so the fuzzer never touches the scenarios of
 other tests; the fz- scenarios it creates are deleted afterwards. ``FUZZ_SEED`` picks the hypothesis seed
@@ -48,7 +48,7 @@ FUZZ_SEED = int(os.environ.get("FUZZ_SEED", "0"))
 REQUEST_TIMEOUT_S = 30.0
 PREFIX = "fz-"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-GENERATE_PATHS = ("/v1/generate", "/v1/completions", "/v1/chat/completions")
+GENERATE_PATHS = ("/v1/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses")
 WRITE_METHODS = ("PUT", "DELETE", "POST")  # under /admin: put, delete, rollback
 CHEAP_TOKENS = 4
 
@@ -86,7 +86,8 @@ def _tame(case, limits: dict[str, int]) -> None:
     path = case.operation.path
     body = case.body
     if path in GENERATE_PATHS and isinstance(body, dict):
-        keys = ("max_new_tokens",) if path == "/v1/generate" else ("max_tokens", "max_completion_tokens")
+        keys = {"/v1/generate": ("max_new_tokens",), "/v1/responses": ("max_output_tokens",)}.get(
+            path, ("max_tokens", "max_completion_tokens"))
         for key in keys:
             value = body.get(key)
             if value is None or (_is_int(value) and CHEAP_TOKENS < value <= limits["max_new_tokens"]):
