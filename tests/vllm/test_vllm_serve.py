@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import time
 
@@ -20,12 +19,11 @@ pytest.importorskip("vllm.v1.engine.async_llm", reason="the vLLM tier runs in .v
 
 import requests  # noqa: E402
 
-from serve_app import ADMIN_TOKEN, ServeApp, check_label, free_port  # noqa: E402
-from vllm_checks import VLLM_TEST_SETTINGS, check_output  # noqa: E402
+from serve_app import check_label  # noqa: E402
+from vllm_checks import APP, check_output  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-APP = "constrained-vllm"
 LABELS = ["Sports", "Technology", "Politics", "New York City"]
 SCHEMA = {
     "type": "object",
@@ -33,61 +31,6 @@ SCHEMA = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
-
-
-class VLLMServeApp(ServeApp):
-    """The shared app's handle, with one vLLM-backed model replica."""
-
-    def __init__(self, data_dir: str, port: int):
-        super().__init__(data_dir, port)
-        self.args = {
-            "data_dir": data_dir, "admin_token": ADMIN_TOKEN, "num_replicas": 1, "max_batch_size": 16,
-            "num_cpus_per_replica": 1, "engine": "vllm", **VLLM_TEST_SETTINGS,
-        }
-
-    def start(self) -> None:
-        from ray import serve
-
-        from deployments.app import build_app
-
-        serve.run(build_app(self.args), name=APP, route_prefix="/", blocking=False)
-        self.wait_ready_one()
-
-    def wait_ready_one(self, timeout: float = 600.0) -> dict:
-        deadline = time.time() + timeout
-        last = None
-        while time.time() < deadline:
-            try:
-                r = requests.get(f"{self.url}/healthz", timeout=10)
-                if r.status_code == 200 and r.json().get("replicas"):
-                    return r.json()
-                last = r.text
-            except requests.RequestException as exc:
-                last = exc
-            time.sleep(2.0)
-        raise RuntimeError(f"app not ready after {timeout} s: {last}")
-
-
-@pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    import ray
-    from ray import serve
-
-    data_dir = str(tmp_path_factory.mktemp("vllm-serve-data"))
-    port = free_port()
-    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    handle = VLLMServeApp(data_dir, port)
-    handle.start()
-    yield handle
-    try:
-        serve.shutdown()
-    finally:
-        ray.shutdown()
-        from deployments.redis_server import stop_orphaned_servers
-
-        stop_orphaned_servers(data_dir)
 
 
 def _chat(text):

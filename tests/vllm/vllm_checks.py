@@ -1,14 +1,53 @@
-"""Helpers of the vLLM tier: an event collector and the per-kind output checks."""
+"""Helpers of the vLLM tier: the vLLM-backed app's handle, an event collector and the per-kind output checks."""
 
 from __future__ import annotations
 
 import json
 import re
+import time
+
+import requests
+from serve_app import ADMIN_TOKEN, ServeApp
 
 from deployments.engines import EventCollector
 
 #: vLLM settings of every engine this tier starts (small, quick to start)
 VLLM_TEST_SETTINGS = {"vllm_enforce_eager": True, "vllm_kv_cache_gb": 0.5}
+#: the Serve application name of the tier's app (conftest.py's ``app`` fixture)
+APP = "constrained-vllm"
+
+
+class VLLMServeApp(ServeApp):
+    """The shared app's handle, with one vLLM-backed model replica."""
+
+    def __init__(self, data_dir: str, port: int):
+        super().__init__(data_dir, port)
+        self.args = {
+            "data_dir": data_dir, "admin_token": ADMIN_TOKEN, "num_replicas": 1, "max_batch_size": 16,
+            "num_cpus_per_replica": 1, "engine": "vllm", **VLLM_TEST_SETTINGS,
+        }
+
+    def start(self) -> None:
+        from ray import serve
+
+        from deployments.app import build_app
+
+        serve.run(build_app(self.args), name=APP, route_prefix="/", blocking=False)
+        self.wait_ready_one()
+
+    def wait_ready_one(self, timeout: float = 600.0) -> dict:
+        deadline = time.time() + timeout
+        last = None
+        while time.time() < deadline:
+            try:
+                r = requests.get(f"{self.url}/healthz", timeout=10)
+                if r.status_code == 200 and r.json().get("replicas"):
+                    return r.json()
+                last = r.text
+            except requests.RequestException as exc:
+                last = exc
+            time.sleep(2.0)
+        raise RuntimeError(f"app not ready after {timeout} s: {last}")
 
 
 class Collector(EventCollector):
