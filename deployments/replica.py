@@ -77,8 +77,8 @@ class ModelReplica:
 
             torch.set_num_threads(self.settings.torch_threads)
         if getattr(self.settings, "engine", "transformers") == "vllm":
-            # vLLM loads the checkpoint in its own process (create_engine -> model_directory, which writes the float32
-            # cache entry of a GGUF model when it is missing): this replica holds only the tokenizer
+            # vLLM loads the checkpoint in its own process (create_engine -> model_directory, which has a child process
+            # write the float32 cache entry of a GGUF model when it is missing): this replica holds only the tokenizer
             if tokenizer is None:
                 from .model_loader import load_tokenizer
 

@@ -49,7 +49,7 @@ from .handoff import EXTRA_KEY, OWNER_ENV, ScenarioFiles, owner_marker
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UnsupportedRequest", "VLLMEngine", "model_directory"]
+__all__ = ["UnsupportedRequest", "VLLMEngine", "model_directory", "write_model_cache"]
 
 GIB = 1 << 30
 #: vLLM's largest temperature; above it the logits processor scales the logits (see .processor)
@@ -67,7 +67,9 @@ def model_directory(model_setting: str | None) -> str:
     """The checkpoint directory vLLM loads for the ``model`` setting.
 
     A checkpoint directory is used as is; a GGUF model (the default) uses the float32 checkpoint that
-    :mod:`deployments.model_loader` caches on its first load (the replica loads the model before its engine).
+    :mod:`deployments.model_loader` caches. When that cache entry is missing it is written by a child process
+    (:func:`write_model_cache`), so the calling replica never holds the model's weights: with ``engine: vllm``
+    the weights live in vLLM's worker alone and the replica loads only the tokenizer.
     """
     from ...model_loader import _read_manifest, gguf_cache_dir, resolve_model
 
@@ -76,13 +78,40 @@ def model_directory(model_setting: str | None) -> str:
         return source.directory
     entry = gguf_cache_dir(source)
     if _read_manifest(entry, source) is None:
-        from ...model_loader import load_model
-
-        load_model(model_setting)  # writes the cache entry
+        detail = write_model_cache(model_setting)
         if _read_manifest(entry, source) is None:
             raise RuntimeError("the vllm engine needs the de-quantized checkpoint of the GGUF model, and the model "
-                               "cache could not be written (see the log; CONSTRAINED_SERVE_CACHE sets its place)")
+                               f"cache could not be written (CONSTRAINED_SERVE_CACHE sets its place): {detail}")
     return str(entry)
+
+
+#: the child process of :func:`write_model_cache`: load the model once (which writes its cache entry) and exit
+_WRITE_CACHE = "import sys; from deployments.model_loader import load_model; load_model(sys.argv[1] or None)"
+
+
+def write_model_cache(model_setting: str | None, timeout: float = 1800.0) -> str:
+    """Write the float32 cache entry of a GGUF model in a child Python process (de-quantizing takes about 15 s and
+    about 1 GB for the default model, returned to the system when the child exits). Returns the child's last
+    output lines (for an error message); the caller checks the entry."""
+    import subprocess
+    import sys
+
+    logger.info("writing the model cache of %s in a child process", model_setting or "the default model")
+    start = time.perf_counter()
+    try:
+        # this checkout first on the child's path (a replica may run elsewhere than the project's directory)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        done = subprocess.run([sys.executable, "-c", _WRITE_CACHE, model_setting or ""], capture_output=True,
+                              text=True, timeout=timeout, check=False, env=env)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return repr(exc)
+    tail = "\n".join((done.stderr or "").strip().splitlines()[-5:])
+    if done.returncode:
+        logger.warning("writing the model cache failed (exit %s): %s", done.returncode, tail)
+    else:
+        logger.info("model cache written in %.1f s", time.perf_counter() - start)
+    return f"exit {done.returncode}: {tail}"
 
 
 def guidance_params(spec: GrammarSpec, params_cls):
