@@ -111,7 +111,7 @@ class CheckedRun:
         seed = None if s.seed is None else (s.seed + req.n * (attempt - 1) + index) % (2 ** 63)
         return EngineRequest(prompt_ids=req.prompt_ids, compiled=req.compiled, max_new_tokens=max_new_tokens,
                              sampling=SamplingParams(temperature=temperature, top_p=s.top_p, top_k=s.top_k, seed=seed),
-                             n=1, num_beams=1)
+                             n=1, num_beams=1, logprobs=req.logprobs)
 
     async def events(self) -> AsyncIterator[Any]:
         """The engine's events (``TokenEvent``, ``FinishedEvent``, then ``DoneEvent``; or an ``ErrorEvent``) for
@@ -176,7 +176,8 @@ class CheckedRun:
                                                  error=f"invalid output after {attempt} attempt"
                                                        f"{'s' if attempt > 1 else ''}{why}: {error}")
                     left -= 1
-                    yield CheckedFinished(index, ev.token_ids, ev.finish_reason, ev.error, ev.fell_back, attempt)
+                    yield CheckedFinished(index, ev.token_ids, ev.finish_reason, ev.error, ev.fell_back,
+                                          logprobs=ev.logprobs, attempts=attempt)
                 elif isinstance(ev, ErrorEvent):
                     if source is None:  # the request failed as a whole
                         yield ev
@@ -191,7 +192,8 @@ class CheckedRun:
                     yield CheckedFinished(source, previous.token_ids, "error",
                                           f"invalid output after {self.attempts[source]} attempts (the next attempt "
                                           f"failed: {ev.message}): {self.output_error(previous.token_ids)}",
-                                          previous.fell_back, self.attempts[source])
+                                          previous.fell_back, logprobs=previous.logprobs,
+                                          attempts=self.attempts[source])
             yield DoneEvent()
         finally:
             if left:  # left early (the client went away, the request failed): cancel what still decodes

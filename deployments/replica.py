@@ -254,7 +254,8 @@ class ModelReplica:
         max_new, sampling = self._job_params(req, compiled, checked)
         items = admit_item_controls(req, compiled, max_new, limits, self.settings.engine)  # exclude, distinct, budget
         engine_request = EngineRequest(prompt_ids=prompt_ids, compiled=compiled, max_new_tokens=max_new,
-                                       sampling=sampling, n=req.n, num_beams=req.num_beams, items=items)
+                                       sampling=sampling, n=req.n, num_beams=req.num_beams, items=items,
+                                       logprobs=req.logprobs if self.engine.reports_logprobs else None)
         too_large = self.engine.admission_error(engine_request)
         if too_large is not None:
             raise ServiceError(422, too_large, {"field": "num_beams" if req.num_beams > 1 else "n",
@@ -302,15 +303,19 @@ class ModelReplica:
     async def _generate(self, request: dict | GenerateRequest, record) -> dict | GenerateResponse:
         req, name, version, prompt_ids, engine_request = await self._start(request)
         outputs: dict[int, FinishedEvent] = {}
+        # the engine's own ends: where it reports logprobs, an output cut by a stop string takes its first tokens'
+        engine_ends: dict[int, FinishedEvent] = {}
+        engine_logprobs = engine_request.logprobs is not None
         stops = _Stops(self.tokenizer, req.stop)
         run = self._checked(engine_request)
         async with aclosing(run.events()) as events:  # leaving early cancels
             async for ev in events:
                 if isinstance(ev, TokenEvent) and stops.active:
                     stops.token(ev.index, ev.token_id, outputs)
-                    if len(outputs) == engine_request.n:
+                    if len(outputs) == engine_request.n and not engine_logprobs:
                         break  # every output ended (some by a stop string): cancel what still decodes
                 elif isinstance(ev, FinishedEvent):
+                    engine_ends[ev.index] = ev
                     outputs.setdefault(ev.index, ev)
                 elif isinstance(ev, DoneEvent):
                     break
@@ -320,16 +325,34 @@ class ModelReplica:
         response = self._response(name, version, prompt_ids, outputs, engine_request.compiled, stops.final,
                                   run.rejected_tokens)
         if req.logprobs is not None:
-            await self._add_logprobs(response, prompt_ids, req.logprobs, engine_request.compiled)
+            await self._add_logprobs(response, prompt_ids, req.logprobs, engine_request.compiled,
+                                     engine_ends if engine_logprobs else None)
         return response if isinstance(request, GenerateRequest) else response.model_dump()
 
-    async def _add_logprobs(self, response: GenerateResponse, prompt_ids: list[int], top: int, compiled) -> None:
-        """Fill each output's ``logprobs``: one forward pass over prompt + output, the model's own distribution
-        (before the constraint masks it, as vLLM reports by default). The end token is not counted."""
-        if getattr(self.model, "forward", None) is None:
-            raise ServiceError(400, f"logprobs: not available with engine {self.engine.name}", {"field": "logprobs"})
+    async def _add_logprobs(self, response: GenerateResponse, prompt_ids: list[int], top: int, compiled,
+                            reported: dict[int, FinishedEvent] | None = None) -> None:
+        """Fill each output's ``logprobs``. ``reported``: the engine's finished outputs, whose ``logprobs`` are the
+        distribution each token was sampled from, after the constraint's mask (``engine: vllm``); otherwise one
+        forward pass over prompt + output, the model's own distribution (before the constraint masks it, as vLLM
+        reports by default). The end token is not counted."""
         ends = set(compiled.stop_token_ids) if compiled is not None else set()
         ends.update(t for t in [getattr(self.tokenizer, "eos_token_id", None)] if t is not None)
+        text = lambda t: self.tokenizer.decode([int(t)], skip_special_tokens=False)  # noqa: E731
+        if reported is not None:
+            for index, output in enumerate(response.outputs):
+                ev = reported.get(index)
+                given = (ev.logprobs or []) if ev is not None else []
+                ids = list(output.token_ids)
+                while ids and ids[-1] in ends:
+                    ids = ids[:-1]
+                output.logprobs = [
+                    {"token_id": token_id, "token": text(token_id), "logprob": lp,
+                     "top": [{"token_id": t, "token": text(t), "logprob": v} for t, v in alts]}
+                    for token_id, lp, alts in given[:len(ids)]
+                ]
+            return
+        if getattr(self.model, "forward", None) is None:
+            raise ServiceError(400, f"logprobs: not available with engine {self.engine.name}", {"field": "logprobs"})
 
         def score(ids: list[int]) -> list[dict[str, Any]]:
             import torch
@@ -344,7 +367,6 @@ class ModelReplica:
             logp = torch.log_softmax(logits[len(prompt_ids) - 1: -1].float(), dim=-1)
             chosen = logp.gather(1, torch.tensor(ids, device=logp.device)[:, None])[:, 0].tolist()
             best = torch.topk(logp, top, dim=-1) if top else None
-            text = lambda t: self.tokenizer.decode([int(t)], skip_special_tokens=False)  # noqa: E731
             items = []
             for i, (token_id, lp) in enumerate(zip(ids, chosen)):
                 alts = [] if best is None else [

@@ -78,6 +78,9 @@ class EngineRequest:
     #: tree and label rows: the request's item controls (a :class:`processors.items.ItemRequest`, shared by its
     #: rows: exclude, distinct), or ``None``
     items: Any = None
+    #: an engine that reports log-probabilities itself (``Engine.reports_logprobs``): the alternatives per token
+    #: each :class:`FinishedEvent` carries in ``logprobs`` (0: the chosen token's only); ``None``: not asked
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -101,6 +104,10 @@ class FinishedEvent:
     finish_reason: str
     error: str | None = None
     fell_back: bool = False
+    #: where the request asked for them from an engine that reports them: per output token
+    #: ``(token_id, logprob, [(token_id, logprob), ...])``, the distribution the token was sampled from (after the
+    #: constraint's mask); the alternatives best first, masked tokens left out
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -177,6 +184,9 @@ class Engine(ABC):
 
     #: the backend's name in settings and health reports
     name: str = "engine"
+    #: the engine fills :attr:`FinishedEvent.logprobs` when :attr:`EngineRequest.logprobs` asks (else the replica
+    #: computes them with its own model)
+    reports_logprobs: bool = False
     #: called after every decode step with (step seconds, constraint-chain seconds), from the engine's thread
     on_step: Callable[[float, float], None] | None = None
 

@@ -114,6 +114,24 @@ def write_model_cache(model_setting: str | None, timeout: float = 1800.0) -> str
     return f"exit {done.returncode}: {tail}"
 
 
+def _token_logprobs(token_ids, entries, top: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """``(token_id, logprob, alternatives)`` per token of one output delta from vLLM's ``logprobs`` (a dict per token
+    of token id -> ``Logprob``, the sampled token and the ``top`` best). Masked tokens (-inf) are left out of the
+    alternatives: where fewer than ``top`` tokens are allowed, fewer come back."""
+    out = []
+    for i, token in enumerate(token_ids):
+        entry = entries[i] if entries is not None and i < len(entries) else None
+        if not entry:
+            out.append((int(token), float("nan"), []))
+            continue
+        chosen = entry.get(token)
+        ranked = sorted(((int(t), float(lp.logprob)) for t, lp in entry.items()
+                         if lp.rank is not None and lp.rank <= top and lp.logprob > float("-inf")),
+                        key=lambda item: -item[1])
+        out.append((int(token), float(chosen.logprob) if chosen is not None else float("nan"), ranked[:top]))
+    return out
+
+
 def guidance_params(spec: GrammarSpec, params_cls):
     """vLLM structured-output parameters that build the same llguidance grammar as ``spec``, or ``None``.
 
@@ -190,6 +208,7 @@ class VLLMEngine(Engine):
     """
 
     name = "vllm"
+    reports_logprobs = True
 
     def __init__(
         self, model_dir: str, tokenizer, *, max_batch_size: int = 16, max_model_len: int = 4096,
@@ -256,6 +275,9 @@ class VLLMEngine(Engine):
             # our processor reads each row's output tokens as they are: no placeholders of async scheduling
             async_scheduling=False, disable_log_stats=True, seed=0,
             structured_outputs_config=StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True),
+            # logprobs of the distribution each token was sampled from: after our processor's mask (and vLLM's
+            # structured outputs), temperature, top-k and top-p; as many alternatives as the API allows
+            logprobs_mode="processed_logprobs", max_logprobs=20,
         )
         kwargs.update(self.engine_kwargs)
         return AsyncEngineArgs(**kwargs)
@@ -346,6 +368,7 @@ class VLLMEngine(Engine):
                 seed=None if s.seed is None else s.seed + i, max_tokens=request.max_new_tokens,
                 ignore_eos=True, stop_token_ids=stops, detokenize=False, skip_special_tokens=False,
                 output_kind=RequestOutputKind.DELTA, extra_args=extra, structured_outputs=structured,
+                logprobs=request.logprobs,
             ))
         return rows
 
@@ -394,6 +417,7 @@ class VLLMEngine(Engine):
         if params.structured_outputs is not None:
             self._stats["guidance_rows"] += 1
         tokens: list[int] = []
+        logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = [] if params.logprobs is not None else None
         failure: str | None = None
         reason = "error"
         self._stats["rows"] += 1
@@ -401,6 +425,8 @@ class VLLMEngine(Engine):
         try:
             async for out in self.llm.generate(prompt, params, request_id=f"{job.id}-{index}"):
                 completion = out.outputs[0]
+                if logprobs is not None:
+                    logprobs.extend(_token_logprobs(completion.token_ids, completion.logprobs, params.logprobs))
                 for token in completion.token_ids:
                     tokens.append(token)
                     self._stats["tokens"] += 1
@@ -436,7 +462,7 @@ class VLLMEngine(Engine):
             finish, error = "error", cursor.error or f"vllm finished the row with {reason!r}"
         if cursor.fell_back:
             self._stats["fallback_rows"] += 1
-        job.emit(FinishedEvent(index, tokens, finish, error, cursor.fell_back))
+        job.emit(FinishedEvent(index, tokens, finish, error, cursor.fell_back, logprobs))
 
     # -- reports --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
