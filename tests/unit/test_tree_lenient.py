@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from config import TreeFileError, load_tree, load_scenario
-from config import tree_file
+from config import tree_builder, tree_file
 from processors.tables import DONE, LEAF, _build_by_strings, build_tree_tables
 
 BASE = {"start_token_id": 225, "end_token_id": 2, "sep": "_",
@@ -191,7 +191,7 @@ def test_scan_reads_a_tree_across_blocks(tmp_path, monkeypatch, threads):
 
     monkeypatch.setattr(tree_fast, "SCAN_THREADS", threads)  # blocks read on this many threads
     monkeypatch.setattr(tree_fast, "CHUNK_BYTES", 64)  # many blocks, cut at "]," boundaries
-    monkeypatch.setattr(tree_file, "_BLOB_BLOCK", 40)  # keys hashed in many blocks too
+    monkeypatch.setattr(tree_builder, "_BLOB_BLOCK", 40)  # keys hashed in many blocks too
     rng = random.Random(3)
     body = _random_tree(rng, "_")
     vocab = body.pop("_vocab")
