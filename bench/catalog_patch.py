@@ -59,7 +59,8 @@ def catalog_bytes(items: list[list[int]], start: int) -> bytes:
 def in_process_patch(items: list[list[int]], start: int, delta: int, seed: int) -> dict:
     """The manager's CPU work of one PATCH, step by step, in this process."""
     from config import load_tree
-    from deployments.manager.catalog import apply_tree_delta, catalog_tables, parse_catalog, tree_file_bytes
+    from deployments.manager.catalog import catalog_tables, parse_catalog, tree_file_bytes
+    from deployments.manager.catalog_delta import apply_tree_delta
     from processors.tables import build_tree_tables
 
     catalog = parse_catalog(catalog_bytes(items, start), vocab_size=VOCAB)

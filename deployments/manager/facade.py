@@ -230,7 +230,7 @@ class ConfigManager:
         stored. Without it, a write that lands between our read and our write (a PUT) is not overwritten: the
         delta is applied again to the new current version. Returns ``{"name", "version", "base_version",
         "changed", "added", "removed", "already_present", "not_present"}``."""
-        from .catalog import apply_delta, parse_delta
+        from .catalog_delta import apply_delta, parse_delta
 
         add: list[Any] = []
         remove: list[Any] = []

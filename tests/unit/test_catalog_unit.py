@@ -6,7 +6,8 @@ import pytest
 
 from config.settings import Limits
 from deployments.ingress import _if_match_version
-from deployments.manager.catalog import apply_labels_delta, parse_delta, parse_json_body
+from deployments.manager.catalog import parse_json_body
+from deployments.manager.catalog_delta import apply_labels_delta, parse_delta
 from deployments.protocol import ServiceError
 
 
@@ -60,7 +61,8 @@ def test_labels_delta_keeps_order_and_reports_noops():
 def test_item_tokens_are_bounded_where_items_are_parsed():
     """``max_item_tokens``: a catalog line (fast and per-line parse) or a PATCH add longer than the limit is a 422
     naming it and the limit; at the limit it parses; a stored catalog (no limit given) is read as it is."""
-    from deployments.manager.catalog import apply_tree_delta, parse_catalog
+    from deployments.manager.catalog import parse_catalog
+    from deployments.manager.catalog_delta import apply_tree_delta
 
     header = b'{"start_token_id": 100, "end_token_id": 2}\n'
     assert len(parse_catalog(header + b"[5,6,7]\n[5]\n", vocab_size=1000, max_item_tokens=3)) == 2

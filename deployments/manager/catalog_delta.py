@@ -1,0 +1,186 @@
+"""Delta updates of stored scenarios (``PATCH /admin/scenarios/{name}``): items added to and removed from a tree
+(any tree form: inline, file or catalog; the result is stored as a catalog), labels added to and removed from a
+label set. :func:`apply_delta` is the manager's entry point (on a worker thread); it gives the whole new body and
+a :class:`DeltaReport` of what changed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from deployments.protocol import ServiceError
+
+from .catalog import _RESERVED, Catalog, _bad, _line, catalog_body, check_items, items_from_tree
+
+__all__ = ["DeltaReport", "apply_delta", "apply_labels_delta", "apply_tree_delta", "parse_delta"]
+
+
+@dataclass
+class DeltaReport:
+    """What a PATCH did: counts, and the no-ops (adds already there, removes not there)."""
+
+    added: int = 0
+    removed: int = 0
+    already_present: list[Any] = field(default_factory=list)
+    not_present: list[Any] = field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.added or self.removed)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"added": self.added, "removed": self.removed, "already_present": self.already_present,
+                "not_present": self.not_present}
+
+
+def parse_delta(body: Any) -> tuple[list[Any], list[Any], int | None]:
+    """``(add, remove, base_version)`` of a PATCH body ``{"add": [...], "remove": [...], "base_version": n}``
+    (422 naming the field for anything else; at least one of add/remove)."""
+    if not isinstance(body, dict):
+        raise _bad("body: expected a JSON object {\"add\": [...], \"remove\": [...]}", "body")
+    unknown = sorted(set(body) - {"add", "remove", "base_version"})
+    if unknown:
+        raise _bad(f"{unknown[0]}: unknown field (a PATCH body has add, remove and base_version)", unknown[0])
+    add, remove = body.get("add", []), body.get("remove", [])
+    for what, value in (("add", add), ("remove", remove)):
+        if not isinstance(value, list):
+            raise _bad(f"{what}: expected a JSON array, got {type(value).__name__}", what)
+    if not add and not remove:
+        raise _bad("add: a PATCH needs at least one item to add or remove", "add")
+    base = body.get("base_version")
+    if base is not None and (type(base) is not int or base < 1):
+        raise _bad(f"base_version: expected a version number (an integer from 1), got {base!r}", "base_version")
+    return add, remove, base
+
+
+def _check_unique(values: list[Any], what: str) -> None:
+    seen: dict[Any, int] = {}
+    for i, value in enumerate(values):
+        if value in seen:
+            raise _bad(f"{what}[{i}]: repeats {what}[{seen[value]}]", what)
+        seen[value] = i
+
+
+def _check_disjoint(add: list[Any], remove: list[Any]) -> None:
+    both = set(add) & set(remove)
+    if both:
+        first = next(i for i, value in enumerate(add) if value in both)
+        raise _bad(f"add[{first}]: {json.dumps(add[first] if not isinstance(add[first], tuple) else list(add[first]))} "
+                   "is also in remove; an item is either added or removed", "add")
+
+
+def apply_labels_delta(body: dict[str, Any], add: list[Any], remove: list[Any]) -> tuple[dict[str, Any], DeltaReport]:
+    """The labels scenario ``body`` with ``add`` appended and ``remove`` taken out (order kept)."""
+    for what, values in (("add", add), ("remove", remove)):
+        for i, value in enumerate(values):
+            if not isinstance(value, str):
+                raise _bad(f"{what}[{i}]: a label is a string, got {json.dumps(value)[:60]}", what)
+        _check_unique(values, what)
+    _check_disjoint(add, remove)
+    labels = list(body.get("labels") or [])
+    present = set(labels)
+    report = DeltaReport()
+    gone = set()
+    for label in remove:
+        if label in present:
+            gone.add(label)
+        else:
+            report.not_present.append(label)
+    kept = [label for label in labels if label not in gone]
+    report.removed = len(gone)
+    for label in add:
+        if label in present:
+            report.already_present.append(label)
+        else:
+            kept.append(label)
+            report.added += 1
+    return {**body, "labels": kept}, report
+
+
+def _too_many_after_patch(count: int, limit: int) -> ServiceError:
+    return ServiceError(422, f"add: the PATCH would give {count} items, over the limit max_tree_keys={limit} "
+                             "(the limit of a catalog PUT)",
+                        {"field": "add", "limit_name": "max_tree_keys", "limit": limit})
+
+
+def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, vocab_size: int,
+                     max_items: int | None = None, max_item_tokens: int | None = None) -> tuple[Catalog, DeltaReport]:
+    """``catalog`` with the items ``add`` appended and ``remove`` taken out (order kept). A result of more than
+    ``max_items`` items is a 422 naming ``max_tree_keys``, as a PUT of that catalog is; when the sizes alone show it
+    (the result has at least ``len(add) - len(remove)`` items), before the items are checked. An added item longer
+    than ``max_item_tokens`` is a 422 naming ``add[i]`` and ``max_item_tokens`` (removes are not bounded)."""
+    if max_items is not None and len(add) - len(remove) > max_items:
+        raise _too_many_after_patch(len(add) - len(remove), max_items)
+    adds = check_items(add, end_token_id=catalog.end_token_id, vocab_size=vocab_size, where="add",
+                       max_item_tokens=max_item_tokens)
+    removes = check_items(remove, end_token_id=catalog.end_token_id, vocab_size=vocab_size, where="remove")
+    _check_unique(adds, "add")
+    _check_unique(removes, "remove")
+    _check_disjoint(adds, removes)
+    present = catalog.line_set
+    report = DeltaReport()
+    gone = set()
+    for item in removes:
+        line = _line(item)
+        if line in present:
+            gone.add(line)
+        else:
+            report.not_present.append(list(item))
+    new_items = []
+    for item in adds:
+        if _line(item) in present:
+            report.already_present.append(list(item))
+        else:
+            new_items.append(item)
+    report.removed, report.added = len(gone), len(new_items)
+    lines, flat, lengths = catalog.lines, catalog.flat, catalog.lengths
+    if gone:
+        keep = np.fromiter((line not in gone for line in lines), dtype=bool, count=len(lines))
+        lines = [line for line in lines if line not in gone]
+        flat, lengths = flat[np.repeat(keep, lengths)], lengths[keep]
+    if new_items:
+        extra = Catalog.from_items(0, 0, new_items)
+        lines = lines + extra.lines
+        flat, lengths = np.concatenate((flat, extra.flat)), np.concatenate((lengths, extra.lengths))
+    if max_items is not None and len(lines) > max_items:
+        raise _too_many_after_patch(len(lines), max_items)
+    return Catalog(catalog.start_token_id, catalog.end_token_id, lines, flat, lengths, catalog.options), report
+
+
+def apply_delta(compiler: Any, limits: Any, name: str, body: dict[str, Any], add: list[Any], remove: list[Any]):
+    """``(new body, content to store or None, report, sha of the content when its local copy is new)``: a PATCH's
+    delta applied to a stored body (worker thread). ``compiler``: the manager's
+    :class:`~deployments.manager.compiler.StoredScenarioCompiler` (validation, stored catalogs, content copies)."""
+    from config import load_tree
+
+    kind = body.get("type")
+    if kind == "labels":
+        new_body, report = apply_labels_delta(body, add, remove)
+        return new_body, None, report, None
+    if kind != "tree":
+        raise ServiceError(409, f"scenario {name!r} is a {kind} scenario: PATCH adds and removes tree items or "
+                                "labels; PUT the whole scenario instead", {"name": name, "type": kind})
+    sha = body.get("content_sha256")
+    if body.get("content_format") == "items" and isinstance(sha, str):
+        base = compiler.catalog(name, sha)
+    else:  # an inline tree or a tree file: its items, once
+        scenario = compiler.validate(name, body)
+        tree = load_tree(scenario.tree if scenario.tree is not None else scenario.path,
+                         vocab_size=compiler.vocab_size)
+        options = {k: v for k, v in body.items() if k not in _RESERVED}
+        base = Catalog.from_items(int(tree.start_token_id), int(tree.end_token_id), items_from_tree(tree), options)
+    catalog, report = apply_tree_delta(base, add, remove, vocab_size=compiler.vocab_size,
+                                       max_items=limits.max_tree_keys, max_item_tokens=limits.max_item_tokens)
+    if not report.changed:
+        return body, None, report, None
+    if not len(catalog):  # (not catalog.items: that makes a tuple per item)
+        raise ServiceError(422, f"remove: the PATCH would leave scenario {name!r} without items; DELETE it instead",
+                           {"name": name, "field": "remove"})
+    content = catalog.content()
+    sha, new = compiler.keep_content(content)
+    compiler.remember_catalog(sha, catalog)
+    return catalog_body(catalog, content), content, report, (sha if new else None)
