@@ -23,7 +23,7 @@ from deployments.json_body import BodyRejected, parse_json
 from deployments.openai_stream import openai_stream_chunks
 from deployments.protocol import ChatMessage, GenerateRequest, GenerateResponse, ServiceError, Usage
 from deployments.scenario_errors import validated_one_off as _validated_inline
-from deployments.tool_calls import Tool, ToolChoice, ToolPlan, parse_tool_output, tool_setup
+from deployments.tool_calls import Tool, ToolChoice, ToolPlan, parse_tool_output, stored_plan, tool_setup
 
 __all__ = [
     "ChatCompletionRequest",
@@ -441,11 +441,13 @@ def openai_to_generate(
         inline = _validated_inline(inline, field, limits)
     prompt_tools = None
     if isinstance(body, ChatCompletionRequest):
+        _check_stored_tool_choice(body)
         plan, prompt_tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls, limits)
         if plan is not None and (inline is not None or body.scenario is not None):
             raise ServiceError(400, f"tool_choice: {plan.mode!r} (with tools) cannot be combined with "
                                     f"{(field or 'scenario').split('.')[0]}: a call is decoded under its own "
-                                    "constraint (give tool_choice 'none' to answer under that one)",
+                                    "constraint (give tool_choice 'none' to answer under that one; a stored tool "
+                                    "set is named by its scenario alone, without tools)",
                                {"field": "tool_choice", "type": "invalid_request_error", "param": "tool_choice"})
         if plan is not None:
             inline = plan.scenario
@@ -478,6 +480,21 @@ def openai_to_generate(
         return GenerateRequest.model_validate(data), rename
     except ValidationError as error:
         raise validation_error(error.errors(), rename) from None
+
+
+def _check_stored_tool_choice(body: ChatCompletionRequest) -> None:
+    """A stored ``scenario`` without the request's own ``tools``: how tools are called is the scenario's (a
+    ``tools`` scenario's ``tool_choice`` and ``parallel_tool_calls``, one version at a time), so a request-level
+    ``tool_choice`` or ``parallel_tool_calls`` is refused rather than ignored (400 naming it)."""
+    if body.scenario is None or body.tools:
+        return
+    for name in ("tool_choice", "parallel_tool_calls"):
+        if getattr(body, name) is not None:
+            raise ServiceError(
+                400, f"{name}: a stored scenario decides how its tools are called (a tools scenario's own "
+                     f"tool_choice and parallel_tool_calls); leave {name} out, or store a version of scenario "
+                     f"{body.scenario!r} with the {name} wanted", {"field": name, "type": "invalid_request_error",
+                                                                 "param": name})
 
 
 def _logprobs_asked(body: CompletionRequest | ChatCompletionRequest) -> int | None:
@@ -533,6 +550,8 @@ def openai_response(result: GenerateResponse | dict[str, Any], *, chat: bool, mo
     """The OpenAI answer for a replica's :class:`GenerateResponse` (validated only when given as a dict); with
     ``tools`` (the request's :attr:`ChatCompletionRequest.tool_plan`) each output is read as tool calls."""
     response = result if isinstance(result, GenerateResponse) else GenerateResponse.model_validate(result)
+    if tools is None:  # a stored tool set: read with the plan of the version that decoded it (from the replica)
+        tools = stored_plan(response.tool_plan)
     common = {
         "created": int(time.time()),
         "model": model,

@@ -12,7 +12,7 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 from deployments.protocol import GenerateResponse
-from deployments.tool_calls import ToolPlan, parse_tool_output, tool_call_deltas
+from deployments.tool_calls import ToolPlan, parse_tool_output, stored_plan, tool_call_deltas
 
 __all__ = ["openai_stream_chunks"]
 
@@ -30,6 +30,7 @@ async def openai_stream_chunks(
     finished and read (:func:`~deployments.tool_calls.parse_tool_output`): ``tool_calls`` deltas
     (:func:`~deployments.tool_calls.tool_call_deltas`) and ``finish_reason: "tool_calls"``, or its text as one
     ``content`` delta. (A call's tokens are held back until the output passed its schema check in any case.)
+    A stored tool set (a ``tools`` scenario) is read the same way with the plan its ``done`` response carries.
     """
     chunk_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -58,8 +59,9 @@ async def openai_stream_chunks(
     async with aclosing(events):
         async for event in events:
             kind_of = event.get("type")
-            if kind_of == "token" and chat and tools is not None:
-                continue  # the outputs are read as tool calls once finished (the done event)
+            if kind_of == "token" and chat and (tools is not None or event.get("tool_call")):
+                continue  # the outputs are read as tool calls once finished (the done event; a stored tool set's
+                # tokens are marked tool_call by the replica)
             if kind_of == "token":
                 index, reason, text = int(event.get("index") or 0), event.get("finish_reason"), event.get("text") or ""
                 if reason:
@@ -72,9 +74,10 @@ async def openai_stream_chunks(
                 yield chunk([choice(index, None if chat and reason and not text else text, reason)])
             elif kind_of == "done" and event.get("response"):
                 response = GenerateResponse.model_validate(event["response"])
+                plan = tools if tools is not None else stored_plan(response.tool_plan)  # that version's tools
                 for index, output in enumerate(response.outputs):
-                    if chat and tools is not None:
-                        content, calls, reason = parse_tool_output(output.text, output.finish_reason, tools)
+                    if chat and plan is not None:
+                        content, calls, reason = parse_tool_output(output.text, output.finish_reason, plan)
                         for delta in tool_call_deltas(calls or []):
                             yield chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
                         yield chunk([choice(index, content or None, reason)])

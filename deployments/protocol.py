@@ -240,3 +240,8 @@ class GenerateResponse(BaseModel):
     version: int | None = Field(description="The scenario version this request was pinned to.")
     outputs: list[Output]
     usage: Usage
+    tool_plan: dict[str, Any] | None = Field(
+        default=None, exclude_if=_absent,
+        description="A stored tool set (tools scenario) only: how its outputs are read as tool calls on the chat and "
+                    "Responses routes, from the version that decoded them: {mode, names, parallel}.",
+    )

@@ -39,6 +39,7 @@ __all__ = [
     "ToolPlan",
     "new_call_id",
     "parse_tool_output",
+    "stored_plan",
     "tool_call_deltas",
     "tool_setup",
 ]
@@ -202,6 +203,15 @@ def tool_setup(
     scenario = validated_one_off({"type": "json_schema", "schema": schema}, field, limits)
     return ToolPlan(mode=mode, names=tuple(t.function.name for t in chosen), parallel=parallel,
                     scenario=scenario), prompt_tools
+
+
+def stored_plan(info: dict[str, Any] | None) -> ToolPlan | None:
+    """The :class:`ToolPlan` a stored tool set's answer carries (``GenerateResponse.tool_plan``: ``mode``,
+    ``names``, ``parallel`` of the compiled version that decoded it), for :func:`parse_tool_output`; ``None``
+    without one. Its ``scenario`` is left empty: the constraint was the stored one."""
+    if not info:
+        return None
+    return ToolPlan(mode=info["mode"], names=tuple(info["names"]), parallel=bool(info["parallel"]), scenario={})
 
 
 def new_call_id() -> str:

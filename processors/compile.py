@@ -10,6 +10,7 @@ same for every kind. Limits, timeouts and one message per failure are added by
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,10 @@ class CompiledScenario:
         vocab_size: the tokenizer vocabulary the scenario was compiled for.
         start_token_id: tree root token appended to the prompt (``append_start_token``), else ``None``.
         settings: generation defaults and ``system_prompt`` carried by the scenario.
+        tools: a stored tool set (the ``tools`` kind): ``mode``, ``names``, ``parallel`` (how an output is read as
+            tool calls, :class:`deployments.tool_calls.ToolPlan`) and ``prompt_tools`` (the tools rendered into
+            a chat prompt); ``None`` for every other kind. It travels with the compiled version, so a request
+            is read with the tools of the version that decoded it.
     """
 
     kind: str
@@ -56,6 +61,7 @@ class CompiledScenario:
     vocab_size: int
     start_token_id: int | None = None
     settings: dict[str, Any] = field(default_factory=dict)
+    tools: dict[str, Any] | None = None
     version: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -70,6 +76,7 @@ class CompiledScenario:
                 self.vocab_size,
                 self.start_token_id,
                 sorted(self.settings.items()),
+                *([json.dumps(self.tools, sort_keys=True)] if self.tools is not None else []),
             ),
         )
 
@@ -119,6 +126,7 @@ def compile_scenario(scenario, tokenizer, *, model_config=None, grammar_worker=N
         vocab_size=info.vocab_size,
         start_token_id=built.start_token_id,
         settings=settings,
+        tools=built.tools,
     )
 
 
@@ -143,9 +151,12 @@ def build_prompt_ids(
     unless ``special_tokens_in_content``: only the chat template's own markers are control tokens (see
     :mod:`processors.special_tokens`). Text that spells none is tokenized as it always was.
     ``tokenizer``: a tokenizer or its :class:`TokenizerInfo`. ``tools`` (OpenAI function tools) and tool-call
-    turns in ``messages`` are rendered by :func:`processors.tool_prompt.render_tools`.
+    turns in ``messages`` are rendered by :func:`processors.tool_prompt.render_tools`; without ``tools``, a stored
+    tool set's (``compiled.tools``) are.
     """
     tokenizer = hf_tokenizer(tokenizer)
+    if tools is None and compiled is not None and compiled.tools is not None:
+        tools = compiled.tools["prompt_tools"]
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt or messages")
     settings = compiled.settings if compiled is not None else {}

@@ -44,10 +44,13 @@ class CompileResult(NamedTuple):
     Args:
         constraint: the compiled object (an instance of the kind's ``compiled_type``).
         start_token_id: a token to append to the prompt (a tree's root with ``append_start_token``), else None.
+        tools: a stored tool set's calls (the ``tools`` kind): how the output is read as tool calls and the
+            tools shown in the prompt (:attr:`processors.compile.CompiledScenario.tools`), else None.
     """
 
     constraint: Any
     start_token_id: int | None = None
+    tools: dict[str, Any] | None = None
 
 
 class ConstraintKind(ABC):

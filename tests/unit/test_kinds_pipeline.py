@@ -36,6 +36,7 @@ BODIES = {
     "json": {"type": "json"},
     "regex": {"type": "regex", "pattern": "(yes|no)"},
     "grammar": {"type": "grammar", "grammar": 'start: "yes" | "no"'},
+    "tools": {"type": "tools", "tools": [{"type": "function", "function": {"name": "ping"}}]},
 }
 
 

@@ -1,0 +1,42 @@
+"""The ``tools`` kind: a stored tool set compiled into the JSON-schema grammar of its calls.
+
+The call schema is the one ``deployments.tool_calls.tool_setup`` builds for a request's own ``tools`` (the same
+function, not a copy): a call ``{"name": ..., "arguments": {...}}`` (or a list of them with parallel calls, or a
+JSON string under ``auto``), compiled like a ``json_schema`` scenario (``strict: true`` refuses what the grammar
+cannot enforce). The compiled scenario also carries how an output is read as calls and the tools for the prompt
+(:attr:`~processors.compile.CompiledScenario.tools`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from config import JsonSchemaScenario, ToolsScenario
+
+from ..registry import register
+from .base import CompileResult
+from .json_schema import JsonSchemaKind
+
+
+def tools_setup(scenario: ToolsScenario) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(json_schema scenario body, tools)`` of a validated tool set: the checked one-off scenario of
+    ``tool_setup`` and what :attr:`CompiledScenario.tools` holds (``mode``, ``names``, ``parallel``,
+    ``prompt_tools``)."""
+    plan, prompt_tools = scenario.plan()
+    return plan.scenario, {"mode": plan.mode, "names": list(plan.names), "parallel": plan.parallel,
+                           "prompt_tools": prompt_tools}
+
+
+class ToolsKind(JsonSchemaKind):
+    """Function calls of a stored tool set (a JSON-schema grammar; each output checked against the schema)."""
+
+    config_model = ToolsScenario  # type: ignore[assignment]  # its compile takes a ToolsScenario
+
+    def compile(self, scenario, info, *, worker=None) -> CompileResult:
+        body, tools = tools_setup(scenario)
+        as_schema = JsonSchemaScenario.model_validate({**body, "strict": scenario.strict})
+        built = super().compile(as_schema, info, worker=worker)
+        return CompileResult(built.constraint, tools=tools)
+
+
+register(ToolsKind())
