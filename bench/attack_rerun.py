@@ -1,11 +1,13 @@
-"""Rerun the requests of the robustness report (issue 13) against the running app and measure what others feel.
+"""Rerun the requests of the robustness reports (issues 13 and 23) against the app and measure what others feel.
 
 A probe client sends small labels requests (the seeded ``sentiment`` scenario) one after another for the whole
 run. First alone (the baseline), then while each attack request of the report is sent. For each attack it
 reports the attack's own HTTP status and time, the probe's latency during it as a ratio to the baseline
 (p50, p95, max), any probe error, and the model replicas' RSS before, at peak and after.
 
-Run: ``.venv/bin/python bench/attack_rerun.py`` (about 6 minutes here). The last line is one JSON object.
+Run: ``.venv/bin/python bench/attack_rerun.py`` (issue 13's requests, about 6 minutes here) or
+``.venv/bin/python bench/attack_rerun.py --issue 23`` (issue 23's, about 8 minutes; the manager's RSS is reported
+too, and each row says what the report saw before the fixes). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -73,12 +75,12 @@ class Probe:
 
 
 class Rss:
-    """Polls the model replicas' RSS (MiB) every 0.2 s."""
+    """Polls the RSS (MiB) of a deployment's replicas (the largest) every 0.2 s."""
 
-    def __init__(self):
+    def __init__(self, deployment: str = "ModelReplica"):
         import psutil
 
-        self.procs = [psutil.Process(a["Pid"]) for a in serve_actors(APP_NAME, "ModelReplica")]
+        self.procs = [psutil.Process(a["Pid"]) for a in serve_actors(APP_NAME, deployment)]
         self.peak = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -195,7 +197,155 @@ def attacks(bench: ServeBench):
     ]
 
 
+# -- issue 23 -------------------------------------------------------------------------------------------------------
+
+def _raw(url: str, method: str, path: str, headers: list[tuple[str, str]], body: bytes = b"") -> tuple[int, str]:
+    """One HTTP/1.1 request written as is (a header may repeat)."""
+    import socket
+
+    host, port = url.split("//")[1].split(":")
+    head = f"{method} {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: {len(body)}\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in headers)
+    with socket.create_connection((host, int(port)), timeout=600) as sock:
+        sock.sendall(head.encode("latin-1") + b"\r\n" + body)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return int(data.split(b" ", 2)[1]), data.split(b"\r\n\r\n", 1)[1][:200].decode("utf-8", "replace")
+
+
+def _items_lines(items) -> bytes:
+    return b"".join(b"[" + ",".join(map(str, item)).encode() + b"]\n" for item in items)
+
+
+def attacks_23(bench: ServeBench):
+    """Issue 23's requests; each entry: (name, what the report saw before the fixes, the request)."""
+    url, admin = bench.url, bench.admin
+    ndjson = {**admin, "Content-Type": "application/x-ndjson"}
+    header = b'{"start_token_id": 1000, "end_token_id": 2}\n'
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        status, text = fn()
+        return status, time.perf_counter() - t0, text
+
+    def duplicate_guard_header():
+        body = json.dumps({"prompt": "Count from 1 to 10000: 1, 2, 3,", "n": 8, "num_beams": 8,
+                           "max_new_tokens": 1024}).encode()
+        return timed(lambda: _raw(url, "POST", "/v1/generate", [("Content-Type", "application/json"),
+                                                                ("x-request-timeout-seconds", "300"),
+                                                                ("x-request-timeout-seconds", "0")], body))
+
+    def patch_unreachable_key():
+        bench.put("a23-patch", {"type": "tree", "tree": {"start_token_id": 1000, "end_token_id": 2, "prefix_dict": {
+            "1000": [5, 6], "1000_5": [2], "1000_6": [2], "1000_7": [8], "1000_7_8": [2]}}})
+        r = requests.patch(f"{url}/admin/scenarios/a23-patch", json={"add": [[6, 7]]}, headers=admin, timeout=60)
+        return r.status_code, r.elapsed.total_seconds(), r.text[:200]
+
+    def catalog_one_long_item():
+        items = [(1000 + i // 90, 1000 + i % 90) for i in range(8000)] + [tuple(range(1000, 9000))]
+        return timed(lambda: (lambda r: (r.status_code, r.text[:200]))(requests.put(
+            f"{url}/admin/scenarios/a23-long", data=header + _items_lines(items), headers=ndjson, timeout=600)))
+
+    def catalog_2m_item_then_small_put():
+        status, secs, text = timed(lambda: (lambda r: (r.status_code, r.text[:120]))(requests.put(
+            f"{url}/admin/scenarios/a23-huge", data=header + _items_lines([range(5, 2_000_005)]), headers=ndjson,
+            timeout=600)))
+        t0 = time.perf_counter()
+        r = requests.put(f"{url}/admin/scenarios/a23-after", json={"type": "labels", "labels": ["a", "b"]},
+                         headers=admin, timeout=600)
+        return status, secs, f"{text} | next admin write: {r.status_code} in {time.perf_counter() - t0:.2f} s"
+
+    def patch_past_max_tree_keys():
+        bench.put("a23-grow", {"type": "tree", "tree": {"start_token_id": 1000, "end_token_id": 2,
+                                                       "prefix_dict": {"1000": [5], "1000_5": [2]}}})
+        add = [[5 + i // 40000, 5 + i % 40000] for i in range(2_100_000)]
+        return timed(lambda: (lambda r: (r.status_code, r.text[:200]))(requests.patch(
+            f"{url}/admin/scenarios/a23-grow", json={"add": add}, headers=admin, timeout=600)))
+
+    def rows_from_one_client():
+        with ThreadPoolExecutor(32) as pool:
+            futs = [pool.submit(_post, url, "/v1/generate", {**PROBE, "n": 8, "temperature": 0.8, "seed": i})
+                    for i in range(32)]
+            codes = [f.result()[0] for f in futs]
+        counts = {str(c): codes.count(c) for c in sorted(set(codes))}
+        return 200 if all(c == 200 for c in codes) else codes[0], 0.0, f"status counts {counts}"
+
+    def regeneration_n8():
+        schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-z]{3}$",
+                                                            "not": {"const": "abc"}}},
+                  "required": ["code"], "not": {"required": ["code"]}}
+        t0 = time.perf_counter()
+        r = requests.post(f"{url}/v1/chat/completions", json={
+            "model": "default", "messages": [{"role": "user", "content": "Give a code."}], "n": 8, "max_tokens": 1024,
+            "temperature": 1.0, "seed": 1,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, timeout=900)
+        usage = r.json().get("usage") if r.status_code == 200 else None
+        return r.status_code, time.perf_counter() - t0, f"usage {usage}"
+
+    def exclude_2m_ids_x16():
+        bench.put("a23-exclude", {"type": "tree", "tree": {"start_token_id": 1000, "end_token_id": 2,
+                                                          "prefix_dict": {"1000": [5, 6], "1000_5": [2]}}})
+        body = json.dumps({"scenario": "a23-exclude", "prompt": "x", "max_new_tokens": 4,
+                           "exclude": [[5] * 2_000_000]})
+        with ThreadPoolExecutor(16) as pool:
+            futs = [pool.submit(_post, url, "/v1/generate", body) for _ in range(16)]
+            codes = [f.result()[0] for f in futs]
+        return codes[0], 0.0, f"status counts {{{', '.join(f'{c}: {codes.count(c)}' for c in sorted(set(codes)))}}}"
+
+    def choice_100k_labels():
+        return _post(url, "/v1/chat/completions", {
+            "model": "default", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+            "structured_outputs": {"choice": [f"label {i}" for i in range(100_000)]}})
+
+    def catalog_header_surrogate():
+        return timed(lambda: (lambda r: (r.status_code, r.text[:200]))(requests.put(
+            f"{url}/admin/scenarios/a23-sur", data=b'{"start_token_id": 1000, "end_token_id": 2, '
+                                                  b'"description": "\\ud800"}\n[5]\n', headers=ndjson, timeout=60)))
+
+    def if_match_5000_digits():
+        bench.put("a23-ifm", {"type": "labels", "labels": ["a", "b"]})
+        return timed(lambda: (lambda r: (r.status_code, r.text[:200]))(requests.patch(
+            f"{url}/admin/scenarios/a23-ifm", json={"add": ["c"]}, headers={**admin, "If-Match": "9" * 5000},
+            timeout=60)))
+
+    def catalog_header_duplicate_key():
+        return timed(lambda: (lambda r: (r.status_code, r.text[:200]))(requests.put(
+            f"{url}/admin/scenarios/a23-dup", data=b'{"start_token_id": 1000, "end_token_id": 2, '
+                                                  b'"start_token_id": 1001}\n[5]\n', headers=ndjson, timeout=60)))
+
+    def replayed_patch():
+        bench.put("a23-replay", {"type": "labels", "labels": ["a", "b"]})
+        key = {**admin, "Idempotency-Key": "a23-replay-1"}
+        first = requests.patch(f"{url}/admin/scenarios/a23-replay", json={"add": ["c"]}, headers=key, timeout=60)
+        again = requests.patch(f"{url}/admin/scenarios/a23-replay", json={"add": ["c"]}, headers=key, timeout=60)
+        same = first.json() == again.json()
+        return again.status_code, again.elapsed.total_seconds(), f"replay answers the first answer: {same}"
+
+    return [
+        ("1 duplicate x-request-timeout-seconds (300, 0) on 8 beams x 1024", "accepted: the timeout lifted",
+         duplicate_guard_header),
+        ("2 PATCH add [6,7] next to an unreachable key", "200 'added 1', items became (5),(6),(6,7),(7,8)",
+         patch_unreachable_key),
+        ("3 catalog: 8,000 two-token items + one of 8,000 tokens", "accepted, manager 1.4 -> 2.7 GB",
+         catalog_one_long_item),
+        ("4 catalog item of 2M ids, then a small admin PUT", "compile past 60 s; admin writes 400 for ~2.5 min",
+         catalog_2m_item_then_small_put),
+        ("5 PATCH adding 2.1M items", "accepted (a PUT of the same catalog: 422)", patch_past_max_tree_keys),
+        ("6 32 concurrent n=8 label requests from one client", "another client waited 39 s", rows_from_one_client),
+        ("7 unenforceable schema, n=8, max_tokens 1024", "3 attempts per output, 138 s, probe p95 13.5x, usage 1 attempt",
+         regeneration_n8),
+        ("8 exclude item of 2M ids, 16 at once", "ingress stalled (probe p95 85x), 1.2 GB after 48", exclude_2m_ids_x16),
+        ("9 structured_outputs.choice of 100,000 labels", "17-20 s of compile, probe 4.5x", choice_100k_labels),
+        ("10 catalog header with \\ud800 in description", "500", catalog_header_surrogate),
+        ("10 If-Match of 5,000 digits", "500", if_match_5000_digits),
+        ("11 catalog header with a repeated key", "accepted (last wins)", catalog_header_duplicate_key),
+        ("12 replayed PATCH (same Idempotency-Key)", "answered {name, version} only", replayed_patch),
+    ]
+
+
 def main() -> None:
+    issue = 23 if "--issue" in sys.argv and sys.argv[sys.argv.index("--issue") + 1] == "23" else 13
     with ServeBench(num_cpus=4) as bench:
         bench.deploy(bench.settings(num_replicas=2, num_cpus_per_replica=1, torch_threads=1), replicas=2)
         probe = Probe(bench.url).start()
@@ -203,14 +353,19 @@ def main() -> None:
         probe.phase = "baseline"
         time.sleep(30)
         results = []
-        for name, fn in attacks(bench):
+        runs = ([(name, None, fn) for name, fn in attacks(bench)] if issue == 13 else attacks_23(bench))
+        for name, before, fn in runs:
             probe.phase = name
-            with Rss() as rss:
+            with Rss() as rss, Rss("ConfigManager") as manager_rss:
                 status, secs, text = fn()
                 time.sleep(5)  # the probe keeps measuring while the attack's after-effects last
             probe.phase = "idle"
             row = {"attack": name, "status": status, "attack_s": round(secs, 2), "detail": text,
-                   "probe": probe.stats(name), "rss_mib": {"before": rss.before, "peak": rss.peak, "after": rss.after}}
+                   "probe": probe.stats(name), "rss_mib": {"before": rss.before, "peak": rss.peak, "after": rss.after},
+                   "manager_rss_mib": {"before": manager_rss.before, "peak": manager_rss.peak,
+                                       "after": manager_rss.after}}
+            if before is not None:
+                row["before_the_fixes"] = before
             log(json.dumps(row))
             results.append(row)
             time.sleep(3)
@@ -221,7 +376,7 @@ def main() -> None:
             row["probe_p95_vs_baseline"] = round(p["p95_s"] / base["p95_s"], 2) if base["p95_s"] else None
             row["probe_max_vs_baseline"] = round(p["max_s"] / base["max_s"], 2) if base["max_s"] else None
         health = bench.health()
-    emit({"bench": "attack_rerun", "baseline": base, "attacks": results, "health": health.get("status"),
+    emit({"bench": "attack_rerun", "issue": issue, "baseline": base, "attacks": results, "health": health.get("status"),
           "probe_non_200": sum(len(r["probe"]["non_200"]) for r in results)})
 
 
