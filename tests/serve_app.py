@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 
 import pytest
@@ -92,6 +93,23 @@ class ServeApp:
         return requests.post(f"{self.url}/v1/generate", json=body, timeout=timeout)
 
 
+def start_local_ray(attempts: int = 3, **kwargs) -> None:
+    """``ray.init(address="local", **kwargs)``, tried again when the node times out during start-up: Ray waits a
+    fixed 30 s for its raylet to register, which a loaded machine (the tests beside other jobs on 2 cores) can
+    exceed; the next try usually starts in seconds."""
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address="local", **kwargs)
+            return
+        except Exception as exc:  # Ray raises a bare Exception for it
+            if "timed out during startup" not in str(exc) or attempt == attempts:
+                raise
+            print(f"ray.init: {exc} (attempt {attempt} of {attempts}); starting again", file=sys.stderr)
+            ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def serve_app(tmp_path_factory):
     import ray
@@ -102,8 +120,8 @@ def serve_app(tmp_path_factory):
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
     metrics_port = free_port()  # Ray's Prometheus endpoint (works without the dashboard)
     # address="local": a cluster of our own even when another one on this machine is registered as current
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
-             _metrics_export_port=metrics_port)
+    start_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+                    _metrics_export_port=metrics_port)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = ServeApp(data_dir, port)
     app.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"

@@ -21,13 +21,13 @@ def app(tmp_path_factory):
     """The one Ray Serve app of this tier: one vLLM-backed model replica, the config manager, the ingress."""
     import ray
     from ray import serve
-    from serve_app import free_port
+    from serve_app import free_port, start_local_ray
     from vllm_checks import VLLMServeApp
 
     data_dir = str(tmp_path_factory.mktemp("vllm-serve-data"))
     port = free_port()
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    start_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     handle = VLLMServeApp(data_dir, port)
     handle.start()
