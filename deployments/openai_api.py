@@ -566,8 +566,12 @@ def openai_response(result: GenerateResponse | dict[str, Any], *, chat: bool, mo
             for i, o in enumerate(response.outputs)
         ]
         for choice, output in zip(choices, response.outputs) if tools is not None else ():
-            content, calls, choice["finish_reason"] = parse_tool_output(output.text, output.finish_reason, tools)
+            thought = output.reasoning_content is not None  # a think scenario: the calls follow the think block
+            text = (output.answer or "") if thought else output.text
+            content, calls, choice["finish_reason"] = parse_tool_output(text, output.finish_reason, tools)
             choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+            if thought:
+                choice["message"]["reasoning_content"] = output.reasoning_content
         _add_output_fields(choices, response)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "choices": choices, **common}
     choices = [

@@ -77,7 +77,11 @@ async def openai_stream_chunks(
                 plan = tools if tools is not None else stored_plan(response.tool_plan)  # that version's tools
                 for index, output in enumerate(response.outputs):
                     if chat and plan is not None:
-                        content, calls, reason = parse_tool_output(output.text, output.finish_reason, plan)
+                        text = output.text
+                        if output.reasoning_content is not None:  # a think scenario: the thinking, then the calls
+                            yield chunk([choice(index, None, reasoning=output.reasoning_content)])
+                            text = output.answer or ""
+                        content, calls, reason = parse_tool_output(text, output.finish_reason, plan)
                         for delta in tool_call_deltas(calls or []):
                             yield chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
                         yield chunk([choice(index, content or None, reason)])

@@ -227,6 +227,10 @@ class ModelReplica:
         if req.messages is not None and not req.messages:
             raise ServiceError(422, "messages: give at least one message", {"field": "messages"})
         name, version, compiled = await self._resolve_scenario(req)
+        if req.tools and getattr(compiled, "tools", None) is not None:  # a stored tool set has its own tools
+            raise ServiceError(400, f"tools: scenario {name!r} is a stored tool set (type tools), which brings its own "
+                                    "tools; give either tools or that scenario", {"field": "tools", "param": "tools",
+                                                                                 "type": "invalid_request_error"})
         # a label scenario's answer tokenized as it fits the prompt (no leading space after an assistant header)
         compiled = answer_form(compiled, chat=req.messages is not None, prompt=req.prompt)
         if req.stop and compiled is not None and compiled.constraint is not None:
@@ -292,7 +296,9 @@ class ModelReplica:
                 reasoning_content=reasoning, answer=answer,
             ))
         usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion, total_tokens=len(prompt_ids) + completion)
-        return GenerateResponse(scenario=name, version=version, outputs=outs, usage=usage)
+        tools = getattr(compiled, "tools", None)  # a stored tool set: read as calls with this version's tools
+        plan = {k: tools[k] for k in ("mode", "names", "parallel")} if tools is not None else None
+        return GenerateResponse(scenario=name, version=version, outputs=outs, usage=usage, tool_plan=plan)
 
     async def generate(self, request: dict | GenerateRequest) -> dict | GenerateResponse:
         """Run one request to completion. Given a :class:`GenerateRequest` (the ingress), returns the
@@ -394,10 +400,13 @@ class ModelReplica:
         stops = _Stops(self.tokenizer, req.stop)
         think = getattr(engine_request.compiled, "think", None)
         split_sent: dict[int, tuple[str, str]] = {}
+        tool_set = getattr(engine_request.compiled, "tools", None) is not None
 
         def event(idx: int, token_id: int | None, piece: str, visible: str, final: bool, **extra: Any) -> dict:
             """A token event; think scenarios add the piece's thinking and answer parts."""
             out = {"type": "token", "index": idx, "token_id": token_id, "text": piece, **extra}
+            if tool_set:  # a stored tool set: the OpenAI routes send the output as calls once it is finished
+                out["tool_call"] = True
             if think is not None:
                 reasoning, answer = split_thinking(visible, think.end, final=final)
                 r_sent, a_sent = split_sent.get(idx, ("", ""))

@@ -144,6 +144,23 @@ def test_an_answer_is_read_with_the_plan_it_carries():
     assert stored_plan(None) is None and stored_plan(PLAN).names == ("get_weather", "ping")
 
 
+def test_a_think_tool_set_reads_the_calls_after_the_thinking():
+    response = _response('<think>\nhmm</think>\n\n{"name": "ping", "arguments": {}}', PLAN)
+    response["outputs"][0].update(reasoning_content="hmm", answer='{"name": "ping", "arguments": {}}')
+    (choice,) = openai_response(response, chat=True, model="m")["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == "hmm"
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "ping"
+
+    async def events():
+        yield {"type": "done", "index": 0, "response": response}
+
+    async def collect():
+        return [c async for c in openai_stream_chunks(events(), model="m", chat=True, n=1, include_usage=False)]
+
+    deltas = [c["choices"][0]["delta"] for c in asyncio.run(collect())]
+    assert deltas[1] == {"reasoning_content": "hmm"} and deltas[2]["tool_calls"][0]["function"]["name"] == "ping"
+
+
 def test_a_stream_holds_the_marked_tokens_and_sends_the_calls():
     async def events():
         yield {"type": "token", "index": 0, "token_id": 1, "text": '{"name"', "tool_call": True}
