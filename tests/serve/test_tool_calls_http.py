@@ -16,20 +16,9 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from tool_checks import ASK, TOOLS, check_calls, openai_model
+
 pytestmark = pytest.mark.serve
-
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "Get the time in a time zone.",
-    "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
-                   "required": ["zone"], "additionalProperties": False}}}
-TOOLS = [WEATHER, TIME]
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
@@ -39,21 +28,7 @@ def client(serve_app):
 
 @pytest.fixture(scope="module")
 def model(client):
-    (card,) = client.models.list().data
-    return card.id
-
-
-def check_calls(calls, tools=TOOLS) -> list[tuple[str, dict]]:
-    """Each call's name is one of ``tools`` and its arguments satisfy that tool's parameters."""
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
-    out = []
-    for call in calls:
-        assert call.type == "function" and call.id.startswith("call_")
-        assert call.function.name in schemas, call.function.name
-        arguments = json.loads(call.function.arguments)
-        jsonschema.validate(arguments, schemas[call.function.name])
-        out.append((call.function.name, arguments))
-    return out
+    return openai_model(client)
 
 
 def _chat(client, model, **kwargs):

@@ -17,23 +17,15 @@ import openai
 import pytest
 import requests
 
+from tool_checks import ASK, TIME, WEATHER, check_calls, openai_model
+
 pytestmark = pytest.mark.serve
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "Get the time in a time zone.",
-    "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
-                   "required": ["zone"], "additionalProperties": False}}}
 # a long required argument: a request of this version decodes long enough for a PUT to land while it runs
 NOTE = {"type": "function", "function": {
     "name": "write_note", "description": "Write a note.",
     "parameters": {"type": "object", "properties": {"text": {"type": "string", "minLength": 120, "maxLength": 140}},
                    "required": ["text"], "additionalProperties": False}}}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
@@ -43,20 +35,12 @@ def client(serve_app):
 
 @pytest.fixture(scope="module")
 def model(client):
-    (card,) = client.models.list().data
-    return card.id
+    return openai_model(client)
 
 
-def check_calls(calls, tools) -> list[str]:
-    """Each call's name is one of ``tools`` and its arguments satisfy that tool's stored parameters."""
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
-    names = []
-    for call in calls:
-        assert call.type == "function" and call.id.startswith("call_")
-        assert call.function.name in schemas, call.function.name
-        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-        names.append(call.function.name)
-    return names
+def call_names(calls, tools) -> list[str]:
+    """The names of ``calls``, each checked against the stored ``tools`` (tool_checks.check_calls)."""
+    return [name for name, _ in check_calls(calls, tools)]
 
 
 def _chat(client, model, name, **kwargs):
@@ -74,7 +58,7 @@ def test_a_stored_tool_set_answers_with_calls(client, model, serve_app):
     assert (r.scenario, r.scenario_version) == ("t-tools", version)
     for choice in r.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
-        assert len(check_calls(choice.message.tool_calls, [WEATHER, TIME])) == 1  # parallel_tool_calls false
+        assert len(call_names(choice.message.tool_calls, [WEATHER, TIME])) == 1  # parallel_tool_calls false
     # streamed: the calls come as deltas, reassembled here
     parts: dict[int, dict] = {}
     finish = None
@@ -126,13 +110,13 @@ def test_a_new_version_is_used_by_the_next_request(client, model, serve_app):
     first = serve_app.put("t-tools-swap", {"type": "tools", "tools": [WEATHER], "tool_choice": "required",
                                            "parallel_tool_calls": False})["version"]
     r = _chat(client, model, "t-tools-swap")
-    assert check_calls(r.choices[0].message.tool_calls, [WEATHER]) == ["get_weather"]
+    assert call_names(r.choices[0].message.tool_calls, [WEATHER]) == ["get_weather"]
     assert r.scenario_version == first
     second = serve_app.put("t-tools-swap", {"type": "tools", "tools": [TIME],
                                             "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
     assert second["version"] == first + 1
     r = _chat(client, model, "t-tools-swap")
-    assert check_calls(r.choices[0].message.tool_calls, [TIME]) == ["get_time"]
+    assert call_names(r.choices[0].message.tool_calls, [TIME]) == ["get_time"]
     assert (r.scenario, r.scenario_version) == ("t-tools-swap", first + 1)
 
 

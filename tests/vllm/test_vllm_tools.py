@@ -19,19 +19,9 @@ import jsonschema  # noqa: E402
 import openai  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+from tool_checks import ASK, TOOLS, check_call, check_calls, openai_model  # noqa: E402
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "Get the time in a time zone.",
-    "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
-                   "required": ["zone"], "additionalProperties": False}}}
-TOOLS = [WEATHER, TIME]
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
@@ -41,25 +31,7 @@ def client(app):
 
 @pytest.fixture(scope="module")
 def model(client):
-    (card,) = client.models.list().data
-    return card.id
-
-
-def check_call(name: str, arguments: str, tools=TOOLS) -> tuple[str, dict]:
-    """``name`` is one of ``tools`` and ``arguments`` (a JSON string) satisfy that tool's parameters."""
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
-    assert name in schemas, name
-    value = json.loads(arguments)
-    jsonschema.validate(value, schemas[name])
-    return name, value
-
-
-def check_calls(calls, tools=TOOLS) -> list[tuple[str, dict]]:
-    out = []
-    for call in calls:
-        assert call.type == "function" and call.id.startswith("call_"), call
-        out.append(check_call(call.function.name, call.function.arguments, tools))
-    return out
+    return openai_model(client)
 
 
 def _chat(client, model, **kwargs):
