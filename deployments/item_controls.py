@@ -13,7 +13,6 @@ from .protocol import ServiceError
 
 __all__ = ["admit_item_controls"]
 
-ITEM_KINDS = ("tree", "labels")
 
 
 def admit_item_controls(req, compiled, max_new_tokens: int, limits, engine: str = "transformers") -> ItemRequest | None:
@@ -23,7 +22,7 @@ def admit_item_controls(req, compiled, max_new_tokens: int, limits, engine: str 
     exclude = req.exclude
     distinct = bool(req.distinct)
     kind = compiled.kind if compiled is not None else None
-    if kind not in ITEM_KINDS:
+    if compiled is None or not compiled.capabilities.items:
         if exclude is not None or distinct:
             field = "exclude" if exclude is not None else "distinct"
             raise ServiceError(422, f"{field}: only tree and labels scenarios have items (this request is "

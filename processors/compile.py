@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import registry
+from .kinds.base import Capabilities
 from .tables import content_hash
 from .think import ThinkSpec, compile_think
 from .special_tokens import contains_special_tokens, encode_chat, encode_segments
@@ -79,6 +80,15 @@ class CompiledScenario:
                 *([json.dumps(self.tools, sort_keys=True)] if self.tools is not None else []),
             ),
         )
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this scenario's kind can do (:class:`~processors.kinds.base.Capabilities`); engines and the
+        replica branch on it, not on the kind's name or compiled type. Nothing, for a kind not registered."""
+        try:
+            return registry.get(self.kind).capabilities
+        except ValueError:
+            return Capabilities()
 
     @property
     def end_token_id(self) -> int:

@@ -157,11 +157,14 @@ def apply_delta(compiler: Any, limits: Any, name: str, body: dict[str, Any], add
     :class:`~deployments.manager.compiler.StoredScenarioCompiler` (validation, stored catalogs, content copies)."""
     from config import load_tree
 
+    from processors import registry
+
     kind = body.get("type")
-    if kind == "labels":
+    patch = registry.get(kind).capabilities.patch if kind in registry.names() else None
+    if patch == "labels":
         new_body, report = apply_labels_delta(body, add, remove)
         return new_body, None, report, None
-    if kind != "tree":
+    if patch != "items":
         raise ServiceError(409, f"scenario {name!r} is a {kind} scenario: PATCH adds and removes tree items or "
                                 "labels; PUT the whole scenario instead", {"name": name, "type": kind})
     sha = body.get("content_sha256")

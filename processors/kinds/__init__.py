@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .base import CompileResult, ConstraintKind
+from .base import Capabilities, CompileResult, ConstraintKind
 
-__all__ = ["CompileResult", "ConstraintKind"]
+__all__ = ["Capabilities", "CompileResult", "ConstraintKind"]
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _module != "base" and not _module.startswith("_"):

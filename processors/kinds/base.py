@@ -5,7 +5,9 @@ spec into an immutable compiled object for one tokenizer, makes a fresh per-row 
 names the limits of its spec. One module per kind under ``processors/kinds/`` registers one instance with
 :func:`processors.registry.register`; :mod:`processors.registry` is the only place that maps ``type`` names to
 kinds. Adding a kind: its config model (``config/scenarios.py``, a member of the ``Scenario`` union) and its
-module here; nothing else switches on the name.
+module here. What the rest of the service needs to know of a kind it reads from the kind's :class:`Capabilities`
+(``CompiledScenario.capabilities``): item controls, PATCH, a grammar matcher per row. Still kind-specific outside
+this package: the sources of a tree (file pinning, catalog upload, the inline split) in the config manager.
 
 The same shape as vLLM's structured-output backends (``v1/structured_output/backend_types.py``: a backend
 compiles a grammar, a per-request object accepts tokens and fills the bitmask) and xgrammar's
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, get_args
 
 if TYPE_CHECKING:
@@ -35,7 +38,26 @@ if TYPE_CHECKING:
     from processors.compile_worker import GrammarWorker
     from processors.tokenizer_info import TokenizerInfo
 
-__all__ = ["CompileResult", "ConstraintKind"]
+__all__ = ["Capabilities", "CompileResult", "ConstraintKind"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a kind's scenarios can do. The rest of the service (engines, replica, manager) branches on these,
+    never on kind names or compiled types.
+
+    Args:
+        items: the outputs are items of a catalog (a tree's paths, a label set's labels): the item controls
+            (``exclude``, ``distinct``, ``max_items``, the token budget) apply.
+        patch: how ``PATCH /admin/scenarios/{name}`` changes a stored body: ``"items"`` (paths added to and
+            removed from a tree: any tree form, stored as a catalog) or ``"labels"``; ``None``: PUT only (a 409).
+        grammar: a grammar matcher per row (``GrammarSpec``): its first mask may be slow (an engine builds it off
+            the decode loop), it needs the tokenizer, and vLLM's own guidance backend can enforce it.
+    """
+
+    items: bool = False
+    patch: str | None = None
+    grammar: bool = False
 
 
 class CompileResult(NamedTuple):
@@ -60,11 +82,13 @@ class ConstraintKind(ABC):
         config_model: the ``config.scenarios`` model of the spec; its ``type`` literal is the kind's name.
         compiled_type: the class of the compiled objects (several kinds may share one, e.g. the grammar kinds).
         needs_tokenizer: whether :meth:`cursor` needs the tokenizer info (a grammar matcher does; tables do not).
+        capabilities: what its scenarios can do (:class:`Capabilities`), for the code outside the kinds.
     """
 
     config_model: ClassVar[type[ScenarioBase]]
     compiled_type: ClassVar[type]
     needs_tokenizer: ClassVar[bool] = False
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     @property
     def type_name(self) -> str:

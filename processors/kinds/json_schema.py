@@ -7,7 +7,7 @@ from config import JsonSchemaScenario, JsonScenario, ScenarioError
 
 from ..grammar import GrammarCursor, GrammarSpec, compile_json_schema
 from ..registry import register
-from .base import CompileResult, ConstraintKind
+from .base import Capabilities, CompileResult, ConstraintKind
 
 
 class GrammarKind(ConstraintKind):
@@ -15,6 +15,7 @@ class GrammarKind(ConstraintKind):
 
     compiled_type = GrammarSpec
     needs_tokenizer = True
+    capabilities = Capabilities(grammar=True)
 
     def cursor(self, constraint, info) -> GrammarCursor:
         if info is None:

@@ -9,7 +9,7 @@ from ..labels import LabelCursor, LabelTables, build_label_tables
 from ..registry import register
 from ..tables import item_metrics
 from ..tree import TreeCursor
-from .base import CompileResult, ConstraintKind
+from .base import Capabilities, CompileResult, ConstraintKind
 
 
 class LabelsKind(ConstraintKind):
@@ -17,6 +17,7 @@ class LabelsKind(ConstraintKind):
 
     config_model = LabelsScenario
     compiled_type = LabelTables
+    capabilities = Capabilities(items=True, patch="labels")
 
     def compile(self, scenario, info, *, worker=None) -> CompileResult:
         return CompileResult(build_label_tables(

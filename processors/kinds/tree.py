@@ -14,7 +14,7 @@ import numpy as np
 
 from ..tables import DONE, MaskTables, build_tree_tables, item_metrics
 from ..tree import TreeCursor
-from .base import CompileResult, ConstraintKind
+from .base import Capabilities, CompileResult, ConstraintKind
 
 
 def check_multi_item(tables: MaskTables, separator: int | None) -> None:
@@ -66,6 +66,7 @@ class TreeKind(ConstraintKind):
 
     config_model = TreeScenario
     compiled_type = MaskTables
+    capabilities = Capabilities(items=True, patch="items")
 
     def compile(self, scenario, info, *, worker=None) -> CompileResult:
         strict = bool(scenario.strict)

@@ -20,7 +20,7 @@ import pytest
 
 from config import SCENARIO_TYPES, Limits, ScenarioError, load_scenario, parse_scenario, scenario_model
 from processors import (
-    BITMASK, CompiledScenario, GrammarCursor, LabelCursor, RowCursor, ScenarioCompiler, TokenizerInfo, TreeCursor,
+    BITMASK, CompiledScenario, GrammarCursor, GrammarSpec, LabelCursor, RowCursor, ScenarioCompiler, TokenizerInfo, TreeCursor,
     compile_scenario, constraint_cursor, get_lltokenizer, registry,
 )
 from processors.compile_worker import CompileMemoryExceeded
@@ -58,6 +58,31 @@ def test_registry_names_every_config_model_and_nothing_else():
     with pytest.raises(TypeError, match="unsupported constraint str"):
         registry.kind_of("tree")
     assert scenario_model("nope") is None and scenario_model(["tree"]) is None
+
+
+# what each kind can do, as the engines, the replica and the manager read it (never the kind's name)
+CAPABILITIES = {
+    "tree": {"items": True, "patch": "items", "grammar": False},
+    "labels": {"items": True, "patch": "labels", "grammar": False},
+    "json_schema": {"items": False, "patch": None, "grammar": True},
+    "json": {"items": False, "patch": None, "grammar": True},
+    "regex": {"items": False, "patch": None, "grammar": True},
+    "grammar": {"items": False, "patch": None, "grammar": True},
+    "tools": {"items": False, "patch": None, "grammar": True},
+}
+
+
+@pytest.mark.parametrize("name", list(BODIES))
+def test_every_kind_states_its_capabilities_and_its_compiled_scenarios_carry_them(tok, name):
+    import dataclasses
+
+    compiled = compile_scenario(load_scenario(BODIES[name]), tok)
+    assert dataclasses.asdict(compiled.capabilities) == CAPABILITIES[name]
+    assert compiled.capabilities is registry.get(name).capabilities
+    # a grammar kind's rows are grammar matchers: the engines build their first masks off the decode loop
+    assert compiled.capabilities.grammar == isinstance(compiled.constraint, GrammarSpec)
+    # the capabilities survive the trip to a replica (the compiled scenario is pickled)
+    assert pickle.loads(pickle.dumps(compiled)).capabilities == compiled.capabilities
 
 
 @pytest.mark.parametrize("name", list(BODIES))

@@ -46,7 +46,7 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
-from processors import GrammarSpec, RowCursor, apply_steps
+from processors import RowCursor, apply_steps
 from processors.lanes import advance_rows, lane_of, mask_rows
 from processors.masks import FREE, MaskBuffer, Step, mask_padded_vocab
 
@@ -227,7 +227,7 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
     # -- preparation ----------------------------------------------------------------------------
     def _accept(self, job: Job) -> None:
         """Build the job's rows now, or on the prepare pool when its first masks may be slow."""
-        slow = job.compiled is not None and isinstance(job.compiled.constraint, GrammarSpec)
+        slow = job.compiled is not None and job.compiled.capabilities.grammar
         rows: Future | list[Row]
         if slow:
             rows = self._prepare.submit(self._new_rows, job, True)

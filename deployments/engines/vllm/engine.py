@@ -352,7 +352,7 @@ class VLLMEngine(Engine):
             stops = list(self.eos_token_ids)
         else:
             stops = list(compiled.stop_token_ids)
-            if self.grammar_backend == "guidance" and compiled.think is None and isinstance(compiled.constraint, GrammarSpec):
+            if self.grammar_backend == "guidance" and compiled.think is None and compiled.capabilities.grammar:
                 structured = guidance_params(compiled.constraint, StructuredOutputsParams)
             if structured is None:
                 extra = {EXTRA_KEY: self._files.ref(compiled)}
@@ -413,7 +413,7 @@ class VLLMEngine(Engine):
         compiled = request.compiled
         cursor = RowCursor(compiled, self.tokenizer, eos_token_ids=self.eos_token_ids,
                            max_new_tokens=request.max_new_tokens)
-        replay_masks = not (compiled is not None and isinstance(compiled.constraint, GrammarSpec))
+        replay_masks = not (compiled is not None and compiled.capabilities.grammar)
         if params.structured_outputs is not None:
             self._stats["guidance_rows"] += 1
         tokens: list[int] = []

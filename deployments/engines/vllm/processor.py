@@ -340,6 +340,4 @@ def watch_owner(interval: float = 1.0) -> None:
 
 
 def _needs_tokenizer(compiled) -> bool:
-    from processors import GrammarSpec
-
-    return compiled is not None and isinstance(compiled.constraint, GrammarSpec)
+    return compiled is not None and compiled.capabilities.grammar
