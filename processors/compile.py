@@ -104,8 +104,12 @@ class CompiledScenario:
         return (end,) + tuple(t for t in self.eos_token_ids if t != end)
 
 
-def compile_scenario(scenario, tokenizer, *, model_config=None, grammar_worker=None) -> CompiledScenario:
+def compile_scenario(scenario, tokenizer, *, model_config=None, grammar_worker=None, prebuilt=None) -> CompiledScenario:
     """Compile a ``config`` scenario for ``tokenizer`` (a tokenizer or its :class:`TokenizerInfo`).
+
+    ``prebuilt``: what the kind would build, already built by the caller in its own way (the config manager builds
+    a catalog's tables straight from its items, or an inline tree's from the split body); the kind finishes the
+    compile from it (:meth:`~processors.kinds.base.ConstraintKind.compile_prebuilt`).
 
     ``grammar_worker``: a :class:`~processors.compile_worker.GrammarWorker` that builds and checks
     json/json_schema/regex grammars in its own process, bounded in time and memory (it raises
@@ -116,7 +120,11 @@ def compile_scenario(scenario, tokenizer, *, model_config=None, grammar_worker=N
     """
     info = TokenizerInfo.of(tokenizer, model_config=model_config)
     eos = eos_token_ids(info)
-    built = registry.get(scenario.type).compile(scenario, info, worker=grammar_worker)
+    kind = registry.get(scenario.type)
+    if prebuilt is not None:
+        built = kind.compile_prebuilt(scenario, info, prebuilt)
+    else:
+        built = kind.compile(scenario, info, worker=grammar_worker)
     think = None
     if scenario.think is not None:
         think = compile_think(scenario.think.max_thinking_tokens, scenario.think.begin, scenario.think.end, info)

@@ -121,15 +121,16 @@ class ScenarioCompiler:
         body was parsed from JSON text, no need to check that it serializes)."""
         return parse_scenario(body, self.limits, one_off=one_off, field=field, from_json=from_json)
 
-    def compile_now(self, scenario) -> CompiledScenario:
-        """Stage 3 in this thread: compile a validated scenario, then the limits of the compiled form.
+    def compile_now(self, scenario, *, prebuilt: Any = None) -> CompiledScenario:
+        """Stage 3 in this thread: compile a validated scenario, then the limits of the compiled form
+        (``prebuilt``: see :func:`~processors.compile.compile_scenario`).
 
         Raises:
             ScenarioError: ``compile`` (does not compile, past ``compile_memory_mb``, the worker crashed),
                 ``timeout`` (the grammar worker ran past ``compile_timeout_s``) or ``limit``.
         """
         try:
-            compiled = compile_scenario(scenario, self.info, grammar_worker=self.grammar_worker)
+            compiled = compile_scenario(scenario, self.info, grammar_worker=self.grammar_worker, prebuilt=prebuilt)
             registry.get(scenario.type).check_compiled(scenario, compiled.constraint, self.limits)
         except (ScenarioError, CompileStopped):
             raise

@@ -293,10 +293,11 @@ class StoredScenarioCompiler:
 
     # ------------------------------------------------------------------ compile
 
-    def _compile_now(self, name: str, scenario):
-        """The compile itself and the limits of its result (400 / 422): the one call into ``processors``."""
+    def _compile_now(self, name: str, scenario, prebuilt: Any = None):
+        """The compile itself and the limits of its result (400 / 422): the one call into ``processors``
+        (``prebuilt``: a tree's tables built here, see ``processors.compile.compile_scenario``)."""
         try:
-            return self.pipeline.compile_now(scenario)
+            return self.pipeline.compile_now(scenario, prebuilt=prebuilt)
         except ScenarioError as exc:
             raise scenario_service_error(exc, "scenario", name=name) from None
 
@@ -309,11 +310,10 @@ class StoredScenarioCompiler:
                 # a catalog: its tables straight from the parsed items (kept in memory after a PUT or PATCH), equal
                 # to those of the tree file they spell, without writing and parsing that file
                 from processors.catalog_tables import catalog_tables
-                from processors.kinds.tree import prebuilt_tables
 
                 catalog = self.catalog(name, sha)
-                with prebuilt_tables(scenario.path, catalog_tables(catalog, self.vocab_size), catalog.start_token_id):
-                    compiled = self._compile_now(name, scenario)
+                compiled = self._compile_now(name, scenario, (catalog_tables(catalog, self.vocab_size),
+                                                              catalog.start_token_id))
             else:
                 compiled = self._compile_now(name, scenario)
         except ServiceError as exc:
@@ -332,15 +332,13 @@ class StoredScenarioCompiler:
         the problem as for any inline tree (a tree counted by its keys, as there)."""
         from config import load_tree
         from config.settings import LimitExceeded
-        from processors.kinds.tree import prebuilt_tables
         from processors.tables import build_tree_tables
 
         try:
             scenario = self.pipeline.parse({**inline.rest, "tree": None, "path": INLINE_TREE_PATH}, from_json=True)
             tree = load_tree(inline.tree, vocab_size=self.vocab_size, strict=bool(scenario.strict))
             self.settings.limits.check_tree_keys(len(tree), "tree.prefix_dict")
-            with prebuilt_tables(INLINE_TREE_PATH, build_tree_tables(tree, self.vocab_size), tree.start_token_id):
-                compiled = self._compile_now(name, scenario)
+            compiled = self._compile_now(name, scenario, (build_tree_tables(tree, self.vocab_size), tree.start_token_id))
         except (ScenarioError, ServiceError, LimitExceeded, ValueError) as exc:
             logger.info("scenario %r: inline tree refused on the split way, parsing the whole body (%s)", name,
                         str(exc)[:200])

@@ -105,6 +105,11 @@ class ConstraintKind(ABC):
         """Compile a validated spec for one tokenizer. Raises ``ValueError`` (or ``OSError`` for a file) naming
         the problem; a :class:`~processors.compile_worker.CompileLimitError` past the worker's limits."""
 
+    def compile_prebuilt(self, scenario: Any, info: TokenizerInfo, prebuilt: Any) -> CompileResult:
+        """Finish a compile from what :meth:`compile` would build, built by the caller (the tree kind: ``(tables,
+        start_token_id)`` from a catalog's items). Kinds without such a form refuse it."""
+        raise ValueError(f"scenario type {self.type_name!r} has no prebuilt form")
+
     def check_compiled(self, scenario: Any, constraint: Any, limits: Limits) -> None:
         """Limits that need the compiled form (``LimitExceeded``); e.g. the keys of a tree read from a file."""
         return None

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
 
 from config import TreeScenario, load_tree
 from config.settings import LimitExceeded
@@ -44,23 +41,6 @@ def check_multi_item(tables: MaskTables, separator: int | None) -> None:
                          "continue (set separator_token_id)")
 
 
-_prebuilt = threading.local()
-
-
-@contextlib.contextmanager
-def prebuilt_tables(path: str, tables: MaskTables, start_token_id: int) -> Iterator[None]:
-    """Within this block (this thread), a tree scenario whose ``path`` is ``path`` compiles to ``tables`` (with
-    ``start_token_id`` as its root token) instead of loading that file: the config manager builds a catalog's
-    tables straight from its items (``deployments.manager.catalog.catalog_tables``, the same tables the tree file
-    they spell would give) and the rest of the compile (the multi-item checks, the settings, the limits) runs as
-    for any tree."""
-    _prebuilt.entry = (path, tables, int(start_token_id))
-    try:
-        yield
-    finally:
-        _prebuilt.entry = None
-
-
 class TreeKind(ConstraintKind):
     """Tree files and inline trees; the cursor walks the tables, the tree's own end token ends a row."""
 
@@ -70,20 +50,21 @@ class TreeKind(ConstraintKind):
 
     def compile(self, scenario, info, *, worker=None) -> CompileResult:
         strict = bool(scenario.strict)
-        entry = getattr(_prebuilt, "entry", None)
-        if entry is not None and scenario.tree is None and scenario.path == entry[0]:
-            _, tables, start_token_id = entry
+        if scenario.tree is not None:  # validated already: reuse that load when every id fits the vocabulary
+            tree = scenario.tree.loaded(info.vocab_size, strict)
         else:
-            if scenario.tree is not None:  # validated already: reuse that load when every id fits the vocabulary
-                tree = scenario.tree.loaded(info.vocab_size, strict)
-            else:
-                tree = load_tree(scenario.path, vocab_size=info.vocab_size, strict=strict)
-            tables = build_tree_tables(tree, info.vocab_size)
-            start_token_id = int(tree.start_token_id)
+            tree = load_tree(scenario.path, vocab_size=info.vocab_size, strict=strict)
+        return self.compile_prebuilt(scenario, info, (build_tree_tables(tree, info.vocab_size), int(tree.start_token_id)))
+
+    def compile_prebuilt(self, scenario, info, prebuilt) -> CompileResult:
+        """``prebuilt``: ``(tables, start_token_id)``, the tables of the tree the scenario names, built by the caller
+        (the config manager, from a catalog's items or an inline tree's split body: the tables its tree file would
+        give); the rest of the compile (item metrics, the multi-item checks) runs as for any tree."""
+        tables, start_token_id = prebuilt
         item_metrics(tables)  # min_remaining / item_count, computed once here and shipped with the tables
         if scenario.max_items > 1:
             check_multi_item(tables, scenario.separator_token_id)
-        return CompileResult(tables, start_token_id if scenario.append_start_token else None)
+        return CompileResult(tables, int(start_token_id) if scenario.append_start_token else None)
 
     def check_compiled(self, scenario, constraint, limits) -> None:
         # an inline tree was counted before compiling (config.TreeScenario.check_limits); a file only now
