@@ -160,6 +160,7 @@ def test_no_public_route_requires_a_token(serve_app, stored):
         "/v1/generate": {"scenario": NAME, "prompt": "Yes?", "max_new_tokens": 4},
         "/v1/completions": {"scenario": NAME, "prompt": "Yes?", "max_tokens": 4},
         "/v1/chat/completions": {"scenario": NAME, "messages": [{"role": "user", "content": "Yes?"}], "max_tokens": 4},
+        "/v1/responses": {"scenario": NAME, "input": "Yes?", "max_output_tokens": 4},
     }
     ops = _public_operations(serve_app)
     assert ("POST", "/v1/generate") in ops and ("GET", "/healthz") in ops
