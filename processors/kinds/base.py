@@ -4,7 +4,8 @@ A kind is the compile side of one scenario ``type`` (its spec is a ``config`` mo
 spec into an immutable compiled object for one tokenizer, makes a fresh per-row cursor from that object, and
 names the limits of its spec. One module per kind under ``processors/kinds/`` registers one instance with
 :func:`processors.registry.register`; :mod:`processors.registry` is the only place that maps ``type`` names to
-kinds. Adding a kind: its config model (``config/scenarios.py``, a member of the ``Scenario`` union) and its
+kinds. Adding a kind: its config model (``config/scenario_kinds.py``, a member of the ``Scenario`` union in
+``config/scenarios.py``) and its
 module here. What the rest of the service needs to know of a kind it reads from the kind's :class:`Capabilities`
 (``CompiledScenario.capabilities``): item controls, PATCH, a grammar matcher per row. Still kind-specific outside
 this package: the sources of a tree (file pinning, catalog upload, the inline split) in the config manager.

@@ -1,0 +1,136 @@
+"""The base of every scenario config model (:class:`ScenarioBase`, :class:`ThinkConfig`) and the one error type of
+the scenario pipeline (:class:`ScenarioError`); ``config/scenario_kinds.py`` holds the kinds' models,
+``config/scenarios.py`` their union and the parse functions."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import (
+    BaseModel, ConfigDict, Field, model_validator,
+)
+
+
+if TYPE_CHECKING:
+    from config.settings import Limits
+
+
+class ConfigModel(BaseModel):
+    """Base of every config model: unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ThinkConfig(ConfigModel):
+    """Thinking budget: the answer starts inside a think block, free text until the budget or the end marker."""
+
+    max_thinking_tokens: int = Field(ge=1, strict=True, description="Most tokens the model may spend inside the think block.")
+    begin: str = Field(default="<think>\n", min_length=1, description="Marker that opens the think block.")
+    end: str = Field(default="</think>\n\n", min_length=1, description="Marker that closes the think block.")
+
+    @model_validator(mode="after")
+    def _markers_differ(self) -> ThinkConfig:
+        if self.begin == self.end:
+            raise ValueError(f"think.begin and think.end must differ (both are {self.begin!r})")
+        return self
+
+
+class ScenarioBase(ConfigModel):
+    """Fields every scenario kind may carry."""
+
+    description: str | None = Field(default=None, description="Free text for people reading the scenario list.")
+    think: ThinkConfig | None = Field(default=None, description="Optional thinking budget before the constraint.")
+    system_prompt: str | None = Field(default=None, description="System message prepended to chat requests.")
+    # strict: true is not 1 and "3" is not 3; floats must be finite (a default of Infinity broke every batch)
+    max_new_tokens: int | None = Field(default=None, ge=1, strict=True, description="Default limit on generated tokens.")
+    temperature: float | None = Field(default=None, ge=0, strict=True, allow_inf_nan=False,
+                                      description="Default sampling temperature (0 = greedy).")
+    top_p: float | None = Field(default=None, gt=0, le=1, strict=True, allow_inf_nan=False,
+                                description="Default nucleus sampling mass, in (0, 1].")
+    top_k: int | None = Field(default=None, ge=0, strict=True, description="Default top-k cutoff (0 = no cutoff).")
+    strict: bool | None = Field(  # None (left out when stored) reads as false
+        default=None, strict=True,
+        description="Refuse the scenario instead of serving an approximation of it: a JSON schema with keywords "
+                    "the grammar cannot enforce (they are otherwise checked after generation, and the output "
+                    "regenerated) is refused, naming them.",
+    )
+
+    #: the field holding the constraint itself (``labels``, ``schema``, ...), for naming it in messages; None: none
+    constraint_field: ClassVar[str | None] = None
+
+    @classmethod
+    def check_limits(cls, body: Mapping[str, Any], limits: Limits) -> None:
+        """The cheap limit checks of this kind on a raw body (before validation; wrongly typed fields are left to
+        validation). Raises ``config.settings.LimitExceeded`` naming the field. Called by
+        :meth:`config.Limits.check_scenario`."""
+
+    @classmethod
+    def check_one_off(cls, body: Mapping[str, Any]) -> None:
+        """Refuse (:class:`ScenarioError`) what a one-off constraint, compiled on a model replica for one
+        request, may not use (a server file). Default: anything a stored scenario may use."""
+
+    @classmethod
+    def check_one_off_limits(cls, body: Mapping[str, Any], limits: Limits) -> None:
+        """The limits a one-off constraint has beyond :meth:`check_limits` (smaller ones: it is compiled on a model
+        replica for one request). Raises ``config.settings.LimitExceeded`` naming the field. Default: none."""
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> ScenarioBase:
+        """Load a scenario of this kind from a JSON or YAML file (see :func:`load_scenario`)."""
+        from config.scenarios import load_scenario  # the union of every kind: built on top of this module
+
+        scenario = load_scenario(path)
+        if not isinstance(scenario, cls):
+            raise ValueError(f"{os.fspath(path)}: expected a {cls.__name__}, got type {scenario.type!r}")
+        return scenario
+
+
+class ScenarioError(ValueError):
+    """A scenario body that cannot be served, with the one message that names the failure.
+
+    Raised by every stage of the scenario pipeline (:func:`parse_scenario` here, the compile stage in
+    ``processors.pipeline``). The HTTP edge picks the status from :attr:`kind` (``deployments.scenario_errors``);
+    :meth:`describe` gives the text every caller shows.
+
+    Attributes:
+        kind: ``"invalid"`` (breaks a rule of its config model), ``"limit"`` (past a ``Limits`` field),
+            ``"compile"`` (does not compile for the tokenizer, or past ``compile_memory_mb``) or ``"timeout"``
+            (past ``compile_timeout_s``).
+        message: the failure (``labels: 5 labels exceeds the limit max_labels=4``, ``does not compile for the
+            served tokenizer: ...``).
+        field: the offending field, when one is known.
+        reason: the message without the field (limits).
+        detail: structured detail for an error body (``field``, ``limit_name``, ``limit``, ``errors``).
+        locs: for ``invalid``, the location of each validation error inside the body (the ``type`` tag left out).
+    """
+
+    KINDS = ("invalid", "limit", "compile", "timeout")
+
+    def __init__(self, kind: str, message: str, *, field: str | None = None, reason: str | None = None,
+                 detail: dict[str, Any] | None = None, locs: list[tuple] | None = None):
+        if kind not in self.KINDS:
+            raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
+        super().__init__(message)
+        self.kind, self.message, self.field = kind, message, field
+        self.reason = reason if reason is not None else message
+        self.detail = dict(detail or {})
+        if field is not None:
+            self.detail.setdefault("field", field)
+        self.locs = list(locs or [])
+
+    def __reduce__(self):  # keep the fields when pickled across Ray processes
+        return (_rebuild_error, (self.kind, self.message, self.field, self.reason, self.detail, self.locs))
+
+    def describe(self, noun: str = "scenario", name: str | None = None) -> str:
+        """The text to show: ``invalid scenario: <message>`` for a body that is invalid or past a limit,
+        ``scenario 'x' <message>`` (or ``constraint <message>``, ``noun="constraint"``) for one that does not
+        compile."""
+        if self.kind in ("invalid", "limit"):
+            return f"invalid {noun}: {self.message}"
+        return f"{noun} {name!r} {self.message}" if name is not None else f"{noun} {self.message}"
+
+
+def _rebuild_error(kind, message, field, reason, detail, locs) -> ScenarioError:
+    return ScenarioError(kind, message, field=field, reason=reason, detail=detail, locs=locs)
