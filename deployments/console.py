@@ -120,7 +120,7 @@ def replay(
             text = texts[token] = info.token_text(token)
         return {"id": token, "text": text}
 
-    from deployments.answer import form_for_tokens
+    from deployments.replica.answer import form_for_tokens
 
     compiled = form_for_tokens(compiled, tokens)  # a label answer after a chat prompt has no leading space
     cursor = RowCursor(compiled, info)

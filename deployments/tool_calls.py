@@ -5,7 +5,7 @@ A request with function tools and a ``tool_choice`` other than ``"none"`` is dec
 ``json_schema`` scenario (:func:`tool_setup`), so a call gets the same whole-schema guarantee as a
 ``response_format`` json_schema: the function name is one of the tools, the arguments satisfy that function's
 ``parameters``; each finished output is validated against the schema as written and generated again within
-``json_regenerate_attempts`` (``deployments/regenerate.py``); an output still invalid is ``finish_reason:
+``json_regenerate_attempts`` (``deployments/replica/regenerate.py``); an output still invalid is ``finish_reason:
 "error"``, never a call. The model writes (and the prompt asks for, ``processors/tool_prompt.py``):
 
 * a call: ``{"name": "<function>", "arguments": {...}}``;

@@ -15,7 +15,7 @@ Two halves:
   is enforced exactly by its grammar, apart from repeated undeclared keys.
 * :class:`OutputValidator` (the serving side, ``jsonschema``) checks a finished output against the original
   schema: strict JSON (a repeated key in any object, ``NaN`` and ``Infinity`` are invalid), then every keyword,
-  formats included. The model replica regenerates an output that fails (``deployments/replica.py``).
+  formats included. The model replica regenerates an output that fails (``deployments/replica/model_replica.py``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from config import ServerSettings
-from deployments.answer import TextWatch, split_thinking, unsure_tail
+from deployments.replica.answer import TextWatch, split_thinking, unsure_tail
 
 LABELS = ["Sports", "Technology", "Politics", "New York City"]
 CHAT = [{"role": "user", "content": "Which section does this headline belong to: 'Team wins the cup'?"}]

@@ -5,7 +5,7 @@ request generate at most ``json_regenerate_budget`` x ``n`` x ``max_new_tokens``
 
 A real model replica with the real model. The schema (``not`` every integer) fails every attempt; each attempt is
 a seeded engine request of its own (seed ``s``, then ``s + 1``, ``s + 2`` for one output, see
-``deployments/regenerate.py``), so the tokens of every attempt are known from single-attempt runs with those seeds.
+``deployments/replica/regenerate.py``), so the tokens of every attempt are known from single-attempt runs with those seeds.
 """
 
 from __future__ import annotations

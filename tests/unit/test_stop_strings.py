@@ -1,4 +1,4 @@
-"""Stop strings matched incrementally (``deployments/answer.py``: IncrementalDecoder, TextWatch.feed; the replica's
+"""Stop strings matched incrementally (``deployments/replica/answer.py``: IncrementalDecoder, TextWatch.feed; the replica's
 ``_Stops``) give exactly what the old whole-text form gave: decode every token's whole prefix, search all of it.
 
 Real tokenizer of the default model; the reference below is the code the replica ran before (kept here verbatim
@@ -11,9 +11,9 @@ import random
 
 import pytest
 
-from deployments.answer import IncrementalDecoder, TextWatch, unsure_tail
+from deployments.replica.answer import IncrementalDecoder, TextWatch, unsure_tail
 from deployments.engines import FinishedEvent
-from deployments.replica import _Stops
+from deployments.replica.stops import _Stops
 
 
 def old_stream(tokenizer, ids: list[int], stops: list[str] | None):

@@ -35,7 +35,7 @@ import dataclasses
 from contextlib import aclosing
 from typing import Any, AsyncIterator
 
-from .engines import DoneEvent, EngineRequest, ErrorEvent, FinishedEvent, SamplingParams, TokenEvent
+from ..engines import DoneEvent, EngineRequest, ErrorEvent, FinishedEvent, SamplingParams, TokenEvent
 
 __all__ = ["CheckedFinished", "CheckedRun", "RETRY_TEMPERATURE"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from processors.items import ItemRequest, min_item_tokens, resolve_exclude
 from processors.tables import item_metrics
 
-from .protocol import ServiceError
+from ..protocol import ServiceError
 
 __all__ = ["admit_item_controls"]
 
