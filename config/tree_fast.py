@@ -31,7 +31,7 @@ import numpy as np
 
 from .cancel import checkpoint
 
-__all__ = ["CHUNK_BYTES", "SCAN_THREADS", "KeyBlock", "ScannedTree", "extend_hash", "object_field_span", "ordered_map",
+__all__ = ["CHUNK_BYTES", "SCAN_THREADS", "KeyBlock", "ScannedTree", "extend_hash", "ordered_map",
            "parse_keys", "scan_tree_bytes", "scan_tree_file"]
 
 CHUNK_BYTES = 8 << 20
@@ -273,57 +273,13 @@ def scan_tree_file(path: str) -> ScannedTree | None:
 
 def scan_tree_bytes(data: bytes) -> ScannedTree | None:
     """:func:`scan_tree_file` over a tree held in memory (the value of an inline ``tree`` cut out of a scenario
-    body by :func:`object_field_span`)."""
+    body by :func:`config.json_span.object_field_span`)."""
     if not data:
         return None
     try:
         return _scan(data)
     except _Unhandled:
         return None
-
-
-_KEY_BEFORE = re.compile(rb'"([^"\\]*)"[ \t\n\r]*:[ \t\n\r]*\Z')
-_KEY_LOOKBACK = 4096  # a top-level key longer than this is not looked for (the caller parses the body instead)
-
-
-def object_field_span(raw: bytes, field: str) -> tuple[int, int] | None:
-    """Where the value of the top-level field ``field`` of the JSON object ``raw`` lies, as ``(start, end)`` byte
-    offsets (``raw[start:end]`` is that value, from its ``{`` to its ``}``), found with array passes; ``None``
-    when it cannot be told cheaply: a backslash anywhere (strings with escapes), brackets that do not balance,
-    ``raw`` not one object, the field absent, given twice, or not an object.
-
-    A ``Some`` answer does not make ``raw`` valid JSON: the caller parses what is outside the span and the
-    value itself (:func:`scan_tree_bytes`), each strictly. Quotes are paired in order (no escapes), so a
-    bracket is inside a string exactly when an odd number of quotes precede it."""
-    a = np.frombuffer(raw, dtype=np.uint8)
-    if not a.size or np.count_nonzero(a == 0x5C):
-        return None
-    quotes = np.flatnonzero(a == 0x22)
-    if quotes.size % 2:
-        return None
-    brackets = np.flatnonzero((a == 0x7B) | (a == 0x7D) | (a == 0x5B) | (a == 0x5D))
-    brackets = brackets[np.searchsorted(quotes, brackets) % 2 == 0]  # those outside strings
-    if not brackets.size:
-        return None
-    kind = a[brackets]
-    opening = (kind == 0x7B) | (kind == 0x5B)
-    depth = np.cumsum(np.where(opening, 1, -1))  # after each bracket
-    if kind[0] != 0x7B or depth.min() < 0 or np.flatnonzero(depth == 0).tolist() != [brackets.size - 1]:
-        return None
-    closers = np.flatnonzero(depth == 1)
-    found = None
-    for i in np.flatnonzero(opening & (depth == 2)).tolist():  # the top-level fields' containers: a few
-        start = int(brackets[i])
-        match = _KEY_BEFORE.search(raw, max(0, start - _KEY_LOOKBACK), start)
-        if match is None:
-            return None
-        if match.group(1) != field.encode():
-            continue
-        j = int(closers[np.searchsorted(closers, i)])
-        if found is not None or kind[i] != 0x7B or kind[j] != 0x7D:
-            return None
-        found = (start, int(brackets[j]) + 1)
-    return found
 
 
 def _scan(mm: mmap.mmap | bytes) -> ScannedTree:

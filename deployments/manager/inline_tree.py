@@ -4,7 +4,7 @@ the tree as Python objects.
 A tree sent inline (``{"type": "tree", "tree": {"prefix_dict": {...}}}``) used to be parsed three times on its way
 to the tables: the strict JSON parse of the body, pydantic over every entry of ``prefix_dict``, and the tree
 loader's own checks; at 10^6 keys that was about 5 s of the manager's CPU per PUT, nearly all of the swap. Here
-the body's bytes are cut at the tree's braces (:func:`config.tree_fast.object_field_span`): the few fields
+the body's bytes are cut at the tree's braces (:func:`config.json_span.object_field_span`): the few fields
 around it get the strict parse and the scenario model as before, and the tree's text goes to the tree loader's
 numpy scan, the same reader as a tree file's (every rule checked once, there). The body is stored as the text the
 client sent, so a GET gives back the tree it was given.
@@ -21,7 +21,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from config.tree_fast import object_field_span
+from config.json_span import object_field_span
 from deployments.protocol import ServiceError
 
 __all__ = ["INLINE_TREE_MIN_BYTES", "InlineTree", "split_inline_tree"]

@@ -1,4 +1,4 @@
-"""config.tree_fast.object_field_span: the byte span of a top-level object field, found with array passes, checked
+"""config.json_span.object_field_span: the byte span of a top-level object field, found with array passes, checked
 against Python's own JSON parser on bodies written many ways; every body it cannot split certainly gives None."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from config.tree_fast import object_field_span
+from config.json_span import object_field_span
 
 
 def _bodies():
