@@ -138,6 +138,20 @@ def _same(value: Any, neutral: Any) -> bool:
     return value is neutral or (isinstance(value, bool) == isinstance(neutral, bool) and value == neutral)
 
 
+def refuse_unsupported_fields(unknown: list[str], not_neutral: list[str]) -> None:
+    """The 400 for fields this service does not take (``unknown``) or takes only at their neutral value
+    (``not_neutral``), naming each; nothing when both lists are empty."""
+    problems = []
+    if unknown:
+        problems.append(f"unknown field{'s' if len(unknown) > 1 else ''}: {', '.join(sorted(unknown))}")
+    if not_neutral:
+        problems.append(f"not supported here (only the neutral value is accepted): {', '.join(sorted(not_neutral))}")
+    if problems:
+        fields = sorted(unknown + not_neutral)
+        raise ServiceError(400, "; ".join(problems), {"fields": fields, "type": "invalid_request_error",
+                                                      "param": fields[0], "code": "unsupported_field"})
+
+
 def _check_extra_fields(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
     """The item controls to pass on; a 400 naming every field that is neither known, ignored nor neutral."""
     passed: dict[str, Any] = {}
@@ -153,15 +167,7 @@ def _check_extra_fields(body: CompletionRequest | ChatCompletionRequest) -> dict
             passed[name] = value
         else:
             unknown.append(name)
-    problems = []
-    if unknown:
-        problems.append(f"unknown field{'s' if len(unknown) > 1 else ''}: {', '.join(sorted(unknown))}")
-    if not_neutral:
-        problems.append(f"not supported here (only the neutral value is accepted): {', '.join(sorted(not_neutral))}")
-    if problems:
-        fields = sorted(unknown + not_neutral)
-        raise ServiceError(400, "; ".join(problems), {"fields": fields, "type": "invalid_request_error",
-                                                      "param": fields[0], "code": "unsupported_field"})
+    refuse_unsupported_fields(unknown, not_neutral)
     return passed
 
 

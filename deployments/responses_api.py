@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployments.openai_api import (
-    PASSTHROUGH_FIELDS, ChatCompletionRequest, StructuredOutputs, validation_error,
+    PASSTHROUGH_FIELDS, ChatCompletionRequest, StructuredOutputs, refuse_unsupported_fields, validation_error,
 )
 from deployments.protocol import ServiceError
 
@@ -147,15 +147,7 @@ def _check_fields(body: ResponsesRequest) -> dict[str, Any]:
             passed[name] = value
         else:
             unknown.append(name)
-    problems = []
-    if unknown:
-        problems.append(f"unknown field{'s' if len(unknown) > 1 else ''}: {', '.join(sorted(unknown))}")
-    if not_neutral:
-        problems.append(f"not supported here (only the neutral value is accepted): {', '.join(sorted(not_neutral))}")
-    if problems:
-        fields = sorted(unknown + not_neutral)
-        raise ServiceError(400, "; ".join(problems), {"fields": fields, "type": "invalid_request_error",
-                                                      "param": fields[0], "code": "unsupported_field"})
+    refuse_unsupported_fields(unknown, not_neutral)
     return passed
 
 

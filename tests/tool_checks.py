@@ -44,3 +44,12 @@ def openai_model(client: Any) -> str:
     """The one model the service lists (``GET /v1/models``)."""
     (card,) = client.models.list().data
     return card.id
+
+
+def chat(client: Any, model: str, **kwargs: Any) -> Any:
+    """A chat completion with the tools (defaults: :data:`ASK`, :data:`TOOLS`, 80 tokens, greedy)."""
+    kwargs.setdefault("messages", ASK)
+    kwargs.setdefault("tools", TOOLS)
+    kwargs.setdefault("max_tokens", 80)
+    kwargs.setdefault("temperature", 0)
+    return client.chat.completions.create(model=model, **kwargs)

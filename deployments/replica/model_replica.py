@@ -81,14 +81,14 @@ class ModelReplica:
             # vLLM loads the checkpoint in its own process (create_engine -> model_directory, which has a child process
             # write the float32 cache entry of a GGUF model when it is missing): this replica holds only the tokenizer
             if tokenizer is None:
-                from .model_loader import load_tokenizer
+                from ..model_loader import load_tokenizer
 
                 tokenizer = load_tokenizer(self.settings.model)
             model = None
         elif model is None or tokenizer is None:
             import torch
 
-            from .model_loader import load_model_and_tokenizer
+            from ..model_loader import load_model_and_tokenizer
 
             model, tokenizer = load_model_and_tokenizer(self.settings.model, dtype=getattr(torch, self.settings.dtype))
         self.model = model

@@ -16,7 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tool_checks import ASK, TOOLS, check_calls, openai_model
+from tool_checks import ASK, TOOLS, chat, check_calls, openai_model
 
 pytestmark = pytest.mark.serve
 
@@ -31,16 +31,8 @@ def model(client):
     return openai_model(client)
 
 
-def _chat(client, model, **kwargs):
-    kwargs.setdefault("messages", ASK)
-    kwargs.setdefault("tools", TOOLS)
-    kwargs.setdefault("max_tokens", 80)
-    kwargs.setdefault("temperature", 0)
-    return client.chat.completions.create(model=model, **kwargs)
-
-
 def test_named_tool_is_exactly_one_call_of_it(client, model):
-    r = _chat(client, model, tool_choice={"type": "function", "function": {"name": "get_time"}}, n=2, temperature=1.0,
+    r = chat(client, model, tool_choice={"type": "function", "function": {"name": "get_time"}}, n=2, temperature=1.0,
               seed=3)
     for choice in r.choices:
         assert choice.finish_reason == "tool_calls", choice
@@ -50,14 +42,14 @@ def test_named_tool_is_exactly_one_call_of_it(client, model):
 
 
 def test_required_without_parallel_calls_is_one_call(client, model):
-    r = _chat(client, model, tool_choice="required", parallel_tool_calls=False)
+    r = chat(client, model, tool_choice="required", parallel_tool_calls=False)
     (choice,) = r.choices
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
     check_calls(choice.message.tool_calls)
 
 
 def test_required_with_parallel_calls_is_one_or_more_calls(client, model):
-    r = _chat(client, model, tool_choice="required", max_tokens=160, n=2, temperature=1.0, seed=11)
+    r = chat(client, model, tool_choice="required", max_tokens=160, n=2, temperature=1.0, seed=11)
     for choice in r.choices:
         if choice.finish_reason == "length":  # several calls may not end within max_tokens: then no call at all
             assert not choice.message.tool_calls
@@ -68,7 +60,7 @@ def test_required_with_parallel_calls_is_one_or_more_calls(client, model):
 
 
 def test_auto_answers_in_text_or_calls(client, model):
-    r = _chat(client, model, tool_choice="auto", n=4, temperature=1.2, seed=7, max_tokens=60)
+    r = chat(client, model, tool_choice="auto", n=4, temperature=1.2, seed=7, max_tokens=60)
     for choice in r.choices:
         if choice.finish_reason == "tool_calls":
             assert choice.message.content is None and check_calls(choice.message.tool_calls)
@@ -79,7 +71,7 @@ def test_auto_answers_in_text_or_calls(client, model):
 
 
 def test_auto_is_the_default_with_tools(client, model):
-    r = _chat(client, model, parallel_tool_calls=False)
+    r = chat(client, model, parallel_tool_calls=False)
     (choice,) = r.choices
     assert choice.finish_reason in ("tool_calls", "stop", "length")
     if choice.finish_reason == "tool_calls":
@@ -87,14 +79,14 @@ def test_auto_is_the_default_with_tools(client, model):
 
 
 def test_none_answers_in_text(client, model):
-    r = _chat(client, model, tool_choice="none", max_tokens=12)
+    r = chat(client, model, tool_choice="none", max_tokens=12)
     (choice,) = r.choices
     assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
     assert isinstance(choice.message.content, str) and choice.message.content
 
 
 def test_streamed_calls_reassemble(client, model):
-    stream = _chat(client, model, tool_choice="required", stream=True)
+    stream = chat(client, model, tool_choice="required", stream=True)
     calls: dict[int, dict] = {}
     finish = None
     for chunk in stream:
@@ -115,7 +107,7 @@ def test_streamed_calls_reassemble(client, model):
 
 
 def test_streamed_text_under_none(client, model):
-    stream = _chat(client, model, tool_choice="none", stream=True, max_tokens=8)
+    stream = chat(client, model, tool_choice="none", stream=True, max_tokens=8)
     text, finish = "", None
     for chunk in stream:
         for choice in chunk.choices:
@@ -126,13 +118,13 @@ def test_streamed_text_under_none(client, model):
 
 
 def test_a_conversation_with_a_tool_result(client, model):
-    first = _chat(client, model, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    first = chat(client, model, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     (call,) = first.choices[0].message.tool_calls
     messages = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "sunny"})}]
-    r = _chat(client, model, messages=messages, tool_choice="none", max_tokens=16)
+    r = chat(client, model, messages=messages, tool_choice="none", max_tokens=16)
     assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
-    r = _chat(client, model, messages=[*messages, {"role": "user", "content": "And the time in UTC?"}],
+    r = chat(client, model, messages=[*messages, {"role": "user", "content": "And the time in UTC?"}],
               tool_choice="required", parallel_tool_calls=False)
     assert r.choices[0].finish_reason == "tool_calls"
     check_calls(r.choices[0].message.tool_calls)
@@ -164,6 +156,6 @@ def test_parse_with_a_pydantic_tool(client, model):
 ])
 def test_refusals_name_the_field(client, model, kwargs, status, field):
     with pytest.raises(openai.APIStatusError) as error:
-        _chat(client, model, **kwargs)
+        chat(client, model, **kwargs)
     assert error.value.status_code == status
     assert field in error.value.response.json()["error"]["message"], error.value.response.text

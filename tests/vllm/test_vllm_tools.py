@@ -19,7 +19,7 @@ import jsonschema  # noqa: E402
 import openai  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
-from tool_checks import ASK, TOOLS, check_call, check_calls, openai_model  # noqa: E402
+from tool_checks import TOOLS, chat, check_call, check_calls, openai_model  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -34,16 +34,8 @@ def model(client):
     return openai_model(client)
 
 
-def _chat(client, model, **kwargs):
-    kwargs.setdefault("messages", ASK)
-    kwargs.setdefault("tools", TOOLS)
-    kwargs.setdefault("max_tokens", 80)
-    kwargs.setdefault("temperature", 0)
-    return client.chat.completions.create(model=model, **kwargs)
-
-
 def test_named_tool_is_exactly_one_call_of_it(client, model):
-    r = _chat(client, model, tool_choice={"type": "function", "function": {"name": "get_time"}}, n=2,
+    r = chat(client, model, tool_choice={"type": "function", "function": {"name": "get_time"}}, n=2,
               temperature=1.0, seed=3)
     assert len(r.choices) == 2
     for choice in r.choices:
@@ -54,11 +46,11 @@ def test_named_tool_is_exactly_one_call_of_it(client, model):
 
 
 def test_required_is_one_call_or_more(client, model):
-    one = _chat(client, model, tool_choice="required", parallel_tool_calls=False)
+    one = chat(client, model, tool_choice="required", parallel_tool_calls=False)
     (choice,) = one.choices
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
     check_calls(choice.message.tool_calls)
-    several = _chat(client, model, tool_choice="required", max_tokens=160, n=2, temperature=1.0, seed=11)
+    several = chat(client, model, tool_choice="required", max_tokens=160, n=2, temperature=1.0, seed=11)
     for choice in several.choices:
         if choice.finish_reason == "length":  # several calls may not end within max_tokens: then no call at all
             assert not choice.message.tool_calls
@@ -69,7 +61,7 @@ def test_required_is_one_call_or_more(client, model):
 
 
 def test_streamed_calls_reassemble(client, model):
-    stream = _chat(client, model, tool_choice="required", parallel_tool_calls=False, stream=True)
+    stream = chat(client, model, tool_choice="required", parallel_tool_calls=False, stream=True)
     calls: dict[int, dict] = {}
     finish = None
     for chunk in stream:
