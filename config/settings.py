@@ -272,11 +272,12 @@ class ServerSettings(BaseModel):
                     "times in all; past it the output ends with finish_reason error (1 = validate, never regenerate).",
     )
     json_regenerate_budget: float = Field(
-        default=1.0, ge=0, le=16, allow_inf_nan=False,
-        description="The regenerations of one request together generate at most this many times the request's own "
-                    "token budget (n x max_new_tokens): a request generates at most (1 + this) x n x max_new_tokens "
-                    "tokens in all. A retry is capped at what is left; once nothing is, a failing output ends with "
-                    "finish_reason error naming this setting (0 = never regenerate).",
+        default=2.0, ge=0, le=16, allow_inf_nan=False,
+        description="The retries of one request together generate at most this many times the request's own token "
+                    "budget (n x max_new_tokens): a request generates at most (1 + this) x n x max_new_tokens tokens "
+                    "in all (2.0: the most the default 3 attempts take). A retry starts only when its whole "
+                    "max_new_tokens fits what is left (never cut short); when it does not, a failing output ends "
+                    "with finish_reason error naming this setting (0 = never regenerate).",
     )
     seed_examples: bool = Field(default=True, description="Store the example scenarios on first start (empty Redis).")
     history_bodies: int = Field(

@@ -11,10 +11,11 @@ the last attempt's). ``length`` and ``error`` outputs are returned as they are, 
 the tokens of every attempt (:attr:`CheckedRun.rejected_tokens`): each was generated.
 
 The work is bounded per request as well as per output: the rejected attempts of a request generate at most
-``json_regenerate_budget`` x ``n`` x ``max_new_tokens`` tokens together (default 1.0: a request generates at most
-twice its own budget in all, however many of its outputs fail). A retry's ``max_new_tokens`` is capped at what is
-left of that budget when it starts (counting what the running retries may still generate); once nothing is left, a
-failing output ends with ``finish_reason: "error"`` whose message names ``json_regenerate_budget``.
+``json_regenerate_budget`` x ``n`` x ``max_new_tokens`` tokens together (default 2.0, the most the default three
+attempts could take; lower it to bound a request's work tighter than its attempts do). A retry starts only when its
+whole ``max_new_tokens`` fits what is left of that budget (the running retries' reserved), so a retry is never cut
+short; when it does not fit, a failing output ends with ``finish_reason: "error"`` whose message names
+``json_regenerate_budget``.
 
 What a client sees: :class:`CheckedRun` yields the same engine events as the engine, so the replica's response and
 stream code is unchanged. For a constraint whose grammar can produce an invalid output (:attr:`GrammarSpec.exact`
@@ -71,7 +72,7 @@ class CheckedRun:
         request: the request.
         tokenizer: decodes an output's tokens for the check.
         max_attempts: ``json_regenerate_attempts``.
-        budget: ``json_regenerate_budget``: the rejected attempts together generate at most ``budget`` x ``n`` x
+        budget: ``json_regenerate_budget``: the retries together generate at most ``budget`` x ``n`` x
             ``max_new_tokens`` tokens.
 
     After the events ran out, :attr:`attempts` maps each output index to the attempts it took (1 when it was not
@@ -79,12 +80,13 @@ class CheckedRun:
     returned output, but generated all the same: the replica counts them in ``usage.completion_tokens``).
     """
 
-    def __init__(self, engine, request: EngineRequest, tokenizer, max_attempts: int, budget: float = 1.0):
+    def __init__(self, engine, request: EngineRequest, tokenizer, max_attempts: int, budget: float = 2.0):
         self.engine, self.request, self.tokenizer = engine, request, tokenizer
         self.max_attempts = max(1, int(max_attempts))
         self.budget_factor = float(budget)
         self.budget = int(self.budget_factor * request.n * request.max_new_tokens)
         self._caps: dict[int, int] = {}  # output -> the max_new_tokens of its running retry (reserved of the budget)
+        self._retried = 0  # tokens the finished retries generated
         compiled = request.compiled
         spec = getattr(compiled, "constraint", None) if compiled is not None else None
         self.spec = spec if getattr(spec, "validates", False) else None
@@ -100,9 +102,9 @@ class CheckedRun:
         return self.spec.output_error(text)
 
     def _budget_left(self) -> int:
-        """Tokens a new retry may generate: the budget less what rejected attempts generated and what the running
-        retries may still generate."""
-        return self.budget - self.rejected_tokens - sum(self._caps.values())
+        """Tokens a new retry may generate: the budget less what the finished retries generated and what the running
+        ones may still generate."""
+        return self.budget - self._retried - sum(self._caps.values())
 
     def _retry_request(self, index: int, attempt: int, max_new_tokens: int) -> EngineRequest:
         req = self.request
@@ -152,19 +154,20 @@ class CheckedRun:
                 elif isinstance(ev, FinishedEvent):
                     index = ev.index if source is None else source
                     attempt = self.attempts[index] = self.attempts.get(index, 0) + 1
-                    self._caps.pop(index, None)
+                    if self._caps.pop(index, None) is not None:
+                        self._retried += len(ev.token_ids)
                     tokens = held.pop(index, [])
                     error = self.output_error(ev.token_ids) if ev.finish_reason == "stop" else None
                     spent = False
                     if error is not None and self.hold and attempt < self.max_attempts:
                         last[index] = (tokens, ev)
                         self.rejected_tokens += len(ev.token_ids)
-                        cap = min(self.request.max_new_tokens, self._budget_left())
-                        if cap > 0:
+                        cap = self.request.max_new_tokens
+                        if cap <= self._budget_left():
                             self._caps[index] = cap
                             launch(self._retry_request(index, attempt + 1, cap), index)
                             continue
-                        spent = True  # nothing left to regenerate with: this attempt is the output after all
+                        spent = True  # no room for a whole retry: this attempt is the output after all
                         self.rejected_tokens -= len(ev.token_ids)
                         del last[index]
                     for token in tokens:

@@ -1,7 +1,8 @@
 """Issue 23, defect 7: ``usage`` counted only the last attempt of a regenerated JSON output, so a client could have
 many attempts generated and be billed for one, and the regeneration work of a request was bounded only per output
 (``n`` x ``json_regenerate_attempts`` attempts). Every attempt's tokens count now, and the rejected attempts of a
-request generate at most ``json_regenerate_budget`` x ``n`` x ``max_new_tokens`` tokens together.
+request generate at most ``json_regenerate_budget`` x ``n`` x ``max_new_tokens`` tokens together (a retry starts
+only when its whole ``max_new_tokens`` fits what is left).
 
 A real model replica with the real model. The schema (``not`` every integer) fails every attempt; each attempt is
 a seeded engine request of its own (seed ``s``, then ``s + 1``, ``s + 2`` for one output, see
@@ -72,7 +73,7 @@ def test_a_zero_budget_never_regenerates(replica):
     try:
         result = asyncio.run(replica.generate(_body(SEED, n=3)))
     finally:
-        _budget(replica, 1.0)
+        _budget(replica, 2.0)
     assert len(result["outputs"]) == 3
     for out in result["outputs"]:
         assert out["attempts"] == 1 and out["finish_reason"] == "error", out
@@ -80,7 +81,7 @@ def test_a_zero_budget_never_regenerates(replica):
     assert result["usage"]["completion_tokens"] == sum(len(o["token_ids"]) for o in result["outputs"])
 
 
-@pytest.mark.parametrize("budget", [0.05, 0.2])
+@pytest.mark.parametrize("budget", [0.05, 0.2, 0.5])
 def test_the_budget_bounds_the_tokens_of_a_request(replica, budget):
     """Every attempt fails, so without the budget the request would run n x 3 attempts; with it, what all
     attempts generated stays within (1 + budget) x n x max_new_tokens, and an output that stopped early says why."""
@@ -89,11 +90,17 @@ def test_the_budget_bounds_the_tokens_of_a_request(replica, budget):
     try:
         result = asyncio.run(replica.generate(_body(SEED, n=n)))
     finally:
-        _budget(replica, 1.0)
+        _budget(replica, 2.0)
     outputs = result["outputs"]
     assert len(outputs) == n and all(o["finish_reason"] == "error" for o in outputs), outputs
     assert result["usage"]["completion_tokens"] <= (1 + budget) * n * max_new, result["usage"]
+    # a retry starts only when its whole max_new_tokens fits what is left: none under 8 tokens of budget (0.05, 0.2),
+    # some but not the 8 the attempts allow with 16 (0.5)
+    retries = sum(o["attempts"] - 1 for o in outputs)
+    budget_tokens = int(budget * n * max_new)
+    assert (retries == 0) if budget_tokens < max_new else (0 < retries < n * (ATTEMPTS - 1)), \
+        [o["attempts"] for o in outputs]
     short = [o for o in outputs if o["attempts"] < ATTEMPTS]
-    assert short, "the budget should have stopped some regeneration"  # 0.2 x 4 x 8 = 6 tokens: under 8 retries
+    assert short, "the budget should have stopped some regeneration"
     for out in short:
         assert f"json_regenerate_budget={budget:g}" in out["error"], out["error"]
