@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from itertools import chain
 from typing import Any
 
-__all__ = ["LimitExceeded", "grammar_regexes", "json_depth", "regex_repeat", "schema_patterns"]
+__all__ = ["LimitExceeded", "json_depth", "regex_repeat", "schema_patterns"]
 
 
 class LimitExceeded(ValueError):
@@ -145,39 +145,6 @@ def regex_repeat(pattern: str) -> int:
     for done, branch in frames:  # unclosed groups count too
         total += done + branch
     return min(total, _HUGE)
-
-
-def grammar_regexes(grammar: str) -> list[tuple[int, str]]:
-    """The ``/regex/`` literals of a Lark grammar with the line of each, as Lark reads them: outside ``"..."``
-    strings and ``//`` comments, from a ``/`` to the next one not escaped by a backslash (flags after it)."""
-    found: list[tuple[int, str]] = []
-    i, n, line = 0, len(grammar), 1
-    while i < n:
-        c = grammar[i]
-        if c == "\n":
-            line += 1
-        elif c == '"':  # a string literal: skip it, escapes included
-            i += 1
-            while i < n and grammar[i] != '"':
-                if grammar[i] == "\\":
-                    i += 1
-                elif grammar[i] == "\n":
-                    line += 1
-                i += 1
-        elif c == "/" and grammar.startswith("//", i):  # a comment, to the end of the line
-            end = grammar.find("\n", i)
-            i = n if end < 0 else end
-            continue
-        elif c == "/":
-            start = i + 1
-            i = start
-            while i < n and grammar[i] != "/" and grammar[i] != "\n":
-                i += 2 if grammar[i] == "\\" else 1
-            found.append((line, grammar[start:min(i, n)]))
-            if i < n and grammar[i] == "\n":
-                continue  # an unclosed regex: the grammar library reports it
-        i += 1
-    return found
 
 
 def schema_patterns(schema: Any, field: str = "schema"):

@@ -59,6 +59,10 @@ class ScenarioBase(ConfigModel):
 
     #: the field holding the constraint itself (``labels``, ``schema``, ...), for naming it in messages; None: none
     constraint_field: ClassVar[str | None] = None
+    #: the key of vLLM's ``structured_outputs`` (and of its older ``guided_<key>`` field) that asks for this kind
+    #: with the value of ``constraint_field`` (``choice`` -> labels, ``regex`` -> pattern); None: none does. JSON
+    #: (``json``: a schema as an object or text) is read by the OpenAI routes themselves.
+    structured_output: ClassVar[str | None] = None
 
     @classmethod
     def check_limits(cls, body: Mapping[str, Any], limits: Limits) -> None:

@@ -15,11 +15,11 @@ A scenario is discriminated by ``type``:
 Every kind may also carry ``think`` (a thinking budget), a ``system_prompt``, a ``description`` and generation
 defaults (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``).
 
-The union :data:`Scenario` is the one map from a ``type`` name to its config model (:func:`scenario_model`); each
-model carries what is specific to its kind on the config side: the cheap limit checks of a raw body
+The union :data:`Scenario` is the one map from a ``type`` name to its config model (:func:`scenario_model`). The
+models live in their kinds' packages (``processors/kinds/<kind>/spec.py``, torch-free); each carries what is specific to its kind on the config side: the cheap limit checks of a raw body
 (:meth:`ScenarioBase.check_limits`), whether a one-off (unstored) body may use it as given
 (:meth:`ScenarioBase.check_one_off`) and the field that holds the constraint (``constraint_field``). The compile
-side of each kind is in ``processors/kinds/``.
+side of each kind is in the same package (``processors/kinds/<kind>/``).
 
 :func:`parse_scenario` is the first stage of the scenario pipeline (shape -> limits -> validation), pure Python so
 that the ingress can run it too; every failure is one :class:`ScenarioError`. ``processors.pipeline`` adds the
@@ -75,10 +75,14 @@ __all__ = [
 
 
 from config.scenario_base import ConfigModel, ScenarioBase, ScenarioError, ThinkConfig, _rebuild_error  # noqa: F401
-from config.scenario_kinds import (
-    GrammarScenario, JsonSchemaScenario, JsonScenario, LabelsScenario, RegexScenario, ToolsScenario, TreeScenario,
-    TreeSpec,
-)
+# Each kind's config model lives in its package (processors/kinds/<kind>/spec.py, torch-free); adding a kind is
+# adding its import here and its member to the union below.
+from processors.kinds.grammar.spec import GrammarScenario
+from processors.kinds.json_schema.spec import JsonSchemaScenario, JsonScenario
+from processors.kinds.labels.spec import LabelsScenario
+from processors.kinds.regex.spec import RegexScenario
+from processors.kinds.tools.spec import ToolsScenario
+from processors.kinds.tree.spec import TreeScenario, TreeSpec
 
 Scenario = Annotated[
     Union[TreeScenario, LabelsScenario, JsonSchemaScenario, JsonScenario, RegexScenario, GrammarScenario,

@@ -14,10 +14,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from config.limit_checks import (  # noqa: F401  (this module's API too)
-    LimitExceeded, grammar_regexes, json_depth, regex_repeat, schema_patterns,
+    LimitExceeded, json_depth, regex_repeat, schema_patterns,
 )
 
-__all__ = ["LimitExceeded", "Limits", "ServerSettings", "grammar_regexes", "json_depth", "regex_repeat", "schema_patterns"]
+__all__ = ["LimitExceeded", "Limits", "ServerSettings", "json_depth", "regex_repeat", "schema_patterns"]
 
 MAX_SEED = 2**63 - 1
 """Largest ``seed`` a request may give (a signed 64-bit integer; torch generators take no more)."""
@@ -168,18 +168,6 @@ class Limits(BaseModel):
         if repeat > self.max_regex_repeat:
             raise LimitExceeded(field, f"a size of {repeat} with its counted repetitions written out",
                                 "max_regex_repeat", self.max_regex_repeat)
-
-    def check_grammar(self, grammar: str, field: str = "grammar") -> None:
-        """Raise :class:`LimitExceeded` for a Lark grammar larger than ``max_grammar_bytes`` (UTF-8) or with a
-        ``/regex/`` terminal over the regex limits (:meth:`check_regex`), named by its line."""
-        size = len(grammar.encode("utf-8", "surrogatepass"))
-        if size > self.max_grammar_bytes:
-            raise LimitExceeded(field, f"{size} bytes", "max_grammar_bytes", self.max_grammar_bytes)
-        for line, pattern in grammar_regexes(grammar):
-            try:
-                self.check_regex(pattern, field)
-            except LimitExceeded as exc:
-                raise LimitExceeded(field, f"the regex on line {line}: {exc.what}", exc.limit_name, exc.limit) from None
 
     def check_json_depth(self, body: Any, field: str = "body") -> None:
         """Raise :class:`LimitExceeded` for a JSON body nested deeper than ``max_json_depth``."""

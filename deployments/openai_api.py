@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from config import Limits
+from config import SCENARIO_TYPES, Limits, scenario_model
 from deployments.json_body import BodyRejected, parse_json
 from deployments.openai_models import (  # noqa: F401  (the models are this module's API too)
     DEFAULT_MODEL_NAME, IGNORED_FIELDS, NEUTRAL_FIELDS, PASSTHROUGH_FIELDS, AssistantMessage, ChatChoice,
@@ -109,12 +109,11 @@ def _inline_scenario(
         return {"type": "json_schema", "schema": fmt.json_schema.schema_}, "response_format.json_schema.schema"
     if so is None:
         return None, None
-    if so.choice is not None:
-        return {"type": "labels", "labels": so.choice}, names["choice"]
-    if so.regex is not None:
-        return {"type": "regex", "pattern": so.regex}, names["regex"]
-    if so.grammar is not None:
-        return {"type": "grammar", "grammar": so.grammar}, names["grammar"]
+    for type_name in SCENARIO_TYPES:  # the kinds vLLM's structured_outputs can name (their spec says which key)
+        model = scenario_model(type_name)
+        key = model.structured_output if model is not None else None
+        if key is not None and model is not None and getattr(so, key, None) is not None:
+            return {"type": type_name, str(model.constraint_field): getattr(so, key)}, names[key]
     schema = so.json_
     if isinstance(schema, str):
         try:

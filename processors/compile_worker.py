@@ -58,33 +58,39 @@ _MEMORY_SIGNS = ("memory allocation of", "MemoryError", "Cannot allocate memory"
 # ------------------------------------------------------------------------------------------ shared code
 
 
-def build_grammar(kind: str, source: str, lltok, json_options: dict | None = None) -> tuple[str, list[str]]:
-    """The checked llguidance grammar for a JSON schema (``kind`` ``json``/``json_schema``, ``source`` the
-    schema as JSON text), a regex (``kind`` ``regex``, ``source`` the pattern) or a Lark grammar (``kind``
-    ``grammar``, ``source`` its text), and what it does not enforce.
+#: the source forms llguidance builds a grammar from (what a kind hands the worker; not kind names)
+GRAMMAR_FORMS = ("json_schema", "regex", "lark")
+
+
+def build_grammar(form: str, source: str, lltok, json_options: dict | None = None) -> tuple[str, list[str]]:
+    """The checked llguidance grammar of ``source`` in one of llguidance's source forms (:data:`GRAMMAR_FORMS`):
+    ``json_schema`` (the schema as JSON text), ``regex`` (the pattern) or ``lark`` (Lark text); and what it does not
+    enforce.
 
     A JSON schema is compiled as its closest enforceable relaxation (:func:`schema_check.compile_relaxed`):
-    the notes name each keyword removed or weakened (``not at #/properties/a``); empty for a regex or a schema
-    enforced as written. Raises ``ValueError`` naming the problem. This is the step whose cost can explode; it
-    runs in the worker process when a :class:`GrammarWorker` is used, in the caller's process otherwise.
+    the notes name each keyword removed or weakened (``not at #/properties/a``); empty for a regex, a Lark grammar
+    or a schema enforced as written. Raises ``ValueError`` naming the problem. This is the step whose cost can
+    explode; it runs in the worker process when a :class:`GrammarWorker` is used, in the caller's process otherwise.
     """
-    if kind in ("regex", "grammar"):
-        return _checked(kind, source, lltok, None), []
+    if form not in GRAMMAR_FORMS:
+        raise ValueError(f"unknown grammar form {form!r}; known: {', '.join(GRAMMAR_FORMS)}")
+    if form != "json_schema":
+        return _checked(form, source, lltok, None), []
     schema = json.loads(source)
     if not isinstance(schema, dict) or not schema:
-        return _checked(kind, source, lltok, json_options), []
-    return schema_check.compile_relaxed(schema, lambda text: _checked(kind, text, lltok, json_options))
+        return _checked(form, source, lltok, json_options), []
+    return schema_check.compile_relaxed(schema, lambda text: _checked(form, text, lltok, json_options))
 
 
-def _checked(kind: str, source: str, lltok, json_options: dict | None) -> str:
+def _checked(form: str, source: str, lltok, json_options: dict | None) -> str:
     import llguidance
 
-    if kind == "regex":
+    if form == "regex":
         try:
             grammar = llguidance.LLMatcher.grammar_from_regex(source)
         except (ValueError, RuntimeError) as exc:
             raise ValueError(f"invalid regex {source!r}: {exc}") from exc
-    elif kind == "grammar":  # Lark text; llguidance checks it below
+    elif form == "lark":  # llguidance checks it below
         grammar = llguidance.LLMatcher.grammar_from_lark(source)
     else:
         try:
@@ -92,10 +98,10 @@ def _checked(kind: str, source: str, lltok, json_options: dict | None) -> str:
         except (ValueError, RuntimeError) as exc:
             raise ValueError(f"invalid JSON schema: {exc}") from exc
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
-    if is_error and kind == "grammar":
-        raise ValueError(f"grammar: invalid Lark grammar: {messages[0].strip() if messages else 'unknown error'}")
+    if is_error and form == "lark":
+        raise ValueError(f"invalid Lark grammar: {messages[0].strip() if messages else 'unknown error'}")
     if is_error:
-        raise ValueError(f"invalid {kind} constraint: {messages[0] if messages else 'unknown error'}")
+        raise ValueError(f"invalid {form} constraint: {messages[0] if messages else 'unknown error'}")
     return grammar
 
 
@@ -343,7 +349,7 @@ class GrammarWorker:
 
     # -- work
 
-    def build(self, kind: str, source: str, json_options: dict | None = None) -> tuple[str, list[str]]:
+    def build(self, form: str, source: str, json_options: dict | None = None) -> tuple[str, list[str]]:
         """:func:`build_grammar` in the worker: the grammar string and its notes, or ``ValueError`` naming the problem
         (:class:`CompileTimeout`, :class:`CompileMemoryExceeded`, :class:`CompileCrashed` for the worker's own
         failures)."""
@@ -355,7 +361,7 @@ class GrammarWorker:
             proc = self._proc
             assert proc is not None and proc.stdin is not None and proc.stdout is not None  # _running() said so
             try:
-                _send(proc.stdin.fileno(), {"kind": kind, "source": source, "json_options": json_options})
+                _send(proc.stdin.fileno(), {"form": form, "source": source, "json_options": json_options})
                 reply = _recv(proc.stdout.fileno(), time.monotonic() + self.timeout_s)
             except TimeoutError:
                 self._replace()
@@ -434,7 +440,7 @@ def _worker_main() -> None:
         if request is None:
             return
         try:
-            grammar, notes = build_grammar(request["kind"], request["source"], lltok, request.get("json_options"))
+            grammar, notes = build_grammar(request["form"], request["source"], lltok, request.get("json_options"))
             reply: dict[str, Any] = {"grammar": grammar, "notes": notes}
         except MemoryError:
             _send(fd_out, {"memory": True})

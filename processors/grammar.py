@@ -32,8 +32,8 @@ from .tokenizer_info import TokenizerInfo
 __all__ = [
     "GrammarCursor",
     "GrammarSpec",
+    "compile_grammar",
     "compile_json_schema",
-    "compile_lark",
     "compile_regex",
     "get_lltokenizer",
     "new_matcher",
@@ -55,7 +55,8 @@ class GrammarSpec:
     """A grammar checked against one tokenizer.
 
     Args:
-        kind: ``json``, ``json_schema``, ``regex`` or ``grammar`` (for reporting).
+        kind: the scenario kind it was compiled for (``json``, ``json_schema``, ``regex``, ``grammar``; for
+            reporting and its version only: nothing branches on it).
         grammar: the llguidance grammar string.
         eos_token_id: the token that ends a row once the grammar accepts.
         vocab_size: the tokenizer vocabulary it was checked against.
@@ -63,6 +64,7 @@ class GrammarSpec:
         unenforced: what the grammar does not enforce (``json_schema``): one note per keyword the compile removed
             or weakened, naming its place (``not at #/properties/a``); empty when the grammar is the schema.
         repeatable_keys: the grammar may repeat an object key (a key no ``properties`` entry declares).
+        validates: finished outputs are validated (the JSON kinds): a strict JSON parse, then ``schema`` if any.
     """
 
     kind: str
@@ -72,6 +74,7 @@ class GrammarSpec:
     schema: str | None = None
     unenforced: tuple[str, ...] = ()
     repeatable_keys: bool = False
+    validates: bool = False
     version: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -81,11 +84,6 @@ class GrammarSpec:
     @property
     def end_token_id(self) -> int:
         return self.eos_token_id
-
-    @property
-    def validates(self) -> bool:
-        """Finished outputs are validated (JSON kinds): a strict JSON parse, then the whole schema."""
-        return self.kind in ("json", "json_schema")
 
     @property
     def exact(self) -> bool:
@@ -101,13 +99,23 @@ class GrammarSpec:
         return validator_for_schema(self.schema).error(text)
 
 
-def _grammar(kind: str, source: str, info: TokenizerInfo, worker) -> tuple[str, list[str]]:
+def _grammar(form: str, source: str, info: TokenizerInfo, worker) -> tuple[str, list[str]]:
     if worker is None:
-        return build_grammar(kind, source, info.lltokenizer, JSON_OPTIONS)
+        return build_grammar(form, source, info.lltokenizer, JSON_OPTIONS)
     if worker.vocab_size != info.vocab_size:
         raise ValueError(f"the compile worker was built for a vocabulary of {worker.vocab_size}, "
                          f"this tokenizer has {info.vocab_size}")
-    return worker.build(kind, source, JSON_OPTIONS)
+    return worker.build(form, source, JSON_OPTIONS)
+
+
+def compile_grammar(form: str, source: str, tokenizer, *, kind: str, eos_token_id: int, worker=None) -> GrammarSpec:
+    """Compile ``source`` in one of llguidance's source forms (``regex``, ``lark``; JSON schemas go through
+    :func:`compile_json_schema`) into a :class:`GrammarSpec` for the scenario kind ``kind``; ``worker`` as for
+    :func:`compile_json_schema`. Its outputs need no check after generation (:attr:`GrammarSpec.exact`). A kind
+    whose spec is one of these forms compiles with this alone (``processors/kinds/regex``, ``.../grammar``)."""
+    info = TokenizerInfo.of(tokenizer)
+    grammar, _ = _grammar(form, source, info, worker)
+    return GrammarSpec(kind=kind, grammar=grammar, eos_token_id=int(eos_token_id), vocab_size=info.vocab_size)
 
 
 def compile_json_schema(schema: dict | None, tokenizer, *, eos_token_id: int, worker=None) -> GrammarSpec:
@@ -122,26 +130,16 @@ def compile_json_schema(schema: dict | None, tokenizer, *, eos_token_id: int, wo
     """
     info = TokenizerInfo.of(tokenizer)
     kind = "json" if not schema else "json_schema"
-    grammar, notes = _grammar(kind, json.dumps(schema or {}), info, worker)
+    grammar, notes = _grammar("json_schema", json.dumps(schema or {}), info, worker)
     return GrammarSpec(kind=kind, grammar=grammar, eos_token_id=int(eos_token_id), vocab_size=info.vocab_size,
-                       schema=json.dumps(schema) if schema else None, unenforced=tuple(notes),
+                       schema=json.dumps(schema) if schema else None, unenforced=tuple(notes), validates=True,
                        repeatable_keys=admits_repeated_keys(relax_schema(schema)[0] if schema else None))
 
 
 def compile_regex(pattern: str, tokenizer, *, eos_token_id: int, worker=None) -> GrammarSpec:
     """Compile a regular expression (Rust ``regex`` syntax, whole-output match); ``worker`` as for
     :func:`compile_json_schema`."""
-    info = TokenizerInfo.of(tokenizer)
-    grammar, _ = _grammar("regex", pattern, info, worker)
-    return GrammarSpec(kind="regex", grammar=grammar, eos_token_id=int(eos_token_id), vocab_size=info.vocab_size)
-
-
-def compile_lark(grammar: str, tokenizer, *, eos_token_id: int, worker=None) -> GrammarSpec:
-    """Compile a Lark grammar (llguidance's Lark dialect; its ``start`` rule is the whole output); ``worker`` as
-    for :func:`compile_json_schema`. Its outputs need no check after generation (:attr:`GrammarSpec.exact`)."""
-    info = TokenizerInfo.of(tokenizer)
-    checked, _ = _grammar("grammar", grammar, info, worker)
-    return GrammarSpec(kind="grammar", grammar=checked, eos_token_id=int(eos_token_id), vocab_size=info.vocab_size)
+    return compile_grammar("regex", pattern, tokenizer, kind="regex", eos_token_id=eos_token_id, worker=worker)
 
 
 def new_matcher(spec: GrammarSpec, tokenizer):

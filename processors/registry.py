@@ -1,14 +1,15 @@
 """The registry of constraint kinds: the only map from a scenario ``type`` name to its kind.
 
-Each module of ``processors/kinds/`` registers its kind when imported; the package imports every module it holds,
-so a new kind is found without being listed anywhere. The registry checks that the kinds and the config models
+Each kind package of ``processors/kinds/`` registers its kind when its ``kind`` module is imported; the first
+lookup here imports them all (``processors.kinds.load_kinds``), so a new kind is found without being listed
+anywhere. The registry checks that the kinds and the config models
 (the ``config.Scenario`` union) name the same types.
 
 Example::
 
     >>> from processors import registry
     >>> registry.names()
-    ('tree', 'labels', 'json_schema', 'json', 'regex', 'grammar')
+    ('tree', 'labels', 'json_schema', 'json', 'regex', 'grammar', 'tools')
     >>> registry.get("labels")
     <LabelsKind 'labels'>
 """
@@ -46,8 +47,10 @@ def _load() -> None:
     with _LOAD_LOCK:
         if _LOADED:
             return
-        import processors.kinds  # noqa: F401  (each module registers its kind)
         from config import SCENARIO_TYPES
+        from processors.kinds import load_kinds
+
+        load_kinds()  # each kind module registers its kind
 
         missing = [t for t in SCENARIO_TYPES if t not in _KINDS]
         extra = [t for t in _KINDS if t not in SCENARIO_TYPES]

@@ -30,7 +30,7 @@ from processors import (
     ThinkCursor, TreeCursor, apply_steps, bitmask_to_ids, build_label_tables, build_tree_tables, compile_json_schema,
     compile_regex, compile_scenario, compile_think, constraint_cursor,
 )
-from processors.grammar import compile_lark
+from processors.kinds.grammar.kind import compile_lark
 from processors.items import resolve_exclude
 from processors.masks import mask_padded_vocab
 from processors.testing import build_tokenizer, decode, tid, tree_data

@@ -15,7 +15,7 @@ import pytest
 from processors.chain import RowCursor
 from processors.compile import CompiledScenario
 from processors.items import ItemRules, item_rules, min_item_tokens, resolve_exclude
-from processors.kinds.tree import check_multi_item
+from processors.kinds.tree.kind import check_multi_item
 from processors.tables import DONE, build_tree_tables, item_metrics
 from processors.tree import TreeCursor
 from processors.testing import tree_data

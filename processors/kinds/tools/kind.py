@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from config import JsonSchemaScenario, ToolsScenario
 
-from ..registry import register
-from .base import CompileResult
-from .json_schema import JsonSchemaKind
+from ...registry import register
+from ..base import CompileResult
+from ..json_schema.kind import JsonSchemaKind
+from ..json_schema.spec import JsonSchemaScenario
+from .spec import ToolsScenario
 
 
 def tools_setup(scenario: ToolsScenario) -> tuple[dict[str, Any], dict[str, Any]]:

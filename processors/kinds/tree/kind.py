@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-
-from config import TreeScenario, load_tree
-from config.settings import LimitExceeded
-
-from ..registry import register
 import numpy as np
 
-from ..tables import DONE, MaskTables, build_tree_tables, item_metrics
-from ..tree import TreeCursor
-from .base import Capabilities, CompileResult, ConstraintKind
+from config import load_tree
+from config.settings import LimitExceeded
+
+from ...registry import register
+from ...tables import DONE, MaskTables, build_tree_tables, item_metrics
+from ...tree import TreeCursor
+from ..base import Capabilities, CompileResult, ConstraintKind
+from .spec import TreeScenario
 
 
 def check_multi_item(tables: MaskTables, separator: int | None) -> None:

@@ -3,25 +3,13 @@ JSON Schema, or for any JSON value."""
 
 from __future__ import annotations
 
-from config import JsonSchemaScenario, JsonScenario, ScenarioError
+from config import ScenarioError
 
-from ..grammar import GrammarCursor, GrammarSpec, compile_json_schema
-from ..registry import register
-from .base import Capabilities, CompileResult, ConstraintKind
-
-
-class GrammarKind(ConstraintKind):
-    """A kind compiled into a checked llguidance grammar; the cursor is a per-row matcher (bitmask steps)."""
-
-    compiled_type = GrammarSpec
-    needs_tokenizer = True
-    capabilities = Capabilities(grammar=True)
-
-    def cursor(self, constraint, info) -> GrammarCursor:
-        if info is None:
-            raise ValueError(f"a {constraint.kind} scenario needs tokenizer= (a tokenizer or a TokenizerInfo) "
-                             "to build its matcher")
-        return GrammarCursor(constraint, info)
+from ...grammar import compile_json_schema
+from ...registry import register
+from ..base import CompileResult
+from ..llguidance_kind import GrammarKind
+from .spec import JsonSchemaScenario, JsonScenario
 
 
 class JsonSchemaKind(GrammarKind):

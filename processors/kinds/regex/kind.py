@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from config import RegexScenario
 
-from ..grammar import compile_regex
-from ..registry import register
-from .base import CompileResult
-from .json_schema import GrammarKind
+from ...grammar import compile_regex
+from ...registry import register
+from ..base import CompileResult
+from ..llguidance_kind import GrammarKind
+from .spec import RegexScenario
 
 
 class RegexKind(GrammarKind):

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from config import LabelsScenario
 
-from ..base import Cursor
-from ..labels import LabelCursor, LabelTables, build_label_tables
-from ..registry import register
-from ..tables import item_metrics
-from ..tree import TreeCursor
-from .base import Capabilities, CompileResult, ConstraintKind
+from ...base import Cursor
+from ...labels import LabelCursor, LabelTables, build_label_tables
+from ...registry import register
+from ...tables import item_metrics
+from ...tree import TreeCursor
+from ..base import Capabilities, CompileResult, ConstraintKind
+from .spec import LabelsScenario
 
 
 class LabelsKind(ConstraintKind):
