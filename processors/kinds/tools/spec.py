@@ -1,0 +1,105 @@
+"""The ``tools`` kind's spec: a stored tool set (OpenAI function ``tools``, ``tool_choice``).
+
+Torch-free (pydantic only): ``config/scenarios.py`` imports it to build the ``Scenario`` union, and the ingress
+validates bodies with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from config.scenario_base import ScenarioBase
+
+if TYPE_CHECKING:
+    from config.settings import Limits
+
+__all__ = ['ToolsScenario']
+
+
+class ToolsScenario(ScenarioBase):
+    """A stored tool set: OpenAI function ``tools`` and how they are called (``tool_choice``,
+    ``parallel_tool_calls``), served by name on the chat and Responses routes as tool calls.
+
+    Validated like the request-level tools (``deployments.tool_calls.tool_setup``: distinct names, a named
+    ``tool_choice`` one of the tools, each ``parameters`` a valid JSON schema of an object within the JSON-schema
+    limits) and compiled into the same constraint that function builds for a request. ``tool_choice`` is
+    ``auto`` (the default: a call or a text answer), ``required`` or a named function; ``"none"`` is refused (a
+    scenario that never calls is a plain one).
+    """
+
+    type: Literal["tools"] = Field(description="Scenario kind.")
+    tools: list[dict[str, Any]] = Field(
+        min_length=1, description="OpenAI function tools: {type: function, function: {name, description, parameters}}.")
+    tool_choice: Literal["auto", "required"] | dict[str, Any] = Field(
+        default="auto", description="auto, required, or {type: function, function: {name}} (exactly one call of it).")
+    parallel_tool_calls: bool | None = Field(
+        default=None, strict=True, description="false: at most one call per answer (default: several may come).")
+
+    constraint_field: ClassVar[str | None] = "tools"
+
+    @classmethod
+    def check_limits(cls, body: Mapping[str, Any], limits: Limits) -> None:
+        tools = body.get("tools")
+        if not isinstance(tools, list):
+            return
+        for i, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, Mapping) else None
+            params = function.get("parameters") if isinstance(function, Mapping) else None
+            if isinstance(params, Mapping):
+                limits.check_schema(params, f"tools[{i}].function.parameters")
+        try:  # the call schema they make together (several tools within the limits each may not be)
+            plan, _ = cls._setup(body)
+        except Exception:  # noqa: BLE001 - what is wrong with the body is named by validation
+            return
+        if plan is not None:
+            limits.check_schema(plan.scenario["schema"], "tools")
+
+    @staticmethod
+    def _setup(body: Mapping[str, Any]):
+        from deployments.tool_calls import tool_setup
+
+        return tool_setup(body.get("tools"), body.get("tool_choice", "auto"), body.get("parallel_tool_calls"))
+
+    def plan(self):
+        """``(ToolPlan, prompt_tools)`` of this tool set (``deployments.tool_calls.tool_setup``)."""
+        return self._setup(self.model_dump())
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice(cls, choice: Any) -> Any:
+        if choice == "none":
+            raise ValueError("'none' is not a stored default (a scenario that never calls a tool is a plain "
+                             "scenario); give auto, required or a named function")
+        if isinstance(choice, str) and choice not in ("auto", "required"):
+            raise ValueError(f"{choice!r} is not one of 'auto', 'required' or a named function "
+                             "{type: function, function: {name}}")
+        return choice
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ToolsScenario:
+        from deployments.protocol import ServiceError
+        from deployments.tool_calls import NamedToolChoice, Tool
+
+        def first(exc: ValidationError) -> str:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err.get("loc", ()))
+            return f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
+
+        for i, tool in enumerate(self.tools):
+            try:
+                Tool.model_validate(tool)
+            except ValidationError as exc:
+                raise ValueError(f"tools[{i}].{first(exc)}") from None
+        if isinstance(self.tool_choice, dict):
+            try:
+                NamedToolChoice.model_validate(self.tool_choice)
+            except ValidationError as exc:
+                raise ValueError(f"tool_choice.{first(exc)}") from None
+        try:
+            self.plan()
+        except ServiceError as exc:
+            raise ValueError(exc.message) from None
+        return self
