@@ -104,6 +104,30 @@ class MaskTables:
         # they would cost every replica their memory and the first request after a swap their time.
         item_metrics(self)
 
+    @classmethod
+    def assemble(cls, offsets: np.ndarray, tokens: np.ndarray, next_state: np.ndarray, keys: np.ndarray, root: int,
+                 end_token_id: int, vocab_size: int, metrics: tuple, max_remaining: np.ndarray) -> "MaskTables":
+        """Tables from arrays already known to be valid (``processors/tree_delta.py``: a previous version's tables
+        updated along the changed paths), with their ``keys`` and item metrics: no check and no pass over all
+        states (only the content hash reads every array). ``metrics``: what :func:`item_metrics` gives."""
+        self = object.__new__(cls)
+        for name, value in (("offsets", offsets), ("tokens", tokens), ("next_state", next_state), ("keys", keys)):
+            object.__setattr__(self, name, _freeze(value))
+        fields: dict[str, object] = {"root": int(root), "end_token_id": int(end_token_id),
+                                     "vocab_size": int(vocab_size), "warnings": ()}
+        for field_name, field_value in fields.items():
+            object.__setattr__(self, field_name, field_value)
+        object.__setattr__(self, "version", content_hash("tables", self.offsets, self.tokens, self.next_state,
+                                                         self.root, self.end_token_id, self.vocab_size))
+        object.__setattr__(self, "_item_metrics", metrics)
+        object.__setattr__(self, "_max_remaining", max_remaining)
+        return self
+
+    def __getstate__(self) -> dict:  # the manager's own helper array stays home
+        state = dict(self.__dict__)
+        state.pop("_max_remaining", None)
+        return state
+
     def __setstate__(self, state: dict) -> None:  # arrays come back writable from pickle
         for name in ("offsets", "tokens", "next_state", "keys"):
             state[name] = _freeze(state[name])
@@ -350,6 +374,8 @@ def _item_metrics(tables: "MaskTables") -> tuple[np.ndarray, np.ndarray, bool, i
         ready = uniq[pending[uniq] == 0]
     uniform = bool(np.array_equal(min_rem, max_rem))
     deepest = int(max_rem.max())
+    # the longest way down per state: what a delta (processors/tree_delta.py) needs to update `uniform`/`deepest`
+    tables.__dict__["_max_remaining"] = _freeze(np.minimum(max_rem, _UNSET).astype(np.int32))
     return (_freeze(min_rem.astype(np.int32)), _freeze(np.minimum(items, np.iinfo(np.int32).max).astype(np.int32)),
             uniform, deepest)
 
