@@ -24,7 +24,7 @@ from deployments.openai_models import (  # noqa: F401  (the models are this modu
     DEFAULT_MODEL_NAME, IGNORED_FIELDS, NEUTRAL_FIELDS, PASSTHROUGH_FIELDS, AssistantMessage, ChatChoice,
     ChatCompletionRequest, ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse,
     JsonSchemaFormat, ModelCard, ModelList, OpenAIChatMessage, ResponseFormat, StreamOptions, StructuredOutputs,
-    TextPart, ToolCall, ToolCallFunction,
+    TextPart, ToolCall, ToolCallFunction, structured_keys,
 )
 from deployments.openai_stream import openai_stream_chunks
 from deployments.protocol import GenerateRequest, GenerateResponse, ServiceError
@@ -86,15 +86,15 @@ def _inline_scenario(
     fmt, so = body.response_format, body.structured_outputs
     if fmt is not None and fmt.type == "text":
         fmt = None
-    names = {key: f"structured_outputs.{key}" for key in ("choice", "json", "regex", "grammar")}
-    guided = {key: value for key, value in (("choice", body.guided_choice), ("json", body.guided_json),
-                                            ("regex", body.guided_regex), ("grammar", body.guided_grammar))
-              if value is not None}
+    keys = structured_keys()
+    names = {key: f"structured_outputs.{key}" for key in keys}
+    guided = {key: getattr(body, f"guided_{key}") for key in keys if getattr(body, f"guided_{key}") is not None}
     given = [name for name, value in (("scenario", body.scenario), ("response_format", fmt), ("structured_outputs", so),
                                       *((f"guided_{key}", True) for key in guided)) if value is not None]
     if len(given) > 1:
+        fields = ", ".join(f"'guided_{key}'" for key in keys)
         raise ServiceError(422, f"give at most one of 'scenario', 'response_format', 'structured_outputs', "
-                                f"'guided_choice', 'guided_json', 'guided_regex', 'guided_grammar' (got {given})")
+                                f"{fields} (got {given})")
     if guided:  # vLLM's older extra fields: the same constraint as structured_outputs
         try:
             so = StructuredOutputs.model_validate(guided)

@@ -39,11 +39,17 @@ class StructuredOutputs(BaseModel):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "StructuredOutputs":
-        given = [name for name, value in (("choice", self.choice), ("json", self.json_), ("regex", self.regex),
-                                          ("grammar", self.grammar)) if value is not None]
+        given = [key for key, name in structured_keys().items() if getattr(self, name) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of 'choice', 'json', 'regex', 'grammar' (got {given or 'none'})")
+            raise ValueError(f"give exactly one of {', '.join(repr(k) for k in structured_keys())} "
+                             f"(got {given or 'none'})")
         return self
+
+
+def structured_keys() -> dict[str, str]:
+    """The keys of ``structured_outputs`` (as the client writes them: ``json``, not ``json_``) -> the attribute of
+    :class:`StructuredOutputs`, in order; each also has vLLM's older ``guided_<key>`` request field."""
+    return {field.alias or name: name for name, field in StructuredOutputs.model_fields.items()}
 
 
 #: OpenAI / vLLM body fields that are accepted and have no effect here (documented in the README)
