@@ -1,5 +1,5 @@
 """The base of every scenario config model (:class:`ScenarioBase`, :class:`ThinkConfig`) and the one error type of
-the scenario pipeline (:class:`ScenarioError`); ``config/scenario_kinds.py`` holds the kinds' models,
+the scenario pipeline (:class:`ScenarioError`); each kind's package holds its model (``processors/kinds/<kind>/spec.py``),
 ``config/scenarios.py`` their union and the parse functions."""
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """The constraint-kind contract: what one scenario ``type`` provides, written once.
 
-A kind is the compile side of one scenario ``type`` (its spec is a ``config`` model): it turns a validated
+A kind is the compile side of one scenario ``type`` (its spec is a config model): it turns a validated
 spec into an immutable compiled object for one tokenizer, makes a fresh per-row cursor from that object, and
-names the limits of its spec. One module per kind under ``processors/kinds/`` registers one instance with
-:func:`processors.registry.register`; :mod:`processors.registry` is the only place that maps ``type`` names to
-kinds. Adding a kind: its config model (``config/scenario_kinds.py``, a member of the ``Scenario`` union in
-``config/scenarios.py``) and its
-module here. What the rest of the service needs to know of a kind it reads from the kind's :class:`Capabilities`
+names the limits of its spec. Each kind is a package under ``processors/kinds/``: ``spec.py`` (the config model,
+torch-free, a member of the ``Scenario`` union in ``config/scenarios.py``) and ``kind.py``, which registers one
+instance with :func:`processors.registry.register`; :mod:`processors.registry` is the only place that maps
+``type`` names to kinds. Adding a kind: its package and its line in the union (docs/design.md, section 7). What the rest of the service needs to know of a kind it reads from the kind's :class:`Capabilities`
 (``CompiledScenario.capabilities``): item controls, PATCH, a grammar matcher per row. Still kind-specific outside
-this package: the sources of a tree (file pinning, catalog upload, the inline split) in the config manager.
+the kinds' packages: the sources of a tree (file pinning, catalog upload, PATCH, the inline split) in the config
+manager.
 
 The same shape as vLLM's structured-output backends (``v1/structured_output/backend_types.py``: a backend
 compiles a grammar, a per-request object accepts tokens and fills the bitmask) and xgrammar's
