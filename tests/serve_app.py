@@ -10,7 +10,10 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import requests
@@ -91,6 +94,75 @@ class ServeApp:
 
     def generate(self, body: dict, timeout: float = 120) -> requests.Response:
         return requests.post(f"{self.url}/v1/generate", json=body, timeout=timeout)
+
+
+def swap_under_load(app, name: str, first: tuple[int, Any], swap: Callable[[int], tuple[int, Any]],
+                    request: Callable[[int], dict], check: Callable[[dict, Any], None], *, swaps: int, clients: int,
+                    min_answers: int) -> set[int]:
+    """Swap the stored scenario ``name`` ``swaps`` times while ``clients`` threads send ``request(i)`` to it
+    without pause; every answer is checked against the version it reports. Returns the versions seen.
+
+    ``first``: ``(version, expected)`` stored before; ``swap(k)`` (k = 1..swaps) makes version k (a PUT, a PATCH)
+    and returns ``(version, expected)``; ``check(answer, expected)`` asserts an answer is valid for its version.
+    Each swap waits until a request sent after the last one was answered (every version serves some), and the run
+    until ``min_answers`` answers and one sent after the last swap; the load sets the pace, up to 600 s. Also
+    asserted: no request failed, and no request sent after a swap returned was served by an older version.
+    """
+    expected: dict[int, Any] = {first[0]: first[1]}
+    results: list[tuple[float, dict]] = []
+    errors: list[str] = []
+    stop, lock = threading.Event(), threading.Lock()
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            sent = time.time()
+            try:
+                r = app.generate(request(i))
+            except requests.RequestException as exc:
+                errors.append(repr(exc))
+                continue
+            with lock:
+                (results.append((sent, r.json())) if r.status_code == 200 else errors.append(f"{r.status_code}: {r.text}"))
+
+    def answered_after(mark: float) -> bool:
+        with lock:
+            return any(sent > mark for sent, _ in results)
+
+    def until_load(cond: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 600
+        while not cond():
+            assert not errors, errors[:5]
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.1)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    swapped: list[tuple[float, int]] = []
+    try:
+        for k in range(1, swaps + 1):
+            until_load(lambda: answered_after(swapped[-1][0] if swapped else 0.0), "a request served by the last version")
+            version, value = swap(k)
+            expected[version] = value
+            swapped.append((time.time(), version))
+        until_load(lambda: answered_after(swapped[-1][0]) and len(results) >= min_answers,
+                   f"{min_answers} answers, one sent after the last swap")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(120)
+    assert not errors, errors[:5]
+    assert len({v for _, v in swapped}) == swaps, f"each swap makes a new version: {swapped}"
+    assert len(results) >= min_answers, f"only {len(results)} requests completed under load"
+    seen = set()
+    for sent, body in results:
+        version = body["version"]
+        seen.add(version)
+        assert version in expected, f"response reports unknown version {version}"
+        check(body, expected[version])
+        newest = max((v for t, v in swapped if t < sent), default=first[0])
+        assert version >= newest, f"a request sent after v{newest} was stored was served by v{version}"
+    return seen
 
 
 def start_local_ray(attempts: int = 3, **kwargs) -> None:

@@ -7,12 +7,11 @@ Every generated output is checked against the items of the version its response 
 from __future__ import annotations
 
 import json
-import threading
-import time
 import uuid
 
 import pytest
 import requests
+from serve_app import swap_under_load
 from test_admin_cli import _ok, cli
 
 from deployments.examples import chat_root_token_id
@@ -88,73 +87,29 @@ def test_catalog_put_get_and_generate(serve_app, tokenizer, phrase_items):
 
 
 def test_patch_under_load_every_output_matches_its_version(serve_app, tokenizer, phrase_items):
+    """One PATCH (one item in, one out) after another while 8 clients send requests: every answer is an item of
+    the version it reports."""
     name = _name()
     phrases = list(phrase_items.values())
     current = set(phrases[:3])
-    versions: dict[int, set] = {}
     r = put_catalog(serve_app, name, catalog(tokenizer, current))
     assert r.status_code == 200, r.text
-    versions[r.json()["version"]] = set(current)
-    results: list[tuple[float, dict]] = []
-    errors: list[str] = []
-    stop = threading.Event()
-    lock = threading.Lock()
 
-    def client(i):
-        while not stop.is_set():
-            sent = time.time()
-            try:
-                r = serve_app.generate({"scenario": name, "messages": _chat(f"Name a thing ({i})."), "temperature": 1.5})
-            except requests.RequestException as exc:
-                errors.append(repr(exc))
-                continue
-            with lock:
-                (results.append((sent, r.json())) if r.status_code == 200 else errors.append(f"{r.status_code}: {r.text}"))
+    def swap(k):
+        nonlocal current
+        drop = sorted(current)[0]
+        r = patch(serve_app, name, {"add": [list(phrases[k + 2])], "remove": [list(drop)]})
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert (answer["added"], answer["removed"], answer["changed"]) == (1, 1, True)
+        current = (current - {drop}) | {phrases[k + 2]}
+        return answer["version"], set(current)
 
-    def answered_after(mark: float) -> bool:
-        with lock:
-            return any(r[0] > mark for r in results)
-
-    def until_load(cond, what: str) -> None:
-        """The load sets the pace (a loaded machine is slower, not wrong): wait for it, up to a generous bound."""
-        deadline = time.monotonic() + 600
-        while not cond():
-            assert not errors, errors[:5]
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            time.sleep(0.1)
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    patches: list[tuple[float, int]] = []
-    try:
-        for k in range(3, len(phrases)):
-            # the next swap once a request sent after the last one was answered: every version serves some
-            until_load(lambda: answered_after(patches[-1][0] if patches else 0.0), "a request served by the last version")
-            drop = sorted(current)[0]
-            r = patch(serve_app, name, {"add": [list(phrases[k])], "remove": [list(drop)]})
-            assert r.status_code == 200, r.text
-            answer = r.json()
-            assert (answer["added"], answer["removed"], answer["changed"]) == (1, 1, True)
-            current = (current - {drop}) | {phrases[k]}
-            versions[answer["version"]] = set(current)
-            patches.append((time.time(), answer["version"]))
-        until_load(lambda: answered_after(patches[-1][0]) and len(results) >= 16,
-                   "16 answers, one sent after the last swap")
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(120)
-    assert not errors, errors[:5]
-    assert len(results) >= 16, f"only {len(results)} requests completed under load"
-    seen = set()
-    for sent, body in results:
-        version = body["version"]
-        seen.add(version)
-        assert version in versions, f"response reports unknown version {version}"
-        check_item(body["outputs"][0], versions[version], tokenizer.eos_token_id)
-        newest = max((v for t, v in patches if t < sent), default=1)
-        assert version >= newest, f"a request sent after PATCH v{newest} returned was served by v{version}"
+    seen = swap_under_load(
+        serve_app, name, (r.json()["version"], set(current)), swap,
+        lambda i: {"scenario": name, "messages": _chat(f"Name a thing ({i})."), "temperature": 1.5},
+        lambda body, items: check_item(body["outputs"][0], items, tokenizer.eos_token_id),
+        swaps=len(phrases) - 3, clients=8, min_answers=16)
     assert len(seen) >= 3, f"the load should span several versions, saw {sorted(seen)}"
 
 

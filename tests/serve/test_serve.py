@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -17,7 +15,7 @@ import requests
 
 from config import is_tree_path
 from deployments.examples import build_phrase_tree, chat_root_token_id
-from serve_app import check_label
+from serve_app import check_label, swap_under_load
 
 pytestmark = pytest.mark.serve
 
@@ -155,71 +153,19 @@ def test_bad_scenario_is_never_stored(serve_app, stored):
 
 
 def test_hot_swap_under_load(serve_app):
+    """Ten PUTs while 16 clients send requests: every answer is one of the labels of the version it reports."""
     name = "t-swap"
-    versions: dict[int, list[str]] = {}
-    first = serve_app.put(name, {"type": "labels", "labels": ["red 0", "blue 0"]})
-    versions[first["version"]] = ["red 0", "blue 0"]
-    results: list[tuple[float, int, dict]] = []
-    errors: list[str] = []
-    stop = threading.Event()
-    lock = threading.Lock()
+    first = serve_app.put(name, {"type": "labels", "labels": ["red 0", "blue 0"]})["version"]
 
-    def client(i):
-        while not stop.is_set():
-            sent = time.time()
-            try:
-                r = serve_app.generate({"scenario": name, "messages": _chat(f"Pick a colour ({i})"), "temperature": 1.0, "max_new_tokens": 8})
-            except requests.RequestException as exc:
-                errors.append(repr(exc))
-                continue
-            with lock:
-                if r.status_code != 200:
-                    errors.append(f"{r.status_code}: {r.text}")
-                else:
-                    results.append((sent, i, r.json()))
+    def swap(k):
+        labels = [f"red {k}", f"blue {k}"]
+        return serve_app.put(name, {"type": "labels", "labels": labels})["version"], labels
 
-    def answered_after(mark: float) -> bool:
-        with lock:
-            return any(r[0] > mark for r in results)
-
-    def until_load(cond, what: str) -> None:
-        """The load sets the pace (a loaded machine is slower, not wrong): wait for it, up to a generous bound."""
-        deadline = time.monotonic() + 600
-        while not cond():
-            assert not errors, errors[:5]
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            time.sleep(0.1)
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    puts: list[tuple[float, int]] = []
-    try:
-        for k in range(1, 11):
-            # the next swap once a request sent after the last one was answered: every version serves some
-            until_load(lambda: answered_after(puts[-1][0] if puts else 0.0), "a request served by the last version")
-            labels = [f"red {k}", f"blue {k}"]
-            v = serve_app.put(name, {"type": "labels", "labels": labels})["version"]
-            versions[v] = labels
-            puts.append((time.time(), v))
-        until_load(lambda: answered_after(puts[-1][0]) and len(results) >= 32,
-                   "32 answers, one sent after the last swap")
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(120)
-    assert not errors, errors[:5]
-    assert len(puts) == 10 and len(set(v for _, v in puts)) == 10
-    assert len(results) >= 32, f"only {len(results)} requests completed under load"
-    seen_versions = set()
-    for sent, _i, body in results:
-        v = body["version"]
-        seen_versions.add(v)
-        assert v in versions, f"response reports unknown version {v}"
-        check_label(body["outputs"][0], versions[v])
-        newest_done = max((pv for pt, pv in puts if pt < sent), default=first["version"])
-        assert v >= newest_done, f"request sent after PUT v{newest_done} returned was served by v{v}"
-    assert len(seen_versions) >= 3, f"the load should span several versions, saw {sorted(seen_versions)}"
+    seen = swap_under_load(
+        serve_app, name, (first, ["red 0", "blue 0"]), swap,
+        lambda i: {"scenario": name, "messages": _chat(f"Pick a colour ({i})"), "temperature": 1.0, "max_new_tokens": 8},
+        lambda body, labels: check_label(body["outputs"][0], labels), swaps=10, clients=16, min_answers=32)
+    assert len(seen) >= 3, f"the load should span several versions, saw {sorted(seen)}"
 
 
 def test_rollback_restores_old_behaviour(serve_app):

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 
 import pytest
 
@@ -19,7 +17,7 @@ pytest.importorskip("vllm.v1.engine.async_llm", reason="the vLLM tier runs in .v
 
 import requests  # noqa: E402
 
-from serve_app import check_label  # noqa: E402
+from serve_app import check_label, swap_under_load  # noqa: E402
 from vllm_checks import APP, check_output  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -137,70 +135,18 @@ def test_healthz_reports_the_vllm_replica_and_its_versions(app, bodies):
 
 
 def test_hot_swap_under_load(app, bodies):
+    """Ten PUTs while 16 clients send requests: every answer is one of the labels of the version it reports."""
     name = "v-swap"
-    versions: dict[int, list[str]] = {}
-    first = app.put(name, {"type": "labels", "labels": ["red 0", "blue 0"]})
-    versions[first["version"]] = ["red 0", "blue 0"]
-    results: list[tuple[float, dict]] = []
-    errors: list[str] = []
-    stop = threading.Event()
-    lock = threading.Lock()
+    first = app.put(name, {"type": "labels", "labels": ["red 0", "blue 0"]})["version"]
 
-    def client(i):
-        while not stop.is_set():
-            sent = time.time()
-            try:
-                r = app.generate({"scenario": name, "messages": _chat(f"Pick a colour ({i})"), "temperature": 1.0,
-                                  "max_new_tokens": 8})
-            except requests.RequestException as exc:
-                errors.append(repr(exc))
-                continue
-            with lock:
-                if r.status_code != 200:
-                    errors.append(f"{r.status_code}: {r.text}")
-                else:
-                    results.append((sent, r.json()))
+    def swap(k):
+        labels = [f"red {k}", f"blue {k}"]
+        return app.put(name, {"type": "labels", "labels": labels})["version"], labels
 
-    def answered_after(mark: float) -> bool:
-        with lock:
-            return any(r[0] > mark for r in results)
-
-    def until_load(cond, what: str) -> None:
-        """The load sets the pace (a loaded machine is slower, not wrong): wait for it, up to a generous bound."""
-        deadline = time.monotonic() + 600
-        while not cond():
-            assert not errors, errors[:5]
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            time.sleep(0.1)
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    puts: list[tuple[float, int]] = []
-    try:
-        for k in range(1, 11):
-            # the next swap once a request sent after the last one was answered: every version serves some
-            until_load(lambda: answered_after(puts[-1][0] if puts else 0.0), "a request served by the last version")
-            labels = [f"red {k}", f"blue {k}"]
-            v = app.put(name, {"type": "labels", "labels": labels})["version"]
-            versions[v] = labels
-            puts.append((time.time(), v))
-        until_load(lambda: answered_after(puts[-1][0]) and len(results) >= 32,
-                   "32 answers, one sent after the last swap")
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(120)
-    assert not errors, errors[:5]
-    assert len(results) >= 32, f"only {len(results)} requests completed under load"
-    seen = set()
-    for sent, body in results:
-        v = body["version"]
-        seen.add(v)
-        assert v in versions, f"response reports unknown version {v}"
-        check_label(body["outputs"][0], versions[v])
-        newest_done = max((pv for pt, pv in puts if pt < sent), default=first["version"])
-        assert v >= newest_done, f"request sent after PUT v{newest_done} returned was served by v{v}"
+    seen = swap_under_load(
+        app, name, (first, ["red 0", "blue 0"]), swap,
+        lambda i: {"scenario": name, "messages": _chat(f"Pick a colour ({i})"), "temperature": 1.0, "max_new_tokens": 8},
+        lambda body, labels: check_label(body["outputs"][0], labels), swaps=10, clients=16, min_answers=32)
     assert len(seen) >= 3, f"the load should span several versions, saw {sorted(seen)}"
 
 
