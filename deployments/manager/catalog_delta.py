@@ -168,8 +168,10 @@ def apply_delta(compiler: Any, limits: Any, name: str, body: dict[str, Any], add
         raise ServiceError(409, f"scenario {name!r} is a {kind} scenario: PATCH adds and removes tree items or "
                                 "labels; PUT the whole scenario instead", {"name": name, "type": kind})
     sha = body.get("content_sha256")
+    base_tables = None
     if body.get("content_format") == "items" and isinstance(sha, str):
         base = compiler.catalog(name, sha)
+        base_tables = compiler.catalog_tables(sha)
     else:  # an inline tree or a tree file: its items, once
         scenario = compiler.validate(name, body)
         tree = load_tree(scenario.tree if scenario.tree is not None else scenario.path,
@@ -186,4 +188,11 @@ def apply_delta(compiler: Any, limits: Any, name: str, body: dict[str, Any], add
     content = catalog.content()
     sha, new = compiler.keep_content(content)
     compiler.remember_catalog(sha, catalog)
+    if base_tables is not None:  # the base's tables updated along the changed paths (equal to a full compile)
+        from processors.tree_delta import patch_tables
+
+        tables = patch_tables(base_tables, add, remove)
+        if tables is not None:
+            compiler.remember_tables(sha, tables)
+            compiler.tables_patched += 1
     return catalog_body(catalog, content), content, report, (sha if new else None)

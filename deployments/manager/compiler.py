@@ -127,6 +127,8 @@ class StoredScenarioCompiler:
 
         self.pipeline = ScenarioCompiler(tokenizer, settings.limits, executor=self._pool)
         self._catalogs: dict[str, Any] = {}  # sha -> parsed Catalog, the newest few
+        self._tables: dict[str, Any] = {}  # sha -> a catalog's tables (catalog_tables' form), the newest two
+        self.tables_patched = 0  # PATCHes whose tables were updated from their base's (not compiled in full)
         self.new_loop()
 
     def new_loop(self) -> None:
@@ -257,6 +259,17 @@ class StoredScenarioCompiler:
         while len(self._catalogs) > 4:
             self._catalogs.pop(next(iter(self._catalogs)))
 
+    def catalog_tables(self, sha: str):
+        """The tables of catalog ``sha`` when built here lately (a PATCH updates them: processors/tree_delta.py)."""
+        return self._tables.get(sha)
+
+    def remember_tables(self, sha: str, tables) -> None:
+        """Keep the tables of catalog ``sha`` (the newest two: a large catalog's tables are large)."""
+        self._tables.pop(sha, None)
+        self._tables[sha] = tables
+        while len(self._tables) > 2:
+            self._tables.pop(next(iter(self._tables)))
+
     def save_content(self, data: bytes) -> str:
         """Keep ``data`` (a catalog upload, canonical) as a local copy under its SHA-256; returns the hash."""
         return self.keep_content(data)[0]
@@ -275,6 +288,7 @@ class StoredScenarioCompiler:
         """Remove the local copy of content ``sha`` that a refused write made (and forget its parsed catalog).
         Only for a copy :meth:`keep_content` called new: stored versions keep theirs (and Redis has the bytes)."""
         self._catalogs.pop(sha, None)
+        self._tables.pop(sha, None)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self._content_dir, f"{sha}.json"))
 
@@ -312,8 +326,11 @@ class StoredScenarioCompiler:
                 from processors.catalog_tables import catalog_tables
 
                 catalog = self.catalog(name, sha)
-                compiled = self._compile_now(name, scenario, (catalog_tables(catalog, self.vocab_size),
-                                                              catalog.start_token_id))
+                tables = self._tables.get(sha)  # a PATCH's, updated from its base's along the changed paths
+                if tables is None:
+                    tables = catalog_tables(catalog, self.vocab_size)
+                    self.remember_tables(sha, tables)
+                compiled = self._compile_now(name, scenario, (tables, catalog.start_token_id))
             else:
                 compiled = self._compile_now(name, scenario)
         except ServiceError as exc:

