@@ -51,7 +51,7 @@ def admit_item_controls(req, compiled, max_new_tokens: int, limits, engine: str 
     if not exclude and not distinct:
         return None
     field = "exclude" if exclude else "distinct"
-    if engine != "transformers":
+    if engine not in ("transformers", "vllm"):  # both apply them (vllm: deployments/engines/vllm/item_groups.py)
         raise ServiceError(400, f"{field} (item controls) is not supported by the {engine} engine backend yet; use a "
                                 "deployment with the transformers engine backend (setting engine: transformers)",
                            {"field": field, "engine": engine, "supported_by": "transformers"})

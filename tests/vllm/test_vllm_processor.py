@@ -166,3 +166,74 @@ def test_vector_lane_gives_the_per_row_masks(setup, tokenizer):
                 for out in outs:
                     out[i].append(token)
     assert procs[1].stats["failed_rows"] == procs[0].stats["failed_rows"] == 0
+
+
+def _items_tree(tokenizer):
+    """Three items below the root: (1000, 1010), (1000, 1011) and (1001,), ended by 901."""
+    return compile_scenario(load_scenario({"type": "tree", "tree": {"start_token_id": 900, "end_token_id": 901,
+        "prefix_dict": {"900": [1000, 1001], "900_1000": [1010, 1011], "900_1000_1010": [901], "900_1000_1011": [901],
+                        "900_1001": [901]}}}), tokenizer)
+
+
+def _item_rows(files, compiled, group, n, *, exclude=None, distinct=True, temperature=0.0, max_tokens=6):
+    from deployments.engines.vllm.params import item_extra
+    from processors.items import resolve_exclude
+
+    items = resolve_exclude(compiled.constraint, exclude, distinct=distinct)
+    extra = {EXTRA_KEY: {**files.ref(compiled), "items": item_extra(items, group, n)}}
+    return [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, extra_args=extra) for i in range(n)]
+
+
+def test_distinct_rows_deciding_together_take_different_items_and_the_group_is_released(setup, tokenizer):
+    """Two greedy rows of one distinct request whose logits both favour the same item: vLLM would sample the same
+    tokens; the processor draws them in turn, so the second row takes another item, and each row ends on an item
+    of its own. The request's book goes when both rows have left the batch finished."""
+    proc, files, _, _ = setup
+    tree = _items_tree(tokenizer)
+    vocab = len(tokenizer)
+    outs: list[list[int]] = [[], []]
+    params = _item_rows(files, tree, "req-a", 2)
+    _update(proc, 2, added=[(i, params[i], [1], outs[i]) for i in range(2)])
+    assert len(proc.groups) == 1
+    favour = torch.zeros(2, vocab)
+    favour[:, 1000] = 5.0  # both rows want the subtree of two items first, then its first item
+    favour[:, 1010] = 5.0
+    chosen: list[list[int]] = [[], []]
+    for _ in range(4):
+        logits = proc.apply(favour.clone())
+        for i in range(2):
+            allowed = _allowed(logits[i])
+            if outs[i] and outs[i][-1] == 901:
+                continue
+            assert len(allowed) == 1, allowed  # drawn here: vLLM gets that token alone
+            token = allowed.pop()
+            outs[i].append(token)
+            chosen[i].append(token)
+    items = sorted(tuple(o[:-1]) for o in outs)
+    assert all(o[-1] == 901 for o in outs), outs
+    assert items == [(1000, 1010), (1000, 1011)], outs  # both in the favoured subtree, different items
+    _update(proc, 0, removed=[0, 1])
+    assert len(proc.groups) == 0 and proc.groups.stats["released"] >= 1
+
+
+def test_exclude_masks_every_row_and_an_aborted_request_is_dropped(setup, tokenizer):
+    """exclude: the excluded item is never allowed; rows that leave unfinished (an abort) give back what they
+    occupied, and their request's book is dropped once idle (item_groups.IDLE_SECONDS)."""
+    import time
+
+    proc, files, _, _ = setup
+    tree = _items_tree(tokenizer)
+    vocab = len(tokenizer)
+    outs: list[list[int]] = [[], [], []]
+    params = _item_rows(files, tree, "req-b", 3, exclude=[[1001]], distinct=False)
+    _update(proc, 3, added=[(i, params[i], [1], outs[i]) for i in range(3)])
+    logits = proc.apply(torch.zeros(3, vocab))
+    assert all(_allowed(logits[i]) == {1000} for i in range(3))  # (1001,) is excluded: only the subtree of 1000
+    for out in outs:
+        out.append(1000)
+    logits = proc.apply(torch.zeros(3, vocab))
+    assert all(_allowed(logits[i]) == {1010, 1011} for i in range(3))
+    _update(proc, 0, removed=[0, 1, 2])  # aborted: none finished
+    assert len(proc.groups) == 1
+    proc.groups.expire(time.monotonic() + 10_000)
+    assert len(proc.groups) == 0 and proc.groups.stats["expired"] >= 1

@@ -4,7 +4,9 @@ running inside it as a vLLM logits processor. Needs the ``vllm`` (CUDA) or ``vll
 
 * :mod:`.engine`: :class:`VLLMEngine`, the :class:`~deployments.engines.protocol.Engine` over ``AsyncLLM``;
 * :mod:`.processor`: :class:`~.processor.ChainLogitsProcessor`, loaded by vLLM in its worker process;
-* :mod:`.handoff`: how compiled scenarios reach that process (one pickle file per version).
+* :mod:`.handoff`: how compiled scenarios reach that process (one pickle file per version);
+* :mod:`.params`: what a row's ``SamplingParams`` carry (grammar parameters, item controls) and logprobs read back;
+* :mod:`.item_groups`: item controls in the worker (one book per request, shared by its rows; distinct draws).
 
 Importing this package does not import vLLM (the engine imports it when it starts).
 """

@@ -18,6 +18,12 @@ The replica also replays every row's tokens through a cursor of its own (``advan
 masks are computed here): that gives each output's ``error`` and ``fell_back`` exactly as the transformers
 backend reports them, and a row whose cursor raises finishes with ``error``.
 
+Item controls (``exclude``, ``distinct``; the token budget and a scenario's multi-item rules bind every tree and
+label row): the request's :class:`processors.items.ItemRequest` travels as plain data in each row's entry
+(:func:`.params.item_extra`, keyed by this request's id); the worker builds one book per request, shared by its
+rows (:mod:`.item_groups`). The replica's replay cursor gets the exclusions (not the shared book: it replays each
+row on its own).
+
 Grammar rows (json / json_schema / regex) without think mode may instead go to vLLM's own structured
 outputs with the ``guidance`` backend (``grammar_backend="guidance"``): the same llguidance grammar string
 (compact whitespace, compiled by our compile step), so the same outputs are allowed; see the README for the
@@ -31,7 +37,6 @@ so it cannot rank constrained candidates the way the transformers backend does.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import threading
@@ -39,13 +44,15 @@ import time
 import uuid
 from typing import Any, Callable
 
-from processors import GrammarSpec, RowCursor
+from processors import RowCursor
+from processors.items import ItemRequest
 
 from ...protocol import ServiceError
 from ..protocol import (
     DoneEvent, Engine, EngineEvent, EngineRequest, ErrorEvent, FinishedEvent, RequestTicket, TokenEvent,
 )
 from .handoff import EXTRA_KEY, OWNER_ENV, ScenarioFiles, owner_marker
+from .params import _token_logprobs, guidance_params, item_extra  # noqa: F401  (_token_logprobs: tests import it here)
 
 logger = logging.getLogger(__name__)
 
@@ -112,46 +119,6 @@ def write_model_cache(model_setting: str | None, timeout: float = 1800.0) -> str
     else:
         logger.info("model cache written in %.1f s", time.perf_counter() - start)
     return f"exit {done.returncode}: {tail}"
-
-
-def _token_logprobs(token_ids, entries, top: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
-    """``(token_id, logprob, alternatives)`` per token of one output delta from vLLM's ``logprobs`` (a dict per token
-    of token id -> ``Logprob``, the sampled token and the ``top`` best). Masked tokens (-inf) are left out of the
-    alternatives: where fewer than ``top`` tokens are allowed, fewer come back."""
-    out = []
-    for i, token in enumerate(token_ids):
-        entry = entries[i] if entries is not None and i < len(entries) else None
-        if not entry:
-            out.append((int(token), float("nan"), []))
-            continue
-        chosen = entry.get(token)
-        ranked = sorted(((int(t), float(lp.logprob)) for t, lp in entry.items()
-                         if lp.rank is not None and lp.rank <= top and lp.logprob > float("-inf")),
-                        key=lambda item: -item[1])
-        out.append((int(token), float(chosen.logprob) if chosen is not None else float("nan"), ranked[:top]))
-    return out
-
-
-def guidance_params(spec: GrammarSpec, params_cls):
-    """vLLM structured-output parameters that build the same llguidance grammar as ``spec``, or ``None``.
-
-    Our compile step makes a one-entry llguidance grammar: a JSON schema carrying its own options
-    (``x-guidance: {whitespace_flexible: false}``) or a Lark rule ``start: /regex/``. vLLM's guidance backend
-    turns ``json=`` into ``grammar_from_json_schema`` (the schema's own options win over its defaults) and
-    ``grammar=`` Lark text into ``grammar_from_lark``: the same grammar again.
-    """
-    try:
-        grammars = json.loads(spec.grammar)["grammars"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    if len(grammars) != 1:
-        return None
-    entry = grammars[0]
-    if entry.get("json_schema") is not None and entry.get("lark_grammar") is None:
-        return params_cls(json=entry["json_schema"])
-    if entry.get("lark_grammar") is not None and entry.get("json_schema") is None:
-        return params_cls(grammar=entry["lark_grammar"])
-    return None
 
 
 class _Job(RequestTicket):
@@ -325,13 +292,6 @@ class VLLMEngine(Engine):
                 "a deployment with the transformers engine backend (setting engine: transformers)",
                 {"field": "num_beams", "engine": "vllm", "supported_by": "transformers"},
             )
-        if request.items is not None:  # exclude/distinct need one book shared by a request's rows: not built here
-            field = "exclude" if request.items.book else "distinct"
-            raise UnsupportedRequest(
-                f"{field} (item controls) is not supported by the vllm engine backend yet; use a deployment with the "
-                "transformers engine backend (setting engine: transformers)",
-                {"field": field, "engine": "vllm", "supported_by": "transformers"},
-            )
         if self.llm is None or self._loop is None:
             raise RuntimeError("the vllm engine is not started")
         job = _Job(self, request, on_event)
@@ -339,8 +299,9 @@ class VLLMEngine(Engine):
         asyncio.run_coroutine_threadsafe(self._run_job(job), self._loop)
         return job
 
-    def _row_params(self, request: EngineRequest) -> list:
-        """vLLM's sampling parameters for each row of ``request``."""
+    def _row_params(self, request: EngineRequest, group: str = "") -> list:
+        """vLLM's sampling parameters for each row of ``request`` (``group``: our request's id, which the rows'
+        item controls share in the worker)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -356,6 +317,8 @@ class VLLMEngine(Engine):
                 structured = guidance_params(compiled.constraint, StructuredOutputsParams)
             if structured is None:
                 extra = {EXTRA_KEY: self._files.ref(compiled)}
+                if request.items is not None:  # exclude / distinct: one book per request in the worker (.item_groups)
+                    extra[EXTRA_KEY]["items"] = item_extra(request.items, group or uuid.uuid4().hex, request.n)
         temperature = s.temperature
         if temperature > MAX_VLLM_TEMPERATURE:  # vLLM refuses more; the processor scales the logits instead
             extra = dict(extra or {EXTRA_KEY: {}})
@@ -377,7 +340,7 @@ class VLLMEngine(Engine):
         try:
             if job.cancelled.is_set():
                 raise asyncio.CancelledError
-            rows = self._row_params(request)
+            rows = self._row_params(request, job.id)
         except asyncio.CancelledError:
             self._stats["cancelled_jobs"] += 1
             job.emit(ErrorEvent("cancelled"))
@@ -411,8 +374,11 @@ class VLLMEngine(Engine):
 
         request = job.request
         compiled = request.compiled
+        items = request.items
+        if items is not None and items.distinct:  # the replay sees its own row only: exclude and its own items
+            items = ItemRequest(items.book.copy(), False, items.n_excluded)
         cursor = RowCursor(compiled, self.tokenizer, eos_token_ids=self.eos_token_ids,
-                           max_new_tokens=request.max_new_tokens)
+                           max_new_tokens=request.max_new_tokens, items=items)
         replay_masks = not (compiled is not None and compiled.capabilities.grammar)
         if params.structured_outputs is not None:
             self._stats["guidance_rows"] += 1

@@ -17,6 +17,12 @@ version it was admitted with: a new version is a new key.
 
 A cursor that raises forces its row's end token (the replica's replay of the same tokens reports the
 failure, see :mod:`.engine`); one row's failure never touches another row.
+
+Item controls (``exclude``, ``distinct``): an entry's ``"items"`` (:func:`.params.item_extra`) binds the row's
+cursor to its request's :class:`processors.items.ItemRequest`, one per request of ours in this worker, shared by
+the request's rows (:mod:`.item_groups`: built when the first row joins, released when the rows end). Rows of a
+``distinct`` request that decode together have their tokens drawn here, one after the other (see there). The
+token budget (``max_tokens``) and a scenario's multi-item rules bind every tree and label row.
 """
 
 from __future__ import annotations
@@ -34,10 +40,12 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from processors import RowCursor, apply_steps
+from processors.base import as_ids
 from processors.lanes import advance_rows, lane_of, mask_rows
 from processors.masks import ALLOW, FREE, MaskBuffer, Step, mask_padded_vocab
 
 from .handoff import EXTRA_KEY, OWNER_ENV, load_compiled
+from .item_groups import ItemGroups, draw, row_generator, row_sampling
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm import SamplingParams
@@ -75,7 +83,8 @@ _FREE_ROW = _StepRow(_FREE)
 
 
 class _Row:
-    __slots__ = ("cursor", "output_ids", "consumed", "broken", "scale")
+    __slots__ = ("cursor", "output_ids", "consumed", "broken", "scale", "group", "distinct", "ahead", "max_tokens",
+                 "sampling", "generator")
 
     def __init__(self, cursor: RowCursor | None, output_ids: list[int], scale: float | None = None):
         self.cursor = cursor  # None: a row that only needs its logits scaled
@@ -83,6 +92,11 @@ class _Row:
         self.output_ids = output_ids  # vLLM's live list of the request's output tokens
         self.consumed = 0
         self.broken: Step | None = None  # set once the cursor raised: the end token only, from then on
+        self.group: str | None = None  # our request's id, for rows with item controls (.item_groups)
+        self.distinct = False
+        self.ahead: int | None = None  # a token drawn here and already advanced, not yet in output_ids
+        self.max_tokens: int | None = None
+        self.sampling = self.generator = None  # distinct rows: their own draw (.item_groups.draw)
 
 
 class ChainLogitsProcessor(LogitsProcessor):
@@ -97,7 +111,8 @@ class ChainLogitsProcessor(LogitsProcessor):
         self._tokenizer = None
         self._tokenizer_path = vllm_config.model_config.tokenizer
         self.vocab_size: int | None = None
-        self.stats = {"rows": 0, "steps": 0, "chain_seconds": 0.0, "loads": 0, "failed_rows": 0}
+        self.stats = {"rows": 0, "steps": 0, "chain_seconds": 0.0, "loads": 0, "failed_rows": 0, "drawn": 0}
+        self.groups = ItemGroups()
         self.vector_lane = os.environ.get(LANE_ENV) == "1"
         watch_owner()
         try:  # grammar rows need the tokenizer (and its llguidance form): build both now, not at a first request
@@ -124,22 +139,39 @@ class ChainLogitsProcessor(LogitsProcessor):
         return False  # it changes which token is the most likely
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is not None:
-            process_dict_updates(self.rows, batch_update, self._safe_new_row)
+        if batch_update is None:
+            return
+        if self.groups.groups:  # rows with item controls that leave (a reused slot's row has left too)
+            for index in batch_update.removed:
+                self._leave(self.rows.get(index))
+            for added in batch_update.added:
+                self._leave(self.rows.get(added[0]))
+        process_dict_updates(self.rows, batch_update, self._safe_new_row)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.rows:
             return logits
         t0 = time.perf_counter()
-        if self.vector_lane:
+        if self.vector_lane and not self.groups.groups:
             return self._apply_lane(logits, t0)
         n = logits.shape[0]
         steps = [_FREE] * n
         scaled: list[tuple[int, float]] = []
+        turns: dict[str, list[tuple[int, _Row]]] = {}  # distinct rows deciding items this step, per request
         for index, row in self.rows.items():
             if index < n:
+                if row.distinct and row.broken is None and self._consume(row) and row.ahead is None:
+                    assert row.cursor is not None
+                    if not row.cursor.finished and not row.cursor.thinking:
+                        turns.setdefault(cast(str, row.group), []).append((index, row))
+                        continue
                 if row.cursor is not None or row.broken is not None:
                     steps[index] = self._row_step(row)
+                if row.scale is not None:
+                    scaled.append((index, row.scale))
+        for members in turns.values():
+            for index, row in members:
+                steps[index] = self._draw(row, logits[index]) if len(members) > 1 else self._row_step(row)
                 if row.scale is not None:
                     scaled.append((index, row.scale))
         try:
@@ -222,6 +254,38 @@ class ChainLogitsProcessor(LogitsProcessor):
             assert row.cursor is not None
             row.broken = Step(ALLOW, None, row.cursor.end_token_id)
 
+    # -- item controls ----------------------------------------------------------------------------
+    def _draw(self, row: _Row, logits_row: torch.Tensor) -> Step:
+        """A distinct row's turn: its token drawn here from its masked distribution and advanced at once (the next
+        row of its request sees the item it takes); vLLM gets that token alone."""
+        cursor = row.cursor
+        assert cursor is not None
+        try:
+            sub = logits_row[None].clone()
+            apply_steps(sub, [cursor.step()])
+            mask_padded_vocab(sub, self.vocab_size)
+            token = draw(sub[0], row.sampling, row.generator)
+            cursor.advance(token)
+        except Exception:
+            logger.exception("drawing a distinct row's token failed; forcing its end token")
+            self._break(row)
+            return cast(Step, row.broken)
+        row.ahead = token
+        self.stats["drawn"] += 1
+        return Step(ALLOW, as_ids([token]), token)
+
+    def _leave(self, row: _Row | None) -> None:
+        """A row with item controls leaves the batch: its last tokens first (an end token claims its item)."""
+        if row is None or row.group is None:
+            return
+        group, row.group = row.group, None
+        if row.broken is None:
+            self._consume(row)
+        cursor = row.cursor
+        finished = (row.broken is not None or cursor is None or cursor.finished
+                    or (row.max_tokens is not None and len(row.output_ids) >= row.max_tokens))
+        self.groups.leave(group, finished, cursor)
+
     # -- rows -------------------------------------------------------------------------------------
     def _safe_new_row(self, params: "SamplingParams", prompt_ids: list[int] | None, output_ids: list[int]) -> _Row | None:
         """:meth:`_new_row`, or a row held to the EOS token when it cannot be built (an exception here would
@@ -241,17 +305,31 @@ class ChainLogitsProcessor(LogitsProcessor):
         if extra is None:
             return None
         cursor = None
+        group = items = None
         if "key" in extra:
             compiled = self._scenario(extra["key"], extra["path"])
             tokenizer = self._load_tokenizer() if _needs_tokenizer(compiled) else None
-            # a request that comes back after a preemption brings the tokens it already has: _row_step replays them
-            cursor = RowCursor(compiled, tokenizer, max_new_tokens=params.max_tokens)  # the item budget rule
+            if extra.get("items") is not None:  # exclude / distinct: the book its request's rows share
+                group, items = self.groups.join(extra["items"])
+            try:
+                # a request that comes back after a preemption brings the tokens it already has: _row_step
+                # replays them; the token budget and multi-item rules bind every tree and label row
+                cursor = RowCursor(compiled, tokenizer, max_new_tokens=params.max_tokens, items=items)
+            except BaseException:
+                if group is not None:
+                    self.groups.leave(group, True)
+                raise
         self.stats["rows"] += 1
-        return _Row(cursor, output_ids, extra.get("scale"))
+        row = _Row(cursor, output_ids, extra.get("scale"))
+        if group is not None:
+            row.group, row.max_tokens = group, params.max_tokens
+            row.distinct = bool(items is not None and items.distinct)
+            if row.distinct:
+                row.sampling, row.generator = row_sampling(params, row.scale), row_generator(params)
+        return row
 
-    def _row_step(self, row: _Row) -> Step:
-        if row.broken is not None:
-            return row.broken
+    def _consume(self, row: _Row) -> bool:
+        """Advance the row's cursor by its new output tokens; ``False`` when it raised (the row is broken)."""
         cursor = row.cursor
         assert cursor is not None
         try:
@@ -259,14 +337,34 @@ class ChainLogitsProcessor(LogitsProcessor):
             while row.consumed < len(out):
                 token = out[row.consumed]
                 row.consumed += 1
-                if token >= 0:  # placeholders of tokens not yet known (async scheduling) are never consumed
-                    cursor.advance(token)
+                if token < 0:  # placeholders of tokens not yet known (async scheduling) are never consumed
+                    continue
+                if row.ahead is not None:  # drawn here and advanced already
+                    ahead, row.ahead = row.ahead, None
+                    if token == ahead:
+                        continue
+                    raise RuntimeError(f"vLLM sampled {token}, not the token {ahead} drawn for this distinct row")
+                cursor.advance(token)
+            return True
+        except Exception:
+            logger.exception("a row's constraint failed; forcing its end token")
+            self.stats["failed_rows"] += 1
+            row.broken = Step(ALLOW, None, cursor.end_token_id)  # an empty ALLOW keeps only the fallback: the end token
+            return False
+
+    def _row_step(self, row: _Row) -> Step:
+        if row.broken is not None or not self._consume(row):
+            return cast(Step, row.broken)
+        cursor = row.cursor
+        assert cursor is not None
+        if row.ahead is not None:  # drawn, not yet in output_ids (vLLM dropped that sample): the same token again
+            return Step(ALLOW, as_ids([row.ahead]), row.ahead)
+        try:
             return cursor.step()
         except Exception:
             logger.exception("a row's constraint failed; forcing its end token")
             self.stats["failed_rows"] += 1
-            end = cursor.end_token_id
-            row.broken = Step(ALLOW, None, end)  # an empty ALLOW keeps only the fallback: the end token
+            row.broken = Step(ALLOW, None, cursor.end_token_id)
             return row.broken
 
     # -- scenarios and the tokenizer ---------------------------------------------------------------

@@ -1,0 +1,79 @@
+"""Parameters of the vLLM rows: what the replica puts into each row's ``SamplingParams`` and reads back from vLLM.
+
+* :func:`guidance_params`: vLLM structured-output parameters for a grammar row (``vllm_grammar: guidance``);
+* :func:`item_extra`: a request's item controls (``exclude``, ``distinct``) as plain data for
+  ``extra_args[EXTRA_KEY]["items"]``, rebuilt in vLLM's worker by :func:`item_request_of` (:mod:`.item_groups`);
+* :func:`_token_logprobs`: one output delta's log probabilities.
+
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+
+from processors import GrammarSpec
+from processors.items import ItemBook, ItemRequest
+
+__all__ = ["guidance_params", "item_extra", "item_request_of"]
+
+
+def _token_logprobs(token_ids, entries, top: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """``(token_id, logprob, alternatives)`` per token of one output delta from vLLM's ``logprobs`` (a dict per token
+    of token id -> ``Logprob``, the sampled token and the ``top`` best). Masked tokens (-inf) are left out of the
+    alternatives: where fewer than ``top`` tokens are allowed, fewer come back."""
+    out = []
+    for i, token in enumerate(token_ids):
+        entry = entries[i] if entries is not None and i < len(entries) else None
+        if not entry:
+            out.append((int(token), float("nan"), []))
+            continue
+        chosen = entry.get(token)
+        ranked = sorted(((int(t), float(lp.logprob)) for t, lp in entry.items()
+                         if lp.rank is not None and lp.rank <= top and lp.logprob > float("-inf")),
+                        key=lambda item: -item[1])
+        out.append((int(token), float(chosen.logprob) if chosen is not None else float("nan"), ranked[:top]))
+    return out
+
+
+def guidance_params(spec: GrammarSpec, params_cls):
+    """vLLM structured-output parameters that build the same llguidance grammar as ``spec``, or ``None``.
+
+    Our compile step makes a one-entry llguidance grammar: a JSON schema carrying its own options
+    (``x-guidance: {whitespace_flexible: false}``) or a Lark rule ``start: /regex/``. vLLM's guidance backend
+    turns ``json=`` into ``grammar_from_json_schema`` (the schema's own options win over its defaults) and
+    ``grammar=`` Lark text into ``grammar_from_lark``: the same grammar again.
+    """
+    try:
+        grammars = json.loads(spec.grammar)["grammars"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if len(grammars) != 1:
+        return None
+    entry = grammars[0]
+    if entry.get("json_schema") is not None and entry.get("lark_grammar") is None:
+        return params_cls(json=entry["json_schema"])
+    if entry.get("lark_grammar") is not None and entry.get("json_schema") is None:
+        return params_cls(grammar=entry["lark_grammar"])
+    return None
+
+
+def item_extra(items: ItemRequest, group: str, rows: int) -> dict:
+    """The request's item controls for its rows' ``extra_args``: the group (our request, shared by its ``rows``
+    vLLM requests), ``distinct``, and the book of excluded items as lists (msgpack carries them to the worker)."""
+    book = items.book
+    return {
+        "group": group, "rows": int(rows), "distinct": bool(items.distinct), "n_excluded": int(items.n_excluded),
+        "states": [int(s) for s in book.counts], "counts": [int(c) for c in book.counts.values()],
+        "ends": sorted(int(e) for e in book.ends),
+    }
+
+
+def item_request_of(extra: dict) -> ItemRequest:
+    """A fresh :class:`ItemRequest` from :func:`item_extra`'s data (each worker builds its own, once per group)."""
+    book = ItemBook()
+    for state, count in zip(extra.get("states", ()), extra.get("counts", ())):
+        book.add(int(state), int(count))
+    for end in extra.get("ends", ()):
+        book.add_end(int(end))
+    return ItemRequest(book, bool(extra.get("distinct")), int(extra.get("n_excluded", 0)))

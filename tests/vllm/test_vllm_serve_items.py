@@ -1,0 +1,217 @@
+"""Item controls on ``engine: vllm`` end to end over real HTTP (issue 22, deliverables 1 and 6): ``exclude``,
+``distinct`` across the ``n`` rows of a request (separate vLLM requests sharing one book in vLLM's worker),
+multi-item scenarios with a separator and fixed width, the token budget, labels, the 4xx answers, and a cancelled
+stream. The transformers backend's semantics (tests/integration/test_item_controls.py): every output is parsed
+back into items and checked against the catalog, the exclusions, distinctness and the limits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("vllm.v1.engine.async_llm", reason="the vLLM tier runs in .venv-vllm: bash scripts/test_vllm.sh")
+
+import requests  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+CODES = [1000 + 7 * i for i in range(6)]  # ordinary word pieces of SmolLM2's vocabulary
+ROOT, SEP = 2000, 2100
+CATALOG = [tuple(p) for p in itertools.product(CODES, repeat=3)]  # 216 three-token items
+LABELS = ["Sports", "Technology", "Politics", "New York City", "Weather"]
+PROMPT = "Recommended items:"
+
+
+def tree_body(eos: int) -> dict:
+    prefix = {str(ROOT): list(CODES)}
+    for a in CODES:
+        prefix[f"{ROOT}_{a}"] = list(CODES)
+        for b in CODES:
+            prefix[f"{ROOT}_{a}_{b}"] = list(CODES)
+            for c in CODES:
+                prefix[f"{ROOT}_{a}_{b}_{c}"] = [eos]
+    return {"start_token_id": ROOT, "end_token_id": eos, "prefix_dict": prefix}
+
+
+@pytest.fixture(scope="module")
+def eos(app, tokenizer):
+    eos = tokenizer.eos_token_id
+    tree = tree_body(eos)
+    app.put("vi-tree", {"type": "tree", "tree": tree})
+    app.put("vi-sep", {"type": "tree", "tree": tree, "max_items": 4, "separator_token_id": SEP})
+    app.put("vi-fixed", {"type": "tree", "tree": tree, "max_items": 4})
+    app.put("vi-long", {"type": "tree", "tree": tree, "max_items": 10, "separator_token_id": SEP})
+    app.put("vi-long-fixed", {"type": "tree", "tree": tree, "max_items": 10})
+    app.put("vi-labels", {"type": "labels", "labels": LABELS})
+    return eos
+
+
+def generate(app, body: dict) -> list[dict]:
+    r = app.generate(body, timeout=300)
+    assert r.status_code == 200, r.text
+    outs = r.json()["outputs"]
+    assert len(outs) == body.get("n", 1)
+    return outs
+
+
+def items_of(tokens: list[int], eos: int, sep: int | None = SEP, width: int = 3) -> list[tuple[int, ...]]:
+    body = tokens[:-1] if tokens and tokens[-1] == eos else tokens
+    if sep is None:
+        assert len(body) % width == 0, tokens
+        return [tuple(body[i: i + width]) for i in range(0, len(body), width)]
+    parts, cur = [], []
+    for t in body:
+        if t == sep:
+            parts.append(tuple(cur))
+            cur = []
+        else:
+            cur.append(t)
+    return parts + [tuple(cur)]
+
+
+def single_items(outs: list[dict], eos: int, excluded=frozenset()) -> list[tuple[int, ...]]:
+    """Each output is one whole catalog item ended by EOS, not excluded."""
+    items = []
+    for out in outs:
+        assert out["error"] is None and out["finish_reason"] == "stop" and out["token_ids"][-1] == eos, out
+        item = tuple(out["token_ids"][:-1])
+        assert item in CATALOG and item not in excluded, out
+        items.append(item)
+    return items
+
+
+def test_exclude_never_yields_an_excluded_item(app, eos):
+    excluded = set(random.Random(0).sample(CATALOG, 150))
+    body = {"scenario": "vi-tree", "prompt": PROMPT, "exclude": [list(i) for i in sorted(excluded)], "n": 8,
+            "max_new_tokens": 8}
+    produced = []
+    for temperature in (2.0, 3.0, 3.0):  # 3.0: above vLLM's 2, the processor scales the logits
+        produced += single_items(generate(app, {**body, "temperature": temperature}), eos, excluded)
+    assert len(set(produced)) > 3  # high temperatures spread over the free items
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.5])
+def test_distinct_rows_are_different_items(app, eos, temperature):
+    """At temperature 0 the 8 rows of a request would all take the model's favourite item: distinct must still
+    give 8 different ones (rows deciding together draw in turn in the processor)."""
+    body = {"scenario": "vi-tree", "prompt": PROMPT, "distinct": True, "n": 8, "temperature": temperature,
+            "max_new_tokens": 8, "seed": 5}
+    items = single_items(generate(app, body), eos)
+    assert len(set(items)) == 8, items
+
+
+def test_distinct_with_exactly_n_free_items_takes_all_of_them(app, eos):
+    free = set(CATALOG[::27])
+    assert len(free) == 8
+    body = {"scenario": "vi-tree", "prompt": PROMPT, "exclude": [list(i) for i in CATALOG if i not in free],
+            "distinct": True, "n": 8, "temperature": 0, "max_new_tokens": 8}
+    items = single_items(generate(app, body), eos)
+    assert set(items) == free and len(items) == 8
+    r = app.generate({**body, "exclude": body["exclude"] + [list(next(iter(free)))]})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "n" and r.json()["error"]["available"] == 7, r.text
+
+
+def test_concurrent_distinct_requests_keep_their_own_books(app, eos):
+    """Six distinct requests at once (48 rows in vLLM's batch of 16, so rows of one request join at different
+    steps): each request's rows are different items, its exclusions hold; requests do not constrain each other."""
+    rng = random.Random(3)
+
+    def one(k):
+        excluded = set(rng.sample(CATALOG, 200))
+        body = {"scenario": "vi-tree", "prompt": PROMPT, "exclude": [list(i) for i in excluded], "distinct": True,
+                "n": 8, "temperature": 0 if k % 2 else 1.0, "max_new_tokens": 8}
+        return excluded, generate(app, body)
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, range(6)))
+    for excluded, outs in results:
+        items = single_items(outs, eos, excluded)
+        assert len(set(items)) == 8, items
+
+
+@pytest.mark.parametrize("name,sep", [("vi-sep", SEP), ("vi-fixed", None)])
+@pytest.mark.parametrize("distinct", [False, True])
+def test_multi_item_outputs_parse_into_catalog_items(app, eos, name, sep, distinct):
+    excluded = set(random.Random(1).sample(CATALOG, 60))
+    body = {"scenario": name, "prompt": PROMPT, "exclude": [list(i) for i in excluded], "n": 6,
+            "temperature": 1.5, "max_new_tokens": 40, "distinct": distinct}
+    every, counts = [], set()
+    for seed in range(2):
+        for out in generate(app, {**body, "seed": seed}):
+            assert out["error"] is None and out["finish_reason"] == "stop", out
+            items = items_of(out["token_ids"], eos, sep)
+            assert all(i in CATALOG and i not in excluded for i in items), out
+            assert len(set(items)) == len(items) <= 4, out  # a row's own items never repeat; max_items
+            counts.add(len(items))
+            every.append(items)
+        if distinct:  # across the rows of the request too
+            mine = [i for items in every[-6:] for i in items]
+            assert len(set(mine)) == len(mine), every[-6:]
+    assert max(counts) > 1  # some rows did go on past one item
+
+
+@pytest.mark.parametrize("name,sep", [("vi-long", SEP), ("vi-long-fixed", None)])
+def test_output_stopped_for_length_ends_on_an_item_boundary(app, eos, name, sep):
+    reasons = set()
+    for budget in (4, 5, 6, 7, 9, 10):  # length only where a whole item ends exactly at the budget
+        body = {"scenario": name, "prompt": PROMPT, "n": 4, "temperature": 1.5, "max_new_tokens": budget,
+                "seed": budget, "distinct": budget % 2 == 1}
+        outs = generate(app, body)
+        for out in outs:
+            reasons.add(out["finish_reason"])
+            assert out["error"] is None and len(out["token_ids"]) <= budget, (budget, out)
+            items = items_of(out["token_ids"], eos, sep)
+            assert all(i in CATALOG for i in items) and len(set(items)) == len(items), (budget, out)
+        if body["distinct"]:
+            every = [i for out in outs for i in items_of(out["token_ids"], eos, sep)]
+            assert len(set(every)) == len(every), outs
+    assert "length" in reasons  # some outputs did stop for length, and were still whole items
+
+
+def test_labels_exclude_and_distinct(app, eos):
+    for seed in range(3):
+        outs = generate(app, {"scenario": "vi-labels", "prompt": "Headline: storm hits the coast. Section:",
+                              "exclude": ["Weather", "Politics"], "distinct": True, "n": 3, "temperature": 1.5,
+                              "seed": seed})
+        got = sorted(o["text"].strip() for o in outs)
+        assert got == ["New York City", "Sports", "Technology"], got
+
+
+def test_item_controls_as_openai_extra_body(app, eos):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{app.url}/v1", api_key="unused")
+    excluded = CATALOG[:200]
+    resp = client.completions.create(model="default", prompt=PROMPT, max_tokens=8, n=5, temperature=0,
+                                     extra_body={"scenario": "vi-tree", "distinct": True,
+                                                 "exclude": [list(i) for i in excluded]})
+    texts = [c.text for c in resp.choices]
+    assert len(resp.choices) == 5 and len(set(texts)) == 5, texts
+
+
+def test_bad_item_controls_are_4xx(app, eos):
+    r = app.generate({"scenario": "vi-tree", "prompt": PROMPT, "exclude": [[CODES[0]]]})
+    assert r.status_code == 422 and "exclude[0]" in r.text, r.text
+    r = app.generate({"scenario": "vi-tree", "prompt": PROMPT, "max_new_tokens": 2})
+    assert r.status_code == 422 and r.json()["error"]["minimum"] == 3, r.text
+    r = app.generate({"scenario": "vi-labels", "prompt": "Topic:", "exclude": ["Nope"]})
+    assert r.status_code == 422 and "exclude[0]" in r.text, r.text
+
+
+def test_a_cancelled_distinct_stream_leaves_later_requests_whole(app, eos):
+    """A distinct request whose stream is closed after its first token (its vLLM requests aborted), then the same
+    request again: all 8 free items, as if the first had never run."""
+    free = set(CATALOG[5::27])
+    body = {"scenario": "vi-tree", "prompt": PROMPT, "exclude": [list(i) for i in CATALOG if i not in free],
+            "distinct": True, "n": 8, "temperature": 0, "max_new_tokens": 8}
+    with requests.post(f"{app.url}/v1/generate", json={**body, "stream": True}, stream=True, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines(decode_unicode=True):
+            if line and line.startswith("data: ") and json.loads(line[len("data: "):]).get("type") == "token":
+                break
+    assert set(single_items(generate(app, body), eos)) == free
