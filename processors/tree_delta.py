@@ -94,19 +94,6 @@ class _Old:
         raise AssertionError("rank of an old state")
 
 
-def _present(old: _Old, end: int, path: tuple[int, ...]) -> bool:
-    """Whether ``path`` is an item of the old tables (it ends at a leaf, or at a state with the end token)."""
-    state = old.t.root
-    for token in path:
-        if state < 0:
-            return False
-        target = old.target(state, token)
-        if target is None:
-            return False
-        state = target
-    return state == LEAF or (state >= 0 and old.target(state, end) == DONE)
-
-
 def patch_tables(tables: MaskTables, add: Iterable[Sequence[int]], remove: Iterable[Sequence[int]]) -> MaskTables | None:
     """The tables of the catalog ``tables`` was built from, with ``add`` added and ``remove`` removed (an add
     already present and a remove not present are no-ops), equal to :func:`~processors.catalog_tables.catalog_tables`
@@ -119,11 +106,7 @@ def patch_tables(tables: MaskTables, add: Iterable[Sequence[int]], remove: Itera
     old = _Old(tables)
     adds = {tuple(int(t) for t in item) for item in add}
     removes = {tuple(int(t) for t in item) for item in remove}
-    adds = {p for p in adds if not _present(old, end, p)}
-    removes = {p for p in removes if _present(old, end, p)}
-    if not adds and not removes:
-        return tables
-    # the touched paths and, for each, its old node: a state, LEAF (an old leaf) or ABSENT
+    # the paths of every add and remove and, for each, its old node: a state, LEAF (an old leaf) or ABSENT
     node: dict[tuple[int, ...], int] = {(): tables.root}
     kids: dict[tuple[int, ...], set[int]] = {}
     for item in adds | removes:
@@ -137,20 +120,23 @@ def patch_tables(tables: MaskTables, add: Iterable[Sequence[int]], remove: Itera
             target = old.target(state, item[d]) if state >= 0 else None
             state = ABSENT if target is None or target == DONE else target
             node[path] = state
+    was_end: dict[tuple[int, ...], bool] = {}  # the old item set has the path
+    for path, state in node.items():
+        was_end[path] = state == LEAF or (state >= 0 and old.target(state, end) == DONE)
+    adds = {p for p in adds if not was_end[p]}  # (no-ops: an add already there, a remove not there)
+    removes = {p for p in removes if was_end[p]}
+    if not adds and not removes:
+        return tables
     checkpoint()
     # settle the touched paths deepest first: end flag, number of children, is it still there
     order = sorted(node, key=len, reverse=True)
     alive: dict[tuple[int, ...], bool] = {}
-    was_end: dict[tuple[int, ...], bool] = {}
     new_end: dict[tuple[int, ...], bool] = {}
     is_state: dict[tuple[int, ...], bool] = {}
     for path in order:
         state = node[path]
-        if state >= 0:
-            ended = old.target(state, end) == DONE
-            n_children = int(tables.offsets[state + 1] - tables.offsets[state]) - ended
-        else:
-            ended, n_children = state == LEAF, 0
+        ended = was_end[path]
+        n_children = int(tables.offsets[state + 1] - tables.offsets[state]) - ended if state >= 0 else 0
         for t in kids.get(path, ()):
             child = path + (t,)
             if alive[child] and node[child] == ABSENT:
@@ -158,7 +144,7 @@ def patch_tables(tables: MaskTables, add: Iterable[Sequence[int]], remove: Itera
             elif not alive[child] and node[child] != ABSENT:
                 n_children -= 1
         is_end = (ended or path in adds) and path not in removes
-        was_end[path], new_end[path], is_state[path] = ended, is_end, n_children > 0
+        new_end[path], is_state[path] = is_end, n_children > 0
         alive[path] = n_children > 0 or is_end or not path
     removed = np.array(sorted(node[p] for p in order if node[p] >= 0 and not is_state[p]), dtype=np.int64)
     modified = [p for p in order if is_state[p] and node[p] >= 0]
@@ -190,6 +176,7 @@ class _Plan:
         np.cumsum(~keep, out=removed_before[1:])
         old_ids = np.arange(n_old, dtype=np.int64)
         self.new_of_old = old_ids - removed_before[:-1] + ranks.searchsorted(old_ids, side="right")
+        self.ranks = ranks
         new_of_fresh = ranks - removed_before[ranks] + np.arange(ranks.size, dtype=np.int64)
         self.n_new = n_old - removed.size + ranks.size
         self.new_id = {p: int(new_of_fresh[j]) for j, (_, p) in enumerate(fresh)}
@@ -249,54 +236,77 @@ class _Plan:
             toks, tgts = [t for t, _ in pairs], [x for _, x in pairs]
         return toks, tgts
 
+    def runs(self) -> list[tuple[int, int, int]]:
+        """The untouched old states as runs ``(a, b, new number of a)``: old states ``a..b-1`` keep their edges
+        and become ``a'..a'+b-a-1`` (no removed, touched or new state falls inside a run)."""
+        cut = np.concatenate(([0, self.t.n_states], self.removed, self.removed + 1, self.mod_ids, self.mod_ids + 1,
+                              self.ranks))
+        cut = np.unique(cut[cut <= self.t.n_states]).tolist()
+        copy = self.copy
+        return [(a, b, int(self.new_of_old[a])) for a, b in zip(cut[:-1], cut[1:]) if copy[a]]
+
     def assemble(self) -> MaskTables:
-        t, n_new, new_of_old = self.t, self.n_new, self.new_of_old
+        t, n_new = self.t, self.n_new
+        self.mod_ids = np.array([self.node[p] for p in self.modified], dtype=np.int64)
+        self.copy = self.keep.copy()
+        self.copy[self.mod_ids] = False
         built = sorted(self.new_id, key=self.new_id.__getitem__)
         built_edges = [self.edges(p) for p in built]
+        runs = self.runs()
         checkpoint()
-        old_counts = np.diff(t.offsets)
-        copy = self.keep.copy()
-        copy[np.array([self.node[p] for p in self.modified], dtype=np.int64)] = False
-        copied = np.flatnonzero(copy)
+        # the new offsets: the runs' edge counts as they were, the touched states' from their new edges
+        old_off = t.offsets
         counts = np.zeros(n_new, dtype=np.int64)
-        counts[new_of_old[copied]] = old_counts[copied]
-        built_ids = np.array([self.new_id[p] for p in built], dtype=np.int64)
-        built_counts = np.array([len(toks) for toks, _ in built_edges], dtype=np.int64)
-        counts[built_ids] = built_counts
+        old_counts = np.diff(old_off)
+        for a, b, na in runs:
+            counts[na:na + b - a] = old_counts[a:b]
+        del old_counts
+        built_ids = [self.new_id[p] for p in built]
+        counts[built_ids] = [len(toks) for toks, _ in built_edges]
         offsets = np.zeros(n_new + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
-        tokens = np.empty(int(offsets[-1]), dtype=np.int32)
-        nxt = np.empty(int(offsets[-1]), dtype=np.int32)
-        src = np.flatnonzero(np.repeat(copy, old_counts))
-        dest = src + np.repeat(offsets[new_of_old[copied]] - t.offsets[copied], old_counts[copied])
-        tokens[dest] = t.tokens[src]
-        moved = t.next_state[src].astype(np.int64)
-        del src
-        inner = moved >= 0
-        moved[inner] = new_of_old[moved[inner]]
-        nxt[dest] = moved
-        del dest, moved, inner
-        for s, (toks, tgts) in zip(built_ids.tolist(), built_edges):
-            lo = int(offsets[s])
-            tokens[lo:lo + len(toks)] = toks
-            nxt[lo:lo + len(tgts)] = tgts
+        del counts
+        n_edges = int(offsets[-1])
+        tokens = np.empty(n_edges, dtype=np.int32)
+        nxt = np.empty(n_edges, dtype=np.int32)
+        keys = np.empty(n_edges, dtype=np.int64)
+        # every old target renumbered at once (a lookup table with LEAF and DONE in front), then copied by runs
+        lut = np.empty(t.n_states + 2, dtype=np.int32)
+        lut[0], lut[1] = DONE, LEAF
+        lut[2:] = self.new_of_old
+        moved = lut.take(t.next_state + np.int32(2))
+        del lut
+        base = np.int64(t.key_base)
+        for a, b, na in runs:
+            e0, e1 = int(old_off[a]), int(old_off[b])
+            d0 = int(offsets[na])
+            d1 = d0 + e1 - e0
+            tokens[d0:d1] = t.tokens[e0:e1]
+            nxt[d0:d1] = moved[e0:e1]
+            np.add(t.keys[e0:e1], (na - a) * base, out=keys[d0:d1])
+        del moved
+        for s, (toks, tgts) in zip(built_ids, built_edges):
+            lo, hi = int(offsets[s]), int(offsets[s + 1])
+            tokens[lo:hi] = toks
+            nxt[lo:hi] = tgts
+            keys[lo:hi] = np.asarray(toks, dtype=np.int64) + s * base
         checkpoint()
-        keys = np.repeat(np.arange(n_new, dtype=np.int64) * np.int64(t.key_base), counts)
-        keys += tokens
         root = self.new_id[()] if self.is_state[()] else LEAF
-        metrics, max_rem = self.metrics(copied, offsets, nxt, built)
+        metrics, max_rem = self.metrics(runs, offsets, nxt, built)
         return MaskTables.assemble(offsets, tokens, nxt, keys, root, t.end_token_id, t.vocab_size, metrics, max_rem)
 
-    def metrics(self, copied, offsets, nxt, built):
+    def metrics(self, runs, offsets, nxt, built):
         """The item metrics of the new tables: copied for untouched states (their subtrees are unchanged), computed
         for touched ones deepest first: the values :func:`processors.tables.item_metrics` gives the new tables."""
         old_min, old_items, _, _ = item_metrics(self.t)
         old_max = max_remaining(self.t)
-        min_rem = np.ones(self.n_new, dtype=np.int64)
-        max_rem = np.ones(self.n_new, dtype=np.int64)
-        items = np.ones(self.n_new, dtype=np.int64)
-        where = self.new_of_old[copied]
-        min_rem[where], max_rem[where], items[where] = old_min[copied], old_max[copied], old_items[copied]
+        min_rem = np.empty(self.n_new, dtype=np.int32)
+        max_rem = np.empty(self.n_new, dtype=np.int32)
+        items = np.empty(self.n_new, dtype=np.int32)
+        for a, b, na in runs:
+            min_rem[na:na + b - a] = old_min[a:b]
+            max_rem[na:na + b - a] = old_max[a:b]
+            items[na:na + b - a] = old_items[a:b]
         for p in sorted(built, key=len, reverse=True):
             s = self.new_id[p]
             lo, hi = int(offsets[s]), int(offsets[s + 1])
@@ -305,20 +315,20 @@ class _Plan:
                 inner = target >= 0
                 at = np.maximum(target, 0)
                 special = np.where(target == DONE, 0, 1)
-                a = int(np.where(inner, min_rem[at], special).min())
-                b = int(np.where(inner, max_rem[at], special).max())
-                c = int(np.where(inner, items[at], 1).sum())
+                lo_v = int(np.where(inner, min_rem[at], special).min())
+                hi_v = int(np.where(inner, max_rem[at], special).max())
+                count = int(np.where(inner, items[at].astype(np.int64), 1).sum())
             else:
-                a, b, c = _UNSET, 0, 0
+                lo_v, hi_v, count = _UNSET, 0, 0
                 for x in target.tolist():
                     if x >= 0:
-                        a, b, c = min(a, int(min_rem[x])), max(b, int(max_rem[x])), c + int(items[x])
+                        lo_v, hi_v = min(lo_v, int(min_rem[x])), max(hi_v, int(max_rem[x]))
+                        count += int(items[x])
                     else:
                         v = 0 if x == DONE else 1
-                        a, b, c = min(a, v), max(b, v), c + 1
-            min_rem[s], max_rem[s], items[s] = min(a + 1, _UNSET), min(b + 1, _UNSET), c
+                        lo_v, hi_v, count = min(lo_v, v), max(hi_v, v), count + 1
+            min_rem[s], max_rem[s] = min(lo_v + 1, _UNSET), min(hi_v + 1, _UNSET)
+            items[s] = min(count, _INT32_MAX)
         uniform = bool(np.array_equal(min_rem, max_rem))
         deepest = int(max_rem.max()) if self.n_new else 1
-        metrics = (_freeze(min_rem.astype(np.int32)), _freeze(np.minimum(items, _INT32_MAX).astype(np.int32)),
-                   uniform, deepest)
-        return metrics, _freeze(max_rem.astype(np.int32))
+        return (_freeze(min_rem), _freeze(items), uniform, deepest), _freeze(max_rem)

@@ -321,10 +321,10 @@ def items_from_tree(tree: Any) -> list[tuple[int, ...]]:
     return out
 
 
-def catalog_body(catalog: Catalog, content: bytes) -> dict[str, Any]:
-    """The stored tree body of a catalog whose canonical bytes are ``content``."""
+def catalog_body(catalog: Catalog, content: bytes, sha: str | None = None) -> dict[str, Any]:
+    """The stored tree body of a catalog whose canonical bytes are ``content`` (``sha``: their SHA-256, if known)."""
     return {"type": "tree", **catalog.options, "path": CATALOG_PATH,
-            "content_sha256": hashlib.sha256(content).hexdigest(), "content_format": "items",
+            "content_sha256": sha or hashlib.sha256(content).hexdigest(), "content_format": "items",
             "items": len(catalog)}
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any
 
 import numpy as np
@@ -138,17 +139,23 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
             new_items.append(item)
     report.removed, report.added = len(gone), len(new_items)
     lines, flat, lengths = catalog.lines, catalog.flat, catalog.lengths
-    if gone:
-        keep = np.fromiter((line not in gone for line in lines), dtype=bool, count=len(lines))
-        lines = [line for line in lines if line not in gone]
+    line_set = set(present)  # the result's, from the base's (a copy: the base stays as it is; no line hashed again)
+    if gone:  # (C-level passes over the lines: map and compress, no Python loop per item)
+        keep = np.fromiter(map(gone.__contains__, lines), dtype=bool, count=len(lines))
+        np.logical_not(keep, out=keep)
+        lines = list(compress(lines, keep))
         flat, lengths = flat[np.repeat(keep, lengths)], lengths[keep]
+        line_set -= gone
     if new_items:
         extra = Catalog.from_items(0, 0, new_items)
         lines = lines + extra.lines
         flat, lengths = np.concatenate((flat, extra.flat)), np.concatenate((lengths, extra.lengths))
+        line_set.update(extra.lines)
     if max_items is not None and len(lines) > max_items:
         raise _too_many_after_patch(len(lines), max_items)
-    return Catalog(catalog.start_token_id, catalog.end_token_id, lines, flat, lengths, catalog.options), report
+    result = Catalog(catalog.start_token_id, catalog.end_token_id, lines, flat, lengths, catalog.options)
+    result._line_set = line_set  # the next PATCH of this version does not build it from the lines again
+    return result, report
 
 
 def apply_delta(compiler: Any, limits: Any, name: str, body: dict[str, Any], add: list[Any], remove: list[Any]):
@@ -195,4 +202,4 @@ def apply_delta(compiler: Any, limits: Any, name: str, body: dict[str, Any], add
         if tables is not None:
             compiler.remember_tables(sha, tables)
             compiler.tables_patched += 1
-    return catalog_body(catalog, content), content, report, (sha if new else None)
+    return catalog_body(catalog, content, sha), content, report, (sha if new else None)
