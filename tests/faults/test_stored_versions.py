@@ -8,13 +8,13 @@ A restart here is what Serve does after a crash: a new ``ConfigManager`` on the 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 
 import pytest
 
-from config import ServerSettings
+from manager_helpers import make_manager, run_closing
+
 from deployments.manager import ConfigManager
 from deployments.protocol import ServiceError
 from deployments.redis_server import connect_redis
@@ -30,22 +30,6 @@ def tree_file(path: str, candidates: list[int]) -> None:
     prefix = {str(ROOT): candidates, **{f"{ROOT}_{c}": [END] for c in candidates}}
     with open(path, "w", encoding="utf-8") as handle:
         json.dump({"start_token_id": ROOT, "end_token_id": END, "prefix_dict": prefix}, handle)
-
-
-def new_manager(tokenizer, data_dir: str) -> ConfigManager:
-    settings = ServerSettings(data_dir=data_dir, seed_examples=False)
-    return ConfigManager(settings, tokenizer=tokenizer, redis_client=connect_redis(None, data_dir),
-                         replica_timeout_s=1.0, broadcast_timeout_s=5.0, reconcile_interval_s=0.5)
-
-
-def run(manager: ConfigManager, fn):
-    async def main():
-        try:
-            return await fn()
-        finally:
-            await manager.close()
-
-    return asyncio.run(main())
 
 
 async def root_ids(manager: ConfigManager, name: str, version: int | None = None) -> list[int]:
@@ -68,7 +52,7 @@ def test_tree_by_path_is_stored_and_survives_file_changes_and_restarts(tokenizer
     body = {"type": "tree", "path": "t.json"}
 
     tree_file(path, [10, 11])
-    first = new_manager(tokenizer, data_dir)
+    first = make_manager(tokenizer, data_dir)
 
     async def write_two_versions():
         assert (await first.put("t", body))["version"] == 1
@@ -77,11 +61,11 @@ def test_tree_by_path_is_stored_and_survives_file_changes_and_restarts(tokenizer
         assert await root_ids(first, "t") == [20, 21]
         assert await root_ids(first, "t", 1) == [10, 11]
 
-    run(first, write_two_versions)
+    run_closing(first, write_two_versions)
     tree_file(path, [30, 31])  # the file changes again after the last PUT
 
     # A restart compiles what was stored, not today's file: the served tables, inspect of every version.
-    second = new_manager(tokenizer, data_dir)
+    second = make_manager(tokenizer, data_dir)
     assert served_root_ids(second, "t") == (2, [20, 21])
 
     async def after_restart():
@@ -95,12 +79,12 @@ def test_tree_by_path_is_stored_and_survives_file_changes_and_restarts(tokenizer
         assert (await second.rollback("t", 1))["version"] == 3
         assert await root_ids(second, "t") == [10, 11]
 
-    run(second, after_restart)
+    run_closing(second, after_restart)
     assert served_root_ids(second, "t") == (3, [10, 11])
 
     # With the file gone, a restart still serves the stored version, and every version can be inspected.
     os.remove(path)
-    third = new_manager(tokenizer, data_dir)
+    third = make_manager(tokenizer, data_dir)
     assert served_root_ids(third, "t") == (3, [10, 11])
     assert not third.scenarios.errors
 
@@ -112,7 +96,7 @@ def test_tree_by_path_is_stored_and_survives_file_changes_and_restarts(tokenizer
         assert info.value.status == 400 and "t.json" in info.value.message
         assert [v["version"] for v in await third.versions("t")] == [1, 2, 3]
 
-    run(third, without_the_file)
+    run_closing(third, without_the_file)
 
 
 def test_stored_body_can_be_put_again_and_means_the_same_content(tokenizer, data_dir):
@@ -121,7 +105,7 @@ def test_stored_body_can_be_put_again_and_means_the_same_content(tokenizer, data
     os.makedirs(trees, exist_ok=True)
     path = os.path.join(trees, "t.json")
     tree_file(path, [10, 11])
-    manager = new_manager(tokenizer, data_dir)
+    manager = make_manager(tokenizer, data_dir)
 
     async def body():
         await manager.put("t", {"type": "tree", "path": "t.json"})
@@ -134,18 +118,18 @@ def test_stored_body_can_be_put_again_and_means_the_same_content(tokenizer, data
             await manager.put("t", {**stored, "content_sha256": "0" * 64})
         assert info.value.status == 422 and "content_sha256" in info.value.message
 
-    run(manager, body)
+    run_closing(manager, body)
 
 
 def test_unusable_current_version_at_start_serves_the_last_good_one(tokenizer, data_dir):
-    manager = new_manager(tokenizer, data_dir)
+    manager = make_manager(tokenizer, data_dir)
     good = {"type": "labels", "labels": ["yes", "no"]}
 
     async def put_good():
         assert (await manager.put("s", good))["version"] == 1
         assert (await manager.put("u", good))["version"] == 1
 
-    run(manager, put_good)
+    run_closing(manager, put_good)
     # Another tool writes garbage as version 2 of "s" and a body that does not compile as version 2 of "u".
     raw = ScenarioStore(connect_redis(None, data_dir))
     raw.client.hset(raw.version_key("s", 2), mapping={"version": 2, "action": "put", "scenario": "{not json"})
@@ -153,7 +137,7 @@ def test_unusable_current_version_at_start_serves_the_last_good_one(tokenizer, d
     raw.client.set(raw.current_key("s"), 2)
     raw.put("u", {"type": "labels", "labels": ["<|im_end|>"]})
 
-    restarted = new_manager(tokenizer, data_dir)
+    restarted = make_manager(tokenizer, data_dir)
 
     async def check():
         listing = await restarted.list()
@@ -169,26 +153,26 @@ def test_unusable_current_version_at_start_serves_the_last_good_one(tokenizer, d
         assert (await restarted.put("s", good))["version"] == 3
         assert "s" not in (await restarted.health())["errors"]
 
-    run(restarted, check)
+    run_closing(restarted, check)
 
 
 def test_start_does_not_resurrect_a_deleted_scenario(tokenizer, data_dir):
     """The fallback looks back only to the last delete: before it, the scenario did not exist."""
-    manager = new_manager(tokenizer, data_dir)
+    manager = make_manager(tokenizer, data_dir)
 
     async def history():
         await manager.put("d", {"type": "labels", "labels": ["yes", "no"]})
         await manager.delete("d")
 
-    run(manager, history)
+    run_closing(manager, history)
     raw = ScenarioStore(connect_redis(None, data_dir))
     raw.put("d", {"type": "labels", "labels": []})  # invalid, written around the manager
 
-    restarted = new_manager(tokenizer, data_dir)
+    restarted = make_manager(tokenizer, data_dir)
 
     async def check():
         assert await restarted.list() == []
         health = await restarted.health()
         assert health["errors"]["d"]["version"] == 3 and health["errors"]["d"].get("serving") is None
 
-    run(restarted, check)
+    run_closing(restarted, check)

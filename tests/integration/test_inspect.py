@@ -6,16 +6,14 @@ the tokenizer, from the tree's ``prefix_dict``, and for grammars from what the g
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 
-from config import ServerSettings
+from manager_helpers import make_manager, run_closing
+
 from deployments.examples import build_phrase_tree, chat_root_token_id
-from deployments.manager import ConfigManager
 from deployments.protocol import ServiceError
-from deployments.redis_server import connect_redis
 
 pytestmark = pytest.mark.integration
 
@@ -25,19 +23,7 @@ PHRASES = ["weather forecast", "weather report", "sports news"]
 
 @pytest.fixture
 def manager(tokenizer, data_dir):
-    settings = ServerSettings(data_dir=str(data_dir), seed_examples=False)
-    return ConfigManager(settings, tokenizer=tokenizer, redis_client=connect_redis(None, data_dir),
-                         replica_timeout_s=1.0, broadcast_timeout_s=5.0, reconcile_interval_s=0.5)
-
-
-def run(manager: ConfigManager, fn):
-    async def main():
-        try:
-            return await fn()
-        finally:
-            await manager.close()
-
-    return asyncio.run(main())
+    return make_manager(tokenizer, data_dir)
 
 
 def ids_of(entries) -> list[int]:
@@ -78,7 +64,7 @@ def test_labels_allowed_sets_follow_the_label_tokens(manager, tokenizer):
         assert len(last["steps"]) == 1 and last["finished"]
         assert last["steps"][0]["phase"] == "finished" and ids_of(last["steps"][0]["allowed"]) == [eos]
 
-    run(manager, body)
+    run_closing(manager, body)
 
 
 def test_tree_allowed_sets_are_the_prefix_dict(manager, tokenizer):
@@ -96,7 +82,7 @@ def test_tree_allowed_sets_are_the_prefix_dict(manager, tokenizer):
             state = f"{state}_{token}"
         assert report["finished"] and report["error"] is None
 
-    run(manager, body)
+    run_closing(manager, body)
 
 
 def test_a_token_outside_the_allowed_set_stops_the_replay(manager, tokenizer):
@@ -115,7 +101,7 @@ def test_a_token_outside_the_allowed_set_stops_the_replay(manager, tokenizer):
         last = await manager.inspect("lab", None, [positive[0], stranger], 10, True)
         assert [s["index"] for s in last["steps"]] == [1] and last["error"]["index"] == 1
 
-    run(manager, body)
+    run_closing(manager, body)
 
 
 def test_grammar_sets_are_truncated_with_their_count(manager, tokenizer):
@@ -141,7 +127,7 @@ def test_grammar_sets_are_truncated_with_their_count(manager, tokenizer):
         assert tokenizer.eos_token_id in ids_of(done["steps"][len(ids)]["allowed"])  # the document is complete
         assert json.loads(tokenizer.decode(ids)) == {"a": [1, 2]}
 
-    run(manager, body)
+    run_closing(manager, body)
 
 
 def test_thinking_steps_allow_any_token_but_the_end(manager, tokenizer):
@@ -169,7 +155,7 @@ def test_thinking_steps_allow_any_token_but_the_end(manager, tokenizer):
         refused = await manager.inspect("th", None, [eos])
         assert refused["error"]["index"] == 0 and "banned" in refused["error"]["message"]
 
-    run(manager, body)
+    run_closing(manager, body)
 
 
 def test_versions_errors_and_limits(manager, tokenizer):
@@ -200,4 +186,4 @@ def test_versions_errors_and_limits(manager, tokenizer):
         still = await manager.inspect("lab", 2)  # a stored version stays inspectable after the delete
         assert still["version"] == 2 and still["steps"][0]["count"] == 1
 
-    run(manager, body)
+    run_closing(manager, body)

@@ -17,12 +17,13 @@ import time
 import pytest
 import redis
 
-from config import ServerSettings
 from deployments.manager import ConfigManager
 from deployments.protocol import ServiceError
 from deployments.redis_server import close_embedded, connect_redis, embedded_server_pid
 from deployments.store import ScenarioStore
 from processors import CompiledScenario, build_prompt_ids
+
+from manager_helpers import make_manager  # noqa: F401  (test_catalog_manager and others import it from here too)
 
 pytestmark = pytest.mark.integration
 
@@ -110,12 +111,6 @@ def run(manager: ConfigManager, coro_fn, *replica_specs):
             await manager.close()
 
     return asyncio.run(main())
-
-
-def make_manager(tokenizer, data_dir, *, client=None, seed=False, **kw) -> ConfigManager:
-    settings = ServerSettings(data_dir=str(data_dir), seed_examples=seed, **kw.pop("settings", {}))
-    kw = {"replica_timeout_s": 1.0, "broadcast_timeout_s": 5.0, "reconcile_interval_s": 0.5, **kw}
-    return ConfigManager(settings, tokenizer=tokenizer, redis_client=client, **kw)
 
 
 @pytest.fixture
