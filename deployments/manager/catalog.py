@@ -71,6 +71,17 @@ class Catalog:
         flat = np.fromiter(chain.from_iterable(items), dtype=np.int64, count=int(lengths.sum()))
         return cls(start_token_id, end_token_id, [_line(item) for item in items], flat, lengths, options)
 
+    @classmethod
+    def from_flat(cls, start_token_id: int, end_token_id: int, flat: np.ndarray, lengths: np.ndarray,
+                  options: dict[str, Any] | None = None) -> "Catalog":
+        """The catalog of the items ``flat`` / ``lengths`` (every item's ids concatenated, each item's length)."""
+        ids, lines, at = np.asarray(flat, dtype=np.int64).tolist(), [], 0
+        for n in np.asarray(lengths).tolist():
+            lines.append(("[" + ",".join(map(str, ids[at:at + n])) + "]").encode("ascii"))
+            at += n
+        return cls(start_token_id, end_token_id, lines, np.asarray(flat, dtype=np.int64),
+                   np.asarray(lengths, dtype=np.int64), options)
+
     def __len__(self) -> int:
         return len(self.lines)
 

@@ -158,14 +158,20 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
     return result, report
 
 
-def apply_delta(compiler: Any, limits: Any, name: str, body: dict[str, Any], add: list[Any], remove: list[Any]):
+def apply_delta(compiler: Any, limits: Any, name: str, body: dict[str, Any] | None, add: list[Any], remove: list[Any],
+                prepared: tuple[Catalog, Any] | None = None):
     """``(new body, content to store or None, report, sha of the content when its local copy is new)``: a PATCH's
     delta applied to a stored body (worker thread). ``compiler``: the manager's
-    :class:`~deployments.manager.compiler.StoredScenarioCompiler` (validation, stored catalogs, content copies)."""
+    :class:`~deployments.manager.compiler.StoredScenarioCompiler` (validation, stored catalogs, content copies).
+    ``prepared``: the current version's items and catalog tables when it is a tree given inline that the compiler
+    has read already (``StoredScenarioCompiler.tree_base``; ``body`` is not needed then)."""
     from config import load_tree
 
     from processors import registry
 
+    if prepared is not None:
+        return _apply_tree(compiler, limits, name, body, add, remove, *prepared)
+    assert body is not None
     kind = body.get("type")
     patch = registry.get(kind).capabilities.patch if kind in registry.names() else None
     if patch == "labels":
@@ -185,6 +191,11 @@ def apply_delta(compiler: Any, limits: Any, name: str, body: dict[str, Any], add
                          vocab_size=compiler.vocab_size)
         options = {k: v for k, v in body.items() if k not in _RESERVED}
         base = Catalog.from_items(int(tree.start_token_id), int(tree.end_token_id), items_from_tree(tree), options)
+    return _apply_tree(compiler, limits, name, body, add, remove, base, base_tables)
+
+
+def _apply_tree(compiler: Any, limits: Any, name: str, body: Any, add: list[Any], remove: list[Any], base: Catalog,
+                base_tables: Any):
     catalog, report = apply_tree_delta(base, add, remove, vocab_size=compiler.vocab_size,
                                        max_items=limits.max_tree_keys, max_item_tokens=limits.max_item_tokens)
     if not report.changed:

@@ -129,6 +129,10 @@ class StoredScenarioCompiler:
         self._catalogs: dict[str, Any] = {}  # sha -> parsed Catalog, the newest few
         self._tables: dict[str, Any] = {}  # sha -> a catalog's tables (catalog_tables' form), the newest two
         self.tables_patched = 0  # PATCHes whose tables were updated from their base's (not compiled in full)
+        # a tree given inline: its fields by (name, tables version), and, once served, its items and catalog tables
+        # prepared in the background for a first PATCH (name -> (version, future)); see note_installed
+        self._tree_forms: dict[tuple[str, str], tuple[dict[str, Any], int]] = {}
+        self._tree_bases: dict[str, tuple[int, Any]] = {}
         self.new_loop()
 
     def new_loop(self) -> None:
@@ -270,6 +274,54 @@ class StoredScenarioCompiler:
         while len(self._tables) > 2:
             self._tables.pop(next(iter(self._tables)))
 
+    def _note_tree_form(self, name: str, compiled, fields: dict[str, Any], start_token_id: Any) -> None:
+        from .catalog import _RESERVED
+
+        tables = getattr(compiled, "constraint", None)
+        if start_token_id is None or not hasattr(tables, "offsets"):
+            return
+        self._tree_forms.pop((name, tables.version), None)
+        self._tree_forms[(name, tables.version)] = ({k: v for k, v in fields.items() if k not in _RESERVED},
+                                                    int(start_token_id))
+        while len(self._tree_forms) > 8:
+            self._tree_forms.pop(next(iter(self._tree_forms)))
+
+    def note_installed(self, name: str, version: int, compiled) -> None:
+        """``compiled`` (None: removed) is what ``name`` serves from ``version`` on. A tree given inline is read
+        into its items and their catalog tables in the background (processors/tree_items.py, catalog_tables), so
+        that its first PATCH is a delta too (:meth:`tree_base`), without parsing and loading the stored body."""
+        self._tree_bases.pop(name, None)
+        tables = getattr(compiled, "constraint", None)
+        form = self._tree_forms.get((name, getattr(tables, "version", "")))
+        if form is None:
+            return
+        self._tree_bases[name] = (int(version), self._pool.submit(self._read_tree_base, tables, *form))
+        while len(self._tree_bases) > 2:
+            self._tree_bases.pop(next(iter(self._tree_bases)))
+
+    def _read_tree_base(self, tables, fields: dict[str, Any], start_token_id: int):
+        from processors.catalog_tables import catalog_tables
+        from processors.tree_items import tree_items
+
+        from .catalog import Catalog
+
+        flat, lengths = tree_items(tables)
+        catalog = Catalog.from_flat(start_token_id, tables.end_token_id, flat, lengths, fields)
+        return catalog, catalog_tables(catalog, self.vocab_size)
+
+    def tree_base(self, store: ScenarioStore, name: str):
+        """``(version, (Catalog, catalog tables))`` of the current version of ``name`` when it is a tree given inline
+        whose items were read here (waits for the background read while it runs); ``None`` when not: the PATCH
+        then reads the stored body."""
+        entry = self._tree_bases.get(name)
+        if entry is None or entry[0] != store.current_version(name):
+            return None
+        try:
+            return entry[0], entry[1].result()
+        except Exception:  # noqa: BLE001 - the PATCH then takes the stored body's way
+            logger.exception("scenario %r: reading the items of version %d failed", name, entry[0])
+            return None
+
     def save_content(self, data: bytes) -> str:
         """Keep ``data`` (a catalog upload, canonical) as a local copy under its SHA-256; returns the hash."""
         return self.keep_content(data)[0]
@@ -333,6 +385,8 @@ class StoredScenarioCompiler:
                 compiled = self._compile_now(name, scenario, (tables, catalog.start_token_id))
             else:
                 compiled = self._compile_now(name, scenario)
+                if body.get("type") == "tree" and scenario.tree is not None:
+                    self._note_tree_form(name, compiled, body, getattr(scenario.tree, "start_token_id", None))
         except ServiceError as exc:
             sha = content_sha256(body)
             if sha is not None and isinstance(body.get("path"), str):  # name the admin's file, not the local copy
@@ -356,6 +410,7 @@ class StoredScenarioCompiler:
             tree = load_tree(inline.tree, vocab_size=self.vocab_size, strict=bool(scenario.strict))
             self.settings.limits.check_tree_keys(len(tree), "tree.prefix_dict")
             compiled = self._compile_now(name, scenario, (build_tree_tables(tree, self.vocab_size), tree.start_token_id))
+            self._note_tree_form(name, compiled, inline.rest, tree.start_token_id)
         except (ScenarioError, ServiceError, LimitExceeded, ValueError) as exc:
             logger.info("scenario %r: inline tree refused on the split way, parsing the whole body (%s)", name,
                         str(exc)[:200])

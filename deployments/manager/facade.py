@@ -231,7 +231,6 @@ class ConfigManager:
         delta is applied again to the new current version. Returns ``{"name", "version", "base_version",
         "changed", "added", "removed", "already_present", "not_present"}``."""
         from .catalog_delta import apply_delta, parse_delta
-
         add: list[Any] = []
         remove: list[Any] = []
         base: int | None = None
@@ -253,14 +252,15 @@ class ConfigManager:
             return body_fingerprint("patch", name, {"add": add, "remove": remove, "base_version": base})
 
         async def draft(fp: str | None) -> Draft:
-            record = await asyncio.to_thread(self.store.get, name)
-            if record is None:
+            prepared = await asyncio.to_thread(self.compiler.tree_base, self.store, name)  # (version, base) or None
+            record = None if prepared else await asyncio.to_thread(self.store.get, name)
+            if prepared is None and record is None:
                 await self._not_found(name, None)
-            current = int(record["version"])
+            current, stored = (prepared[0], None) if record is None else (int(record["version"]), record["scenario"])
             if base is not None and current != base:
                 raise BaseChanged(name, base, current)
             body, content, report, new_sha = await asyncio.to_thread(
-                apply_delta, self.compiler, self.settings.limits, name, record["scenario"], add, remove)
+                apply_delta, self.compiler, self.settings.limits, name, stored, add, remove, prepared and prepared[1])
             # the answer besides name and version: kept with the Idempotency-Key, a retry gets it exactly
             answer = {"base_version": current, **report.to_json(), "changed": report.changed}
             if not report.changed:

@@ -173,6 +173,7 @@ class WriteFlow:
                     m.scenarios.remove(name)
                 else:
                     m.scenarios.install(name, version, compiled, await asyncio.to_thread(object_ref, compiled))
+                m.compiler.note_installed(name, int(version), None if draft.removes else compiled)
                 epoch = m.registry.bump()
         if version.replayed:  # the same request, stored meanwhile: its first answer
             first = None

@@ -14,7 +14,7 @@ import pytest
 from test_catalog_manager import END, START, catalog_text, run
 from test_manager import make_manager
 
-from deployments.manager.catalog import Catalog
+from deployments.manager.catalog import Catalog, tree_file_bytes
 from deployments.redis_server import connect_redis
 from processors.catalog_tables import catalog_tables
 
@@ -126,7 +126,8 @@ def test_concurrent_patches_all_land_and_the_tables_equal_a_full_compile(tokeniz
 
 
 def test_a_patch_of_an_inline_tree_then_of_its_catalog(tokenizer, data_dir, client):
-    """A tree given inline is turned into its items at its first PATCH; the next PATCH updates those tables."""
+    """A tree given inline is turned into its items at its first PATCH, from its served tables read in the
+    background after its PUT (processors/tree_items.py): both PATCHes update tables."""
     manager = make_manager(tokenizer, data_dir, client=client)
     vocab = manager.compiler.vocab_size
     tree = {"start_token_id": START, "end_token_id": END,
@@ -140,6 +141,48 @@ def test_a_patch_of_an_inline_tree_then_of_its_catalog(tokenizer, data_dir, clie
         assert_full_compile(served(r0, "t")[1], first, vocab)
         await manager.patch("t", {"add": [[10, 11, 13, 14]], "remove": [[20]]})
         assert_full_compile(served(r1, "t")[1], (first - {(20,)}) | {(10, 11, 13, 14)}, vocab)
-        assert manager.compiler.tables_patched == 1  # the second, from the first's tables
+        assert manager.compiler.tables_patched == 2  # the first from the tree's items, the second from the first's
+        assert (await manager.get("t", 1))["scenario"]["tree"] == tree  # the inline body is kept as it was
 
     run(manager, body)
+
+
+def test_a_large_inline_tree_body_its_first_patch_and_a_restart(tokenizer, data_dir, client):
+    """A tree body of over 1 MiB (the split way: the tree's text goes to the tree loader), PATCHed twice; a
+    restarted manager (no items read: the stored body's way) PATCHes a catalog it has no tables of (a full compile)."""
+    import json
+
+    rnd = random.Random(3)
+    items = {tuple(rnd.randint(3, 3000) for _ in range(rnd.randint(2, 5))) for _ in range(40000)}
+    text = tree_file_bytes(
+        Catalog.from_items(START, END, sorted(items)))
+    raw = b'{"type":"tree","max_new_tokens":6,"tree":' + text + b"}"
+    assert len(raw) > 1 << 20
+    manager = make_manager(tokenizer, data_dir, client=client)
+    vocab = manager.compiler.vocab_size
+
+    async def body(r0, r1):
+        nonlocal items
+        await manager.put("big", raw)
+        for round_ in range(2):
+            remove = rnd.sample(sorted(items), 50)
+            add = sorted({(rnd.randint(61, 90), rnd.randint(3, 90), round_) for _ in range(40)} - items)
+            result = await manager.patch("big", {"add": [list(a) for a in add], "remove": [list(r) for r in remove]})
+            items = (items - set(remove)) | set(add)
+            for replica in (r0, r1):
+                assert served(replica, "big")[0] == result["version"]
+                assert_full_compile(served(replica, "big")[1], items, vocab)
+        assert manager.compiler.tables_patched == 2
+        stored = (await manager.get("big"))["scenario"]
+        assert stored["items"] == len(items) and stored["max_new_tokens"] == 6
+        assert json.loads(raw)["max_new_tokens"] == 6
+
+    run(manager, body)
+    restarted = make_manager(tokenizer, data_dir, client=client)
+
+    async def after(r0, r1):
+        assert_full_compile(served(r0, "big")[1], items, vocab)
+        await restarted.patch("big", {"remove": [list(sorted(items)[0])]})
+        assert_full_compile(served(r1, "big")[1], items - {sorted(items)[0]}, vocab)
+
+    run(restarted, after)

@@ -125,3 +125,29 @@ def test_a_wide_root_uses_big_token_ids():
     remove = sorted(items)[::7]
     add = [tuple(int(t) for t in rnd.integers(3, VOCAB, size=5)) for _ in range(100)]
     apply(tables, items, [a for a in add if a not in items], remove)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_items_read_from_a_trees_tables_are_those_of_the_loaded_tree(seed, tmp_path):
+    """processors/tree_items.py against items_from_tree of the loaded tree file (keys no path reaches, empty lists,
+    the end token at the root and inside, candidates given twice or out of order)."""
+    import json
+
+    from config import load_tree
+    from deployments.manager.catalog import items_from_tree
+    from processors.tables import build_tree_tables
+    from processors.tree_items import tree_items
+
+    rnd = random.Random(seed)
+    prefix = {}
+    for _ in range(60):
+        path = [1] + [rnd.randint(3, 9) for _ in range(rnd.randint(0, 4))]
+        cands = [rnd.choice([END, 3, 4, 5, 6, 7, 8, 9]) for _ in range(rnd.randint(0, 3))]
+        prefix["_".join(map(str, path))] = cands
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"start_token_id": 1, "end_token_id": END, "prefix_dict": prefix}))
+    tree = load_tree(str(path), vocab_size=VOCAB)
+    flat, lengths = tree_items(build_tree_tables(tree, VOCAB))
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    got = [tuple(flat[s:s + n].tolist()) for s, n in zip(starts.tolist(), lengths.tolist())]
+    assert sorted(got) == sorted(items_from_tree(tree)) and len(got) == len(set(got))
