@@ -247,6 +247,13 @@ class ServerSettings(BaseModel):
         description="engine vllm on CPU: threads of vLLM's model worker, bound to cores 0..N-1 "
                     "(None = vLLM's choice: the cores of one NUMA node but one).",
     )
+    beam_replicas: int = Field(
+        default=0, ge=0,
+        description="engine vllm: replicas of a second model deployment (BeamReplica) on the transformers engine, in "
+                    "the same app and with the same model and settings; requests with num_beams > 1 go there, the "
+                    "others to the vLLM replicas. 0 = none: beam requests are a 400 naming this setting. Ignored "
+                    "with engine transformers (its replicas run beams themselves).",
+    )
     max_replicas_per_node: int | None = Field(default=None, ge=1, description="Most model replicas on one Ray node (None = no limit); 1 spreads them over nodes.")
     custom_resources: dict[Literal["manager", "model", "ingress"], dict[str, float]] = Field(
         default_factory=dict,

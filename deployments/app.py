@@ -6,6 +6,10 @@ Three deployments, each a plain class made a deployment here (so each stays cons
   Every model replica keeps a long poll open on it and admin calls wait on it, hence its high
   ``max_ongoing_requests``.
 * ``ModelReplica`` (``num_replicas``, CPUs/GPUs from the settings): the model and the decode loop.
+* ``BeamReplica`` (only with ``engine: vllm`` and ``beam_replicas`` > 0): ``ModelReplica`` on the transformers
+  engine, the same model and settings otherwise; the ingress sends it the requests with ``num_beams`` > 1 (vLLM's
+  engine does not run constrained beam search, see docs/engines.md). It registers with the manager like any model
+  replica (scenario versions, acks).
 * ``Ingress`` (no CPU reserved): the FastAPI app, handed to Serve through ``__serve_build_asgi_app__``.
 
 Settings travel to every constructor as ``ServerSettings.model_dump()`` dicts.
@@ -60,6 +64,10 @@ def deployment_options(settings: ServerSettings) -> dict[str, dict[str, Any]]:
     for key, resources in settings.custom_resources.items():
         if resources:
             options[key]["ray_actor_options"]["resources"] = dict(resources)
+    if settings.engine == "vllm" and settings.beam_replicas > 0:  # the model's options, its own name and count
+        beams = {**options["model"], "name": "BeamReplica", "num_replicas": settings.beam_replicas}
+        beams["ray_actor_options"] = dict(options["model"]["ray_actor_options"])
+        options["beams"] = beams
     return options
 
 
@@ -80,7 +88,11 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
 
     manager = serve.deployment(ConfigManager).options(**options["manager"]).bind(settings_dict)
     model = serve.deployment(ServeModelReplica).options(**options["model"]).bind(settings_dict, manager)
+    beams = None
+    if "beams" in options:  # engine vllm: beam requests go to transformers-engine replicas of the same model
+        beams = serve.deployment(ServeModelReplica).options(**options["beams"]).bind(
+            {**settings_dict, "engine": "transformers"}, manager)
     # serve.ingress() without an app: the class's __serve_build_asgi_app__ returns the FastAPI app that
     # Ingress built with routes bound to itself (no class-based-view rewriting, same app in unit tests).
     ingress = serve.deployment(serve.ingress()(Ingress)).options(**options["ingress"])
-    return ingress.bind(settings_dict, model, manager)
+    return ingress.bind(settings_dict, model, manager, beams)

@@ -119,12 +119,19 @@ class ReplicaCalls:
 
     settings: ServerSettings
     model: Any
+    beams: Any
     deaths: DeathMemory
     rows: RowBudget
     _no_replica_at: float | None
     _probe: asyncio.Future | None
     _alive_at: float | None
     _calls: int
+
+    def model_for(self, request: GenerateRequest) -> Any:
+        """The replicas that run ``request``: with ``engine: vllm`` and ``beam_replicas``, a beam request goes to the
+        transformers-engine ones (``BeamReplica``, see deployments/app.py), everything else to the model replicas."""
+        beams = getattr(self, "beams", None)
+        return beams if beams is not None and request.num_beams > 1 else self.model
 
     async def call(self, method: Any, *args: Any) -> Any:
         """``await method.remote(*args)`` with any failure turned into a :class:`ServiceError`."""
@@ -242,7 +249,7 @@ class ReplicaCalls:
         await self.require_replica()
         for attempt in range(MODEL_RETRIES + 1):
             try:
-                call = self.model.generate.remote(request)
+                call = self.model_for(request).generate.remote(request)
                 return _log_generated(await self.checked(call, call))
             except asyncio.CancelledError:
                 raise
@@ -262,7 +269,7 @@ class ReplicaCalls:
         for attempt in range(MODEL_RETRIES + 1):
             stream = None
             try:
-                stream = self.model.options(stream=True).generate_stream.remote(request)
+                stream = self.model_for(request).options(stream=True).generate_stream.remote(request)
                 return await self.checked(stream.__anext__(), stream), stream
             except StopAsyncIteration:
                 return None, stream

@@ -35,12 +35,16 @@ class Ingress(ReplicaCalls, Streams, HealthCheck):
         settings: ``ServerSettings`` or its ``model_dump()`` (limits, data_dir / admin_token, model name).
         model_handle: handle to the model replicas (``generate``, ``generate_stream``).
         manager_handle: handle to the config manager (scenario CRUD, ``list``, ``health``, ``replica_versions``).
+        beam_handle: handle to the transformers-engine replicas that run beam requests beside vLLM replicas
+            (setting ``beam_replicas``), or ``None``: every request goes to ``model_handle``.
     """
 
-    def __init__(self, settings: dict[str, Any] | ServerSettings, model_handle: Any, manager_handle: Any):
+    def __init__(self, settings: dict[str, Any] | ServerSettings, model_handle: Any, manager_handle: Any,
+                 beam_handle: Any = None):
         self.settings = settings if isinstance(settings, ServerSettings) else ServerSettings.model_validate(settings)
         self.limits = self.settings.limits
         self.model = model_handle
+        self.beams = beam_handle
         self.manager = manager_handle
         self.model_name = self.settings.served_model_name or served_model_name(self.settings.model)
         self.created = int(time.time())

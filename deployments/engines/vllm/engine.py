@@ -29,9 +29,10 @@ outputs with the ``guidance`` backend (``grammar_backend="guidance"``): the same
 (compact whitespace, compiled by our compile step), so the same outputs are allowed; see the README for the
 measured choice.
 
-Beam search is refused (:class:`UnsupportedRequest`, HTTP 400 naming the transformers backend): vLLM's beam
-search is a client-side loop over single-token requests whose logprobs are taken before logits processors,
-so it cannot rank constrained candidates the way the transformers backend does.
+Beam search is refused (:class:`UnsupportedRequest`, HTTP 400 naming the transformers backend and the setting
+``beam_replicas``, with which the ingress sends beam requests to transformers-engine replicas of the same app
+instead): vLLM's beam search is a client-side loop over single-token requests, one engine round trip per token and
+beam, and its ranking is not the transformers backend's (see docs/engines.md).
 """
 
 from __future__ import annotations
@@ -288,9 +289,10 @@ class VLLMEngine(Engine):
             raise TypeError(f"expected an EngineRequest, got {type(request).__name__}")
         if request.num_beams > 1:
             raise UnsupportedRequest(
-                "num_beams > 1 (beam search) is not supported by the vllm engine backend; send num_beams 1, or use "
-                "a deployment with the transformers engine backend (setting engine: transformers)",
-                {"field": "num_beams", "engine": "vllm", "supported_by": "transformers"},
+                "num_beams > 1 (beam search) is not supported by the vllm engine backend; send num_beams 1, set "
+                "beam_replicas (transformers-engine replicas in the same app that beam requests go to), or use a "
+                "deployment with the transformers engine backend (setting engine: transformers)",
+                {"field": "num_beams", "engine": "vllm", "supported_by": "transformers", "setting": "beam_replicas"},
             )
         if self.llm is None or self._loop is None:
             raise RuntimeError("the vllm engine is not started")
