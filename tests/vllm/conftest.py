@@ -5,8 +5,10 @@ suite); in the main ``.venv`` every module skips at import (``pytest.importorski
 import of a submodule, since this directory itself would import as a namespace package named ``vllm``). vLLM is started
 eagerly (``enforce_eager``: about 30 s instead of minutes of torch.compile) with a small KV cache; one engine
 serves the whole engine-level module, one Ray Serve app (the ``app`` fixture below, session-scoped: started by the
-first module that asks for it) the service modules: test_vllm_serve.py, test_vllm_serve_logprobs.py and
-test_vllm_tools.py, whose names sort last, so the app starts after the engine-level modules have stopped theirs.
+first module that asks for it) the service modules: test_vllm_serve.py, test_vllm_serve_beams.py (which adds a
+second app of its own beside it for the module, with a transformers-engine BeamReplica), test_vllm_serve_items.py,
+test_vllm_serve_logprobs.py and test_vllm_tools.py, whose names sort last, so the app starts after the engine-level
+modules have stopped theirs.
 """
 
 from __future__ import annotations
