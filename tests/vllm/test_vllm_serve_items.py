@@ -48,6 +48,7 @@ def eos(app, tokenizer):
     app.put("vi-long", {"type": "tree", "tree": tree, "max_items": 10, "separator_token_id": SEP})
     app.put("vi-long-fixed", {"type": "tree", "tree": tree, "max_items": 10})
     app.put("vi-labels", {"type": "labels", "labels": LABELS})
+    app.put("vi-think", {"type": "labels", "labels": LABELS, "think": {"max_thinking_tokens": 6}})
     return eos
 
 
@@ -215,3 +216,37 @@ def test_a_cancelled_distinct_stream_leaves_later_requests_whole(app, eos):
             if line and line.startswith("data: ") and json.loads(line[len("data: "):]).get("type") == "token":
                 break
     assert set(single_items(generate(app, body), eos)) == free
+
+
+def test_think_mode_with_item_controls(app, eos, tokenizer):
+    """Thinking first (its rows decide no item), then distinct labels, not excluded; the budget leaves room for the
+    end marker and a label."""
+    from vllm_checks import check_output
+
+    body = {"type": "labels", "labels": LABELS, "think": {"max_thinking_tokens": 6}}
+    for seed in range(2):
+        outs = generate(app, {"scenario": "vi-think", "messages": [{"role": "user", "content": "A section?"}],
+                              "exclude": ["Weather", "Sports"], "distinct": True, "n": 3, "temperature": 1.2,
+                              "max_new_tokens": 24, "seed": seed})
+        answers = []
+        for out in outs:
+            assert out["error"] is None, out
+            check_output("labels", body, out["text"], out["token_ids"], out["finish_reason"], tokenizer)
+            end = tokenizer.encode("</think>\n\n", add_special_tokens=False)
+            ids = out["token_ids"]
+            at = next(i for i in range(len(ids)) if ids[i: i + len(end)] == end)
+            answers.append(tokenizer.decode(ids[at + len(end):], skip_special_tokens=True).strip())
+        assert sorted(answers) == ["New York City", "Politics", "Technology"], answers
+
+
+def test_logprobs_of_a_distinct_request(app, eos):
+    """Rows drawn in turn by the processor report their token with log probability 0 (vLLM saw that one token);
+    the outputs are whole, different items all the same."""
+    body = {"scenario": "vi-tree", "prompt": PROMPT, "distinct": True, "n": 4, "temperature": 1.0, "seed": 2,
+            "max_new_tokens": 8, "logprobs": 2}
+    outs = generate(app, body)
+    assert len(set(single_items(outs, eos))) == 4
+    for out in outs:
+        assert [item["token_id"] for item in out["logprobs"]] == out["token_ids"][:-1], out
+        for item in out["logprobs"]:
+            assert item["logprob"] <= 1e-6 and all(a["token_id"] in CODES for a in item["top"]), item
