@@ -237,3 +237,24 @@ def test_exclude_masks_every_row_and_an_aborted_request_is_dropped(setup, tokeni
     assert len(proc.groups) == 1
     proc.groups.expire(time.monotonic() + 10_000)
     assert len(proc.groups) == 0 and proc.groups.stats["expired"] >= 1
+
+
+def test_distinct_rows_at_different_states_are_masked_as_usual(setup, tokenizer):
+    """Rows of one distinct request at different states choose among disjoint children: their whole masked
+    distributions go to vLLM (nothing drawn here), and the book still counts both rows' items."""
+    proc, files, _, _ = setup
+    tree = _items_tree(tokenizer)
+    outs: list[list[int]] = [[1000], [1001]]  # e.g. rows that come back after a preemption with their tokens
+    params = _item_rows(files, tree, "req-c", 2, temperature=1.0)
+    _update(proc, 2, added=[(i, params[i], [1], outs[i]) for i in range(2)])
+    drawn = proc.stats["drawn"]
+    logits = proc.apply(torch.zeros(2, len(tokenizer)))
+    assert _allowed(logits[0]) == {1010, 1011} and _allowed(logits[1]) == {901}
+    assert proc.stats["drawn"] == drawn
+    outs[0].append(1010)
+    outs[1].append(901)
+    logits = proc.apply(torch.zeros(2, len(tokenizer)))
+    assert _allowed(logits[0]) == {901}
+    outs[0].append(901)
+    _update(proc, 0, removed=[0, 1])
+    assert "req-c" not in proc.groups.groups

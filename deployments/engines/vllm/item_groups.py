@@ -14,12 +14,13 @@ within that; an aborted one never does) or when more than :data:`MAX_IDLE` group
 ``distinct`` and one step: vLLM samples every row of its batch at once from the logits the processor returns,
 whereas the rule needs the rows of a request to choose in turn (two rows must never both take the last free item
 below a state, and two rows at one state must never both end the same item). So when two or more rows of a
-``distinct`` group are decoding the constraint in the same step, the processor draws their tokens itself, one row
-after the other, each from its own masked distribution with its own temperature, top-k, top-p and seed, advances
+``distinct`` group are at the same state of the tree in the same step (any rows of a multi-item group: a row that
+ends an item may go on at the root), the processor draws their tokens itself, one row after the other, each from its own masked distribution with its own temperature, top-k, top-p and seed, advances
 that row's cursor at once (the next row's mask sees it), and hands vLLM that token alone (:func:`draw`). This is
 the transformers backend's rule (it redraws a row whose token lost its item to an earlier row of the step; drawing
 from the updated mask is the same distribution). Such tokens report log probability 0 in ``logprobs`` (vLLM sees
-one allowed token).
+one allowed token). Rows at different states choose among disjoint children and item ends (the tables are a
+tree), so they are masked as usual.
 
 Nothing here imports vLLM.
 """

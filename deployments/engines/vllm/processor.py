@@ -170,8 +170,9 @@ class ChainLogitsProcessor(LogitsProcessor):
                 if row.scale is not None:
                     scaled.append((index, row.scale))
         for members in turns.values():
+            drawn = _contending(members)
             for index, row in members:
-                steps[index] = self._draw(row, logits[index]) if len(members) > 1 else self._row_step(row)
+                steps[index] = self._draw(row, logits[index]) if index in drawn else self._row_step(row)
                 if row.scale is not None:
                     scaled.append((index, row.scale))
         try:
@@ -435,6 +436,24 @@ def watch_owner(interval: float = 1.0) -> None:
         os._exit(0)
 
     threading.Thread(target=run, name="owner-watch", daemon=True).start()
+
+
+def _contending(members: list[tuple[int, "_Row"]]) -> set[int]:
+    """The batch indexes of a distinct request's rows whose tokens must be drawn in turn this step: rows at the same
+    state of the tree (they choose among the same children and the same item ends), or every row of a multi-item
+    request (a row that ends an item may start the next one at the root). Rows at different states of one tree
+    choose among disjoint children and ends, so they are masked as usual (and report their distribution)."""
+    if len(members) < 2:
+        return set()
+    states: dict[Any, list[int]] = {}
+    for index, row in members:
+        constraint = getattr(row.cursor, "constraint", None)
+        rules = getattr(constraint, "rules", None)
+        state = getattr(constraint, "state", None)
+        if state is None or (rules is not None and rules.max_items > 1):
+            return {index for index, _ in members}
+        states.setdefault(state, []).append(index)
+    return {index for group in states.values() if len(group) > 1 for index in group}
 
 
 def _needs_tokenizer(compiled) -> bool:
