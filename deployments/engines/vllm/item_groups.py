@@ -72,6 +72,7 @@ class ItemGroups:
 
     def join(self, extra: dict) -> tuple[str, ItemRequest]:
         """A row of the group ``extra["group"]`` enters the batch: the group's shared :class:`ItemRequest`."""
+        self.expire()
         key = str(extra["group"])
         group = self.groups.get(key)
         if group is None:
