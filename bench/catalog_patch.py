@@ -95,6 +95,13 @@ def in_process_patch(items: list[list[int]], start: int, add: list, remove: list
     return {k: round(v, 3) if isinstance(v, float) and k.endswith("_s") else v for k, v in out.items()}
 
 
+def delta_of(items: list[list[int]], delta: int) -> tuple[list, list]:
+    """``(add, remove)``: half of ``delta`` new 7-id items, half existing items."""
+    rng = np.random.default_rng(2)
+    remove = [list(items[j]) for j in rng.choice(len(items), size=delta - delta // 2, replace=False)]
+    return [rng.integers(3, VOCAB, size=7).tolist() for _ in range(delta // 2)], remove
+
+
 def upload(bench, name: str, form: str, items: list[list[int]], start: int) -> float:
     if form == "catalog":
         data, kind = catalog_bytes(items, start), "application/x-ndjson"
@@ -157,6 +164,8 @@ def main() -> None:
     parser.add_argument("--forms", default="catalog,prefix_dict")
     parser.add_argument("--pause", type=float, default=5.0, help="seconds after each whole PUT")
     parser.add_argument("--quick", action="store_true", help="one small size, 2 rounds")
+    parser.add_argument("--in-process-only", action="store_true",
+                        help="only the in-process table work of one PATCH per size (no service)")
     args = parser.parse_args()
     sizes = [4000] if args.quick else [int(x) for x in args.items.split(",")]
     if args.quick:
@@ -169,6 +178,14 @@ def main() -> None:
     tokenizer = load_tokenizer(None)
     start = chat_root_token_id(tokenizer)
     results = []
+    if args.in_process_only:
+        for n in sizes:
+            items = make_items(n, seed=n)
+            add, remove = delta_of(items, args.delta)
+            results.append({"items": len(items), "in_process": in_process_patch(items, start, add, remove)})
+            log(json.dumps(results[-1]))
+        emit({"bench": "catalog_patch", "delta": args.delta, "sizes": results})
+        return
     with ServeBench() as bench:
         bench.deploy(bench.settings(num_replicas=REPLICAS, torch_threads=1, seed_examples=False,
                                     limits={"max_body_bytes": 1 << 30, "max_tree_keys": 50_000_000,
@@ -176,9 +193,7 @@ def main() -> None:
                      replicas=REPLICAS)
         for n in sizes:
             items = make_items(n, seed=n)
-            rng = np.random.default_rng(2)
-            remove = [list(items[j]) for j in rng.choice(len(items), size=args.delta - args.delta // 2, replace=False)]
-            add = [rng.integers(3, VOCAB, size=7).tolist() for _ in range(args.delta // 2)]
+            add, remove = delta_of(items, args.delta)
             local = in_process_patch(items, start, add, remove)
             log(f"{len(items)} items: in process {json.dumps(local)}")
             per_form = [run_form(bench, form, items, start, args, tokenizer) for form in forms]
