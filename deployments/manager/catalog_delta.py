@@ -206,7 +206,9 @@ def _apply_tree(compiler: Any, limits: Any, name: str, body: Any, add: list[Any]
     content = catalog.content()
     sha, new = compiler.keep_content(content)
     compiler.remember_catalog(sha, catalog)
-    if base_tables is not None:  # the base's tables updated along the changed paths (equal to a full compile)
+    # the base's tables updated along the changed paths (equal to a full compile), unless the delta is large for the
+    # catalog: its Python work per touched path then costs more than a full compile's array passes
+    if base_tables is not None and (len(add) + len(remove)) * compiler.patch_states_per_item <= base_tables.n_states:
         from processors.tree_delta import patch_tables
 
         tables = patch_tables(base_tables, add, remove)

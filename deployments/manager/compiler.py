@@ -129,6 +129,9 @@ class StoredScenarioCompiler:
         self._catalogs: dict[str, Any] = {}  # sha -> parsed Catalog, the newest few
         self._tables: dict[str, Any] = {}  # sha -> a catalog's tables (catalog_tables' form), the newest two
         self.tables_patched = 0  # PATCHes whose tables were updated from their base's (not compiled in full)
+        # a PATCH of more items than the base's states / this compiles the new items in full: faster there (about
+        # 6 touched paths an item, each ~50 states' worth of a full compile; docs/benchmarks.md, issue 21)
+        self.patch_states_per_item = 300
         # a tree given inline: its fields by (name, tables version), and, once served, its items and catalog tables
         # prepared in the background for a first PATCH (name -> (version, future)); see note_installed
         self._tree_forms: dict[tuple[str, str], tuple[dict[str, Any], int]] = {}

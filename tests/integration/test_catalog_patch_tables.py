@@ -36,6 +36,14 @@ def assert_full_compile(tables, items, vocab):
     np.testing.assert_array_equal(tables.item_count, ref.item_count)
 
 
+def delta_manager(tokenizer, data_dir, client):
+    """A manager that updates tables for any delta size (these catalogs are small: by default a delta of more items
+    than states / 300 compiles in full, faster there; test_a_large_delta_on_a_small_catalog_compiles_in_full)."""
+    manager = make_manager(tokenizer, data_dir, client=client)
+    manager.compiler.patch_states_per_item = 0
+    return manager
+
+
 def served(replica, name):
     version, compiled = replica.tables[name]
     return version, compiled.constraint
@@ -48,7 +56,7 @@ def random_items(rnd, n):
 def test_a_chain_of_patches_a_restart_inside_it_and_a_rollback_into_it(tokenizer, data_dir, client):
     rnd = random.Random(7)
     items = random_items(rnd, 300)
-    manager = make_manager(tokenizer, data_dir, client=client)
+    manager = delta_manager(tokenizer, data_dir, client)
     vocab = manager.compiler.vocab_size
     history: dict[int, set] = {}
 
@@ -75,7 +83,7 @@ def test_a_chain_of_patches_a_restart_inside_it_and_a_rollback_into_it(tokenizer
         assert manager.compiler.tables_patched == 4  # every PATCH updated its base's tables
 
     run(manager, body)
-    restarted = make_manager(tokenizer, data_dir, client=client)  # restart in the middle of the chain
+    restarted = delta_manager(tokenizer, data_dir, client)  # restart in the middle of the chain
 
     async def after(r0, r1):
         version, tables = served(r0, "cat")
@@ -93,7 +101,7 @@ def test_a_chain_of_patches_a_restart_inside_it_and_a_rollback_into_it(tokenizer
         return kept
 
     items = run(restarted, after)  # the rolled-back version's items: the next PATCH starts from them
-    rolled_back = make_manager(tokenizer, data_dir, client=client)
+    rolled_back = delta_manager(tokenizer, data_dir, client)
 
     async def patch_after_rollback(r0, r1):
         await patch_some(rolled_back, r0, r1)
@@ -105,7 +113,7 @@ def test_concurrent_patches_all_land_and_the_tables_equal_a_full_compile(tokeniz
     """Four PATCHes at once, no base version (each re-applies its delta when another landed first, up to 5 times)."""
     rnd = random.Random(11)
     items = random_items(rnd, 200)
-    manager = make_manager(tokenizer, data_dir, client=client)
+    manager = delta_manager(tokenizer, data_dir, client)
     vocab = manager.compiler.vocab_size
 
     async def body(r0, r1):
@@ -128,7 +136,7 @@ def test_concurrent_patches_all_land_and_the_tables_equal_a_full_compile(tokeniz
 def test_a_patch_of_an_inline_tree_then_of_its_catalog(tokenizer, data_dir, client):
     """A tree given inline is turned into its items at its first PATCH, from its served tables read in the
     background after its PUT (processors/tree_items.py): both PATCHes update tables."""
-    manager = make_manager(tokenizer, data_dir, client=client)
+    manager = delta_manager(tokenizer, data_dir, client)
     vocab = manager.compiler.vocab_size
     tree = {"start_token_id": START, "end_token_id": END,
             "prefix_dict": {str(START): [10, 20], f"{START}_10": [11, 12], f"{START}_10_11": [END, 13]}}
@@ -158,7 +166,7 @@ def test_a_large_inline_tree_body_its_first_patch_and_a_restart(tokenizer, data_
         Catalog.from_items(START, END, sorted(items)))
     raw = b'{"type":"tree","max_new_tokens":6,"tree":' + text + b"}"
     assert len(raw) > 1 << 20
-    manager = make_manager(tokenizer, data_dir, client=client)
+    manager = delta_manager(tokenizer, data_dir, client)
     vocab = manager.compiler.vocab_size
 
     async def body(r0, r1):
@@ -178,7 +186,7 @@ def test_a_large_inline_tree_body_its_first_patch_and_a_restart(tokenizer, data_
         assert json.loads(raw)["max_new_tokens"] == 6
 
     run(manager, body)
-    restarted = make_manager(tokenizer, data_dir, client=client)
+    restarted = delta_manager(tokenizer, data_dir, client)
 
     async def after(r0, r1):
         assert_full_compile(served(r0, "big")[1], items, vocab)
@@ -186,3 +194,23 @@ def test_a_large_inline_tree_body_its_first_patch_and_a_restart(tokenizer, data_
         assert_full_compile(served(r1, "big")[1], items - {sorted(items)[0]}, vocab)
 
     run(restarted, after)
+
+
+def test_a_large_delta_on_a_small_catalog_compiles_in_full(tokenizer, data_dir, client):
+    rnd = random.Random(5)
+    items = random_items(rnd, 100)
+    manager = make_manager(tokenizer, data_dir, client=client)  # the default: states / 300 items at most
+    vocab = manager.compiler.vocab_size
+
+    async def body(r0, r1):
+        await manager.put_items("cat", catalog_text(sorted(items)))
+        n_states = served(r0, "cat")[1].n_states
+        small = [[70 + i, 71] for i in range(max(n_states // 300, 0))]
+        large = [[80, i + 3] for i in range(n_states // 300 + 1)]
+        if small:
+            await manager.patch("cat", {"add": small})
+        await manager.patch("cat", {"add": large})
+        assert manager.compiler.tables_patched == (1 if small else 0)
+        assert_full_compile(served(r1, "cat")[1], items | {tuple(i) for i in small + large}, vocab)
+
+    run(manager, body)
