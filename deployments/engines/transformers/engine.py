@@ -59,7 +59,7 @@ from .beams import BeamMixin
 from .jobs import FREE_STEP, UNMASKED, Beams, Job, Pending, Row
 from .kv_cache import release_memory
 from .prefix_cache import PrefixCache
-from .sampling import sample_row, sample_rows
+from ..sampling import sample_row, sample_rows
 from .shared_kv import SharedGroup, StepContext, install
 from .tree_beams import plan_tree_beams, row_logsumexp, tree_beam_candidates
 

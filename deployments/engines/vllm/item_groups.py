@@ -36,6 +36,8 @@ import torch
 
 from processors.items import ItemRequest
 
+from ..sampling import sample_row
+
 from .params import item_request_of
 
 __all__ = ["IDLE_SECONDS", "MAX_IDLE", "ItemGroups", "draw", "row_generator", "row_sampling"]
@@ -44,8 +46,6 @@ __all__ = ["IDLE_SECONDS", "MAX_IDLE", "ItemGroups", "draw", "row_generator", "r
 IDLE_SECONDS = 120.0
 #: most such idle groups kept
 MAX_IDLE = 1024
-#: below this temperature a row is greedy (vLLM's own epsilon)
-MIN_TEMPERATURE = 1e-5
 
 
 class _Group:
@@ -149,18 +149,6 @@ def row_generator(params) -> torch.Generator:
 
 
 def draw(logits: torch.Tensor, sampling: SimpleNamespace, generator: torch.Generator) -> int:
-    """One token from one row of (already masked) logits, with the row's temperature, top-k and top-p."""
-    logits = logits.float().cpu()
-    if sampling.temperature < MIN_TEMPERATURE:
-        return int(torch.argmax(logits))
-    logits = (logits - logits.max()) / sampling.temperature
-    if sampling.top_k and sampling.top_k < logits.numel():
-        kth = torch.topk(logits, sampling.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(dim=-1) - probs > sampling.top_p  # keep the token that crosses top_p
-        logits = logits.clone()
-        logits[order[drop]] = float("-inf")
-    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+    """One token from one row of (already masked) logits, with the row's temperature, top-k and top-p (the
+    transformers engine's own row sampler, :func:`deployments.engines.sampling.sample_row`)."""
+    return sample_row(logits.float().cpu(), sampling, generator)

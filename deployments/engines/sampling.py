@@ -1,4 +1,5 @@
-"""Choosing the next token of every sampled row of a step.
+"""Choosing the next token of every sampled row of a step (any engine: the transformers decode loop, and the vLLM
+processor where it draws a row itself).
 
 :func:`sample_rows` draws for a whole batch at once on the logits' device (one host-to-device copy of the rows'
 uniform draws, no per-row round trip); :func:`sample_row` is the row-by-row form, used when the batched call
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..protocol import SamplingParams
+from .protocol import SamplingParams
 
 __all__ = ["MIN_TEMPERATURE", "sample_row", "sample_rows"]
 
