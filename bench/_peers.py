@@ -75,10 +75,12 @@ class VLLMServer:
         log(f"starting vLLM's server on {self.url} (log {self.log_path})")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **env},
                                      start_new_session=True)
+        self.started = time.perf_counter()
 
     def wait_ready(self, timeout: float = 900) -> float:
-        return _wait_http(f"{self.url}/health", timeout, lambda: self.proc.poll() is None,
-                          f"vLLM's server (log {self.log_path})")
+        """Wait until it answers ``/health``; the seconds since it was started."""
+        _wait_http(f"{self.url}/health", timeout, lambda: self.proc.poll() is None, f"vLLM's server (log {self.log_path})")
+        return time.perf_counter() - self.started
 
     def stop(self) -> None:
         if self.proc.poll() is None:
