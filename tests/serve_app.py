@@ -165,6 +165,23 @@ def swap_under_load(app, name: str, first: tuple[int, Any], swap: Callable[[int]
     return seen
 
 
+def labels_hot_swap_under_load(app, name: str) -> None:
+    """Ten PUTs of a labels scenario while 16 clients send chat requests to it (:func:`swap_under_load`): every
+    answer is one of the labels of the version it reports, and the load spans at least three versions."""
+    first = app.put(name, {"type": "labels", "labels": ["red 0", "blue 0"]})["version"]
+
+    def swap(k):
+        labels = [f"red {k}", f"blue {k}"]
+        return app.put(name, {"type": "labels", "labels": labels})["version"], labels
+
+    seen = swap_under_load(
+        app, name, (first, ["red 0", "blue 0"]), swap,
+        lambda i: {"scenario": name, "messages": [{"role": "user", "content": f"Pick a colour ({i})"}],
+                   "temperature": 1.0, "max_new_tokens": 8},
+        lambda body, labels: check_label(body["outputs"][0], labels), swaps=10, clients=16, min_answers=32)
+    assert len(seen) >= 3, f"the load should span several versions, saw {sorted(seen)}"
+
+
 def start_local_ray(attempts: int = 3, **kwargs) -> None:
     """``ray.init(address="local", **kwargs)``, tried again when the node times out during start-up: Ray waits a
     fixed 30 s for its raylet to register, which a loaded machine (the tests beside other jobs on 2 cores) can

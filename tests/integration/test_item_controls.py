@@ -14,6 +14,7 @@ import random
 import pytest
 
 from config import ServerSettings
+from item_checks import items_of, product_tree
 from deployments.protocol import ServiceError
 
 pytestmark = pytest.mark.integration
@@ -24,16 +25,10 @@ CATALOG = [tuple(p) for p in itertools.product(CODES, repeat=3)]
 
 
 def tree_body(eos: int, mixed: bool = False) -> dict:
-    prefix = {str(ROOT): list(CODES)}
-    for a in CODES:
-        prefix[f"{ROOT}_{a}"] = list(CODES)
-        for b in CODES:
-            prefix[f"{ROOT}_{a}_{b}"] = list(CODES)
-            for c in CODES:
-                prefix[f"{ROOT}_{a}_{b}_{c}"] = [eos]
+    tree = product_tree(ROOT, CODES, 3, eos)
     if mixed:  # one short item, (CODES[0],), beside the three-token ones
-        prefix[f"{ROOT}_{CODES[0]}"] = list(CODES) + [eos]
-    return {"start_token_id": ROOT, "end_token_id": eos, "prefix_dict": prefix}
+        tree["prefix_dict"][f"{ROOT}_{CODES[0]}"] = list(CODES) + [eos]
+    return tree
 
 
 @pytest.fixture(scope="module")
@@ -58,21 +53,6 @@ def refused(replica, body) -> ServiceError:
     with pytest.raises(ServiceError) as info:
         run(replica, body)
     return info.value
-
-
-def items_of(tokens: list[int], eos: int, sep: int | None = SEP, width: int = 3) -> list[tuple[int, ...]]:
-    body = tokens[:-1] if tokens and tokens[-1] == eos else tokens
-    if sep is None:
-        assert len(body) % width == 0, tokens
-        return [tuple(body[i : i + width]) for i in range(0, len(body), width)]
-    parts, cur = [], []
-    for t in body:
-        if t == sep:
-            parts.append(tuple(cur))
-            cur = []
-        else:
-            cur.append(t)
-    return parts + [tuple(cur)]
 
 
 def test_exclude_at_temperature_2_never_yields_an_excluded_item(replica, eos):

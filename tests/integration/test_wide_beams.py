@@ -14,6 +14,7 @@ import weakref
 import pytest
 
 from config import ServerSettings, load_scenario
+from item_checks import product_tree
 from deployments.engines import EngineRequest, EventCollector, SamplingParams
 from deployments.engines.transformers import DecodeEngine
 from deployments.protocol import ServiceError
@@ -27,14 +28,7 @@ CATALOG = set(itertools.product(CODES, repeat=3))  # 512 items of 3 codes
 
 
 def _tree(eos: int) -> dict:
-    prefix = {str(ROOT): list(CODES)}
-    for a in CODES:
-        prefix[f"{ROOT}_{a}"] = list(CODES)
-        for b in CODES:
-            prefix[f"{ROOT}_{a}_{b}"] = list(CODES)
-            for c in CODES:
-                prefix[f"{ROOT}_{a}_{b}_{c}"] = [eos]
-    return {"type": "tree", "tree": {"start_token_id": ROOT, "end_token_id": eos, "prefix_dict": prefix}}
+    return {"type": "tree", "tree": product_tree(ROOT, CODES, 3, eos)}
 
 
 @pytest.fixture(scope="module")

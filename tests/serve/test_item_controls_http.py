@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import requests
+from item_checks import product_tree
 
 CODES = [1000 + 7 * i for i in range(5)]
 ROOT, SEP = 2000, 2100
@@ -14,12 +15,7 @@ CATALOG = [tuple(p) for p in itertools.product(CODES, repeat=2)]  # 25 two-token
 
 
 def tree(eos: int) -> dict:
-    prefix = {str(ROOT): list(CODES)}
-    for a in CODES:
-        prefix[f"{ROOT}_{a}"] = list(CODES)
-        for b in CODES:
-            prefix[f"{ROOT}_{a}_{b}"] = [eos]
-    return {"start_token_id": ROOT, "end_token_id": eos, "prefix_dict": prefix}
+    return product_tree(ROOT, CODES, 2, eos)
 
 
 @pytest.fixture(scope="module")

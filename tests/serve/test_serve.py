@@ -15,7 +15,7 @@ import requests
 
 from config import is_tree_path
 from deployments.examples import build_phrase_tree, chat_root_token_id
-from serve_app import check_label, swap_under_load
+from serve_app import check_label, labels_hot_swap_under_load
 
 pytestmark = pytest.mark.serve
 
@@ -154,18 +154,7 @@ def test_bad_scenario_is_never_stored(serve_app, stored):
 
 def test_hot_swap_under_load(serve_app):
     """Ten PUTs while 16 clients send requests: every answer is one of the labels of the version it reports."""
-    name = "t-swap"
-    first = serve_app.put(name, {"type": "labels", "labels": ["red 0", "blue 0"]})["version"]
-
-    def swap(k):
-        labels = [f"red {k}", f"blue {k}"]
-        return serve_app.put(name, {"type": "labels", "labels": labels})["version"], labels
-
-    seen = swap_under_load(
-        serve_app, name, (first, ["red 0", "blue 0"]), swap,
-        lambda i: {"scenario": name, "messages": _chat(f"Pick a colour ({i})"), "temperature": 1.0, "max_new_tokens": 8},
-        lambda body, labels: check_label(body["outputs"][0], labels), swaps=10, clients=16, min_answers=32)
-    assert len(seen) >= 3, f"the load should span several versions, saw {sorted(seen)}"
+    labels_hot_swap_under_load(serve_app, "t-swap")
 
 
 def test_rollback_restores_old_behaviour(serve_app):

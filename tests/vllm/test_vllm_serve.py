@@ -17,7 +17,7 @@ pytest.importorskip("vllm.v1.engine.async_llm", reason="the vLLM tier runs in .v
 
 import requests  # noqa: E402
 
-from serve_app import check_label, swap_under_load  # noqa: E402
+from serve_app import check_label, labels_hot_swap_under_load  # noqa: E402
 from vllm_checks import APP, check_output  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -136,18 +136,7 @@ def test_healthz_reports_the_vllm_replica_and_its_versions(app, bodies):
 
 def test_hot_swap_under_load(app, bodies):
     """Ten PUTs while 16 clients send requests: every answer is one of the labels of the version it reports."""
-    name = "v-swap"
-    first = app.put(name, {"type": "labels", "labels": ["red 0", "blue 0"]})["version"]
-
-    def swap(k):
-        labels = [f"red {k}", f"blue {k}"]
-        return app.put(name, {"type": "labels", "labels": labels})["version"], labels
-
-    seen = swap_under_load(
-        app, name, (first, ["red 0", "blue 0"]), swap,
-        lambda i: {"scenario": name, "messages": _chat(f"Pick a colour ({i})"), "temperature": 1.0, "max_new_tokens": 8},
-        lambda body, labels: check_label(body["outputs"][0], labels), swaps=10, clients=16, min_answers=32)
-    assert len(seen) >= 3, f"the load should span several versions, saw {sorted(seen)}"
+    labels_hot_swap_under_load(app, "v-swap")
 
 
 def test_late_replica_serves_current_versions(app, bodies, tokenizer):

@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("vllm.v1.engine.async_llm", reason="the vLLM tier runs in .venv-vllm: bash scripts/test_vllm.sh")
 
 import requests  # noqa: E402
+from item_checks import items_of, product_tree  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -27,21 +28,10 @@ LABELS = ["Sports", "Technology", "Politics", "New York City", "Weather"]
 PROMPT = "Recommended items:"
 
 
-def tree_body(eos: int) -> dict:
-    prefix = {str(ROOT): list(CODES)}
-    for a in CODES:
-        prefix[f"{ROOT}_{a}"] = list(CODES)
-        for b in CODES:
-            prefix[f"{ROOT}_{a}_{b}"] = list(CODES)
-            for c in CODES:
-                prefix[f"{ROOT}_{a}_{b}_{c}"] = [eos]
-    return {"start_token_id": ROOT, "end_token_id": eos, "prefix_dict": prefix}
-
-
 @pytest.fixture(scope="module")
 def eos(app, tokenizer):
     eos = tokenizer.eos_token_id
-    tree = tree_body(eos)
+    tree = product_tree(ROOT, CODES, 3, eos)
     app.put("vi-tree", {"type": "tree", "tree": tree})
     app.put("vi-sep", {"type": "tree", "tree": tree, "max_items": 4, "separator_token_id": SEP})
     app.put("vi-fixed", {"type": "tree", "tree": tree, "max_items": 4})
@@ -58,21 +48,6 @@ def generate(app, body: dict) -> list[dict]:
     outs = r.json()["outputs"]
     assert len(outs) == body.get("n", 1)
     return outs
-
-
-def items_of(tokens: list[int], eos: int, sep: int | None = SEP, width: int = 3) -> list[tuple[int, ...]]:
-    body = tokens[:-1] if tokens and tokens[-1] == eos else tokens
-    if sep is None:
-        assert len(body) % width == 0, tokens
-        return [tuple(body[i: i + width]) for i in range(0, len(body), width)]
-    parts, cur = [], []
-    for t in body:
-        if t == sep:
-            parts.append(tuple(cur))
-            cur = []
-        else:
-            cur.append(t)
-    return parts + [tuple(cur)]
 
 
 def single_items(outs: list[dict], eos: int, excluded=frozenset()) -> list[tuple[int, ...]]:
