@@ -280,6 +280,13 @@ class ServerSettings(BaseModel):
         description="Newest versions per scenario that keep their body in Redis (0 = all). Older versions keep "
                     "their metadata (listed with pruned: true); reading or rolling back to one is a 410.",
     )
+    catalog_delta_chain: int = Field(
+        default=8, ge=0, le=64,
+        description="A catalog PATCH stores its result in Redis as the delta of the version it patched (the items "
+                    "added and removed), not the whole catalog, until this many deltas follow whole content; the "
+                    "next PATCH then stores the whole catalog (compaction). Reading a version rebuilds it from its "
+                    "chain (0 = every PATCH stores the whole catalog).",
+    )
     http_host: str = Field(default="127.0.0.1", description="Where Serve's HTTP proxy listens.")
     http_port: int = Field(default=8000, ge=1, le=65535, description="Serve's HTTP port.")
     request_timeout_s: float | None = Field(

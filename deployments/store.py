@@ -11,7 +11,10 @@ Large values never block Redis for other clients: content is compressed and cut 
 written one SET each in a pipeline (no transaction) BEFORE the write script runs; the script then writes the
 manifest ``P c:<sha>:m`` together with the version that refers to it. A reader finds the manifest only once every
 chunk is there, so it never sees content half-written; chunks of a write that failed are overwritten by its retry
-(their keys name the content's hash). History is bounded: with ``history_bodies`` N > 0 the script drops, in the
+(their keys name the content's hash). A catalog PATCH's content is stored as a line delta of its base's (its
+manifest names the base and the chain of bases below it; every version refers to the whole chain, so pruning keeps
+a base while any version needs it), until the chain would pass ``delta_chain`` deltas: then the whole content is
+stored (compacted). Reading such content rebuilds it from the chain and checks its hash. History is bounded: with ``history_bodies`` N > 0 the script drops, in the
 same write, the body of every version older than the newest N that have one (``P s:N:bodies``); such a version
 keeps its metadata and is listed with ``pruned: true``; :meth:`ScenarioStore.get` returns it with ``scenario:
 None, pruned: True``, and a rollback to it is a 410. Content no version refers to any more is removed with it.
@@ -47,14 +50,15 @@ from typing import Any
 import redis
 
 from deployments.store_content import BODY_INLINE_BYTES, CHUNK_BYTES, IDEMPOTENCY_KEY_PATTERN, NAME_PATTERN
-from deployments.store_content import PackedBody, _SHA256_RE, content_sha256, pack_body, put_chunks, read_content
+from deployments.store_content import ContentDelta, PackedBody, _SHA256_RE, content_sha256, pack_body, put_chunks
+from deployments.store_content import read_content
 from deployments.store_content import request_fingerprint, validate_idempotency_key, validate_name
 from deployments.store_errors import BaseChanged, Gone, InvalidRequest, NotFound, StoreCorrupt, StoreError
 from deployments.store_errors import StoreUnavailable, VersionConflict, key_reused, pruned_error, redis_errors
 from deployments.store_scripts import BASE_CHANGED, KEY_REUSED, NO_CONTENT, NOT_LIVE, REMEMBER_SCRIPT, REPLAYED
 from deployments.store_scripts import TOO_LATE, WRITE_SCRIPT, WRITTEN
 
-__all__ = ["BODY_INLINE_BYTES", "BaseChanged", "CHUNK_BYTES", "Gone", "HISTORY_BODIES", "IDEMPOTENCY_KEY_PATTERN",
+__all__ = ["BODY_INLINE_BYTES", "BaseChanged", "CHUNK_BYTES", "ContentDelta", "DELTA_CHAIN", "Gone", "HISTORY_BODIES", "IDEMPOTENCY_KEY_PATTERN",
            "IDEMPOTENCY_TTL_S", "InvalidRequest", "NAME_PATTERN", "NotFound", "PackedBody", "ScenarioStore",
            "StoreCorrupt", "StoreError", "StoreUnavailable", "VersionConflict", "WriteResult", "content_sha256",
            "pack_body", "pruned_error", "request_fingerprint", "validate_idempotency_key", "validate_name"]
@@ -67,6 +71,10 @@ UPLOAD_BYTES_PER_S = 10e6
 
 # Default number of newest bodies kept per scenario (older versions keep their metadata; 0 keeps all).
 HISTORY_BODIES = 20
+
+# Most deltas between stored content and whole content: a catalog PATCH is stored as the delta of its base until its
+# chain would be longer, then as the whole catalog (a compaction); reading one rebuilds it from the chain.
+DELTA_CHAIN = 8
 
 # Seconds an idempotency key is remembered after the write it made.
 IDEMPOTENCY_TTL_S = 24 * 3600
@@ -104,10 +112,11 @@ class ScenarioStore:
     """
 
     def __init__(self, redis_client: redis.Redis, prefix: str = "cs:", *, idempotency_ttl_s: float = IDEMPOTENCY_TTL_S,
-                 history_bodies: int | None = 0):
+                 history_bodies: int | None = 0, delta_chain: int = DELTA_CHAIN):
         self.client = redis_client
         self.prefix = prefix
         self.history_bodies = max(0, int(history_bodies or 0))
+        self.delta_chain = max(0, int(delta_chain))
         self.idempotency_ttl_s = max(1.0, float(idempotency_ttl_s))
         self.channel = f"{prefix}changes"
         self._script = redis_client.register_script(WRITE_SCRIPT)
@@ -148,7 +157,7 @@ class ScenarioStore:
                idempotency_key: str | None = None, fingerprint: str | None = None,
                content: bytes | None = None, expect_current: int | None = None,
                body_json: bytes | None = None, packed_body: PackedBody | None = None,
-               answer: dict[str, Any] | None = None) -> WriteResult:
+               answer: dict[str, Any] | None = None, content_delta: ContentDelta | None = None) -> WriteResult:
         validate_name(name)
         if body is not None:
             if not isinstance(body, dict):
@@ -171,6 +180,14 @@ class ScenarioStore:
             sha = content_sha256(body)
             if sha is not None:
                 manifest: Any = False
+                if content_delta is not None and content is None and (attempt or not self._content_stored(sha)):
+                    chain = None if attempt else self._delta_chain(content_delta.base)
+                    if chain is not None and len(chain) < self.delta_chain:  # stored as the delta of its base
+                        manifest = [*self._put_chunks(sha, content_delta.data), content_delta.base,
+                                    ",".join([content_delta.base, *chain])]
+                        uploaded += len(content_delta.data)
+                    else:  # the chain is at its limit (compacted: whole content), or its base is gone
+                        content = content_delta.whole()
                 if content is not None:
                     if hashlib.sha256(content).hexdigest() != sha:
                         raise StoreCorrupt(f"tree content does not match its content_sha256 {sha}", {"name": name})
@@ -205,7 +222,7 @@ class ScenarioStore:
                     "" if expect_current is None else str(int(expect_current)), str(int(self.history_bodies or 0)),
                     body_sha, "" if answer is None else json.dumps(answer, separators=(",", ":"))]
             status, version = (int(x) for x in self._script(keys=keys, args=args, client=self.client))
-            if status != NO_CONTENT or (content is None and not body_sha):
+            if status != NO_CONTENT or (content is None and content_delta is None and not body_sha):
                 break
         if status == TOO_LATE:
             raise StoreUnavailable("scenario store unavailable: Redis did not run the write in time; "
@@ -230,11 +247,23 @@ class ScenarioStore:
     def _content_stored(self, sha: str) -> bool:
         return bool(self.client.exists(self.content_key(sha) + ":m", self.content_key(sha)))
 
+    def _delta_chain(self, sha: str) -> list[str] | None:
+        """The bases under stored content ``sha`` (nearest first; empty for whole content), None when not stored."""
+        chain, manifest = self.client.hmget(self.content_key(sha) + ":m", "chain", "size")
+        if manifest is None:
+            return [] if self.client.exists(self.content_key(sha)) else None
+        return chain.split(",") if chain else []
+
+    def delta_chain_of(self, sha: str) -> int | None:
+        """How many deltas stored content ``sha`` is from whole content (0: whole), None when not stored."""
+        chain = self._delta_chain(sha)
+        return None if chain is None else len(chain)
+
     @redis_errors
     def put(self, name: str, body: dict, *, idempotency_key: str | None = None, fingerprint: str | None = None,
             content: bytes | None = None, expect_current: int | None = None, action: str = "put",
             body_json: bytes | None = None, packed_body: PackedBody | None = None,
-            answer: dict[str, Any] | None = None) -> WriteResult:
+            answer: dict[str, Any] | None = None, content_delta: ContentDelta | None = None) -> WriteResult:
         """Store ``body`` as the new current version of ``name``; return its version number.
 
         ``idempotency_key``: a write already made with this key for the same request (same
@@ -249,12 +278,15 @@ class ScenarioStore:
         ``packed_body``: :func:`pack_body` of those bytes, made while it compiled (not compressed again here).
         ``answer``: what the write answers besides its name and version (a PATCH's report), kept with the
         idempotency key in the same script, so :meth:`idempotent_result` gives a retry the first answer exactly.
+        ``content_delta``: instead of ``content``, the body's content as a line delta of stored content (a catalog
+        PATCH, :class:`~deployments.store_content.ContentDelta`): stored as that delta while its base's chain is
+        shorter than :attr:`delta_chain`, else (and when the base is gone) as the whole content it makes.
         """
         if action not in ("put", "patch"):
             raise ValueError(f"action {action!r}")
         return self._write(name, action, body, idempotency_key=idempotency_key, fingerprint=fingerprint,
                            content=content, expect_current=expect_current, body_json=body_json,
-                           packed_body=packed_body, answer=answer)
+                           packed_body=packed_body, answer=answer, content_delta=content_delta)
 
     @redis_errors
     def delete(self, name: str, *, idempotency_key: str | None = None) -> WriteResult:

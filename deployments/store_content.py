@@ -10,15 +10,15 @@ import json
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from redis.client import NEVER_DECODE
 
 from deployments.store_errors import InvalidRequest, StoreCorrupt
 
-__all__ = ["BODY_INLINE_BYTES", "CHUNK_BYTES", "IDEMPOTENCY_KEY_PATTERN", "NAME_PATTERN", "PackedBody",
-           "content_sha256", "pack_body", "put_chunks", "read_content", "request_fingerprint",
-           "validate_idempotency_key", "validate_name"]
+__all__ = ["BODY_INLINE_BYTES", "CHUNK_BYTES", "ContentDelta", "IDEMPOTENCY_KEY_PATTERN", "NAME_PATTERN",
+           "PackedBody", "apply_line_delta", "content_sha256", "line_delta", "pack_body", "put_chunks", "read_content",
+           "request_fingerprint", "validate_idempotency_key", "validate_name"]
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 _NAME_RE = re.compile(NAME_PATTERN)
@@ -76,6 +76,39 @@ def pack_body(raw: bytes) -> PackedBody | None:
     return PackedBody(hashlib.sha256(raw).hexdigest(), data, encoding)
 
 
+@dataclass(frozen=True)
+class ContentDelta:
+    """Content stored as a line delta of other stored content (a catalog PATCH): the result's first line is the
+    base's; its other lines are the base's without ``removed`` lines, then the ``added`` ones (see
+    :func:`apply_line_delta`). ``data``: :func:`line_delta` of them. ``whole``: makes the result's bytes, stored
+    instead when the base is gone or its delta chain is at the store's limit (``ScenarioStore.delta_chain``)."""
+
+    base: str  # SHA-256 of the base content
+    data: bytes
+    whole: Callable[[], bytes]
+
+
+def line_delta(removed: list[bytes], added: list[bytes]) -> bytes:
+    """A line delta's bytes: ``-<line>`` for each line removed, then ``+<line>`` for each appended, one a line
+    (lines hold no newline)."""
+    return b"".join([*(b"-" + line + b"\n" for line in removed), *(b"+" + line + b"\n" for line in added)])
+
+
+def apply_line_delta(base: bytes, delta: bytes) -> bytes:
+    """The content ``delta`` (:func:`line_delta`) makes of ``base``: base's first line, its other lines without the
+    removed ones (every copy), the added lines appended; lines end with a newline."""
+    head, _, rest = base.partition(b"\n")
+    lines = rest.split(b"\n")
+    if lines and not lines[-1]:
+        lines.pop()
+    removed = {line[1:] for line in delta.split(b"\n") if line[:1] == b"-"}
+    added = [line[1:] for line in delta.split(b"\n") if line[:1] == b"+"]
+    if removed:
+        lines = [line for line in lines if line not in removed]
+    lines += added
+    return head + b"\n" + b"".join(line + b"\n" for line in lines)
+
+
 def request_fingerprint(action: str, name: str, body: Any = None, from_version: int | None = None) -> str:
     """SHA-256 (hex) of an admin write request as the client sent it: the action, the name, the body (keys
     sorted, so their order does not matter) and the rolled-back version. An idempotency key may only be
@@ -112,9 +145,10 @@ def put_chunks(client: Any, base: str, data: bytes, packed: PackedBody | None = 
     return [str(len(data)), str(count), encoding]
 
 
-def read_content(client: Any, base: str) -> bytes | None:
+def read_content(client: Any, base: str, _depth: int = 0) -> bytes | None:
     """The bytes stored under the content key ``base`` (``P c:<sha>``): chunked (manifest ``<base>:m``) or, as
-    written before chunking, one string ``<base>``; None when neither exists."""
+    written before chunking, one string ``<base>``; None when neither exists. Content stored as a delta (its
+    manifest names a ``base``) is rebuilt from its base chain and checked against its hash."""
     manifest = client.hgetall(base + ":m")
     if not manifest:
         return client.execute_command("GET", base, **{NEVER_DECODE: []})
@@ -132,4 +166,15 @@ def read_content(client: Any, base: str) -> bytes | None:
     data = zlib.decompress(packed) if encoding == "zlib" else packed
     if len(data) != size:
         raise StoreCorrupt(f"stored content {base} has {len(data)} bytes, its manifest says {size}")
+    parent = manifest.get("base")
+    if parent:  # a line delta of other content (ContentDelta): that content, read the same way, with it applied
+        prefix = base[:-64]
+        if _depth > 64 or not _SHA256_RE.fullmatch(parent):
+            raise StoreCorrupt(f"stored content {base} has a bad base {parent[:80]!r}")
+        whole = read_content(client, prefix + parent, _depth + 1)
+        if whole is None:
+            raise StoreCorrupt(f"stored content {base} is a delta of {parent[:12]}, which is not stored")
+        data = apply_line_delta(whole, data)
+        if hashlib.sha256(data).hexdigest() != base[-64:]:
+            raise StoreCorrupt(f"stored content {base}: its delta applied to {parent[:12]} does not give its hash")
     return data

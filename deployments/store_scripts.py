@@ -22,10 +22,14 @@ The keys they write (``P`` is the prefix, ``cs:`` by default; ``N`` a scenario n
                                    24 h by default): fingerprint (of the request), action, name, version,
                                    from_version; a retry with the key is answered with this version
     P c:<sha256>:m       HASH    stored content (a tree file as read at the PUT, a catalog, a large body) under
-                                   the SHA-256 (hex) of its bytes: size, chunks, encoding (zlib | raw)
+                                   the SHA-256 (hex) of its bytes: size, chunks, encoding (zlib | raw); content
+                                   stored as a line delta (a catalog PATCH) also has base (the SHA-256 of the
+                                   content it applies to) and chain (every base down to whole content, nearest
+                                   first, comma separated): its chunks hold the delta, not the content
     P c:<sha256>:<i>     STRING  chunk i of that content (compressed), at most CHUNK_BYTES (1 MiB) each
-    P c:<sha256>:refs    SET     the versions ("N:n") whose bodies refer to it; when pruning empties it, the
-                                   content is removed
+    P c:<sha256>:refs    SET     the versions ("N:n") whose bodies refer to it, directly or as a base of the
+                                   delta chain of the content they refer to (listed in the version's refs too);
+                                   when pruning empties it, the content is removed
     P c:<sha256>         STRING  content written before chunking (one value; read, never written now)
     P changes            pub/sub channel: {"name", "version", "action"} after every write
 """
@@ -74,14 +78,47 @@ if ARGV[14] ~= '' then
 end
 local cprefix = ARGV[13]
 local refs = cjson.decode(ARGV[12])
+-- the content this version refers to: each ref, and for content stored as a delta, every base of its chain (so
+-- pruning never removes a base while a version still needs it); all of it must be stored before anything is written
+local shas, seen = {}, {}
+local function stored(sha)
+  return redis.call('EXISTS', cprefix .. sha .. ':m') == 1 or redis.call('EXISTS', cprefix .. sha) == 1
+end
 for _, ref in ipairs(refs) do
   local sha, manifest = ref[1], ref[2]
-  if manifest then
-    if redis.call('EXISTS', cprefix .. sha .. ':m') == 0 then
-      redis.call('HSET', cprefix .. sha .. ':m', 'size', manifest[1], 'chunks', manifest[2], 'encoding', manifest[3])
+  local chain = false
+  if redis.call('EXISTS', cprefix .. sha .. ':m') == 1 then
+    chain = redis.call('HGET', cprefix .. sha .. ':m', 'chain')  -- stored already (as a delta, or whole: false)
+  elseif not manifest then
+    if redis.call('EXISTS', cprefix .. sha) == 0 then
+      return {-3, 0}
     end
-  elseif redis.call('EXISTS', cprefix .. sha .. ':m') == 0 and redis.call('EXISTS', cprefix .. sha) == 0 then
-    return {-3, 0}
+  elseif manifest[5] then
+    chain = manifest[5]  -- written below, as a delta of manifest[4]
+  end
+  if not seen[sha] then
+    seen[sha] = true
+    table.insert(shas, sha)
+  end
+  if chain then
+    for one in string.gmatch(chain, '[^,]+') do
+      if not stored(one) then
+        return {-3, 0}  -- a base of the delta is gone (pruned meanwhile): the writer stores the whole content
+      end
+      if not seen[one] then
+        seen[one] = true
+        table.insert(shas, one)
+      end
+    end
+  end
+end
+for _, ref in ipairs(refs) do
+  local sha, manifest = ref[1], ref[2]
+  if manifest and redis.call('EXISTS', cprefix .. sha .. ':m') == 0 then
+    redis.call('HSET', cprefix .. sha .. ':m', 'size', manifest[1], 'chunks', manifest[2], 'encoding', manifest[3])
+    if manifest[4] then
+      redis.call('HSET', cprefix .. sha .. ':m', 'base', manifest[4], 'chain', manifest[5])
+    end
   end
 end
 local v, vkey
@@ -101,10 +138,8 @@ end
 if ARGV[7] ~= '' then
   table.insert(fields, 'from_version'); table.insert(fields, ARGV[7])
 end
-local shas = {}
-for _, ref in ipairs(refs) do
-  table.insert(shas, ref[1])
-  redis.call('SADD', cprefix .. ref[1] .. ':refs', name .. ':' .. v)
+for _, sha in ipairs(shas) do
+  redis.call('SADD', cprefix .. sha .. ':refs', name .. ':' .. v)
 end
 if #shas > 0 then
   table.insert(fields, 'refs'); table.insert(fields, table.concat(shas, ','))

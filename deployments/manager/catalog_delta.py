@@ -6,6 +6,7 @@ a :class:`DeltaReport` of what changed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from itertools import compress
@@ -160,7 +161,8 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
 
 def apply_delta(compiler: Any, limits: Any, name: str, body: dict[str, Any] | None, add: list[Any], remove: list[Any],
                 prepared: tuple[Catalog, Any] | None = None):
-    """``(new body, content to store or None, report, sha of the content when its local copy is new)``: a PATCH's
+    """``(new body, content to store (bytes, a ``ContentDelta``) or None, report, sha of the content when its local
+    copy is new)``: a PATCH's
     delta applied to a stored body (worker thread). ``compiler``: the manager's
     :class:`~deployments.manager.compiler.StoredScenarioCompiler` (validation, stored catalogs, content copies).
     ``prepared``: the current version's items and catalog tables when it is a tree given inline that the compiler
@@ -181,21 +183,36 @@ def apply_delta(compiler: Any, limits: Any, name: str, body: dict[str, Any] | No
         raise ServiceError(409, f"scenario {name!r} is a {kind} scenario: PATCH adds and removes tree items or "
                                 "labels; PUT the whole scenario instead", {"name": name, "type": kind})
     sha = body.get("content_sha256")
-    base_tables = None
-    if body.get("content_format") == "items" and isinstance(sha, str):
-        base = compiler.catalog(name, sha)
-        base_tables = compiler.catalog_tables(sha)
-    else:  # an inline tree or a tree file: its items, once
-        scenario = compiler.validate(name, body)
-        tree = load_tree(scenario.tree if scenario.tree is not None else scenario.path,
-                         vocab_size=compiler.vocab_size)
-        options = {k: v for k, v in body.items() if k not in _RESERVED}
-        base = Catalog.from_items(int(tree.start_token_id), int(tree.end_token_id), items_from_tree(tree), options)
-    return _apply_tree(compiler, limits, name, body, add, remove, base, base_tables)
+    if body.get("content_format") == "items" and isinstance(sha, str):  # a stored catalog
+        return _apply_tree(compiler, limits, name, body, add, remove, compiler.catalog(name, sha),
+                           compiler.catalog_tables(sha), base_sha=sha)
+    # an inline tree or a tree file: its items, once
+    scenario = compiler.validate(name, body)
+    tree = load_tree(scenario.tree if scenario.tree is not None else scenario.path, vocab_size=compiler.vocab_size)
+    options = {k: v for k, v in body.items() if k not in _RESERVED}
+    base = Catalog.from_items(int(tree.start_token_id), int(tree.end_token_id), items_from_tree(tree), options)
+    return _apply_tree(compiler, limits, name, body, add, remove, base, None)
+
+
+def _line_delta(add: list[Any], remove: list[Any], report: DeltaReport) -> bytes:
+    """The stored form of a PATCH of a stored catalog (``store_content.line_delta``): the item lines it removed and
+    those it appended, in the order ``apply_tree_delta`` applies them (the no-ops in ``report`` left out)."""
+    from deployments.store_content import line_delta
+
+    present = {tuple(item) for item in report.already_present}
+    absent = {tuple(item) for item in report.not_present}
+    return line_delta([_line(item) for item in remove if tuple(item) not in absent],
+                      [_line(item) for item in add if tuple(item) not in present])
 
 
 def _apply_tree(compiler: Any, limits: Any, name: str, body: Any, add: list[Any], remove: list[Any], base: Catalog,
-                base_tables: Any):
+                base_tables: Any, base_sha: str | None = None):
+    """:func:`apply_delta` of a tree whose items (``base``) and, when built here lately, catalog tables
+    (``base_tables``) are known. ``base_sha``: the base is stored catalog content under this hash; the result is
+    then stored as the delta of it (``ContentDelta``: no whole catalog written, here or in Redis, unless the store
+    compacts the chain), else as a whole catalog."""
+    from deployments.store_content import ContentDelta
+
     catalog, report = apply_tree_delta(base, add, remove, vocab_size=compiler.vocab_size,
                                        max_items=limits.max_tree_keys, max_item_tokens=limits.max_item_tokens)
     if not report.changed:
@@ -204,7 +221,11 @@ def _apply_tree(compiler: Any, limits: Any, name: str, body: Any, add: list[Any]
         raise ServiceError(422, f"remove: the PATCH would leave scenario {name!r} without items; DELETE it instead",
                            {"name": name, "field": "remove"})
     content = catalog.content()
-    sha, new = compiler.keep_content(content)
+    if base_sha is not None:  # no local copy either: the catalog stays parsed in memory, Redis rebuilds the bytes
+        sha, new = hashlib.sha256(content).hexdigest(), False
+        stored: Any = ContentDelta(base_sha, _line_delta(add, remove, report), lambda: content)
+    else:
+        (sha, new), stored = compiler.keep_content(content), content
     compiler.remember_catalog(sha, catalog)
     # the base's tables updated along the changed paths (equal to a full compile), unless the delta is large for the
     # catalog: its Python work per touched path then costs more than a full compile's array passes
@@ -215,4 +236,4 @@ def _apply_tree(compiler: Any, limits: Any, name: str, body: Any, add: list[Any]
         if tables is not None:
             compiler.remember_tables(sha, tables)
             compiler.tables_patched += 1
-    return catalog_body(catalog, content, sha), content, report, (sha if new else None)
+    return catalog_body(catalog, content, sha), stored, report, (sha if new else None)

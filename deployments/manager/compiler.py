@@ -177,7 +177,10 @@ class StoredScenarioCompiler:
                 raise ServiceError(422, "invalid scenario: content_sha256: only a tree given by path has stored "
                                         "content", {"name": name, "field": "content_sha256"})
             # The content stored at the PUT; the path is only where it was read from (it may be gone). A catalog's
-            # path is its own local copy: _prepare compiles its tables from the parsed items (catalog_tables).
+            # path names its local copy, not fetched here: _prepare compiles its tables from the parsed items
+            # (catalog_tables), which :meth:`catalog` keeps in memory or reads (a PATCH's from Redis: a delta chain).
+            if fmt == "items":
+                return scenario.model_copy(update={"path": os.path.join(self._content_dir, f"{sha}.json")})
             return scenario.model_copy(update={"path": self.content_file(name, sha)})
         if scenario.type == "tree" and scenario.path is not None:
             # An admin names a file on the manager's host: only files under the tree directory.

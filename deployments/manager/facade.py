@@ -101,7 +101,8 @@ class ConfigManager:
         if redis_client is None:
             redis_client = connect_redis(self.settings.redis_url, self.settings.data_dir)
         self.store = ScenarioStore(redis_client, prefix=prefix, idempotency_ttl_s=idempotency_ttl_s,
-                                   history_bodies=self.settings.history_bodies)
+                                   history_bodies=self.settings.history_bodies,
+                                   delta_chain=self.settings.catalog_delta_chain)
         self.scenarios = ServedScenarios()
         self.registry = ReplicaRegistry(self.scenarios.tables, replica_timeout_s=replica_timeout_s,
                                         broadcast_timeout_s=broadcast_timeout_s)
@@ -274,7 +275,9 @@ class ConfigManager:
                          redraft_on_conflict=base is None, lookup_first=True)
 
         def store(d: Draft, fp: str | None):
-            return self.store.put(name, d.body, idempotency_key=idempotency_key, fingerprint=fp, content=d.content,
+            whole = isinstance(d.content, (bytes, type(None)))  # else a ContentDelta: a stored catalog's PATCH
+            return self.store.put(name, d.body, idempotency_key=idempotency_key, fingerprint=fp,
+                                  content=d.content if whole else None, content_delta=None if whole else d.content,
                                   expect_current=d.expect_current, action="patch", answer=d.answer)
 
         def finish(d: Draft, answer: dict[str, Any], replayed: bool) -> dict[str, Any]:

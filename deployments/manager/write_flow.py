@@ -66,8 +66,9 @@ class Draft:
     ``body``: the body to store (None: a delete); ``compiled``: its compiled form when the draft already has it
     (a split inline tree), else the flow compiles ``body`` (unless ``removes``); ``removes``: the write takes the
     name out of service (a delete) instead of installing tables; ``load_content``: the stored content of a pinned
-    tree file is read after the compile and stored with the version; ``content``, ``body_json``, ``packed``: what
-    the store writes besides the body; ``new_content``: the sha of a local content copy this write made (removed
+    tree file is read after the compile and stored with the version; ``content`` (bytes, or the
+    ``ContentDelta`` of a catalog PATCH), ``body_json``, ``packed``: what the store writes besides the body;
+    ``new_content``: the sha of a local content copy this write made (removed
     again when the write is refused before anything is stored); ``answer``: kept with the ``Idempotency-Key``
     (a PATCH's report); ``expect_current``: a conditional write; ``redraft_on_conflict``: drafted again when
     another version became current; ``result``: the answer with no write at all; ``replay``: the first answer's
@@ -78,7 +79,7 @@ class Draft:
     compiled: Any = None
     removes: bool = False
     load_content: bool = False
-    content: bytes | None = None
+    content: Any = None  # bytes, or a PATCH's store_content.ContentDelta
     body_json: str | None = None
     packed: Any = None
     new_content: str | None = None

