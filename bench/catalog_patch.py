@@ -22,7 +22,7 @@ a full compile of the new items (``catalog_tables``, what it did), checked equal
 Targets (issue 21): a PATCH of 2,000 items in at most 0.5 s at 10^6 items and 1 s at 10^7, for both forms.
 
     python bench/catalog_patch.py [--quick] [--items 270000,1000000] [--rounds 5] [--delta 2000]
-        [--forms catalog,prefix_dict]
+        [--forms catalog,prefix_dict] [--replica-table-delta auto|always|never]
 """
 
 from __future__ import annotations
@@ -163,6 +163,9 @@ def main() -> None:
     parser.add_argument("--delta", type=int, default=2000)
     parser.add_argument("--forms", default="catalog,prefix_dict")
     parser.add_argument("--pause", type=float, default=5.0, help="seconds after each whole PUT")
+    parser.add_argument("--replica-table-delta", default="auto", choices=("auto", "always", "never"),
+                        help="the replicas' setting: apply a PATCH to their tables or fetch the new ones (one node: "
+                             "auto fetches)")
     parser.add_argument("--quick", action="store_true", help="one small size, 2 rounds")
     parser.add_argument("--in-process-only", action="store_true",
                         help="only the in-process table work of one PATCH per size (no service)")
@@ -188,6 +191,7 @@ def main() -> None:
         return
     with ServeBench() as bench:
         bench.deploy(bench.settings(num_replicas=REPLICAS, torch_threads=1, seed_examples=False,
+                                    replica_table_delta=args.replica_table_delta,
                                     limits={"max_body_bytes": 1 << 30, "max_tree_keys": 50_000_000,
                                             "compile_timeout_s": 600}),
                      replicas=REPLICAS)
@@ -206,7 +210,8 @@ def main() -> None:
             for f in r["forms"]:
                 targets.append({"items": r["items"], "form": f["form"], "target_patch_p95_s": limit,
                                 "patch_p95_s": f["patch_p95_s"], "met": f["patch_p95_s"] <= limit})
-    emit({"bench": "catalog_patch", "replicas": REPLICAS, "delta": args.delta, "rounds": args.rounds,
+    emit({"bench": "catalog_patch", "replicas": REPLICAS, "replica_table_delta": args.replica_table_delta,
+          "delta": args.delta, "rounds": args.rounds,
           "sizes": results, "targets": targets})
 
 

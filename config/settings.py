@@ -287,6 +287,14 @@ class ServerSettings(BaseModel):
                     "next PATCH then stores the whole catalog (compaction). Reading a version rebuilds it from its "
                     "chain (0 = every PATCH stores the whole catalog).",
     )
+    replica_table_delta: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="How a model replica takes a catalog PATCH's tables: applying the PATCH's items to the tables it "
+                    "serves (the manager's own update, checked against the new tables' content hash) or fetching "
+                    "the whole new tables from the object store. auto: apply it when the tables would come over the "
+                    "network (a replica on another node than the config manager), fetch them on the manager's node "
+                    "(shared memory, cheaper than the update).",
+    )
     http_host: str = Field(default="127.0.0.1", description="Where Serve's HTTP proxy listens.")
     http_port: int = Field(default=8000, ge=1, le=65535, description="Serve's HTTP port.")
     request_timeout_s: float | None = Field(

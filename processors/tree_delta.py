@@ -9,15 +9,18 @@ so the same ``version``) and the same item metrics (``min_remaining``, ``item_co
 
 The work follows the delta, not the catalog:
 
-* the *touched* paths are the prefixes of the added and removed items; only they can change. Each is looked up in
-  the old tables (one ``searchsorted`` per id), and its new children and end flag are settled deepest first (a
-  node without an item below it any more is dropped, an old leaf that gains an extension becomes a state);
+* the *touched* paths are the prefixes of the added and removed items; only they can change. They are numbered
+  once (one pass over the delta's items in Python), then handled as arrays over those numbers a depth at a time:
+  looked up in the old tables (one batched ``searchsorted`` of the keys per depth), their new children and end
+  flags settled deepest first (a node without an item below it any more is dropped, an old leaf that gains an
+  extension becomes a state);
 * a new state's place is its preorder rank among the old states (the first old state after its path), so the
   old states keep their order and the new ones go in between: a state's new number is its old one, less the
   removed states before it, plus the new states before it (array passes over the states, no sort);
-* the edges of untouched states are copied with their targets renumbered; the touched states' edges are written
-  from their new children; the item metrics of untouched states are copied (their subtrees did not change) and
-  those of touched states recomputed, deepest first.
+* the edges of untouched states are copied by runs with their targets renumbered; the touched states' edges are
+  their old ones edited and their new children's, built and sorted together; the item metrics of untouched
+  states are copied (their subtrees did not change) and those of touched states recomputed, deepest first, a
+  depth at a time.
 
 Every array is still copied once (the tables are immutable and shared with the replicas): copies and gathers over
 all states and edges, a few milliseconds per million, against the sorts of a full compile.
@@ -37,6 +40,10 @@ __all__ = ["patch_tables", "max_remaining"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 
+ABSENT = -3  # a touched path that is not a node of the old trie
+
+_SCAN = 4  # edges looked at one by one (all queries at once) for the first child state by a larger token
+
 
 def max_remaining(tables: MaskTables) -> np.ndarray:
     """The longest way to an end per state (end token included): kept by :func:`item_metrics` where the tables
@@ -52,46 +59,67 @@ def max_remaining(tables: MaskTables) -> np.ndarray:
     return cached
 
 
+def _search(keys: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """``keys.searchsorted(queries)``, the queries taken in order: consecutive searches then share their path through
+    ``keys`` in the cache (3x faster for thousands of queries in millions of keys)."""
+    order = np.argsort(queries)
+    at = np.empty(queries.size, dtype=np.int64)
+    at[order] = keys.searchsorted(queries[order])
+    return at
+
+
 class _Old:
-    """Lookups in the old tables (Python ints out)."""
+    """Lookups in the old tables, batched: one ``searchsorted`` over ``keys`` for many edges at once (a scalar
+    lookup costs a few microseconds of numpy call and cache misses; thousands of them were most of a small delta)."""
 
     def __init__(self, tables: MaskTables):
         self.t = tables
         self.offsets, self.tokens, self.nxt, self.keys = tables.offsets, tables.tokens, tables.next_state, tables.keys
         self.base = tables.key_base
 
-    def target(self, state: int, token: int) -> int | None:
-        """The target of ``state --token-->`` (a state, ``LEAF`` or ``DONE``), ``None`` without that edge."""
-        key = state * self.base + token
-        i = int(self.keys.searchsorted(key))
-        if i < self.keys.size and int(self.keys[i]) == key:
-            return int(self.nxt[i])
-        return None
+    def targets(self, states: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """The targets of the edges ``states[i] --tokens[i]-->`` (int64: a state, ``LEAF`` or ``DONE``), ``ABSENT``
+        without that edge (and where ``states[i]`` is not a state)."""
+        out = np.full(states.size, ABSENT, dtype=np.int64)
+        if not states.size or not self.keys.size:
+            return out
+        key = states * self.base + tokens
+        at = np.minimum(_search(self.keys, key), self.keys.size - 1)
+        hit = (states >= 0) & (self.keys[at] == key)
+        out[hit] = self.nxt[at[hit]]
+        return out
 
-    def first_state_after(self, state: int, token: int, stack: list[tuple[int, int]]) -> int:
-        """The first state (in preorder) after every path ``state`` + ``(t, ...)`` with ``t <= token``: the first
-        child state of ``state`` by a larger token, else the first state after ``state``'s subtree."""
-        while True:
-            lo, hi = int(self.offsets[state]), int(self.offsets[state + 1])
-            at = lo + int(self.tokens[lo:hi].searchsorted(token, side="right"))
-            later = np.flatnonzero(self.nxt[at:hi] >= 0)
-            if later.size:
-                return int(self.nxt[at + int(later[0])])
-            if not stack:
-                return self.t.n_states
-            state, token = stack.pop()
-
-    def rank(self, path: tuple[int, ...]) -> int:
-        """How many old states come before ``path`` (not an old state) in preorder."""
-        stack: list[tuple[int, int]] = []
-        state = self.t.root
-        for token in path:
-            target = self.target(state, token)
-            if target is None or target < 0:
-                return self.first_state_after(state, token, stack)
-            stack.append((state, token))
-            state = target
-        raise AssertionError("rank of an old state")
+    def first_states_after(self, paths: np.ndarray, parent: np.ndarray, token: np.ndarray,
+                           node: np.ndarray) -> np.ndarray:
+        """For each touched path ``paths[i]`` under an old state (``parent``, ``token``, ``node``: the touched
+        paths' parents, last tokens and old nodes): the first old state in preorder after every path ``parent +
+        (t, ...)`` with ``t <= token``: the first child state of the parent by a larger token, else the same
+        question one level up (the first state after the parent's subtree), else ``n_states``. All paths one level
+        at a time."""
+        n_edges, result = self.keys.size, np.full(paths.size, self.t.n_states, dtype=np.int64)
+        at_path, which = paths, np.arange(paths.size)
+        while at_path.size:
+            states = node[parent[at_path]]
+            at = self.keys.searchsorted(states * self.base + token[at_path], side="right")  # by a larger token
+            hi = self.offsets[states + 1]
+            found = np.full(states.size, -1, dtype=np.int64)
+            for _ in range(_SCAN):  # the first of those edges that leads to a state: mostly the first one
+                open_ = (found < 0) & (at < hi)
+                if not open_.any():
+                    break
+                is_state = open_ & (self.nxt[np.minimum(at, n_edges - 1)] >= 0)
+                found[is_state] = self.nxt[at[is_state]]
+                at = np.where(open_ & ~is_state, at + 1, at)
+            for j in np.flatnonzero((found < 0) & (at < hi)).tolist():  # a long run of leaf edges: one scan
+                later = np.flatnonzero(self.nxt[at[j]:hi[j]] >= 0)
+                if later.size:
+                    found[j] = self.nxt[at[j] + later[0]]
+            hit = found >= 0
+            result[which[hit]] = found[hit]
+            at_path, which = parent[at_path[~hit]], which[~hit]  # one level up, to the root (nothing after it)
+            up = at_path != 0
+            at_path, which = at_path[up], which[up]
+        return result
 
 
 def patch_tables(tables: MaskTables, add: Iterable[Sequence[int]], remove: Iterable[Sequence[int]]) -> MaskTables | None:
@@ -106,229 +134,251 @@ def patch_tables(tables: MaskTables, add: Iterable[Sequence[int]], remove: Itera
     old = _Old(tables)
     adds = {tuple(int(t) for t in item) for item in add}
     removes = {tuple(int(t) for t in item) for item in remove}
-    # the paths of every add and remove and, for each, its old node: a state, LEAF (an old leaf) or ABSENT
-    node: dict[tuple[int, ...], int] = {(): tables.root}
-    kids: dict[tuple[int, ...], set[int]] = {}
+    # the touched paths: every prefix of an add or remove, numbered as first met (the root is 0); from here on
+    # arrays over those numbers: parent, last token, depth
+    index: dict[tuple[int, ...], int] = {(): 0}
+    parents, tokens, depths = [-1], [end], [0]  # (the root's token is never read)
     for item in adds | removes:
-        state = tables.root
-        for d in range(len(item)):
-            path = item[: d + 1]
-            kids.setdefault(item[:d], set()).add(item[d])
-            if path in node:
-                state = node[path]
-                continue
-            target = old.target(state, item[d]) if state >= 0 else None
-            state = ABSENT if target is None or target == DONE else target
-            node[path] = state
-    was_end: dict[tuple[int, ...], bool] = {}  # the old item set has the path
-    for path, state in node.items():
-        was_end[path] = state == LEAF or (state >= 0 and old.target(state, end) == DONE)
-    adds = {p for p in adds if not was_end[p]}  # (no-ops: an add already there, a remove not there)
-    removes = {p for p in removes if was_end[p]}
-    if not adds and not removes:
+        at = 0
+        for d in range(1, len(item) + 1):
+            path = item[:d]
+            k = index.get(path)
+            if k is None:
+                k = index[path] = len(parents)
+                parents.append(at)
+                tokens.append(item[d - 1])
+                depths.append(d)
+            at = k
+    n = len(parents)
+    parent = np.array(parents, dtype=np.int64)
+    token = np.array(tokens, dtype=np.int64)
+    depth = np.array(depths, dtype=np.int64)
+    by_depth = np.argsort(depth, kind="stable")
+    bounds = np.searchsorted(depth[by_depth], np.arange(int(depth.max()) + 2))
+    levels = [by_depth[bounds[d]:bounds[d + 1]] for d in range(bounds.size - 1)]  # the paths of each depth
+    # each path's old node: a state, LEAF (an old leaf) or ABSENT; looked up a depth at a time
+    node = np.full(n, ABSENT, dtype=np.int64)
+    node[0] = tables.root
+    for level in levels[1:]:
+        found = old.targets(node[parent[level]], token[level])
+        found[found == DONE] = ABSENT
+        node[level] = found
+    # the old item set has the path: an old leaf, or a state with an end-token edge
+    was_end = (node == LEAF) | (old.targets(node, np.full(n, end, dtype=np.int64)) == DONE)
+    is_add = np.zeros(n, dtype=bool)
+    is_add[[index[p] for p in adds]] = True
+    is_add &= ~was_end  # (no-ops: an add already there, a remove not there)
+    is_remove = np.zeros(n, dtype=bool)
+    is_remove[[index[p] for p in removes]] = True
+    is_remove &= was_end
+    if not is_add.any() and not is_remove.any():
         return tables
     checkpoint()
-    # settle the touched paths deepest first: end flag, number of children, is it still there
-    order = sorted(node, key=len, reverse=True)
-    alive: dict[tuple[int, ...], bool] = {}
-    new_end: dict[tuple[int, ...], bool] = {}
-    is_state: dict[tuple[int, ...], bool] = {}
-    for path in order:
-        state = node[path]
-        ended = was_end[path]
-        n_children = int(tables.offsets[state + 1] - tables.offsets[state]) - ended if state >= 0 else 0
-        for t in kids.get(path, ()):
-            child = path + (t,)
-            if alive[child] and node[child] == ABSENT:
-                n_children += 1
-            elif not alive[child] and node[child] != ABSENT:
-                n_children -= 1
-        is_end = (ended or path in adds) and path not in removes
-        new_end[path], is_state[path] = is_end, n_children > 0
-        alive[path] = n_children > 0 or is_end or not path
-    removed = np.array(sorted(node[p] for p in order if node[p] >= 0 and not is_state[p]), dtype=np.int64)
-    modified = [p for p in order if is_state[p] and node[p] >= 0]
-    rank: dict[tuple[int, ...], int] = {}  # a new state's old-state count before it: its parent's, if new too
-    for p in sorted((p for p in order if is_state[p] and node[p] < 0), key=len):
-        rank[p] = rank[p[:-1]] if p[:-1] in rank else old.rank(p)
-    fresh = sorted((r, p) for p, r in rank.items())
+    # settle the touched paths deepest first: end flag, number of children, is it still there (a depth at a time:
+    # a path's children are one depth below it)
+    new_end = (was_end | is_add) & ~is_remove
+    is_old = node >= 0
+    old_at = np.where(is_old, node, 0)
+    n_children = np.where(is_old, tables.offsets[old_at + 1] - tables.offsets[old_at] - was_end, 0)
+    alive = np.zeros(n, dtype=bool)
+    is_state = np.zeros(n, dtype=bool)
+    absent = node == ABSENT
+    for d in range(len(levels) - 1, -1, -1):
+        level = levels[d]
+        is_state[level] = n_children[level] > 0
+        alive[level] = is_state[level] | new_end[level] | (d == 0)  # (the root stays)
+        if d:  # a child that appears, or one of the old trie that is gone
+            np.add.at(n_children, parent[level],
+                      (alive[level] & absent[level]).astype(np.int64) - (~alive[level] & ~absent[level]))
+    removed = np.sort(node[is_old & ~is_state])
+    modified = np.flatnonzero(is_state & is_old)
+    # a new state's rank (old states before it): the first old state after its path; a new state under a new state
+    # has its parent's
+    new = is_state & ~is_old
+    new[0] = False
+    rank = np.zeros(n, dtype=np.int64)
+    top = new & is_old[np.maximum(parent, 0)]  # under an old state (touched, and so are its ancestors)
+    tops = np.flatnonzero(top)
+    rank[tops] = old.first_states_after(tops, parent, token, node)
+    for level in levels[2:]:
+        below = level[new[level] & ~top[level]]
+        rank[below] = rank[parent[below]]
+    paths, ranks = list(index), rank.tolist()  # the new states in preorder: by rank, then by path
+    fresh = np.array(sorted(np.flatnonzero(new).tolist(), key=lambda i: (ranks[i], paths[i])), dtype=np.int64)
     checkpoint()
-    plan = _Plan(tables, node, kids, alive, is_state, was_end, new_end, removed, modified, fresh)
+    plan = _Plan(tables, parent, token, depth, node, alive, is_state, was_end, new_end, removed, modified, fresh,
+                 rank[fresh])
     return plan.assemble()
 
 
-ABSENT = -3  # a touched path that is not a node of the old trie
-
-_WIDE = 32  # a state with more edges than this is edited with array operations, a narrower one as Python lists
-
-
 class _Plan:
-    """The new tables from the settled touched paths (see the module)."""
+    """The new tables from the settled touched paths (see the module); arrays over the touched paths' numbers."""
 
-    def __init__(self, tables, node, kids, alive, is_state, was_end, new_end, removed, modified, fresh):
-        self.t, self.node, self.kids, self.alive, self.is_state = tables, node, kids, alive, is_state
-        self.was_end, self.new_end, self.removed, self.modified = was_end, new_end, removed, modified
+    def __init__(self, tables, parent, token, depth, node, alive, is_state, was_end, new_end, removed, modified,
+                 fresh, ranks):
+        self.t, self.parent, self.token, self.depth, self.node = tables, parent, token, depth, node
+        self.alive, self.is_state, self.was_end, self.new_end = alive, is_state, was_end, new_end
+        self.removed = removed
         n_old = tables.n_states
-        ranks = np.array([r for r, _ in fresh], dtype=np.int64)
-        keep = np.ones(n_old, dtype=bool)
-        keep[removed] = False
-        removed_before = np.zeros(n_old + 1, dtype=np.int64)
-        np.cumsum(~keep, out=removed_before[1:])
-        old_ids = np.arange(n_old, dtype=np.int64)
-        self.new_of_old = old_ids - removed_before[:-1] + ranks.searchsorted(old_ids, side="right")
+        # old state i becomes i - (removed states before i) + (new states ranked at or before i): one cumsum of the
+        # steps (1 per state, +1 per new state ranked there, -1 after a removed one), no search per state
+        step = np.ones(n_old + 1, dtype=np.int64)
+        step[0] = 0
+        np.add.at(step, ranks, 1)
+        np.subtract.at(step, removed + 1, 1)
+        self.new_of_old = np.cumsum(step, out=step)[:n_old]
         self.ranks = ranks
-        new_of_fresh = ranks - removed_before[ranks] + np.arange(ranks.size, dtype=np.int64)
         self.n_new = n_old - removed.size + ranks.size
-        self.new_id = {p: int(new_of_fresh[j]) for j, (_, p) in enumerate(fresh)}
-        for p in modified:
-            self.new_id[p] = int(self.new_of_old[node[p]])
-        self.keep = keep
+        # each touched path's new state number (-1: not a state)
+        self.new_id = np.full(node.size, -1, dtype=np.int64)
+        self.new_id[fresh] = ranks - removed.searchsorted(ranks) + np.arange(ranks.size, dtype=np.int64)
+        self.new_id[modified] = self.new_of_old[node[modified]]
+        self.mod_ids = np.sort(node[modified])
+        self.copy = np.ones(n_old, dtype=bool)  # the old states copied as they are: neither removed nor touched
+        self.copy[removed] = False
+        self.copy[self.mod_ids] = False
 
-    def _child_target(self, child: tuple[int, ...]) -> int:
-        return self.new_id[child] if self.is_state[child] else LEAF
+    def touched_edges(self, built: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The new edges of the touched states (paths ``built``, by new number) as ``(counts, keys, tokens,
+        targets)``, the edges sorted by key (by state, then token), ``counts`` per state: a modified state's old
+        edges renumbered, less those to children that are gone (and its end edge where it no longer ends an item),
+        with its touched children's targets set; plus the edges to children that are new and the new end edges.
+        Array passes over the touched paths and the modified states' old edges (a wide state has thousands)."""
+        t, end, base = self.t, self.t.end_token_id, self.t.key_base
+        node, alive, is_state, new_id, parent = self.node, self.alive, self.is_state, self.new_id, self.parent
+        # the touched children of the touched states: appear (a new edge), stay (their edge's target set) or go
+        child = np.arange(1, node.size)
+        child = child[is_state[parent[child]]]
+        up = parent[child]
+        target = np.where(is_state[child], new_id[child], LEAF)
+        was = node[child] != ABSENT  # (every child of a new state is ABSENT)
+        appear, stay, gone = ~was & alive[child], was & alive[child], was & ~alive[child]
+        # the end edges that appear or go
+        end_in = self.new_end[built] & ((node[built] < 0) | ~self.was_end[built])
+        end_out = (node[built] >= 0) & self.was_end[built] & ~self.new_end[built]
+        # the modified states' old edges (ascending: the states are), renumbered, then edited where a touched
+        # child's key finds them
+        mod = self.mod_ids
+        lo = t.offsets[mod]
+        counts = t.offsets[mod + 1] - lo
+        firsts = np.zeros(mod.size, dtype=np.int64)
+        np.cumsum(counts[:-1], out=firsts[1:])
+        edges = np.repeat(lo - firsts, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+        states = np.repeat(self.new_of_old[mod], counts)
+        tokens = t.tokens[edges].astype(np.int64)
+        targets = t.next_state[edges].astype(np.int64)
+        inner = targets >= 0
+        targets[inner] = self.new_of_old[targets[inner]]
+        keep = np.ones(edges.size, dtype=bool)
+        if stay.any():
+            at = edges.searchsorted(_search(t.keys, node[up[stay]] * base + self.token[child[stay]]))
+            targets[at] = target[stay]
+        drop = np.concatenate((node[up[gone]] * base + self.token[child[gone]], node[built[end_out]] * base + end))
+        if drop.size:
+            keep[edges.searchsorted(_search(t.keys, drop))] = False
+        n_end = int(end_in.sum())
+        states = np.concatenate((states[keep], new_id[up[appear]], new_id[built[end_in]]))
+        tokens = np.concatenate((tokens[keep], self.token[child[appear]], np.full(n_end, end, dtype=np.int64)))
+        targets = np.concatenate((targets[keep], target[appear], np.full(n_end, DONE, dtype=np.int64)))
+        keys = states * base + tokens
+        order = np.argsort(keys, kind="stable")
+        keys, tokens, targets, states = keys[order], tokens[order], targets[order], states[order]
+        built_ids = new_id[built]
+        counts = states.searchsorted(built_ids, side="right") - states.searchsorted(built_ids)
+        return counts, keys, tokens, targets
 
-    def edges(self, p: tuple[int, ...]):
-        """The new edges of touched state ``p``: ``(tokens, targets)`` (lists, or arrays for a wide old state)."""
-        end, state = self.t.end_token_id, self.node[p]
-        if state < 0:  # a new state: every child is touched
-            pairs = [(t, self._child_target(p + (t,))) for t in self.kids[p] if self.alive[p + (t,)]]
-            if self.new_end[p]:
-                pairs.append((end, DONE))
-            pairs.sort()
-            return [t for t, _ in pairs], [x for _, x in pairs]
-        lo, hi = int(self.t.offsets[state]), int(self.t.offsets[state + 1])
-        wide = hi - lo > _WIDE
-        toks = self.t.tokens[lo:hi]
-        tgts = self.t.next_state[lo:hi].astype(np.int64)
-        inner = tgts >= 0
-        tgts[inner] = self.new_of_old[tgts[inner]]
-        if not wide:
-            toks, tgts = toks.tolist(), tgts.tolist()
-        drop, extra = [], []
-        for t in self.kids.get(p, ()):
-            child = p + (t,)
-            if self.node[child] == ABSENT:
-                if self.alive[child]:
-                    extra.append((t, self._child_target(child)))
-                continue
-            at = int(np.searchsorted(toks, t)) if wide else toks.index(t)
-            if self.alive[child]:
-                tgts[at] = self._child_target(child)
-            else:
-                drop.append(at)
-        if self.was_end[p] and not self.new_end[p]:
-            drop.append(int(np.searchsorted(toks, end)) if wide else toks.index(end))
-        if self.new_end[p] and not self.was_end[p]:
-            extra.append((end, DONE))
-        if wide:
-            if drop:
-                toks, tgts = np.delete(toks, drop), np.delete(tgts, drop)
-            if extra:
-                toks = np.concatenate((toks, [t for t, _ in extra]))
-                tgts = np.concatenate((tgts, [x for _, x in extra]))
-                order = np.argsort(toks, kind="stable")
-                toks, tgts = toks[order], tgts[order]
-            return toks, tgts
-        for at in sorted(drop, reverse=True):
-            del toks[at], tgts[at]
-        if extra:
-            pairs = sorted([*zip(toks, tgts), *extra])
-            toks, tgts = [t for t, _ in pairs], [x for _, x in pairs]
-        return toks, tgts
-
-    def runs(self) -> list[tuple[int, int, int]]:
-        """The untouched old states as runs ``(a, b, new number of a)``: old states ``a..b-1`` keep their edges
-        and become ``a'..a'+b-a-1`` (no removed, touched or new state falls inside a run)."""
+    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The untouched old states as runs, arrays ``(a, b, new number of a)``: old states ``a..b-1`` keep their
+        edges and become ``a'..a'+b-a-1`` (no removed, touched or new state falls inside a run)."""
         cut = np.concatenate(([0, self.t.n_states], self.removed, self.removed + 1, self.mod_ids, self.mod_ids + 1,
                               self.ranks))
-        cut = np.unique(cut[cut <= self.t.n_states]).tolist()
-        copy = self.copy
-        return [(a, b, int(self.new_of_old[a])) for a, b in zip(cut[:-1], cut[1:]) if copy[a]]
+        cut = np.unique(cut[cut <= self.t.n_states])
+        a, b = cut[:-1], cut[1:]
+        copied = self.copy[a]
+        a, b = a[copied], b[copied]
+        return a, b, self.new_of_old[a]
 
     def assemble(self) -> MaskTables:
         t, n_new = self.t, self.n_new
-        self.mod_ids = np.array([self.node[p] for p in self.modified], dtype=np.int64)
-        self.copy = self.keep.copy()
-        self.copy[self.mod_ids] = False
-        built = sorted(self.new_id, key=self.new_id.__getitem__)
-        built_edges = [self.edges(p) for p in built]
-        runs = self.runs()
+        built = np.flatnonzero(self.new_id >= 0)  # the touched states, by new number
+        built = built[np.argsort(self.new_id[built])]
+        built_ids = self.new_id[built]
+        built_counts, built_keys, built_tokens, built_targets = self.touched_edges(built)
+        run_a, run_b, run_na = self.runs()
         checkpoint()
-        # the new offsets: the runs' edge counts as they were, the touched states' from their new edges
+        # where each run's edges and each touched state's start in the new arrays (the runs and the touched states
+        # in new-number order: each one's edges follow those of every run and touched state before it)
         old_off = t.offsets
-        counts = np.zeros(n_new, dtype=np.int64)
-        old_counts = np.diff(old_off)
-        for a, b, na in runs:
-            counts[na:na + b - a] = old_counts[a:b]
-        del old_counts
-        built_ids = [self.new_id[p] for p in built]
-        counts[built_ids] = [len(toks) for toks, _ in built_edges]
-        offsets = np.zeros(n_new + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        del counts
-        n_edges = int(offsets[-1])
+        run_e0, run_e1 = old_off[run_a], old_off[run_b]
+        run_edges = np.concatenate(([0], np.cumsum(run_e1 - run_e0)))
+        built_edges = np.concatenate(([0], np.cumsum(built_counts)))
+        run_d0 = run_edges[:-1] + built_edges[built_ids.searchsorted(run_na)]
+        built_d0 = built_edges[:-1] + run_edges[run_na.searchsorted(built_ids)]
+        n_edges = int(run_edges[-1] + built_edges[-1])
+        offsets = np.empty(n_new + 1, dtype=np.int64)
+        offsets[built_ids] = built_d0
+        offsets[n_new] = n_edges
         tokens = np.empty(n_edges, dtype=np.int32)
         nxt = np.empty(n_edges, dtype=np.int32)
         keys = np.empty(n_edges, dtype=np.int64)
-        # every old target renumbered at once (a lookup table with LEAF and DONE in front), then copied by runs
+        # every old target renumbered at once (a lookup table, LEAF and DONE at its end: indices -1 and -2), then
+        # the runs copied: offsets shifted, tokens, targets, keys shifted by the run's change of state number
         lut = np.empty(t.n_states + 2, dtype=np.int32)
-        lut[0], lut[1] = DONE, LEAF
-        lut[2:] = self.new_of_old
-        moved = lut.take(t.next_state + np.int32(2))
+        lut[:-2] = self.new_of_old
+        lut[LEAF], lut[DONE] = LEAF, DONE
+        moved = lut.take(t.next_state)
         del lut
-        base = np.int64(t.key_base)
-        for a, b, na in runs:
-            e0, e1 = int(old_off[a]), int(old_off[b])
-            d0 = int(offsets[na])
-            d1 = d0 + e1 - e0
-            tokens[d0:d1] = t.tokens[e0:e1]
+        old_tokens, old_keys, base = t.tokens, t.keys, t.key_base
+        # and, in the same pass, the runs' item metrics (their subtrees are unchanged)
+        old_min, old_items, _, _ = item_metrics(t)
+        old_max = max_remaining(t)
+        min_rem = np.empty(n_new, dtype=np.int32)
+        max_rem = np.empty(n_new, dtype=np.int32)
+        items = np.empty(n_new, dtype=np.int32)
+        for a, b, na, e0, e1, d0 in zip(*(x.tolist() for x in (run_a, run_b, run_na, run_e0, run_e1, run_d0))):
+            d1, nb = d0 + e1 - e0, na + b - a
+            np.add(old_off[a:b], d0 - e0, out=offsets[na:nb])
+            tokens[d0:d1] = old_tokens[e0:e1]
             nxt[d0:d1] = moved[e0:e1]
-            np.add(t.keys[e0:e1], (na - a) * base, out=keys[d0:d1])
+            np.add(old_keys[e0:e1], (na - a) * base, out=keys[d0:d1])
+            min_rem[na:nb] = old_min[a:b]
+            max_rem[na:nb] = old_max[a:b]
+            items[na:nb] = old_items[a:b]
         del moved
-        for s, (toks, tgts) in zip(built_ids, built_edges):
-            lo, hi = int(offsets[s]), int(offsets[s + 1])
-            tokens[lo:hi] = toks
-            nxt[lo:hi] = tgts
-            keys[lo:hi] = np.asarray(toks, dtype=np.int64) + s * base
+        # the touched states' edges, written with one scatter per array
+        dest = np.repeat(built_d0 - built_edges[:-1], built_counts) + np.arange(built_keys.size, dtype=np.int64)
+        tokens[dest] = built_tokens
+        nxt[dest] = built_targets
+        keys[dest] = built_keys
         checkpoint()
-        root = self.new_id[()] if self.is_state[()] else LEAF
-        metrics, max_rem = self.metrics(runs, offsets, nxt, built)
+        root = int(self.new_id[0]) if self.is_state[0] else LEAF
+        metrics, max_rem = self.metrics(min_rem, max_rem, items, offsets, nxt, built)
         return MaskTables.assemble(offsets, tokens, nxt, keys, root, t.end_token_id, t.vocab_size, metrics, max_rem)
 
-    def metrics(self, runs, offsets, nxt, built):
-        """The item metrics of the new tables: copied for untouched states (their subtrees are unchanged), computed
-        for touched ones deepest first: the values :func:`processors.tables.item_metrics` gives the new tables."""
-        old_min, old_items, _, _ = item_metrics(self.t)
-        old_max = max_remaining(self.t)
-        min_rem = np.empty(self.n_new, dtype=np.int32)
-        max_rem = np.empty(self.n_new, dtype=np.int32)
-        items = np.empty(self.n_new, dtype=np.int32)
-        for a, b, na in runs:
-            min_rem[na:na + b - a] = old_min[a:b]
-            max_rem[na:na + b - a] = old_max[a:b]
-            items[na:na + b - a] = old_items[a:b]
-        for p in sorted(built, key=len, reverse=True):
-            s = self.new_id[p]
-            lo, hi = int(offsets[s]), int(offsets[s + 1])
-            target = nxt[lo:hi]
-            if hi - lo > _WIDE:
-                inner = target >= 0
-                at = np.maximum(target, 0)
-                special = np.where(target == DONE, 0, 1)
-                lo_v = int(np.where(inner, min_rem[at], special).min())
-                hi_v = int(np.where(inner, max_rem[at], special).max())
-                count = int(np.where(inner, items[at].astype(np.int64), 1).sum())
-            else:
-                lo_v, hi_v, count = _UNSET, 0, 0
-                for x in target.tolist():
-                    if x >= 0:
-                        lo_v, hi_v = min(lo_v, int(min_rem[x])), max(hi_v, int(max_rem[x]))
-                        count += int(items[x])
-                    else:
-                        v = 0 if x == DONE else 1
-                        lo_v, hi_v, count = min(lo_v, v), max(hi_v, v), count + 1
-            min_rem[s], max_rem[s] = min(lo_v + 1, _UNSET), min(hi_v + 1, _UNSET)
-            items[s] = min(count, _INT32_MAX)
+    def metrics(self, min_rem, max_rem, items, offsets, nxt, built):
+        """The item metrics of the new tables, given those of the untouched states (copied: their subtrees are
+        unchanged), computed for the touched ones deepest first: the values :func:`processors.tables.item_metrics`
+        gives the new tables."""
+        # the touched states a depth at a time, deepest first (a state's children are settled before it: copied,
+        # or one depth below), each depth with array passes over its states' edges
+        depth = self.depth[built]
+        for d in np.unique(depth)[::-1].tolist():
+            states = self.new_id[built[depth == d]]
+            lo = offsets[states]
+            counts = offsets[states + 1] - lo  # (a touched state has edges)
+            starts = np.zeros(states.size, dtype=np.int64)
+            np.cumsum(counts[:-1], out=starts[1:])
+            edges = np.repeat(lo - starts, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+            target = nxt[edges]
+            inner = target >= 0
+            at = np.maximum(target, 0)
+            special = np.where(target == DONE, 0, 1)
+            e_min = np.where(inner, min_rem[at], special).astype(np.int64)
+            e_max = np.where(inner, max_rem[at], special).astype(np.int64)
+            e_items = np.where(inner, items[at].astype(np.int64), 1)
+            min_rem[states] = np.minimum(np.minimum.reduceat(e_min, starts) + 1, _UNSET)
+            max_rem[states] = np.minimum(np.maximum.reduceat(e_max, starts) + 1, _UNSET)
+            items[states] = np.minimum(np.add.reduceat(e_items, starts), _INT32_MAX)
         uniform = bool(np.array_equal(min_rem, max_rem))
         deepest = int(max_rem.max()) if self.n_new else 1
         return (_freeze(min_rem), _freeze(items), uniform, deepest), _freeze(max_rem)

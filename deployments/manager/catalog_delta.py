@@ -34,6 +34,13 @@ class DeltaReport:
     def changed(self) -> bool:
         return bool(self.added or self.removed)
 
+    def applied(self, add: list[Any], remove: list[Any]) -> tuple[list[Any], list[Any]]:
+        """``(added, removed)``: the items of ``add`` and ``remove`` this PATCH applied (the no-ops left out)."""
+        present = {tuple(item) for item in self.already_present}
+        absent = {tuple(item) for item in self.not_present}
+        return ([item for item in add if tuple(item) not in present],
+                [item for item in remove if tuple(item) not in absent])
+
     def to_json(self) -> dict[str, Any]:
         return {"added": self.added, "removed": self.removed, "already_present": self.already_present,
                 "not_present": self.not_present}
@@ -109,6 +116,56 @@ def _too_many_after_patch(count: int, limit: int) -> ServiceError:
                         {"field": "add", "limit_name": "max_tree_keys", "limit": limit})
 
 
+_CLASSES = 16  # rows are told apart by first id and length (capped) before their lines are compared
+
+
+def _rows_of(catalog: Catalog, gone: set[bytes], items: list[tuple[int, ...]]) -> list[int]:
+    """The rows of ``catalog`` (ascending) whose line is in ``gone`` (the lines of ``items``, all in the catalog),
+    without a Python test of every line (~40 ms at 10^6 items): array passes over ``flat`` / ``lengths`` keep the
+    rows with a removed item's first id and length, and only their lines are compared (~12 ms)."""
+    flat, lengths = catalog.flat, catalog.lengths
+    if not flat.size:  # (only empty items)
+        return [i for i, line in enumerate(catalog.lines) if line in gone]
+    starts = np.zeros(lengths.size, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    first = flat[np.minimum(starts, flat.size - 1)]  # (an empty row's is another row's: class 0 below)
+    del starts
+    code = np.where(lengths > 0, first, 0) * _CLASSES + np.minimum(lengths, _CLASSES - 1)
+    wanted = np.array([(item[0] if item else 0) * _CLASSES + min(len(item), _CLASSES - 1) for item in items],
+                      dtype=np.int64)
+    candidates = np.flatnonzero(np.isin(code, wanted, kind="table")).tolist()
+    lines = catalog.lines
+    return [i for i in candidates if lines[i] in gone]
+
+
+def _cut_rows(catalog: Catalog, rows: list[int], extra: Catalog | None) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+    """``(lines, flat, lengths)`` of ``catalog`` less the rows ``rows`` (ascending), with ``extra``'s appended: each
+    array written once, by slices between the removed rows (one filtering pass per array when they are many)."""
+    lines, flat, lengths = catalog.lines, catalog.flat, catalog.lengths
+    tail = [extra.flat] if extra else []
+    if len(rows) * 16 > len(lines):
+        keep = np.ones(len(lines), dtype=bool)
+        keep[rows] = False
+        lines = list(compress(lines, keep))
+        flat = np.concatenate((flat[np.repeat(keep, lengths)], *tail))
+    else:
+        out: list[bytes] = []
+        at = 0
+        for i in rows:
+            out += lines[at:i]
+            at = i + 1
+        out += lines[at:]
+        lines = out
+        ends = np.cumsum(lengths)[rows]  # where each removed row's ids end in flat, and start
+        starts = ends - lengths[rows]
+        flat = np.concatenate([flat[x:y] for x, y in zip([0, *ends.tolist()], [*starts.tolist(), flat.size])] + tail)
+    lengths = np.delete(lengths, rows)
+    if extra:
+        lines.extend(extra.lines)  # (a list of this result's own)
+        lengths = np.concatenate((lengths, extra.lengths))
+    return lines, flat, lengths
+
+
 def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, vocab_size: int,
                      max_items: int | None = None, max_item_tokens: int | None = None) -> tuple[Catalog, DeltaReport]:
     """``catalog`` with the items ``add`` appended and ``remove`` taken out (order kept). A result of more than
@@ -125,11 +182,12 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
     _check_disjoint(adds, removes)
     present = catalog.line_set
     report = DeltaReport()
-    gone = set()
+    gone, gone_items = set(), []
     for item in removes:
         line = _line(item)
         if line in present:
             gone.add(line)
+            gone_items.append(item)
         else:
             report.not_present.append(list(item))
     new_items = []
@@ -141,16 +199,15 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
     report.removed, report.added = len(gone), len(new_items)
     lines, flat, lengths = catalog.lines, catalog.flat, catalog.lengths
     line_set = set(present)  # the result's, from the base's (a copy: the base stays as it is; no line hashed again)
-    if gone:  # (C-level passes over the lines: map and compress, no Python loop per item)
-        keep = np.fromiter(map(gone.__contains__, lines), dtype=bool, count=len(lines))
-        np.logical_not(keep, out=keep)
-        lines = list(compress(lines, keep))
-        flat, lengths = flat[np.repeat(keep, lengths)], lengths[keep]
+    extra = Catalog.from_items(0, 0, new_items) if new_items else None
+    if gone:  # the removed rows found without a test per line, cut out, and the added ones appended
+        rows = _rows_of(catalog, gone, gone_items)
+        lines, flat, lengths = _cut_rows(catalog, rows, extra)
         line_set -= gone
-    if new_items:
-        extra = Catalog.from_items(0, 0, new_items)
+    elif extra:
         lines = lines + extra.lines
         flat, lengths = np.concatenate((flat, extra.flat)), np.concatenate((lengths, extra.lengths))
+    if extra:
         line_set.update(extra.lines)
     if max_items is not None and len(lines) > max_items:
         raise _too_many_after_patch(len(lines), max_items)
@@ -199,10 +256,8 @@ def _line_delta(add: list[Any], remove: list[Any], report: DeltaReport) -> bytes
     those it appended, in the order ``apply_tree_delta`` applies them (the no-ops in ``report`` left out)."""
     from deployments.store_content import line_delta
 
-    present = {tuple(item) for item in report.already_present}
-    absent = {tuple(item) for item in report.not_present}
-    return line_delta([_line(item) for item in remove if tuple(item) not in absent],
-                      [_line(item) for item in add if tuple(item) not in present])
+    added, removed = report.applied(add, remove)
+    return line_delta([_line(item) for item in removed], [_line(item) for item in added])
 
 
 def _apply_tree(compiler: Any, limits: Any, name: str, body: Any, add: list[Any], remove: list[Any], base: Catalog,
@@ -234,6 +289,5 @@ def _apply_tree(compiler: Any, limits: Any, name: str, body: Any, add: list[Any]
 
         tables = patch_tables(base_tables, add, remove)
         if tables is not None:
-            compiler.remember_tables(sha, tables)
-            compiler.tables_patched += 1
+            compiler.remember_tables(sha, tables, patched=True)
     return catalog_body(catalog, content, sha), stored, report, (sha if new else None)

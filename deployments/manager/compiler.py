@@ -129,6 +129,7 @@ class StoredScenarioCompiler:
         self._catalogs: dict[str, Any] = {}  # sha -> parsed Catalog, the newest few
         self._tables: dict[str, Any] = {}  # sha -> a catalog's tables (catalog_tables' form), the newest two
         self.tables_patched = 0  # PATCHes whose tables were updated from their base's (not compiled in full)
+        self._patched: set[str] = set()  # of the catalogs in _tables, those (see was_patched)
         # a PATCH of more items than the base's states / this compiles the new items in full: faster there (about
         # 6 touched paths an item, each ~50 states' worth of a full compile; docs/benchmarks.md, issue 21)
         self.patch_states_per_item = 300
@@ -273,12 +274,22 @@ class StoredScenarioCompiler:
         """The tables of catalog ``sha`` when built here lately (a PATCH updates them: processors/tree_delta.py)."""
         return self._tables.get(sha)
 
-    def remember_tables(self, sha: str, tables) -> None:
-        """Keep the tables of catalog ``sha`` (the newest two: a large catalog's tables are large)."""
+    def remember_tables(self, sha: str, tables, patched: bool = False) -> None:
+        """Keep the tables of catalog ``sha`` (the newest two: a large catalog's tables are large). ``patched``:
+        a PATCH updated them from its base's (:meth:`was_patched`)."""
         self._tables.pop(sha, None)
         self._tables[sha] = tables
         while len(self._tables) > 2:
+            self._patched.discard(next(iter(self._tables)))
             self._tables.pop(next(iter(self._tables)))
+        if patched:
+            self._patched.add(sha)
+            self.tables_patched += 1
+
+    def was_patched(self, sha: str) -> bool:
+        """The tables of catalog ``sha`` were updated from its base's along the delta (not compiled in full): the
+        delta is small for the catalog, so the replicas may apply it too."""
+        return sha in self._patched
 
     def _note_tree_form(self, name: str, compiled, fields: dict[str, Any], start_token_id: Any) -> None:
         from .catalog import _RESERVED
@@ -347,6 +358,7 @@ class StoredScenarioCompiler:
         Only for a copy :meth:`keep_content` called new: stored versions keep theirs (and Redis has the bytes)."""
         self._catalogs.pop(sha, None)
         self._tables.pop(sha, None)
+        self._patched.discard(sha)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self._content_dir, f"{sha}.json"))
 

@@ -271,8 +271,12 @@ class ConfigManager:
                     if first is not None:  # the same request, answered meanwhile: its answer
                         return Draft(result=await self._writes.replay(first))
                 return Draft(result={"name": name, **answer, "version": current})
+            delta = None
+            if body.get("content_format") == "items" and self.compiler.was_patched(body["content_sha256"]):
+                added, removed = report.applied(add, remove)  # for replicas serving `current` (deliverable 3)
+                delta = {"base": current, "add": added, "remove": removed}
             return Draft(body=body, content=content, new_content=new_sha, answer=answer, expect_current=current,
-                         redraft_on_conflict=base is None, lookup_first=True)
+                         redraft_on_conflict=base is None, lookup_first=True, replica_delta=delta)
 
         def store(d: Draft, fp: str | None):
             whole = isinstance(d.content, (bytes, type(None)))  # else a ContentDelta: a stored catalog's PATCH

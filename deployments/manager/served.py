@@ -19,6 +19,10 @@ class ServedScenario:
     kind: str
     compiled: Any  # the CompiledScenario without Ray; None with Ray (the object store holds it)
     ref: Any  # ObjectRef when Ray is initialized, else the compiled object itself
+    # a catalog PATCH's delta from the version served before it: {"base", "add", "remove", "tables"} (the items the
+    # PATCH added and removed, and the ``version`` of the tables they give); a replica serving ``base`` may apply it
+    # to its own tables instead of fetching ``ref`` (deployments/replica/table_delta.py)
+    delta: dict[str, Any] | None = None
 
 
 def object_ref(compiled):
@@ -48,11 +52,16 @@ class ServedScenarios:
         """A new event loop (tests): asyncio primitives are tied to one."""
         self.lock = asyncio.Lock()
 
-    def install(self, name: str, version: int, compiled, ref) -> None:
+    def install(self, name: str, version: int, compiled, ref, delta: dict[str, Any] | None = None) -> None:
+        """Serve ``compiled`` (in the object store as ``ref``) as ``version`` of ``name``. ``delta``: how the items
+        changed from ``delta["base"]`` (a PATCH); kept only when that is the version served until now."""
         # With Ray the object store holds the tables; keeping the Python object too would double
         # the manager's memory for large trees.
         kept = compiled if ref is compiled else None
-        self.served[name] = ServedScenario(int(version), compiled.kind, kept, ref)
+        before = self.served.get(name)
+        if delta is not None and (before is None or before.version != delta.get("base")):
+            delta = None
+        self.served[name] = ServedScenario(int(version), compiled.kind, kept, ref, delta)
         self.errors.pop(name, None)
 
     def remove(self, name: str) -> None:
@@ -72,7 +81,8 @@ class ServedScenarios:
 
     def tables(self) -> dict[str, dict[str, Any]]:
         """``{name: {"version", "ref"}}``: the scenarios part of a replica snapshot."""
-        return {n: {"version": s.version, "ref": s.ref} for n, s in sorted(self.served.items())}
+        return {n: {"version": s.version, "ref": s.ref, **({"delta": s.delta} if s.delta else {})}
+                for n, s in sorted(self.served.items())}
 
     def versions(self) -> dict[str, int]:
         return {n: s.version for n, s in sorted(self.served.items())}

@@ -89,6 +89,7 @@ class Draft:
     result: dict[str, Any] | None = None
     replay: dict[str, Any] | None = None
     lookup_first: bool = False
+    replica_delta: dict[str, Any] | None = None  # a PATCH's {"base", "add", "remove"} for the replicas (served.py)
     note: str = ""  # added to the log line (how the body came)
 
 
@@ -173,7 +174,10 @@ class WriteFlow:
                 if draft.removes:
                     m.scenarios.remove(name)
                 else:
-                    m.scenarios.install(name, version, compiled, await asyncio.to_thread(object_ref, compiled))
+                    delta = draft.replica_delta
+                    if delta is not None:  # the tables it gives, for the replica to check its own result against
+                        delta = {**delta, "tables": getattr(compiled.constraint, "version", None)}
+                    m.scenarios.install(name, version, compiled, await asyncio.to_thread(object_ref, compiled), delta)
                 m.compiler.note_installed(name, int(version), None if draft.removes else compiled)
                 epoch = m.registry.bump()
         if version.replayed:  # the same request, stored meanwhile: its first answer

@@ -29,6 +29,7 @@ from .item_controls import admit_item_controls
 from ..metrics import ReplicaMetrics, route_logs_to_serve
 from .regenerate import CheckedRun
 from .stops import _Stops
+from .table_delta import apply_table_delta, delta_wanted
 from ..protocol import GenerateRequest, GenerateResponse, Output, ServiceError, Usage, check_request_limits
 from ..scenario_errors import scenario_service_error
 
@@ -105,6 +106,7 @@ class ModelReplica:
         self._compiler = ScenarioCompiler(tokenizer, self.settings.limits, cache_size=_INLINE_CACHE_SIZE)
         self._grammar_worker = self._compiler.grammar_worker
         self._epoch = -1
+        self.table_deltas = 0  # catalog PATCHes applied to the served tables here (table_delta.py), not fetched
         self._manager = manager
         self._stop = threading.Event()
         self.model_name = self.settings.model or "SmolLM2-135M-Instruct"
@@ -131,8 +133,14 @@ class ModelReplica:
             current = self._scenarios.get(name)
             if current is not None and current[0] == version:
                 new[name] = current  # unchanged: keep the object, no fetch
-            else:
-                new[name] = (version, await _fetch(entry["ref"]))
+                continue
+            compiled = None
+            delta = entry.get("delta")
+            if (delta is not None and current is not None and current[0] == delta.get("base")
+                    and await asyncio.to_thread(delta_wanted, self.settings.replica_table_delta, entry["ref"])):
+                compiled = await asyncio.to_thread(apply_table_delta, current[1], delta)
+                self.table_deltas += compiled is not None
+            new[name] = (version, compiled if compiled is not None else await _fetch(entry["ref"]))
         with self._lock:
             self._scenarios = new
             self._epoch = int(snapshot.get("epoch", self._epoch))

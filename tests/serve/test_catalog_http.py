@@ -182,3 +182,18 @@ def test_cs_admin_put_items_and_patch(serve_app, tokenizer, phrase_items, tmp_pa
     out = serve_app.generate({"scenario": name, "messages": _chat("Name a thing."), "n": 4, "temperature": 1.5})
     for o in out.json()["outputs"]:
         check_item(o, {a, c}, tokenizer.eos_token_id)
+
+
+def test_auto_replica_table_delta_fetches_tables_on_this_node(serve_app):
+    """``replica_table_delta: auto`` (the default) applies a PATCH on a replica only where the tables would come
+    over the network: tables in this node's object store (the manager's node, as here) are fetched."""
+    import numpy as np
+    import ray
+
+    from deployments.replica.table_delta import delta_wanted
+
+    big = ray.put(np.zeros(1 << 20, dtype=np.int64))  # 8 MB: in the shared-memory store of this node
+    small = ray.put(b"x")  # inline with its reference, on no node
+    assert delta_wanted("auto", big) is False
+    assert delta_wanted("auto", small) is False
+    assert delta_wanted("always", big) is True
