@@ -62,7 +62,6 @@ class Catalog:
         self.start_token_id, self.end_token_id = int(start_token_id), int(end_token_id)
         self.lines, self.flat, self.lengths = lines, flat, lengths
         self.options = dict(options or {})
-        self._line_set: set[bytes] | None = None
 
     @classmethod
     def from_items(cls, start_token_id: int, end_token_id: int, items: list[tuple[int, ...]],
@@ -84,12 +83,6 @@ class Catalog:
 
     def __len__(self) -> int:
         return len(self.lines)
-
-    @property
-    def line_set(self) -> set[bytes]:
-        if self._line_set is None:
-            self._line_set = set(self.lines)
-        return self._line_set
 
     @property
     def items(self) -> list[tuple[int, ...]]:
