@@ -62,6 +62,10 @@ class Catalog:
         self.start_token_id, self.end_token_id = int(start_token_id), int(end_token_id)
         self.lines, self.flat, self.lengths = lines, flat, lengths
         self.options = dict(options or {})
+        # the canonical bytes once made (content), and where each item's line ends in them (line_ends): a PATCH
+        # makes its result's bytes from its base's by cutting and appending lines (catalog_delta.spliced_content)
+        self._content: bytes | None = None
+        self._ends: np.ndarray | None = None
 
     @classmethod
     def from_items(cls, start_token_id: int, end_token_id: int, items: list[tuple[int, ...]],
@@ -90,11 +94,23 @@ class Catalog:
         flat = self.flat.tolist()
         return [tuple(flat[offsets[i]:offsets[i + 1]]) for i in range(len(self.lines))]
 
+    def header(self) -> bytes:
+        """The first line of :meth:`content`, without its newline."""
+        return json.dumps({"format": "cs-items", "start_token_id": self.start_token_id,
+                           "end_token_id": self.end_token_id}, separators=(",", ":")).encode("ascii")
+
     def content(self) -> bytes:
-        """The canonical bytes (stored under their SHA-256): header with the two ids, one item per line."""
-        header = json.dumps({"format": "cs-items", "start_token_id": self.start_token_id,
-                             "end_token_id": self.end_token_id}, separators=(",", ":")).encode("ascii")
-        return header + b"\n" + b"\n".join(self.lines) + (b"\n" if self.lines else b"")
+        """The canonical bytes (stored under their SHA-256): header with the two ids, one item per line (made once)."""
+        if self._content is None:
+            self._content = self.header() + b"\n" + b"\n".join(self.lines) + (b"\n" if self.lines else b"")
+        return self._content
+
+    def line_ends(self) -> np.ndarray:
+        """Where each item's line ends in :meth:`content` (the offset after its newline), in item order."""
+        if self._ends is None:
+            newlines = np.flatnonzero(np.frombuffer(self.content(), dtype=np.uint8) == 10)
+            self._ends = newlines[1:] + 1  # (the first newline ends the header)
+        return self._ends
 
 
 def _line(item: Any) -> bytes:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass, field
 from itertools import compress
 from typing import Any
@@ -29,6 +30,7 @@ class DeltaReport:
     removed: int = 0
     already_present: list[Any] = field(default_factory=list)
     not_present: list[Any] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per step of a tree PATCH (the manager's log)
 
     @property
     def changed(self) -> bool:
@@ -206,7 +208,29 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
         flat, lengths = np.concatenate((flat, extra.flat)), np.concatenate((lengths, extra.lengths))
     if max_items is not None and len(lines) > max_items:
         raise _too_many_after_patch(len(lines), max_items)
-    return Catalog(catalog.start_token_id, catalog.end_token_id, lines, flat, lengths, catalog.options), report
+    result = Catalog(catalog.start_token_id, catalog.end_token_id, lines, flat, lengths, catalog.options)
+    if catalog._content is not None:  # its bytes from the base's (else made from the lines when asked for)
+        result._content, result._ends = _spliced_content(catalog, sorted(rows), extra.lines if extra else [])
+    return result, report
+
+
+def _spliced_content(base: Catalog, rows: list[int], added: list[bytes]) -> tuple[bytes, np.ndarray]:
+    """``(content, line_ends)`` of ``base`` less its rows ``rows`` (ascending) with the lines ``added`` appended:
+    the base's bytes between the removed lines, copied as they are (one copy of the bytes, no join of a million
+    lines: ~0.02 s at 10^6 items instead of ~0.05-0.1 s, 0.3 s at 10^7 instead of 1.7 s)."""
+    data, ends = memoryview(base.content()), base.line_ends()
+    head = len(base.header()) + 1
+    starts = np.concatenate(([head], ends[:-1]))
+    cut_from, cut_to = starts[rows].tolist(), ends[rows].tolist()
+    pieces = [data[a:b] for a, b in zip([head, *cut_to], [*cut_from, len(data)]) if b > a]
+    tail = b"".join(line + b"\n" for line in added)
+    content = b"".join([data[:head], *pieces, tail])
+    sizes = np.delete(ends - starts, rows)
+    new_ends = np.empty(sizes.size + len(added), dtype=np.int64)
+    np.cumsum(np.concatenate((sizes, np.fromiter(map(len, added), dtype=np.int64, count=len(added)) + 1)),
+              out=new_ends)
+    new_ends += head
+    return content, new_ends
 
 
 def apply_delta(compiler: Any, limits: Any, name: str, body: dict[str, Any] | None, add: list[Any], remove: list[Any],
@@ -261,8 +285,10 @@ def _apply_tree(compiler: Any, limits: Any, name: str, body: Any, add: list[Any]
     compacts the chain), else as a whole catalog."""
     from deployments.store_content import ContentDelta
 
+    t0 = time.perf_counter()
     catalog, report = apply_tree_delta(base, add, remove, vocab_size=compiler.vocab_size,
                                        max_items=limits.max_tree_keys, max_item_tokens=limits.max_item_tokens)
+    t1 = time.perf_counter()
     if not report.changed:
         return body, None, report, None
     if not len(catalog):  # (not catalog.items: that makes a tuple per item)
@@ -275,12 +301,15 @@ def _apply_tree(compiler: Any, limits: Any, name: str, body: Any, add: list[Any]
     else:
         (sha, new), stored = compiler.keep_content(content), content
     compiler.remember_catalog(sha, catalog)
+    t2 = time.perf_counter()
     # the base's tables updated along the changed paths (equal to a full compile), unless the delta is large for the
-    # catalog: its Python work per touched path then costs more than a full compile's array passes
+    # catalog: its Python work per touched path then costs more than a full compile's array passes. (Not on another
+    # thread beside the bytes above: measured, the two together took longer than one after the other.)
     if base_tables is not None and (len(add) + len(remove)) * compiler.patch_states_per_item <= base_tables.n_states:
         from processors.tree_delta import patch_tables
 
         tables = patch_tables(base_tables, add, remove)
-        if tables is not None:
+        if tables is not None:  # (None: the base's tables cannot tell their items; the compile builds them in full)
             compiler.remember_tables(sha, tables, patched=True)
+    report.timings = {"items": t1 - t0, "bytes": t2 - t1, "tables": time.perf_counter() - t2}
     return catalog_body(catalog, content, sha), stored, report, (sha if new else None)

@@ -275,8 +275,9 @@ class ConfigManager:
             if body.get("content_format") == "items" and self.compiler.was_patched(body["content_sha256"]):
                 added, removed = report.applied(add, remove)  # for replicas serving `current` (deliverable 3)
                 delta = {"base": current, "add": added, "remove": removed}
+            note = "".join(f", {step} {took:.3f} s" for step, took in report.timings.items())
             return Draft(body=body, content=content, new_content=new_sha, answer=answer, expect_current=current,
-                         redraft_on_conflict=base is None, lookup_first=True, replica_delta=delta)
+                         redraft_on_conflict=base is None, lookup_first=True, replica_delta=delta, note=note)
 
         def store(d: Draft, fp: str | None):
             whole = isinstance(d.content, (bytes, type(None)))  # else a ContentDelta: a stored catalog's PATCH

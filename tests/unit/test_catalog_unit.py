@@ -81,3 +81,37 @@ def test_item_tokens_are_bounded_where_items_are_parsed():
         apply_tree_delta(catalog, [[5, 6], [5, 6, 7, 8]], [], vocab_size=1000, max_item_tokens=3)
     assert info.value.status == 422 and info.value.message.startswith("add: add[1]: an item of 4 tokens")
     assert info.value.detail == {"field": "add", "limit_name": "max_item_tokens", "limit": 3}
+
+
+def test_a_patched_catalogs_bytes_are_spliced_from_its_bases_exactly():
+    """A PATCH makes the new catalog's bytes from its base's (cut lines, appended lines) when the base's are made:
+    the same bytes, and line ends, as writing the new catalog out from its lines, through chains of deltas (removes
+    at the start, the end, everywhere; the empty item; a catalog emptied and refilled)."""
+    import random
+
+    import numpy as np
+
+    from deployments.manager.catalog import Catalog
+    from deployments.manager.catalog_delta import apply_tree_delta
+
+    rnd = random.Random(0)
+    for trial in range(300):
+        items = list({tuple(rnd.randint(3, 60) for _ in range(rnd.randint(0 if trial % 7 == 0 else 1, 4)))
+                      for _ in range(rnd.randint(1, 40))})
+        catalog = Catalog.from_items(5, 2, items)
+        catalog.content()
+        for step in range(3):
+            current = [list(x) for x in catalog.items]
+            remove = [x for x in rnd.sample(current, rnd.randint(0, len(current))) if x]
+            add = [list(x) for x in {tuple(rnd.randint(3, 70) for _ in range(rnd.randint(1, 4)))
+                                     for _ in range(rnd.randint(0 if remove else 1, 5))}]
+            add = [a for a in add if a not in remove]
+            if not add and not remove:
+                continue
+            new, _ = apply_tree_delta(catalog, add, remove, vocab_size=100)
+            spliced, ends = new._content, new._ends
+            assert spliced is not None
+            written = Catalog(new.start_token_id, new.end_token_id, new.lines, new.flat, new.lengths)
+            assert spliced == written.content(), (trial, step)
+            assert np.array_equal(ends, written.line_ends()), (trial, step)
+            catalog = new
