@@ -36,7 +36,7 @@ def content_hash(*parts) -> str:
         if isinstance(part, np.ndarray):
             h.update(str(part.dtype).encode())
             h.update(str(part.shape).encode())
-            h.update(memoryview(np.ascontiguousarray(part)).cast("B"))  # the bytes, not copied
+            h.update(np.ascontiguousarray(part).data.cast("B"))  # the bytes, not copied
         else:
             h.update(repr(part).encode())
         h.update(b"\x00")
