@@ -170,6 +170,8 @@ def main() -> None:
     parser.add_argument("--replica-table-delta", default="auto", choices=("auto", "always", "never"),
                         help="the replicas' setting: apply a PATCH to their tables or fetch the new ones (one node: "
                              "auto fetches)")
+    parser.add_argument("--compile-nice", type=int, default=None,
+                        help="the manager's compile_nice setting (default: the service's, 10)")
     parser.add_argument("--no-in-process", action="store_true",
                         help="skip the in-process comparison in a service run (at 10^7 items its full compile alone "
                              "peaks at 13 GiB)")
@@ -199,6 +201,7 @@ def main() -> None:
     with ServeBench() as bench:
         bench.deploy(bench.settings(num_replicas=REPLICAS, torch_threads=1, seed_examples=False,
                                     replica_table_delta=args.replica_table_delta,
+                                    **({} if args.compile_nice is None else {"compile_nice": args.compile_nice}),
                                     limits={"max_body_bytes": 1 << 30, "max_tree_keys": 50_000_000,
                                             "compile_timeout_s": 600}),
                      replicas=REPLICAS)
