@@ -14,7 +14,9 @@ chunk is there, so it never sees content half-written; chunks of a write that fa
 (their keys name the content's hash). A catalog PATCH's content is stored as a line delta of its base's (its
 manifest names the base and the chain of bases below it; every version refers to the whole chain, so pruning keeps
 a base while any version needs it), until the chain would pass ``delta_chain`` deltas: then the whole content is
-stored (compacted). Reading such content rebuilds it from the chain and checks its hash. History is bounded: with ``history_bodies`` N > 0 the script drops, in the
+stored (compacted). Reading such content rebuilds it from the chain and checks its hash.
+
+History is bounded: with ``history_bodies`` N > 0 the script drops, in the
 same write, the body of every version older than the newest N that have one (``P s:N:bodies``); such a version
 keeps its metadata and is listed with ``pruned: true``; :meth:`ScenarioStore.get` returns it with ``scenario:
 None, pruned: True``, and a rollback to it is a 410. Content no version refers to any more is removed with it.
@@ -58,8 +60,8 @@ from deployments.store_errors import StoreUnavailable, VersionConflict, key_reus
 from deployments.store_scripts import BASE_CHANGED, KEY_REUSED, NO_CONTENT, NOT_LIVE, REMEMBER_SCRIPT, REPLAYED
 from deployments.store_scripts import TOO_LATE, WRITE_SCRIPT, WRITTEN
 
-__all__ = ["BODY_INLINE_BYTES", "BaseChanged", "CHUNK_BYTES", "ContentDelta", "DELTA_CHAIN", "Gone", "HISTORY_BODIES", "IDEMPOTENCY_KEY_PATTERN",
-           "IDEMPOTENCY_TTL_S", "InvalidRequest", "NAME_PATTERN", "NotFound", "PackedBody", "ScenarioStore",
+__all__ = ["BODY_INLINE_BYTES", "BaseChanged", "CHUNK_BYTES", "ContentDelta", "DELTA_CHAIN", "Gone", "HISTORY_BODIES",
+           "IDEMPOTENCY_KEY_PATTERN", "IDEMPOTENCY_TTL_S", "InvalidRequest", "NAME_PATTERN", "NotFound", "PackedBody", "ScenarioStore",
            "StoreCorrupt", "StoreError", "StoreUnavailable", "VersionConflict", "WriteResult", "content_sha256",
            "pack_body", "pruned_error", "request_fingerprint", "validate_idempotency_key", "validate_name"]
 
