@@ -260,8 +260,12 @@ class StoredScenarioCompiler:
         cached = self._catalogs.get(sha)
         if cached is None:
             with open(self.content_file(name, sha), "rb") as handle:
-                # a stored catalog may hold the empty item (a patched tree whose root allows the end token)
-                cached = parse_catalog(handle.read(), vocab_size=self.vocab_size, allow_empty=True)
+                data = handle.read()
+            # a stored catalog may hold the empty item (a patched tree whose root allows the end token)
+            cached = parse_catalog(data, vocab_size=self.vocab_size, allow_empty=True)
+            head = cached.header()
+            if data.startswith(head + b"\n") and len(data) == len(head) + 1 + sum(map(len, cached.lines)) + len(cached):
+                cached._content = data  # its canonical bytes as they are (a PATCH splices its result's from them)
             self.remember_catalog(sha, cached)
         return cached
 
