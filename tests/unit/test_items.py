@@ -11,6 +11,7 @@ import random
 
 import numpy as np
 import pytest
+from item_checks import items_of as split_output
 
 from processors.chain import RowCursor
 from processors.compile import CompiledScenario
@@ -85,18 +86,9 @@ def run(cursor, pick, limit=100):
 
 
 def split_items(tokens, sep=SEP, end=END):
-    body = tokens[:-1] if tokens and tokens[-1] == end else tokens
-    if not body:
-        return []
-    parts, cur = [], []
-    for t in body:
-        if t == sep:
-            parts.append(tuple(cur))
-            cur = []
-        else:
-            cur.append(t)
-    parts.append(tuple(cur))
-    return parts
+    """An output's items, split as the integration tests split them (:func:`item_checks.items_of`); an output that
+    is only its end token has none."""
+    return [] if list(tokens) in ([], [end]) else split_output(list(tokens), end, sep)
 
 
 def test_brute_force_items_are_the_documented_ones():
