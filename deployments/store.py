@@ -61,7 +61,8 @@ from deployments.store_scripts import BASE_CHANGED, KEY_REUSED, NO_CONTENT, NOT_
 from deployments.store_scripts import TOO_LATE, WRITE_SCRIPT, WRITTEN
 
 __all__ = ["BODY_INLINE_BYTES", "BaseChanged", "CHUNK_BYTES", "ContentDelta", "DELTA_CHAIN", "Gone", "HISTORY_BODIES",
-           "IDEMPOTENCY_KEY_PATTERN", "IDEMPOTENCY_TTL_S", "InvalidRequest", "NAME_PATTERN", "NotFound", "PackedBody", "ScenarioStore",
+           "IDEMPOTENCY_KEY_PATTERN", "IDEMPOTENCY_TTL_S", "InvalidRequest", "NAME_PATTERN", "NotFound", "PackedBody",
+           "ScenarioStore",
            "StoreCorrupt", "StoreError", "StoreUnavailable", "VersionConflict", "WriteResult", "content_sha256",
            "pack_body", "pruned_error", "request_fingerprint", "validate_idempotency_key", "validate_name"]
 
@@ -255,11 +256,6 @@ class ScenarioStore:
         if manifest is None:
             return [] if self.client.exists(self.content_key(sha)) else None
         return chain.split(",") if chain else []
-
-    def delta_chain_of(self, sha: str) -> int | None:
-        """How many deltas stored content ``sha`` is from whole content (0: whole), None when not stored."""
-        chain = self._delta_chain(sha)
-        return None if chain is None else len(chain)
 
     @redis_errors
     def put(self, name: str, body: dict, *, idempotency_key: str | None = None, fingerprint: str | None = None,

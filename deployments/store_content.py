@@ -101,8 +101,9 @@ def apply_line_delta(base: bytes, delta: bytes) -> bytes:
     lines = rest.split(b"\n")
     if lines and not lines[-1]:
         lines.pop()
-    removed = {line[1:] for line in delta.split(b"\n") if line[:1] == b"-"}
-    added = [line[1:] for line in delta.split(b"\n") if line[:1] == b"+"]
+    changes = delta.split(b"\n")
+    removed = {line[1:] for line in changes if line[:1] == b"-"}
+    added = [line[1:] for line in changes if line[:1] == b"+"]
     if removed:
         lines = [line for line in lines if line not in removed]
     lines += added

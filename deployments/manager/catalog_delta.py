@@ -185,7 +185,7 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
     _check_disjoint(adds, removes)
     present = _rows_of(catalog, adds + removes)  # {line: row} of those the catalog holds
     report = DeltaReport()
-    rows = []
+    rows: list[int] = []
     for item in removes:
         row = present.get(_line(item))
         if row is not None:
@@ -199,10 +199,11 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
         else:
             new_items.append(item)
     report.removed, report.added = len(rows), len(new_items)
+    rows.sort()
     lines, flat, lengths = catalog.lines, catalog.flat, catalog.lengths
     extra = Catalog.from_items(0, 0, new_items) if new_items else None
     if rows:  # the removed rows cut out, and the added ones appended
-        lines, flat, lengths = _cut_rows(catalog, sorted(rows), extra)
+        lines, flat, lengths = _cut_rows(catalog, rows, extra)
     elif extra:
         lines = lines + extra.lines
         flat, lengths = np.concatenate((flat, extra.flat)), np.concatenate((lengths, extra.lengths))
@@ -210,7 +211,7 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
         raise _too_many_after_patch(len(lines), max_items)
     result = Catalog(catalog.start_token_id, catalog.end_token_id, lines, flat, lengths, catalog.options)
     if catalog._content is not None:  # its bytes from the base's (else made from the lines when asked for)
-        result._content, result._ends = _spliced_content(catalog, sorted(rows), extra.lines if extra else [])
+        result._content, result._ends = _spliced_content(catalog, rows, extra.lines if extra else [])
     return result, report
 
 
