@@ -218,7 +218,6 @@ class _Plan:
                  fresh, ranks):
         self.t, self.parent, self.token, self.depth, self.node = tables, parent, token, depth, node
         self.alive, self.is_state, self.was_end, self.new_end = alive, is_state, was_end, new_end
-        self.removed = removed
         n_old = tables.n_states
         # old state i becomes i - (removed states before i) + (new states ranked at or before i): one cumsum of the
         # steps (1 per state, +1 per new state ranked there, -1 after a removed one), no search per state
@@ -227,7 +226,6 @@ class _Plan:
         np.add.at(step, ranks, 1)
         np.subtract.at(step, removed + 1, 1)
         self.new_of_old = np.cumsum(step, out=step)[:n_old]
-        self.ranks = ranks
         self.n_new = n_old - removed.size + ranks.size
         # each touched path's new state number (-1: not a state)
         self.new_id = np.full(node.size, -1, dtype=np.int64)
