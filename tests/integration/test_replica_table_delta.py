@@ -8,6 +8,7 @@ finds the result's hash differs and fetches the whole tables; a PUT (no delta) i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -39,18 +40,16 @@ async def poll(manager, replica) -> None:
             await replica._apply(snapshot)
 
 
-def answer_items(replica, name: str, eos: int, k: int) -> list[tuple[int, ...]]:
-    async def one(i):
-        out = await replica.generate({"scenario": name, "prompt": f"Item {i}:", "temperature": 1.5})
-        ids = list(out["outputs"][0]["token_ids"])
+async def answer_items(replica, name: str, eos: int, k: int) -> list[tuple[int, tuple[int, ...]]]:
+    """``k`` answers of ``replica`` for scenario ``name``: ``(version reported, item)``, end tokens dropped."""
+    out = []
+    for i in range(k):
+        answer = await replica.generate({"scenario": name, "prompt": f"Item {i}:", "temperature": 1.5})
+        ids = list(answer["outputs"][0]["token_ids"])
         while ids and ids[-1] in (END, eos):
             ids.pop()
-        return out["version"], tuple(ids)
-
-    async def all_of():
-        return [await one(i) for i in range(k)]
-
-    return all_of
+        out.append((answer["version"], tuple(ids)))
+    return out
 
 
 def test_a_replica_applies_patches_to_its_tables_and_serves_them(model, tokenizer, data_dir):
@@ -81,15 +80,12 @@ def test_a_replica_applies_patches_to_its_tables_and_serves_them(model, tokenize
                 assert version == result["version"]
                 assert replica.table_deltas == k + 1  # applied here, not fetched
                 assert_full_compile(compiled.constraint, items, vocab)
-                for got_version, item in await answer_items(replica, "cat", eos, 3)():
+                for got_version, item in await answer_items(replica, "cat", eos, 3):
                     assert got_version == result["version"] and item in items, item
             # a replica whose base tables are not the manager's: its delta result differs, it fetches instead
             version, compiled = replica._scenarios["cat"]
             other = catalog_tables(Catalog.from_items(START, END, sorted(items - {sorted(items)[0]})), vocab)
-            replica._scenarios["cat"] = (version, compiled.__class__(**{
-                **{f: getattr(compiled, f) for f in ("kind", "think", "eos_token_ids", "vocab_size",
-                                                      "start_token_id", "settings", "tools")},
-                "constraint": other}))
+            replica._scenarios["cat"] = (version, dataclasses.replace(compiled, constraint=other))
             remove = [sorted(items)[-1]]
             await manager.patch("cat", {"add": [[CODES[5], CODES[6], CODES[7], CODES[0]]],
                                         "remove": [list(remove[0])]})
