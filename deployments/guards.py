@@ -1,10 +1,12 @@
 """ASGI middlewares of the ingress that bound what one client can hold: in-flight generations per client, and the
 proxy headers that would lift the request timeout.
 
-* :class:`InflightPerClient`: at most ``max_inflight_per_client`` generation requests (``POST /v1/generate``,
-  ``/v1/completions``, ``/v1/chat/completions``) of one client at a time in this ingress replica; past that a
-  429 with ``Retry-After``. A client is its peer address, or the last address of ``client_ip_header`` when the
-  service runs behind a proxy that sets that header (the peer is then the proxy). A request counts from the
+* :class:`InflightPerClient`: at most ``max_inflight_per_client`` generation requests (every path of
+  :data:`GENERATE_PATHS`: ``POST /v1/generate``, ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``)
+  of one client at a time in this ingress replica; past that a 429 with ``Retry-After``. A client is its peer
+  address, or the last address of ``client_ip_header`` when the service runs behind a proxy that sets that header
+  (the peer is then the proxy; the header's lines are read as one list, so the address the proxy appended is the
+  last one whether it added a line or extended the client's). A request counts from the
   moment its headers reach the ingress until its response (a stream included) ends or the client goes away.
   With several ingress replicas, the bound holds per replica. The middleware notes the client in the request's
   scope (``scope["cs.client"]``) for :class:`RowBudget`.
@@ -34,7 +36,9 @@ from deployments.protocol import ServiceError
 
 __all__ = ["CLIENT_SCOPE_KEY", "RELEASE_SCOPE_KEY", "GENERATE_PATHS", "InflightPerClient", "ProxyHeaderCheck", "RowBudget"]
 
-GENERATE_PATHS = frozenset({"/v1/generate", "/v1/completions", "/v1/chat/completions"})
+#: every route that generates: each is counted per client here and in :class:`RowBudget` (a test walks the app's
+#: routes so that a new generating route cannot be left out)
+GENERATE_PATHS = frozenset({"/v1/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"})
 RETRY_AFTER_S = 1
 TIMEOUT_HEADER = b"x-request-timeout-seconds"
 DISCONNECT_HEADER = b"x-request-disconnect-disabled"
@@ -49,7 +53,15 @@ async def _answer(error: ServiceError, scope, receive, send, headers: dict[str, 
 
 
 def _header(scope, name: bytes) -> bytes | None:
+    """The first value of header ``name`` (``None`` when absent)."""
     return next((value for key, value in scope.get("headers") or [] if key == name), None)
+
+
+def _header_lines(scope, name: bytes) -> bytes | None:
+    """Every line of header ``name`` joined as one comma-separated list, in order (RFC 9110, 5.3: repeated lines
+    of a list header are one list); ``None`` when absent."""
+    lines = [value for key, value in scope.get("headers") or [] if key == name]
+    return b",".join(lines) if lines else None
 
 
 class InflightPerClient:
@@ -64,7 +76,7 @@ class InflightPerClient:
 
     def client_of(self, scope) -> str:
         if self.header is not None:
-            value = _header(scope, self.header)
+            value = _header_lines(scope, self.header)
             if value:
                 # a proxy appends the address it saw: the last one is the one this service can trust
                 last = value.decode("latin-1").rsplit(",", 1)[-1].strip()

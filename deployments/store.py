@@ -58,7 +58,7 @@ from deployments.store_content import request_fingerprint, validate_idempotency_
 from deployments.store_errors import BaseChanged, Gone, InvalidRequest, NotFound, StoreCorrupt, StoreError
 from deployments.store_errors import StoreUnavailable, VersionConflict, key_reused, pruned_error, redis_errors
 from deployments.store_scripts import BASE_CHANGED, KEY_REUSED, NO_CONTENT, NOT_LIVE, REMEMBER_SCRIPT, REPLAYED
-from deployments.store_scripts import TOO_LATE, WRITE_SCRIPT, WRITTEN
+from deployments.store_scripts import DROP_CHUNKS_SCRIPT, TOO_LATE, WRITE_SCRIPT, WRITTEN
 
 __all__ = ["BODY_INLINE_BYTES", "BaseChanged", "CHUNK_BYTES", "ContentDelta", "DELTA_CHAIN", "Gone", "HISTORY_BODIES",
            "IDEMPOTENCY_KEY_PATTERN", "IDEMPOTENCY_TTL_S", "InvalidRequest", "NAME_PATTERN", "NotFound", "PackedBody",
@@ -124,6 +124,7 @@ class ScenarioStore:
         self.channel = f"{prefix}changes"
         self._script = redis_client.register_script(WRITE_SCRIPT)
         self._remember_script = redis_client.register_script(REMEMBER_SCRIPT)
+        self._drop_chunks_script = redis_client.register_script(DROP_CHUNKS_SCRIPT)
 
     # ------------------------------------------------------------------ keys
 
@@ -225,6 +226,8 @@ class ScenarioStore:
                     "" if expect_current is None else str(int(expect_current)), str(int(self.history_bodies or 0)),
                     body_sha, "" if answer is None else json.dumps(answer, separators=(",", ":"))]
             status, version = (int(x) for x in self._script(keys=keys, args=args, client=self.client))
+            if status != WRITTEN:  # nothing names the chunks this call uploaded: they would stay in Redis for ever
+                self._drop_chunks(refs)
             if status != NO_CONTENT or (content is None and content_delta is None and not body_sha):
                 break
         if status == TOO_LATE:
@@ -242,6 +245,13 @@ class ScenarioStore:
         return WriteResult(version, replayed=status == REPLAYED)
 
     # ------------------------------------------------------------------ chunked content
+
+    def _drop_chunks(self, refs: list[list[Any]]) -> None:
+        """Remove the chunks a refused write uploaded (``refs`` entries with a manifest), each set only while no
+        manifest names it (``DROP_CHUNKS_SCRIPT``, atomic on the server)."""
+        for sha, manifest in refs:
+            if manifest:
+                self._drop_chunks_script(keys=[self.content_key(sha)], args=[manifest[1]], client=self.client)
 
     def _put_chunks(self, sha: str, data: bytes, packed: PackedBody | None = None) -> list[str]:
         """:func:`~deployments.store_content.put_chunks` of content ``sha``: the chunks, not yet its manifest."""

@@ -36,7 +36,7 @@ The keys they write (``P`` is the prefix, ``cs:`` by default; ``N`` a scenario n
 
 from __future__ import annotations
 
-__all__ = ["BASE_CHANGED", "KEY_REUSED", "NOT_LIVE", "NO_CONTENT", "REMEMBER_SCRIPT", "REPLAYED", "TOO_LATE",
+__all__ = ["BASE_CHANGED", "DROP_CHUNKS_SCRIPT", "KEY_REUSED", "NOT_LIVE", "NO_CONTENT", "REMEMBER_SCRIPT", "REPLAYED", "TOO_LATE",
            "WRITE_SCRIPT", "WRITTEN"]
 
 # Script answers: {status, version}
@@ -108,6 +108,16 @@ for _, ref in ipairs(refs) do
       if not seen[one] then
         seen[one] = true
         table.insert(shas, one)
+      end
+    end
+  end
+end
+for _, ref in ipairs(refs) do
+  local sha, manifest = ref[1], ref[2]
+  if manifest and redis.call('EXISTS', cprefix .. sha .. ':m') == 0 then
+    for i = 0, tonumber(manifest[2]) - 1 do
+      if redis.call('EXISTS', cprefix .. sha .. ':' .. i) == 0 then
+        return {-3, 0}  -- a chunk is gone (a refused write of the same content cleaned up): upload again
       end
     end
   end
@@ -200,4 +210,19 @@ redis.call('HSET', KEYS[1], 'fingerprint', ARGV[1], 'action', ARGV[2], 'name', A
            'from_version', '', 'answer', ARGV[5])
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[6]))
 return 1
+"""
+
+
+DROP_CHUNKS_SCRIPT = """
+-- KEYS: the content key (P c:<sha>); ARGV: chunk count
+-- The chunks a refused write uploaded, removed unless a manifest names them (another write stored that content):
+-- a write that uploaded the same chunks and has not run yet finds one missing and uploads again (WRITE_SCRIPT).
+if redis.call('EXISTS', KEYS[1] .. ':m') == 1 then
+  return 0
+end
+local n = 0
+for i = 0, tonumber(ARGV[1]) - 1 do
+  n = n + redis.call('DEL', KEYS[1] .. ':' .. i)
+end
+return n
 """

@@ -21,6 +21,8 @@ from deployments.json_body import ParsedJSONRoute
 from deployments.manager.catalog import CATALOG_CONTENT_TYPES
 from deployments.protocol import ServiceError
 from deployments.store import validate_name
+from deployments.store_content import validate_idempotency_key
+from deployments.store_errors import InvalidRequest
 
 if TYPE_CHECKING:
     from deployments.ingress.service import Ingress
@@ -84,6 +86,18 @@ def _admin_not_found(ingress: Ingress, request: Request, status: int = 404) -> J
     return None
 
 
+def checked_key(key: str) -> str:
+    """An ``Idempotency-Key`` header as given (1 to 200 printable ASCII characters without spaces); a 400 naming the
+    header otherwise. A header sent empty is such a 400, not a write without a key: the client asked for a retry-safe
+    write and would get one that is not."""
+    try:
+        return validate_idempotency_key(key)
+    except InvalidRequest as error:
+        raise ServiceError(400, error.message,
+                           {"field": "Idempotency-Key", "type": "invalid_request_error",
+                            "param": "Idempotency-Key"}) from None
+
+
 def mount_admin(app: FastAPI, ingress: Ingress) -> Any:
     """Include the admin router (every route behind the admin token) in ``app``; returns the token check, a
     dependency for other admin routes (the console's inspect)."""
@@ -98,7 +112,7 @@ def mount_admin(app: FastAPI, ingress: Ingress) -> Any:
     admin = APIRouter(prefix="/admin", tags=["admin"], route_class=ParsedJSONRoute, dependencies=[Depends(require_admin)], responses={401: {"model": ErrorBody}, **_ERROR_RESPONSES})
 
     def idempotent(args: tuple, key: str | None) -> tuple:
-        return args if key is None else (*args, key)
+        return args if key is None else (*args, checked_key(key))
 
     def write_answer(result: Any) -> Any:
         """A retried write's first answer (the body is the first answer's), marked ``Idempotent-Replayed: true``."""
@@ -129,7 +143,8 @@ def mount_admin(app: FastAPI, ingress: Ingress) -> Any:
         current, nothing stored."""
         raw = await request.body()
         base = _if_match_version(if_match)
-        result = await ingress.call(ingress.manager.patch, name, raw, idempotency_key, base)
+        key = checked_key(idempotency_key) if idempotency_key is not None else None
+        result = await ingress.call(ingress.manager.patch, name, raw, key, base)
         return write_answer(result)
 
     @admin.get("/scenarios/{name}", response_model=ScenarioOut)

@@ -290,7 +290,12 @@ class ReplicaCalls:
     async def hold_rows(self, http: Request | None, request: GenerateRequest) -> Any:
         """Wait until the request's client may put ``max(n, num_beams)`` more rows on the model replicas
         (:class:`RowBudget`, ``max_inflight_rows_per_client``); returns the function that gives them back (once)."""
-        client = str(http.scope.get(CLIENT_SCOPE_KEY) or "unknown") if http is not None else "unknown"
+        if http is not None and CLIENT_SCOPE_KEY not in http.scope:
+            # a generating route the per-client middleware does not count (not in GENERATE_PATHS): every client
+            # of it would share one budget, so it is refused rather than served outside the bounds
+            logger.error("route %s generates but is not in guards.GENERATE_PATHS", http.scope.get("path"))
+            raise ServiceError(500, "internal error: this route is not counted per client")
+        client = str(http.scope.get(CLIENT_SCOPE_KEY)) if http is not None else "unknown"
         rows = max(request.n, request.num_beams)
         await self.rows.acquire(client, rows)
         self._calls += 1

@@ -179,3 +179,59 @@ def test_content_pruned_between_the_check_and_the_write_is_uploaded_again(client
     racing = _PrunedUnderneath(client)
     assert racing.put("b", tree_body(data), content=data) == 1  # not a 422: the bytes were sent again
     assert racing.content(hashlib.sha256(data).hexdigest()) == data
+
+
+def _chunk_keys(client, store: ScenarioStore, sha: str) -> list[str]:
+    return sorted(client.keys(store.content_key(sha) + ":*"))
+
+
+def test_a_refused_write_leaves_no_chunks(client):
+    """A write the script refuses (the base changed, the idempotency key was used for another request, the
+    deadline passed) uploaded its chunks first: they were left in Redis for ever, named by nothing. Now they are
+    removed; content another version names stays."""
+    from deployments.store_errors import BaseChanged
+
+    store = ScenarioStore(client)
+    data = os.urandom(CHUNK_BYTES + 10)  # two chunks
+    sha = hashlib.sha256(data).hexdigest()
+    store.put("x", {"type": "labels", "labels": ["a"]})
+    with pytest.raises(BaseChanged):
+        store.put("x", tree_body(data), content=data, expect_current=7)
+    assert _chunk_keys(client, store, sha) == []
+    store.put("y", {"type": "labels", "labels": ["a"]}, idempotency_key="k1")
+    with pytest.raises(ServiceError) as info:  # the key was used for another request
+        store.put("y", tree_body(data), content=data, idempotency_key="k1")
+    assert info.value.status == 422
+    assert _chunk_keys(client, store, sha) == []
+    # a large inline body (chunked too) refused the same way
+    body = {"type": "tree", "tree": {"start_token_id": 1, "end_token_id": 2,
+                                     "prefix_dict": {str(1000 + i): [i % 5000 + 3, 2] for i in range(60_000)}}}
+    with pytest.raises(BaseChanged):
+        store.put("x", body, expect_current=7)
+    assert not [k for k in client.keys(store.content_key("") + "*") if not k.endswith(":refs")]
+    # content a stored version names is kept when a later write of it is refused
+    assert store.put("z", tree_body(data), content=data) == 1
+    with pytest.raises(BaseChanged):
+        store.put("x", tree_body(data), content=data, expect_current=7)
+    assert store.content(sha) == data and len(_chunk_keys(client, store, sha)) == 4  # 2 chunks, manifest, refs
+
+
+def test_a_write_whose_chunks_were_removed_meanwhile_uploads_them_again(client):
+    """Two writes of the same content: one refused removes the chunks the other uploaded and has not yet named; the
+    other's script finds a chunk missing (not a manifest naming nothing) and uploads again."""
+    store = ScenarioStore(client)
+    data = os.urandom(CHUNK_BYTES + 10)
+    sha = hashlib.sha256(data).hexdigest()
+    real_put_chunks = store._put_chunks
+    calls = []
+
+    def put_then_lose(sha_: str, data_: bytes, packed=None):
+        manifest = real_put_chunks(sha_, data_, packed)
+        calls.append(sha_)
+        if len(calls) == 1:  # the refused writer's cleanup runs between our upload and our script
+            client.delete(store.content_key(sha_) + ":1")
+        return manifest
+
+    store._put_chunks = put_then_lose
+    assert store.put("w", tree_body(data), content=data) == 1
+    assert len(calls) == 2 and store.content(sha) == data

@@ -174,11 +174,11 @@ def test_request_timeout_header_cannot_disable_or_stretch_the_timeout(serve_app)
     assert time.monotonic() - started < 30 and (answer == b"" or b" 408 " in answer.split(b"\r\n")[0]), answer[:200]
 
 
-def _held_request(port: int) -> socket.socket:
+def _held_request(port: int, path: str = "/v1/generate") -> socket.socket:
     """A generate request whose body never completes: it is in flight at the ingress until the socket closes."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
-    sock.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n".encode()
+                 + b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
     return sock
 
 
@@ -216,3 +216,51 @@ def test_in_flight_bound_per_client(serve_app):
     while time.monotonic() < deadline and (r := _probe(serve_app)).status_code == 429:
         time.sleep(0.5)
     assert r.status_code == 422, r.text  # the slots were given back when the clients went away
+
+
+#: a body each generating route refuses with a 422 (cheap: nothing generates) once the request is admitted
+_INVALID = {"/v1/completions": {"prompt": 1}, "/v1/chat/completions": {"messages": 1}, "/v1/responses": {"input": 1}}
+
+
+@pytest.mark.parametrize("path", sorted(_INVALID))
+def test_in_flight_bound_per_client_on_every_generating_route(serve_app, path):
+    """The OpenAI routes are counted per client like /v1/generate (the Responses API once was not: 48 requests of one
+    address in flight, no 429); ``tests/unit/test_ingress_unit.py`` checks that every public POST route is one."""
+    from config import ServerSettings
+
+    limit = ServerSettings().max_inflight_per_client
+    held = [_held_request(serve_app.port, path) for _ in range(limit)]
+    try:
+        deadline, r = time.monotonic() + 60, None
+        while time.monotonic() < deadline:
+            r = requests.post(f"{serve_app.url}{path}", json=_INVALID[path], timeout=TIMEOUT)
+            if r.status_code == 429:
+                break
+            assert r.status_code == 422, r.text[:300]
+            time.sleep(0.5)
+        _refused(r, "client", "max_inflight_per_client", status=429)
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (r := requests.post(f"{serve_app.url}{path}", json=_INVALID[path],
+                                                              timeout=TIMEOUT)).status_code == 429:
+        time.sleep(0.5)
+    assert r.status_code == 422, r.text[:300]
+
+
+@pytest.mark.parametrize("key", ["", " ", "k" * 201, "with space"])
+def test_an_invalid_idempotency_key_is_a_400_and_nothing_is_written(serve_app, key):
+    """An empty ``Idempotency-Key`` was taken as no key: the client asked for a retry-safe write and got one that a
+    retry would repeat. Every admin write (PUT, PATCH, rollback, DELETE) answers a 400 naming the header."""
+    import uuid
+
+    name = f"idem-{uuid.uuid4().hex[:8]}"
+    url = f"{serve_app.url}/admin/scenarios/{name}"
+    headers = {**serve_app.admin, "Idempotency-Key": key}
+    for method, body in (("PUT", LABELS), ("PATCH", {"add": ["maybe"]}), ("DELETE", None)):
+        r = requests.request(method, url, json=body, headers=headers, timeout=TIMEOUT)
+        _refused(r, "Idempotency-Key", "1 to 200 printable ASCII", status=400)
+    r = requests.post(f"{url}/rollback", json={"version": 1}, headers=headers, timeout=TIMEOUT)
+    _refused(r, "Idempotency-Key", status=400)
+    _not_stored(serve_app, name)

@@ -564,3 +564,19 @@ def test_openapi_documents_everything(setup):
     put = spec["paths"]["/admin/scenarios/{name}"]["put"]
     assert "oneOf" in json.dumps(put["requestBody"]) and put["security"]
     assert client.get("/docs").status_code == 200
+
+
+def test_every_generating_route_is_counted_per_client(setup):
+    """Every public POST route generates (the admin routes are behind the token): each must be in
+    ``guards.GENERATE_PATHS``, the paths the per-client bounds count, so that a new route cannot be missed (the
+    Responses API once was: every Responses client was one "unknown" client, never refused)."""
+    from fastapi.routing import APIRoute
+
+    from deployments.guards import GENERATE_PATHS
+
+    client, _, _ = setup
+    public_posts = {route.path for route in client.app.routes if isinstance(route, APIRoute)
+                    and "POST" in route.methods and not route.path.startswith("/admin/")}
+    assert {"/v1/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"} <= public_posts
+    assert public_posts <= GENERATE_PATHS, sorted(public_posts - GENERATE_PATHS)
+    assert GENERATE_PATHS <= public_posts, sorted(GENERATE_PATHS - public_posts)  # no stale entry

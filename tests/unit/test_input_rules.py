@@ -231,3 +231,52 @@ def test_client_ip_header_counts_the_address_the_proxy_saw():
     assert behind_proxy.client_of(scope) == "10.0.0.7"  # earlier entries are the client's own word
     assert behind_proxy.client_of({"headers": [], "client": ("127.0.0.1", 5000)}) == "127.0.0.1"
     assert InflightPerClient(None, limit=1).client_of(scope) == "127.0.0.1"  # no header trusted by default
+
+
+def test_client_ip_header_over_repeated_lines_is_the_last_address():
+    """A proxy that adds its own header line (HAProxy's ``option forwardfor``) leaves the client's line first: the
+    client is the last address over every line, not the last of the first line (which the client wrote)."""
+    from deployments.guards import InflightPerClient
+
+    behind_proxy = InflightPerClient(None, limit=1, client_ip_header="X-Forwarded-For")
+    forged = {"headers": [(b"x-forwarded-for", b"198.51.100.1"), (b"x-forwarded-for", b"10.0.0.7")],
+              "client": ("127.0.0.1", 5000)}
+    assert behind_proxy.client_of(forged) == "10.0.0.7"
+    three = {"headers": [(b"x-forwarded-for", b"1.1.1.1, 2.2.2.2"), (b"content-type", b"a"),
+                         (b"x-forwarded-for", b"3.3.3.3, 10.0.0.8")], "client": ("127.0.0.1", 5000)}
+    assert behind_proxy.client_of(three) == "10.0.0.8"
+    # every client behind the proxy counted by that last address: the bound holds whatever the first line says
+    import asyncio
+
+    async def run() -> list[int]:
+        gate = asyncio.Event()
+
+        async def app(scope, receive, send):
+            await gate.wait()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+        guard = InflightPerClient(app, limit=2, client_ip_header="X-Forwarded-For")
+        statuses: list[int] = []
+
+        async def one(i: int) -> None:
+            scope = {"type": "http", "method": "POST", "path": "/v1/responses", "client": ("127.0.0.1", 1),
+                     "headers": [(b"x-forwarded-for", f"198.51.100.{i}".encode()), (b"x-forwarded-for", b"10.0.0.7")]}
+
+            async def send(message):
+                if message["type"] == "http.response.start":
+                    statuses.append(message["status"])
+
+            async def receive():
+                return {"type": "http.request", "body": b"", "more_body": False}
+
+            await guard(scope, receive, send)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(6)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(*tasks)
+        return statuses
+
+    statuses = asyncio.run(run())
+    assert sorted(statuses) == [200, 200, 429, 429, 429, 429], statuses
