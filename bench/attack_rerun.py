@@ -1,13 +1,15 @@
-"""Rerun the requests of the robustness reports (issues 13 and 23) against the app and measure what others feel.
+"""Rerun the requests of the robustness reports (issues 13, 23 and 29) against the app and measure what others feel.
 
 A probe client sends small labels requests (the seeded ``sentiment`` scenario) one after another for the whole
 run. First alone (the baseline), then while each attack request of the report is sent. For each attack it
 reports the attack's own HTTP status and time, the probe's latency during it as a ratio to the baseline
 (p50, p95, max), any probe error, and the model replicas' RSS before, at peak and after.
 
-Run: ``.venv/bin/python bench/attack_rerun.py`` (issue 13's requests, about 6 minutes here) or
+Run: ``.venv/bin/python bench/attack_rerun.py`` (issue 13's requests, about 6 minutes here),
 ``.venv/bin/python bench/attack_rerun.py --issue 23`` (issue 23's, about 8 minutes; the manager's RSS is reported
-too, and each row says what the report saw before the fixes). The last line is one JSON object.
+too, and each row says what the report saw before the fixes) or ``--issue 29`` (issue 29's: one replica with
+``limits.max_num_beams: 1024`` as in that report; each row also counts /healthz checks that failed while it ran).
+The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -344,26 +346,176 @@ def attacks_23(bench: ServeBench):
     ]
 
 
+# -- issue 29 -------------------------------------------------------------------------------------------------------
+
+AMBIGUOUS = 'start: x+ "\u2603"\nx: "a" | "ab" | "abc" | "b" | "bc" | "c" | x x | x x x'
+
+
+def attacks_29(bench: ServeBench):
+    """Issue 29's requests (one replica, ``limits.max_num_beams: 1024``); each entry: (name, what the report saw
+    before the fixes, the request). Each row also gives /healthz during the attack (``healthz``)."""
+    url, admin = bench.url, bench.admin
+    chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+    def tools(count: int) -> list[dict]:
+        return [{"type": "function", "function": {"name": f"f{i}"}} for i in range(count)]
+
+    def tools_chat():
+        return _post(url, "/v1/chat/completions", {**chat, "tools": tools(6000)})
+
+    def tools_responses():
+        return _post(url, "/v1/responses", {"model": "default", "input": "hi", "tools": [
+            {"type": "function", "name": f"f{i}"} for i in range(3000)]})
+
+    def tools_put():
+        t0 = time.perf_counter()
+        r = requests.put(f"{url}/admin/scenarios/a29-tools", json={"type": "tools", "tools": tools(6000)},
+                         headers=admin, timeout=600)
+        return r.status_code, time.perf_counter() - t0, r.text[:200]
+
+    def ambiguous_grammar():
+        return _post(url, "/v1/chat/completions", {**chat, "max_tokens": 1024, "temperature": 0,
+                                                   "structured_outputs": {"grammar": AMBIGUOUS}})
+
+    def huge_function_output():
+        return _post(url, "/v1/responses", {"model": "default", "input": [
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "x " * 10_000_000}]})
+
+    def huge_tool_description():
+        return _post(url, "/v1/chat/completions", {**chat, "tool_choice": "none", "tools": [
+            {"type": "function", "function": {"name": "f", "description": "x " * 10_000_000}}]})
+
+    def responses_flood():
+        with ThreadPoolExecutor(48) as pool:
+            futs = [pool.submit(_post, url, "/v1/responses", {"model": "default", "input": "Tell a story.",
+                                                              "max_output_tokens": 64}) for _ in range(48)]
+            codes = [f.result()[0] for f in futs]
+        counts = {str(c): codes.count(c) for c in sorted(set(codes))}
+        return 200 if all(c in (200, 429) for c in codes) else codes[0], 0.0, f"status counts {counts}"
+
+    def n8_from_three_addresses():
+        def one(i: int):
+            host, port = url.split("//")[1].split(":")
+            conn = http.client.HTTPConnection(host, int(port), timeout=600, source_address=(f"127.0.1.{i % 3 + 1}", 0))
+            conn.request("POST", "/v1/generate", body=json.dumps({**PROBE, "n": 8, "max_new_tokens": 256,
+                                                                   "temperature": 0.8, "seed": i}),
+                         headers={"Content-Type": "application/json"})
+            return conn.getresponse().status
+
+        with ThreadPoolExecutor(12) as pool:
+            codes = list(pool.map(one, range(12)))
+        return codes[0], 0.0, f"status counts {{{', '.join(f'{c}: {codes.count(c)}' for c in sorted(set(codes)))}}}"
+
+    def beams_1024():
+        return _post(url, "/v1/generate", {"prompt": "Count: " + "1 2 3 4 5 6 7 8 9 10 " * 36, "num_beams": 1024,
+                                           "max_new_tokens": 16})
+
+    def deep_arguments():
+        deep = "[" * 3000 + "]" * 3000
+        return _post(url, "/v1/chat/completions", {**chat, "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                  "function": {"name": "f", "arguments": deep}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]})
+
+    def deep_parameters_none():
+        params: dict = {"type": "object"}
+        for _ in range(200):
+            params = {"type": "object", "properties": {"a": params}}
+        return _post(url, "/v1/chat/completions", {**chat, "tool_choice": "none", "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": params}}]})
+
+    def forwarded_twice():
+        return _raw(url, "POST", "/v1/generate", [("Content-Type", "application/json"),
+                                                  ("X-Forwarded-For", "198.51.100.1"), ("X-Forwarded-For", "10.0.0.7")],
+                    json.dumps(PROBE).encode()) + (0.0,)
+
+    def stop_with_json_object():
+        return _post(url, "/v1/chat/completions", {**chat, "max_tokens": 32, "stop": ["\n"],
+                                                   "response_format": {"type": "json_object"}})
+
+    def empty_language_grammar():
+        return _post(url, "/v1/chat/completions", {**chat, "structured_outputs": {"grammar": 'start: x\nx: x "a"'}})
+
+    def empty_idempotency_key():
+        r = requests.put(f"{url}/admin/scenarios/a29-idem", json={"type": "labels", "labels": ["a"]},
+                         headers={**admin, "Idempotency-Key": ""}, timeout=60)
+        return r.status_code, r.elapsed.total_seconds(), r.text[:200]
+
+    return [
+        ("1 6,000 parameterless tools (chat)", "422 after 75.7 s, probe 296x, /healthz 15/16 failed", tools_chat),
+        ("1 3,000 tools (/v1/responses)", "19.7 s", tools_responses),
+        ("1 stored tools PUT of 6,000 tools", "25.5 s on the manager", tools_put),
+        ("2 ambiguous grammar, greedy, 1,024 tokens", "token gaps 1.2-2.4 s, probe 13.5x", ambiguous_grammar),
+        ("3 20 MB function_call_output", "plain-text 500 after ~7 s, 503s for 15 s", huge_function_output),
+        ("3 20 MB tool description, tool_choice none", "plain-text 500", huge_tool_description),
+        ("4 48 concurrent Responses requests, one address", "0 x 429", responses_flood),
+        ("5a 12 n=8 requests from 3 addresses", "probe waited 52.2 s", n8_from_three_addresses),
+        ("5b 1,024 beams after a 730-token prompt", "85 s, probe p50 20 s (108x)", beams_1024),
+        ("6 tool-call arguments nested 3,000 deep", "500", deep_arguments),
+        ("6 parameters 200 deep with tool_choice none", "accepted", deep_parameters_none),
+        ("7 two X-Forwarded-For lines (no proxy header trusted here)", "the client's own line counted",
+         forwarded_twice),
+        ("8 stop with response_format json_object", "400", stop_with_json_object),
+        ("9 grammar with an empty language", "200 with llguidance's parser state in error", empty_language_grammar),
+        ("9 empty Idempotency-Key", "taken as no key", empty_idempotency_key),
+    ]
+
+
+class Health:
+    """Polls /healthz every 0.5 s from its own address while an attack runs: (checks, failed)."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.checks = self.failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                ok = requests.get(f"{self.url}/healthz", timeout=2).status_code == 200
+            except requests.RequestException:
+                ok = False
+            self.checks += 1
+            self.failed += 0 if ok else 1
+            time.sleep(0.5)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
 def main() -> None:
-    issue = 23 if "--issue" in sys.argv and sys.argv[sys.argv.index("--issue") + 1] == "23" else 13
+    issue = int(sys.argv[sys.argv.index("--issue") + 1]) if "--issue" in sys.argv else 13
     with ServeBench(num_cpus=4) as bench:
-        bench.deploy(bench.settings(num_replicas=2, num_cpus_per_replica=1, torch_threads=1), replicas=2)
+        if issue == 29:  # the report's setting: one replica, wide beams allowed
+            bench.deploy(bench.settings(num_replicas=1, torch_threads=2, limits={"max_num_beams": 1024}), replicas=1)
+        else:
+            bench.deploy(bench.settings(num_replicas=2, num_cpus_per_replica=1, torch_threads=1), replicas=2)
         probe = Probe(bench.url).start()
         time.sleep(20)  # warm-up
         probe.phase = "baseline"
         time.sleep(30)
         results = []
-        runs = ([(name, None, fn) for name, fn in attacks(bench)] if issue == 13 else attacks_23(bench))
+        runs = ([(name, None, fn) for name, fn in attacks(bench)] if issue == 13 else
+                attacks_23(bench) if issue == 23 else attacks_29(bench))
         for name, before, fn in runs:
             probe.phase = name
-            with Rss() as rss, Rss("ConfigManager") as manager_rss:
+            with Rss() as rss, Rss("ConfigManager") as manager_rss, Health(bench.url) as health:
                 status, secs, text = fn()
                 time.sleep(5)  # the probe keeps measuring while the attack's after-effects last
             probe.phase = "idle"
             row = {"attack": name, "status": status, "attack_s": round(secs, 2), "detail": text,
                    "probe": probe.stats(name), "rss_mib": {"before": rss.before, "peak": rss.peak, "after": rss.after},
                    "manager_rss_mib": {"before": manager_rss.before, "peak": manager_rss.peak,
-                                       "after": manager_rss.after}}
+                                       "after": manager_rss.after},
+                   "healthz": {"checks": health.checks, "failed": health.failed}}
             if before is not None:
                 row["before_the_fixes"] = before
             log(json.dumps(row))

@@ -10,6 +10,10 @@ driver and in every Ray worker started with its environment. This launcher runs 
 in-process and, right after its ``ray.init`` returned, puts a Python SIGTERM handler in place of Ray's (for SIGTERM
 only: crashes keep their traces). On SIGTERM it prints ``constrained-serve: SIGTERM received, shutting down`` and
 stops ``serve run`` the way Ctrl-C does (its ``KeyboardInterrupt`` path: ``serve.shutdown()``, then exit).
+
+Plain ``.venv/bin/serve run serve_config.yaml`` (the README's command) gets the same handler: ``scripts/setup.sh``
+writes ``constrained_serve_sigterm.pth`` into the virtualenv's site-packages, whose one line calls
+:func:`from_site` at interpreter start; it acts only in a ``serve run`` process.
 """
 
 from __future__ import annotations
@@ -27,17 +31,36 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt  # serve run's own Ctrl-C path shuts Serve down and exits
 
 
-def main(argv: list[str] | None = None) -> int:
+def install_sigterm_handler() -> None:
+    """Make the next ``ray.init`` of this process put :func:`_on_sigterm` in place of Ray's SIGTERM handler."""
     import ray
 
     real_init = ray.init
+    if getattr(real_init, "_cs_sigterm", False):
+        return
 
     def init(*args: Any, **kwargs: Any) -> Any:
         context = real_init(*args, **kwargs)
         signal.signal(signal.SIGTERM, _on_sigterm)  # after Ray's handler: replaces it, for SIGTERM only
         return context
 
+    init._cs_sigterm = True  # type: ignore[attr-defined]
     ray.init = init  # serve run calls ray.init through the module attribute
+
+
+def from_site() -> None:
+    """Called at interpreter start by ``constrained_serve_sigterm.pth`` (written into the virtualenv by
+    ``scripts/setup.sh``): in a plain ``serve run`` process (``.venv/bin/serve run ...``), the same handler as
+    :func:`main`; any other process is left as it is. Never raises: a Python start-up must not fail here."""
+    try:
+        if sys.argv[1:2] == ["run"] and sys.argv[0].replace("\\", "/").rsplit("/", 1)[-1] == "serve":
+            install_sigterm_handler()
+    except Exception:  # pragma: no cover - Ray missing or changed: plain serve run, as without this file
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    install_sigterm_handler()
     from ray.serve.scripts import cli
 
     try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
@@ -219,7 +220,19 @@ class _QuietCalls(logging.Filter):
         if not getattr(record, "serve_access_log", False):
             return True
         message = record.getMessage()
+        status = getattr(_LAST_CLIENT_ERROR, "status", None)
+        _LAST_CLIENT_ERROR.status = None
+        if message.startswith("CALL ") and " ERROR " in message and status is not None:
+            # the call answered a client error (its one-line record just before): its status, at INFO
+            record.msg, record.args = message.replace(" ERROR ", f" {status} ", 1), ()
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            return True
         return not (message.startswith("CALL ") and " OK " in message)
+
+
+#: the status of the client error (4xx) a replica method raised, noted by :class:`_ExpectedErrorFilter` for the
+#: call's access line, which Serve writes next, on the same thread
+_LAST_CLIENT_ERROR = threading.local()
 
 
 class _ExpectedErrorFilter(logging.Filter):
@@ -236,6 +249,7 @@ class _ExpectedErrorFilter(logging.Filter):
             record.args = ()
             record.exc_info, record.exc_text = None, None
             record.levelno, record.levelname = logging.INFO, "INFO"
+            _LAST_CLIENT_ERROR.status = exc.status
         return True
 
 

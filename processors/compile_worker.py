@@ -100,9 +100,25 @@ def _checked(form: str, source: str, lltok, json_options: dict | None) -> str:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
     if is_error and form == "lark":
         raise ValueError(f"invalid Lark grammar: {messages[0].strip() if messages else 'unknown error'}")
+    if form == "lark":
+        _check_not_empty(grammar, lltok)
     if is_error:
         raise ValueError(f"invalid {form} constraint: {messages[0] if messages else 'unknown error'}")
     return grammar
+
+
+def _check_not_empty(grammar: str, lltok) -> None:
+    """A ``ValueError`` for a grammar whose first step allows no token (its language is empty: e.g. every rule
+    needs itself first, ``x: x "a"``), found here rather than as an error on every row decoded under it."""
+    import llguidance
+    import numpy as np
+
+    matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+    words = np.zeros((lltok.vocab_size + 31) // 32, dtype=np.int32)
+    matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+    if matcher.is_error() or not words.any():
+        raise ValueError("invalid Lark grammar: no text is a sentence of it (its language is empty: a rule that "
+                         "never ends, e.g. x: x \"a\", or nothing that start can begin with)")
 
 
 def _send(fd: int, message: dict) -> None:

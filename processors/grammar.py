@@ -154,6 +154,21 @@ def new_matcher(spec: GrammarSpec, tokenizer):
     return llguidance.LLMatcher(lltok, spec.grammar, log_level=0)
 
 
+#: llguidance's stop reasons that end a row, in words
+_STOP_REASONS = {
+    "NoExtensionBias": "the grammar allows no token here (no sentence of it continues this text: its language may "
+                       "be empty, e.g. a rule that never ends)",
+    "NoExtension": "the grammar allows no token here",
+}
+
+
+def matcher_error(matcher) -> str:
+    """What went wrong in an llguidance matcher, in one line (its message carries its whole parser state)."""
+    text = (matcher.get_error() or "").strip()
+    first = text.splitlines()[0].strip() if text else "unknown error"
+    return _STOP_REASONS.get(first, first[:200])
+
+
 def fill_bitmask(matcher, out: np.ndarray) -> None:
     """Write the matcher's next-token bitmask into ``out`` (int32, contiguous)."""
     matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
@@ -189,7 +204,7 @@ class GrammarCursor(Cursor):
         if self._done or self.error is not None:
             return self._end_step
         if self.matcher.is_error():
-            self.error = f"grammar error: {self.matcher.get_error()}"
+            self.error = f"grammar error: {matcher_error(self.matcher)}"
             return self._end_step
         if self._next is None:
             words = np.empty_like(self._words)
@@ -215,7 +230,7 @@ class GrammarCursor(Cursor):
             return
         if not 0 <= token < self.spec.vocab_size or not self.matcher.consume_token(token):
             # llguidance's message carries its whole parser state; the first line names the problem
-            detail = (self.matcher.get_error() or "outside the vocabulary").splitlines()[0][:200]
+            detail = matcher_error(self.matcher) if self.matcher.get_error() else "outside the vocabulary"
             self.error = f"token {token} rejected by the grammar: {detail}; forcing the end token"
 
     def copy(self) -> "GrammarCursor":

