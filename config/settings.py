@@ -61,6 +61,14 @@ class Limits(BaseModel):
     )
     max_schema_bytes: int = Field(default=256 * 1024, ge=16, description="Largest JSON schema, serialized.")
     max_schema_depth: int = Field(default=32, ge=1, description="Deepest nesting of a JSON schema.")
+    max_tools: int = Field(
+        default=128, ge=1,
+        description="Most function tools in one request (tools of /v1/chat/completions, /v1/responses, "
+                    "/v1/generate) or stored tool set (a tools scenario), whatever tool_choice is: counted before "
+                    "any tool is read. Each tool's parameters schema is held to the JSON-schema limits "
+                    "(max_schema_depth, max_schema_bytes, the regex limits), and the parameters of all the tools "
+                    "together to max_schema_bytes.",
+    )
     max_regex_length: int = Field(default=4096, ge=1, description="Longest regex pattern.")
     max_regex_repeat: int = Field(
         default=10_000, ge=1,
@@ -158,6 +166,39 @@ class Limits(BaseModel):
             raise LimitExceeded(field, f"{size} bytes", "max_schema_bytes", self.max_schema_bytes)
         for path, pattern in schema_patterns(schema, field):
             self.check_regex(pattern, path)
+
+    def check_tool_count(self, count: int, field: str = "tools") -> None:
+        """Raise :class:`LimitExceeded` when a request or tool set has more than ``max_tools`` tools."""
+        if count > self.max_tools:
+            raise LimitExceeded(field, f"{count} tools", "max_tools", self.max_tools)
+
+    def check_tool_parameters(self, parameters: list[Any], field: str = "tools") -> None:
+        """Raise :class:`LimitExceeded` for tools past the limits: more than ``max_tools``; a parameters schema
+        (``parameters[i]``, tool ``i``'s; one that is not an object is left to validation) nested deeper than
+        ``max_schema_depth`` or larger than ``max_schema_bytes``, named ``<field>[i].function.parameters``; all of
+        them together larger than ``max_schema_bytes`` (named ``field``); then a regex past the regex limits. Each
+        step is linear in the size, and the sizes are added up before any pattern is read."""
+        self.check_tool_count(len(parameters), field)
+        schemas = [(f"{field}[{i}].function.parameters", schema) for i, schema in enumerate(parameters)
+                   if isinstance(schema, Mapping)]
+        total = 0
+        for where, schema in schemas:
+            if json_depth(schema, stop_at=self.max_schema_depth) > self.max_schema_depth:
+                raise LimitExceeded(where, f"nesting depth over {self.max_schema_depth}", "max_schema_depth",
+                                    self.max_schema_depth)
+            try:
+                size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass"))
+            except (TypeError, ValueError):
+                continue  # not JSON: validation reports it
+            if size > self.max_schema_bytes:
+                raise LimitExceeded(where, f"{size} bytes", "max_schema_bytes", self.max_schema_bytes)
+            total += size
+            if total > self.max_schema_bytes:
+                raise LimitExceeded(field, f"{total} bytes of parameters schemas together", "max_schema_bytes",
+                                    self.max_schema_bytes)
+        for where, schema in schemas:
+            for path, pattern in schema_patterns(schema, where):
+                self.check_regex(pattern, path)
 
     def check_regex(self, pattern: str, field: str = "pattern") -> None:
         """Raise :class:`LimitExceeded` for a pattern longer than ``max_regex_length`` characters or larger

@@ -22,10 +22,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from config import Limits
 from deployments.openai_api import (
     PASSTHROUGH_FIELDS, ChatCompletionRequest, StructuredOutputs, refuse_unsupported_fields, validation_error,
 )
 from deployments.protocol import ServiceError
+from deployments.tool_calls import check_arguments
 
 __all__ = [
     "ResponseObject",
@@ -167,8 +169,9 @@ def _text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """The chat messages for ``instructions`` and ``input``."""
+def _messages(body: ResponsesRequest, limits: Limits | None = None) -> list[dict[str, Any]]:
+    """The chat messages for ``instructions`` and ``input``; with ``limits``, a ``function_call``'s ``arguments``
+    nested deeper than ``max_json_depth`` is a 422 naming ``input[i].arguments``."""
     messages: list[dict[str, Any]] = []
     if body.instructions is not None:
         messages.append({"role": "system", "content": body.instructions})
@@ -186,6 +189,8 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             continue  # an earlier answer's thinking, sent back: not part of the prompt
         elif kind in ("function_call", "function_call_output"):
             if kind == "function_call":
+                if limits is not None:
+                    check_arguments(item.get("arguments"), f"{where}.arguments", limits)
                 call = {"id": item.get("call_id"), "type": "function",
                         "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
                 last = messages[-1] if messages else None
@@ -228,12 +233,13 @@ def _chat_tools(body: ResponsesRequest) -> dict[str, Any]:
     return out
 
 
-def responses_to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat-completions body that asks for what ``body`` asks (a 400/422 naming the Responses field)."""
+def responses_to_chat(body: ResponsesRequest, limits: Limits | None = None) -> ChatCompletionRequest:
+    """The chat-completions body that asks for what ``body`` asks (a 400/422 naming the Responses field); with
+    ``limits``, the input's call arguments are held to them (:func:`deployments.tool_calls.check_arguments`)."""
     passed = _check_fields(body)
     fmt = body.text.format if body.text is not None else None
     data: dict[str, Any] = {
-        "model": body.model, "messages": _messages(body), "max_completion_tokens": body.max_output_tokens,
+        "model": body.model, "messages": _messages(body, limits), "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream, "scenario": body.scenario,
         "structured_outputs": body.structured_outputs, "top_k": body.top_k, "seed": body.seed,
         "num_beams": body.num_beams, **_chat_tools(body), **passed,

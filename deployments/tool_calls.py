@@ -24,19 +24,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
+from collections import Counter
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from config import Limits
+from config import Limits, ScenarioError, scenario_to_dict
+from config.scenarios import check_scenario_body
+from config.settings import LimitExceeded, json_depth
 from deployments.protocol import ServiceError
-from deployments.scenario_errors import validated_one_off
+from deployments.scenario_errors import openai_field_error, validated_one_off
+from processors.kinds.json_schema.spec import JsonSchemaScenario
 
 __all__ = [
     "FunctionDefinition",
     "NamedToolChoice",
     "Tool",
     "ToolPlan",
+    "check_arguments",
+    "check_tool_fields",
     "new_call_id",
     "parse_tool_output",
     "stored_plan",
@@ -135,20 +141,60 @@ def _arguments_schema(params: dict[str, Any], prefix: str, defs: dict[str, Any])
     return {"$ref": f"#/$defs/{prefix}"}
 
 
-def _parameters(tool: Tool, i: int, field: str, limits: Limits | None) -> dict[str, Any]:
+def _parameters(tool: Tool, i: int, field: str, limits: Limits | None, check: bool = True) -> dict[str, Any]:
     params = tool.function.parameters
     if params is None:  # OpenAI: a function without parameters takes none
         return {"type": "object", "properties": {}, "additionalProperties": False}
     where = f"{field}[{i}].function.parameters"
     if params.get("type", "object") != "object":
         raise _bad(where, "the arguments' schema must describe an object (type: object)", 422)
-    return validated_one_off({"type": "json_schema", "schema": params}, where, limits)["schema"]
+    if not check:
+        return params
+    checked = validated_one_off({"type": "json_schema", "schema": params}, where, limits)["schema"]
+    if params.get("$schema") not in (None, *_CALL_DIALECTS):
+        # checked as its own dialect above; inside the call schema it is read as the call schema's dialect
+        # (2020-12), so it is checked as that too (the whole call schema is not checked again: tool_setup)
+        _check_in_call_dialect(params, where)
+    return checked
+
+
+#: the JSON-schema dialect of the call schema (it has no $schema: jsonschema reads it as the latest, 2020-12)
+_CALL_DIALECTS = ("https://json-schema.org/draft/2020-12/schema", "https://json-schema.org/draft/2020-12/schema#")
+
+
+def _check_in_call_dialect(params: dict[str, Any], where: str) -> None:
+    from jsonschema.exceptions import SchemaError
+    from jsonschema.validators import Draft202012Validator
+
+    try:
+        Draft202012Validator.check_schema(params)
+    except SchemaError as error:
+        path = "/".join(str(p) for p in error.absolute_path) or "<root>"
+        raise _bad(where, f"schema: invalid JSON Schema at {path}: {error.message}", 422) from None
+
+
+def _limits_error(error: LimitExceeded) -> ServiceError:
+    return ServiceError(error.status, str(error), error.detail())
+
+
+def _call_scenario(schema: dict[str, Any], field: str, limits: Limits | None) -> dict[str, Any]:
+    """The one-off ``json_schema`` scenario of a call schema built from checked parameters: the limits of a
+    one-off constraint (the call schema's depth and size: several tools within the limits each may not be), then
+    the scenario as :func:`validated_one_off` gives it, without checking the schema against the JSON-schema
+    meta-schema again (each ``parameters`` was, and the rest is built here; that check is seconds for a large
+    schema, and the model replica makes it once more where it compiles the constraint, off its event loop)."""
+    body = {"type": "json_schema", "schema": schema}
+    try:
+        check_scenario_body(body, limits, one_off=True, field=field)
+    except ScenarioError as error:
+        raise openai_field_error(error, field, JsonSchemaScenario.constraint_field) from None
+    return scenario_to_dict(JsonSchemaScenario.model_construct(type="json_schema", json_schema=schema))
 
 
 def tool_setup(
     tools: list[Tool] | list[dict[str, Any]] | None, tool_choice: ToolChoice | str | dict[str, Any] | None,
     parallel_tool_calls: bool | None = None, limits: Limits | None = None, *, field: str = "tools",
-    choice_field: str = "tool_choice",
+    choice_field: str = "tool_choice", check_schemas: bool = True,
 ) -> tuple[ToolPlan | None, list[dict[str, Any]] | None]:
     """The constraint and the prompt tools for ``tools`` + ``tool_choice`` + ``parallel_tool_calls``.
 
@@ -157,52 +203,117 @@ def tool_setup(
     ``prompt_tools`` are the tools in OpenAI's chat shape for the prompt (``GenerateRequest.tools``), ``None``
     without tools. ``field`` / ``choice_field`` name the fields in errors (the Responses API names them its way).
 
+    With ``limits``, the tools are counted first (``max_tools``), then the size and depth of their ``parameters``
+    measured (:meth:`config.Limits.check_tool_parameters`), before any tool is read; every check applies
+    whatever ``tool_choice`` is (``"none"`` too: the tools still reach the prompt). The work after is linear in
+    the tools: each ``parameters`` is checked once (as a JSON schema, within the limits), the call schema is
+    built from them and held to the limits of a one-off constraint. ``check_schemas=False`` builds the call
+    schema without checking the ``parameters`` as JSON schemas (a tools scenario's cheap limit checks measure
+    it that way; its validation then checks them).
+
     Raises:
-        ServiceError: 400 for a ``tool_choice`` that names no tool or a function not in ``tools``; 422 (from the
-            JSON-schema limits and checks) for a ``parameters`` schema refused, naming ``tools[i].function.parameters``.
+        ServiceError: 400 for a ``tool_choice`` that names no tool or a function not in ``tools``; 422 past
+            ``max_tools`` (naming ``field``) and (from the JSON-schema limits and checks) for a ``parameters``
+            schema refused, naming ``tools[i].function.parameters``.
     """
-    parsed = [t if isinstance(t, Tool) else Tool.model_validate(t) for t in tools or []]
+    tools = tools or []
+    if limits is not None:
+        try:
+            limits.check_tool_count(len(tools), field)
+        except LimitExceeded as error:
+            raise _limits_error(error) from None
+    parsed = [t if isinstance(t, Tool) else Tool.model_validate(t) for t in tools]
     if isinstance(tool_choice, dict):
         tool_choice = NamedToolChoice.model_validate(tool_choice)
     if tool_choice is not None and not isinstance(tool_choice, NamedToolChoice) and \
             tool_choice not in ("none", "auto", "required"):
         raise _bad(choice_field, f"{tool_choice!r} is not one of 'none', 'auto', 'required' or a named function")
     names = [t.function.name for t in parsed]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
+    duplicates = sorted(name for name, count in Counter(names).items() if count > 1)
     if duplicates:
         raise _bad(field, f"function names must be distinct (given more than once: {', '.join(duplicates)})")
     if not parsed:
         if tool_choice is not None and tool_choice != "none":
             raise _bad(choice_field, "needs 'tools' (no function to call was given)")
         return None, None
+    if limits is not None:
+        try:
+            limits.check_tool_parameters([t.function.parameters for t in parsed], field)
+        except LimitExceeded as error:
+            raise _limits_error(error) from None
+    params = [_parameters(tool, i, field, limits, check_schemas)  # every tool's, chosen or not
+              for i, tool in enumerate(parsed)]
     prompt_tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True, exclude={"strict"})}
                     for t in parsed]
     mode = "auto" if tool_choice is None else "named" if isinstance(tool_choice, NamedToolChoice) else tool_choice
     if mode == "none":
         return None, prompt_tools
-    chosen = parsed
+    chosen = range(len(parsed))
     if isinstance(tool_choice, NamedToolChoice):
-        chosen = [t for t in parsed if t.function.name == tool_choice.function.name]
+        chosen = [i for i, name in enumerate(names) if name == tool_choice.function.name]
         if not chosen:
             raise _bad(f"{choice_field}.function.name", f"{tool_choice.function.name!r} is not one of the tools "
                                                          f"({', '.join(names)})")
     defs: dict[str, Any] = {}
-    calls = []
-    for i, tool in enumerate(parsed):
-        params = _parameters(tool, i, field, limits)  # every tool's schema is checked, chosen or not
-        if tool in chosen:
-            calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                          "properties": {"name": {"const": tool.function.name},
-                                         "arguments": _arguments_schema(params, f"tool{i}", defs)}})
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": names[i]}, "arguments": _arguments_schema(params[i], f"tool{i}", defs)}}
+             for i in chosen]
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
     parallel = parallel_tool_calls is not False and mode != "named"
     answer = {"type": "array", "items": one, "minItems": 1} if parallel else one
     schema = {"anyOf": [{"type": "string"}, answer]} if mode == "auto" else answer
     if defs:
         schema = {**schema, "$defs": defs}
-    scenario = validated_one_off({"type": "json_schema", "schema": schema}, field, limits)
-    return ToolPlan(mode=mode, names=tuple(t.function.name for t in chosen), parallel=parallel,
+    scenario = _call_scenario(schema, field, limits)
+    return ToolPlan(mode=mode, names=tuple(names[i] for i in chosen), parallel=parallel,
                     scenario=scenario), prompt_tools
+
+
+def check_tool_fields(limits: Limits, tools: list[Any] | None, messages: list[Any] | None) -> None:
+    """The bounds on the tool parts of a request that reach the prompt (every generating route; the model replica
+    renders them, ``processors/tool_prompt.py``): ``tools`` within :meth:`config.Limits.check_tool_parameters`
+    (``max_tools``, each ``parameters`` within the JSON-schema limits, all of them within ``max_schema_bytes``:
+    ``/v1/generate`` takes tools for the prompt without :func:`tool_setup`), and each earlier call's
+    ``arguments`` within ``max_json_depth`` (:func:`check_arguments`). ``messages``: :class:`ChatMessage` or dicts.
+
+    Raises:
+        ServiceError: 422 naming the field and the limit.
+    """
+    if tools:
+        parameters = []
+        for tool in tools:
+            function = tool.get("function") if isinstance(tool, dict) else None
+            parameters.append(function.get("parameters") if isinstance(function, dict) else None)
+        try:
+            limits.check_tool_parameters(parameters, "tools")
+        except LimitExceeded as error:
+            raise _limits_error(error) from None
+    for i, message in enumerate(messages or ()):
+        calls = message.get("tool_calls") if isinstance(message, dict) else getattr(message, "tool_calls", None)
+        for j, call in enumerate(calls or ()):
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                check_arguments(function.get("arguments"), f"messages[{i}].tool_calls[{j}].function.arguments", limits)
+
+
+def check_arguments(arguments: Any, field: str, limits: Limits) -> None:
+    """A 422 naming ``field`` when a call's ``arguments`` (an object, or JSON text as OpenAI clients send them
+    back) nest deeper than ``max_json_depth``, the bound of a JSON body: the prompt reads them as JSON
+    (``processors/tool_prompt.py``). Text that is not JSON is left alone (the prompt shows it as text)."""
+    limit = limits.max_json_depth
+    error = ServiceError(422, f"{field}: nesting depth over {limit} exceeds the limit max_json_depth={limit}",
+                         {"field": field, "limit_name": "max_json_depth", "limit": limit})
+    if isinstance(arguments, str):
+        if not arguments.lstrip().startswith(("{", "[")):
+            return  # a scalar or not JSON: nothing nested
+        try:
+            arguments = json.loads(arguments)
+        except RecursionError:  # deeper than the parser can go, so far deeper than the limit
+            raise error from None
+        except ValueError:
+            return
+    if isinstance(arguments, (dict, list)) and json_depth(arguments, stop_at=limit) > limit:
+        raise error
 
 
 def stored_plan(info: dict[str, Any] | None) -> ToolPlan | None:

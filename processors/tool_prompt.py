@@ -40,11 +40,13 @@ def template_takes_tools(tokenizer: Any) -> bool:
 
 
 def _arguments(value: Any) -> Any:
-    """A call's arguments as an object when they are JSON text (what OpenAI clients send back)."""
+    """A call's arguments as an object when they are JSON text (what OpenAI clients send back); text that is not
+    JSON, or nested deeper than the parser can go, stays text (the ingress refuses arguments nested deeper than
+    ``limits.max_json_depth`` before they come here: ``deployments.tool_calls.check_arguments``)."""
     if isinstance(value, str):
         try:
             return json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             return value
     return value
 

@@ -3,6 +3,7 @@ handlers, middlewares, the console and ``/docs``."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -70,7 +71,7 @@ def build_http_app(ingress: Ingress) -> FastAPI:
     async def generate(body: GenerateBody, http: Request):
         """Generate under a stored scenario (or unconstrained). ``stream: true`` gives SSE ``data: {event}`` lines."""
         request = body.to_request()  # validated once (as GenerateBody), here and on the replica
-        ingress.check_limits(request)
+        await asyncio.to_thread(ingress.check_limits, request)  # linear in the request, off the event loop
         release = await ingress.hold_rows(http, request)
         try:
             if request.stream:

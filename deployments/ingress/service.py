@@ -26,6 +26,7 @@ from deployments.openai_api import (
 )
 from deployments.protocol import GenerateRequest, ServiceError, check_request_limits
 from deployments.responses_api import ResponsesRequest, chat_to_response, renamed_error, responses_to_chat
+from deployments.tool_calls import check_tool_fields
 
 
 class Ingress(ReplicaCalls, Streams, HealthCheck):
@@ -70,16 +71,25 @@ class Ingress(ReplicaCalls, Streams, HealthCheck):
         return check_bearer(authorization, self._admin_token)
 
     def check_limits(self, request: GenerateRequest, rename: dict[str, str] | None = None) -> None:
-        """422 naming the field when a request asks for more than ``settings.limits`` allows."""
+        """422 naming the field when a request asks for more than ``settings.limits`` allows (its tool parts
+        too: :func:`~deployments.tool_calls.check_tool_fields`). Linear in the request: the routes call it off the
+        event loop, with the rest of a request's preparation."""
         check_request_limits(
             self.limits, max_new_tokens=request.max_new_tokens, n=request.n, num_beams=request.num_beams,
             seed=request.seed, exclude=request.exclude, rename=rename,
         )
+        check_tool_fields(self.limits, request.tools, request.messages)
+
+    def _openai_request(self, body: CompletionRequest | ChatCompletionRequest) -> GenerateRequest:
+        request, rename = openai_to_generate(body, self.limits, served=self.model_name)
+        self.check_limits(request, rename)
+        return request
 
     async def openai_generate(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool,
                               http: Request | None = None):
-        request, rename = openai_to_generate(body, self.limits, served=self.model_name)
-        self.check_limits(request, rename)
+        # off the event loop: the tools' and one-off schemas' checks are linear but may take seconds (a schema
+        # of max_schema_bytes against the JSON-schema meta-schema); other requests are answered meanwhile
+        request = await asyncio.to_thread(self._openai_request, body)
         release = await self.hold_rows(http, request)
         try:
             if request.stream:
@@ -102,10 +112,14 @@ class Ingress(ReplicaCalls, Streams, HealthCheck):
     async def responses_generate(self, body: ResponsesRequest, http: Request | None = None):
         """``POST /v1/responses``: the chat flow for the chat body the Responses body maps to, answered as a
         Responses object or event stream (errors name the Responses fields)."""
-        try:
-            chat_body = responses_to_chat(body)
+        def prepare() -> tuple[ChatCompletionRequest, GenerateRequest]:
+            chat_body = responses_to_chat(body, self.limits)
             request, _ = openai_to_generate(chat_body, self.limits, served=self.model_name)
             self.check_limits(request, {"max_new_tokens": "max_output_tokens"})
+            return chat_body, request
+
+        try:
+            chat_body, request = await asyncio.to_thread(prepare)  # off the event loop, as openai_generate's
         except ServiceError as error:
             raise renamed_error(error) from None
         tools = getattr(chat_body, "tool_plan", None)  # set by openai_to_generate when the output is read as calls

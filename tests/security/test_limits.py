@@ -47,6 +47,7 @@ COVERED = {
     "max_inline_label_bytes": ["test_inline_labels"],
     "max_schema_bytes": ["test_schema_bytes"],
     "max_schema_depth": ["test_schema_depth"],
+    "max_tools": ["test_max_tools"],  # more in tests/security/test_tool_bounds_http.py, tests/unit/test_tool_bounds.py
     "max_regex_length": ["test_regex_length"],
     "max_regex_repeat": ["test_regex_repeat", "test_regex_repeat_measure", "test_grammar_limits"],
     "max_grammar_bytes": ["test_grammar_limits"],  # more in tests/unit/test_grammar_kind.py
@@ -277,6 +278,20 @@ def _nested_schema(depth: int) -> dict:
         schema = {"type": "array", "items": schema}
     assert json_depth(schema) == depth
     return schema
+
+
+def test_max_tools(live):
+    limit = DEFAULTS.max_tools
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(limit + 1)]
+    for path, body in (("/v1/chat/completions", {"messages": _chat(), "max_tokens": 2, "tools": tools}),
+                       ("/v1/generate", {"messages": _chat(), "max_new_tokens": 2, "tools": tools})):
+        _refused(_post(live, path, body), 422, "max_tools", "tools")
+    r = _put(live, "sec-lim-t", {"type": "tools", "tools": tools})
+    _refused(r, 422, "max_tools", "invalid scenario: tools")
+    assert _history(live, "sec-lim-t")[0] == 404
+    # at the limit: past the count (tool_choice none: nothing to compile; the answer is the model's)
+    body = {"messages": _chat(), "max_tokens": 2, "tools": tools[:limit], "tool_choice": "none"}
+    assert "max_tools" not in _post(live, "/v1/chat/completions", body).text
 
 
 def test_schema_depth(live):

@@ -35,7 +35,10 @@ class ToolsKind(JsonSchemaKind):
 
     def compile(self, scenario, info, *, worker=None) -> CompileResult:
         body, tools = tools_setup(scenario)
-        as_schema = JsonSchemaScenario.model_validate({**body, "strict": scenario.strict})
+        # built from parameters each checked as a JSON schema (tool_setup): not checked whole again (seconds for
+        # a large tool set), as a request's own tools are not
+        as_schema = JsonSchemaScenario.model_construct(type="json_schema", json_schema=body["schema"],
+                                                       strict=scenario.strict)
         built = super().compile(as_schema, info, worker=worker)
         return CompileResult(built.constraint, tools=tools)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from config.scenario_base import ScenarioBase
 
@@ -39,33 +39,39 @@ class ToolsScenario(ScenarioBase):
         default=None, strict=True, description="false: at most one call per answer (default: several may come).")
 
     constraint_field: ClassVar[str | None] = "tools"
+    _plan: Any = PrivateAttr(default=None)  # plan(): (ToolPlan, prompt_tools), built at validation
 
     @classmethod
     def check_limits(cls, body: Mapping[str, Any], limits: Limits) -> None:
         tools = body.get("tools")
         if not isinstance(tools, list):
             return
-        for i, tool in enumerate(tools):
+        limits.check_tool_count(len(tools), "tools")  # first: nothing below reads more tools than the limit
+        parameters = []
+        for tool in tools:
             function = tool.get("function") if isinstance(tool, Mapping) else None
-            params = function.get("parameters") if isinstance(function, Mapping) else None
-            if isinstance(params, Mapping):
-                limits.check_schema(params, f"tools[{i}].function.parameters")
+            parameters.append(function.get("parameters") if isinstance(function, Mapping) else None)
+        limits.check_tool_parameters(parameters, "tools")
         try:  # the call schema they make together (several tools within the limits each may not be)
-            plan, _ = cls._setup(body)
+            plan, _ = cls._setup(body, check_schemas=False)  # built only: the schema checks come with validation
         except Exception:  # noqa: BLE001 - what is wrong with the body is named by validation
             return
         if plan is not None:
             limits.check_schema(plan.scenario["schema"], "tools")
 
     @staticmethod
-    def _setup(body: Mapping[str, Any]):
+    def _setup(body: Mapping[str, Any], *, check_schemas: bool = True):
         from deployments.tool_calls import tool_setup
 
-        return tool_setup(body.get("tools"), body.get("tool_choice", "auto"), body.get("parallel_tool_calls"))
+        return tool_setup(body.get("tools"), body.get("tool_choice", "auto"), body.get("parallel_tool_calls"),
+                          check_schemas=check_schemas)
 
     def plan(self):
-        """``(ToolPlan, prompt_tools)`` of this tool set (``deployments.tool_calls.tool_setup``)."""
-        return self._setup(self.model_dump())
+        """``(ToolPlan, prompt_tools)`` of this tool set (``deployments.tool_calls.tool_setup``), built once (at
+        validation) and kept: the compile takes the same plan."""
+        if self._plan is None:
+            self._plan = self._setup(self.model_dump())
+        return self._plan
 
     @field_validator("tool_choice", mode="before")
     @classmethod
