@@ -112,6 +112,18 @@ class RowCursor(Cursor):
     def fell_back(self) -> bool:
         return bool(getattr(self.constraint, "fell_back", False))
 
+    @property
+    def mask_due(self) -> bool:
+        """The next :meth:`step` computes the constraint's mask (a grammar's: :mod:`processors.mask_budget`)."""
+        return (not self.done and (self.think is None or self.think.in_answer)
+                and bool(getattr(self.constraint, "mask_due", False)))
+
+    def expire(self, message: str) -> None:
+        """End the row with ``message`` (its constraint's mask work was late): only its end token from now on."""
+        expire = getattr(self.constraint, "expire", None)
+        if expire is not None:
+            expire(message)
+
     def prime(self) -> None:
         """Compute the constraint's first allowed set now (it is kept until the row advances).
 

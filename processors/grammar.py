@@ -191,6 +191,7 @@ class GrammarCursor(Cursor):
         self._words = np.zeros(bitmask_words(spec.vocab_size), dtype=np.int32)
         self._end_step = Step(ALLOW, as_ids([spec.eos_token_id]), spec.eos_token_id)
         self._next: Step | None = None  # the mask of the current state, once computed
+        self._expired = False  # its mask work was late (expire): the matcher is never touched again
 
     @property
     def end_token_id(self) -> int:
@@ -199,6 +200,18 @@ class GrammarCursor(Cursor):
     @property
     def finished(self) -> bool:
         return self._done
+
+    @property
+    def mask_due(self) -> bool:
+        """The next :meth:`step` computes a mask (llguidance work: :class:`processors.mask_budget.MaskBudget`)."""
+        return not self._done and self.error is None and self._next is None
+
+    def expire(self, message: str) -> None:
+        """End the row with ``message``: from now on only the end token, and the matcher is never used again (a
+        worker thread may still be computing its mask: :mod:`processors.mask_budget`)."""
+        if self.error is None:
+            self.error = message
+        self._expired = True
 
     def step(self) -> Step:
         if self._done or self.error is not None:
@@ -234,7 +247,9 @@ class GrammarCursor(Cursor):
             self.error = f"token {token} rejected by the grammar: {detail}; forcing the end token"
 
     def copy(self) -> "GrammarCursor":
-        new = GrammarCursor(self.spec, matcher=self.matcher.deep_copy())
+        # an expired cursor's matcher may still be in use by a worker thread: the copy shares it, never using it
+        new = GrammarCursor(self.spec, matcher=self.matcher if self._expired else self.matcher.deep_copy())
         new.error = self.error
         new._done = self._done
+        new._expired = self._expired
         return new

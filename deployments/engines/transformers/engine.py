@@ -48,6 +48,7 @@ from transformers import DynamicCache
 
 from processors import RowCursor, apply_steps
 from processors.lanes import advance_rows, lane_of, mask_rows
+from processors.mask_budget import MaskBudget
 from processors.masks import FREE, MaskBuffer, Step, mask_padded_vocab
 
 from ..protocol import (
@@ -88,6 +89,10 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
         kv_memory_mb: the budget of key/value cache and per-row logits memory, MiB. A request is admitted when its
             estimate (:meth:`job_bytes`) fits beside the running ones, and refused (:meth:`admission_error`) when it
             can never fit.
+        mask_step_budget_ms: the CPU time one row's grammar mask may take in one step (0: no budget, masks computed
+            on the decode thread). The step's masks are computed in parallel off the decode thread
+            (:class:`processors.mask_budget.MaskBudget`); a row whose mask is late ends with ``finish_reason:
+            "error"`` naming ``mask_step_budget_ms`` and the step goes on for the others.
         shared_prompt: hold the prompt of a several-row request once (default); ``False`` copies it into every row
             of the padded batch, the layout before :mod:`.shared_kv` (kept for comparisons: ``bench/wide_beams.py``).
 
@@ -100,6 +105,7 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
         self, model, tokenizer, *, max_batch_size: int = 16, eos_token_ids: tuple[int, ...] | None = None,
         prefix_cache_tokens: int = 8192, prefill_chunk_tokens: int = 256, prepare_threads: int = 2,
         vector_lane: bool = False, kv_memory_mb: int = 4096, shared_prompt: bool = True,
+        mask_step_budget_ms: float = 200.0,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -137,6 +143,8 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._prepare = ThreadPoolExecutor(max_workers=max(1, prepare_threads), thread_name_prefix="cursor-prepare")
+        # grammar masks of a step: in parallel off this thread, each within its budget (processors.mask_budget)
+        self._mask_budget = MaskBudget(mask_step_budget_ms)
         self._trim_due = False
         # the per-step mask data: host memory reused from step to step (pinned on a GPU), one copy to the device
         self._mask_buffer = MaskBuffer(self.device)
@@ -163,6 +171,7 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
             self._thread.join(timeout)
             self._thread = None
         self._prepare.shutdown(wait=False, cancel_futures=True)
+        self._mask_budget.close()
 
     def submit(self, request: EngineRequest, on_event: Callable[[EngineEvent], None]) -> Job:
         """Queue a request; its events arrive through ``on_event`` from the engine thread."""
@@ -267,9 +276,9 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
     # -- one decode step ------------------------------------------------------------------------
     def _row_steps(self, rows: list[Row], skip: set[int] = frozenset()) -> tuple[list[Step], dict[int, str]]:  # type: ignore[assignment]
         """Each row's allowed set (rows in ``skip``: none, they are ranked from their tables); a cursor that raises
-        fails its row only."""
+        fails its row only, as does a grammar mask over its budget (:meth:`_settle_masks`)."""
         steps: list[Step] = []
-        failed: dict[int, str] = {}
+        failed = self._settle_masks(rows, skip)
         for i, row in enumerate(rows):
             if i in skip:
                 steps.append(FREE_STEP)
@@ -281,6 +290,15 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
                 failed[i] = f"constraint failed: {type(exc).__name__}: {exc}"
                 steps.append(Step(FREE, None, row.cursor.end_token_id))
         return steps, failed
+
+    def _settle_masks(self, rows: list[Row], skip: set[int] = frozenset()) -> dict[int, str]:  # type: ignore[assignment]
+        """Compute the rows' due grammar masks in parallel within ``mask_step_budget_ms``: ``{row: message}`` for
+        those late (their cursors now allow only their end token; the caller fails the rows)."""
+        late = self._mask_budget.settle([row.cursor for row in rows], skip)
+        if late:
+            logger.warning("%d row(s) ended: grammar mask over %s ms (mask_step_budget_ms)", len(late),
+                           f"{self._mask_budget.budget_ms:g}")
+        return late
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -301,8 +319,10 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
         # beam scores: log-probabilities of the model's distribution, masked (as HF beam search does)
         logprobs = torch.log_softmax(logits[beam_at], dim=-1) if beam_at else None
         if self.vector_lane:
+            late = self._settle_masks(rows, skip)
             failed = mask_rows(logits, [UNMASKED if i in skip else r.cursor for i, r in enumerate(rows)],
                                self._mask_buffer)
+            failed.update(late)
         else:
             steps, failed = self._row_steps(rows, skip)
             apply_steps(logits, steps, self._mask_buffer)
