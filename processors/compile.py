@@ -22,7 +22,7 @@ from .special_tokens import contains_special_tokens, encode_chat, encode_segment
 from .tool_prompt import render_tools
 from .tokenizer_info import TokenizerInfo, hf_tokenizer
 
-__all__ = ["CompiledScenario", "Constraint", "build_prompt_ids", "compile_scenario", "eos_token_ids"]
+__all__ = ["CompiledScenario", "Constraint", "PromptTooLong", "build_prompt_ids", "compile_scenario", "eos_token_ids"]
 
 #: a compiled constraint: an instance of its kind's ``compiled_type`` (MaskTables, LabelTables, GrammarSpec, ...)
 Constraint = Any
@@ -148,6 +148,22 @@ def compile_scenario(scenario, tokenizer, *, model_config=None, grammar_worker=N
     )
 
 
+class PromptTooLong(ValueError):
+    """A prompt's text is longer in bytes than :func:`build_prompt_ids` was allowed to tokenize
+    (``max_text_bytes``); ``text_bytes``: its length (at least ``max_text_bytes + 1``)."""
+
+    def __init__(self, text_bytes: int, max_text_bytes: int):
+        super().__init__(f"the prompt's text is {text_bytes} bytes, more than {max_text_bytes}")
+        self.text_bytes = text_bytes
+        self.max_text_bytes = max_text_bytes
+
+
+def _check_text_bytes(text: str, limit: int) -> None:
+    size = len(text.encode("utf-8", "surrogatepass"))  # milliseconds per megabyte; a lone surrogate is 3 bytes
+    if size > limit:
+        raise PromptTooLong(size, limit)
+
+
 def build_prompt_ids(
     compiled: CompiledScenario | None,
     tokenizer,
@@ -156,6 +172,7 @@ def build_prompt_ids(
     messages: list[dict] | None = None,
     special_tokens_in_content: bool = False,
     tools: list[dict] | None = None,
+    max_text_bytes: int | None = None,
 ) -> list[int]:
     """Token ids of the prompt for one request of a scenario.
 
@@ -171,6 +188,9 @@ def build_prompt_ids(
     ``tokenizer``: a tokenizer or its :class:`TokenizerInfo`. ``tools`` (OpenAI function tools) and tool-call
     turns in ``messages`` are rendered by :func:`processors.tool_prompt.render_tools`; without ``tools``, a stored
     tool set's (``compiled.tools``) are.
+
+    ``max_text_bytes``: a text (the rendered chat, or the prompt) longer than this in UTF-8 bytes raises
+    :class:`PromptTooLong` before it is tokenized (tokenizing is linear but slow: seconds for megabytes).
     """
     tokenizer = hf_tokenizer(tokenizer)
     if tools is None and compiled is not None and compiled.tools is not None:
@@ -192,6 +212,8 @@ def build_prompt_ids(
         contents = [prompt]
     think = compiled.think if compiled is not None else None
     suffix = think.begin if think is not None and not text.endswith(think.begin) else ""
+    if max_text_bytes is not None:
+        _check_text_bytes(text + suffix, max_text_bytes)
     if special_tokens_in_content or not contains_special_tokens(tokenizer, contents):
         ids = list(tokenizer.encode(text + suffix, add_special_tokens=False))
     elif messages is not None:

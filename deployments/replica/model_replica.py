@@ -20,15 +20,17 @@ from typing import Any, AsyncIterator
 
 from config import ScenarioError, ServerSettings
 from processors import CompiledScenario, ScenarioCompiler, build_prompt_ids
+from processors.compile import PromptTooLong
 
 from ..engines import (
     DoneEvent, EngineRequest, ErrorEvent, FinishedEvent, SamplingParams, TokenEvent, create_engine,
 )
 from .answer import answer_form, split_thinking
 from .item_controls import admit_item_controls
+from .prompt_bounds import max_token_bytes, prompt_too_long
 from ..metrics import ReplicaMetrics, route_logs_to_serve
 from .regenerate import CheckedRun
-from .stops import _Stops
+from .stops import _Stops, free_text_stops
 from .table_delta import apply_table_delta, delta_wanted
 from ..protocol import GenerateRequest, GenerateResponse, Output, ServiceError, Usage, check_request_limits
 from ..scenario_errors import scenario_service_error
@@ -94,6 +96,9 @@ class ModelReplica:
             model, tokenizer = load_model_and_tokenizer(self.settings.model, dtype=getattr(torch, self.settings.dtype))
         self.model = model
         self.tokenizer = tokenizer
+        # no token is longer than this many bytes: a prompt over max_prompt_tokens times it cannot fit (a 413
+        # before it is tokenized, prompt_bounds.py)
+        self.max_token_bytes = max_token_bytes(tokenizer)
         self.replica_id = f"replica-{uuid.uuid4().hex[:8]}"
         self.engine = create_engine(self.settings, model, tokenizer)
         if self.metrics.enabled:
@@ -242,28 +247,8 @@ class ModelReplica:
                                                                                  "type": "invalid_request_error"})
         # a label scenario's answer tokenized as it fits the prompt (no leading space after an assistant header)
         compiled = answer_form(compiled, chat=req.messages is not None, prompt=req.prompt)
-        if req.stop and compiled is not None and compiled.constraint is not None:
-            # a stop string would cut a constrained output where its constraint does not end it (half a JSON
-            # document, part of a label), and that must never come back as finish_reason "stop"
-            raise ServiceError(
-                400, f"stop: stop strings apply to free text only; this request's {compiled.kind} scenario decides "
-                     "where its output ends (leave stop out)", {"field": "stop", "kind": compiled.kind},
-            )
-        messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
-        try:
-            prompt_ids = build_prompt_ids(compiled, self.tokenizer, prompt=req.prompt, messages=messages,
-                                          special_tokens_in_content=self.settings.allow_special_tokens_in_content,
-                                          tools=req.tools)
-        except (ValueError, TemplateError) as exc:  # e.g. the chat template refuses the messages
-            field = "messages" if messages is not None else "prompt"
-            raise ServiceError(422, f"{field}: cannot build the prompt: {exc}", {"field": field}) from None
-        if not prompt_ids:
-            raise ServiceError(422, "the prompt is empty")
-        if len(prompt_ids) > limits.max_prompt_tokens:
-            raise ServiceError(
-                413, f"prompt: {len(prompt_ids)} tokens exceeds the limit max_prompt_tokens={limits.max_prompt_tokens}",
-                {"field": "prompt", "limit_name": "max_prompt_tokens", "limit": limits.max_prompt_tokens},
-            )
+        # off the event loop: rendering and tokenizing are linear but slow (the replica keeps answering pings)
+        prompt_ids = await asyncio.to_thread(self._prompt_ids, req, compiled)
         max_new, sampling = self._job_params(req, compiled, checked)
         items = admit_item_controls(req, compiled, max_new, limits, self.settings.engine)  # exclude, distinct, budget
         engine_request = EngineRequest(prompt_ids=prompt_ids, compiled=compiled, max_new_tokens=max_new,
@@ -276,6 +261,30 @@ class ModelReplica:
         logger.info("generate scenario=%s version=%s n=%d beams=%d prompt_tokens=%d", name, version, req.n, req.num_beams,
                     len(prompt_ids), extra={"scenario": name, "scenario_version": version})
         return req, name, version, prompt_ids, engine_request
+
+    def _prompt_ids(self, req: GenerateRequest, compiled: CompiledScenario | None) -> list[int]:
+        """The request's prompt tokens (run in a worker thread). A text that cannot fit in ``max_prompt_tokens`` by
+        its length in bytes (over ``max_prompt_tokens * max_token_bytes``) is a 413 before it is tokenized; then
+        the token count is checked."""
+        limit = self.settings.limits.max_prompt_tokens
+        messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
+        try:
+            prompt_ids = build_prompt_ids(compiled, self.tokenizer, prompt=req.prompt, messages=messages,
+                                          special_tokens_in_content=self.settings.allow_special_tokens_in_content,
+                                          tools=req.tools, max_text_bytes=limit * self.max_token_bytes)
+        except PromptTooLong as exc:
+            raise prompt_too_long(exc.text_bytes, limit, self.max_token_bytes) from None
+        except (ValueError, TemplateError) as exc:  # e.g. the chat template refuses the messages
+            field = "messages" if messages is not None else "prompt"
+            raise ServiceError(422, f"{field}: cannot build the prompt: {exc}", {"field": field}) from None
+        if not prompt_ids:
+            raise ServiceError(422, "the prompt is empty")
+        if len(prompt_ids) > limit:
+            raise ServiceError(
+                413, f"prompt: {len(prompt_ids)} tokens exceeds the limit max_prompt_tokens={limit}",
+                {"field": "prompt", "limit_name": "max_prompt_tokens", "limit": limit},
+            )
+        return prompt_ids
 
     def _checked(self, engine_request: EngineRequest) -> CheckedRun:
         """The engine's events for ``engine_request``, each finished JSON output validated against its schema
@@ -321,7 +330,7 @@ class ModelReplica:
         # the engine's own ends: where it reports logprobs, an output cut by a stop string takes its first tokens'
         engine_ends: dict[int, FinishedEvent] = {}
         engine_logprobs = engine_request.logprobs is not None
-        stops = _Stops(self.tokenizer, req.stop)
+        stops = _Stops(self.tokenizer, free_text_stops(req.stop, engine_request.compiled))  # free text only
         run = self._checked(engine_request)
         async with aclosing(run.events()) as events:  # leaving early cancels
             async for ev in events:
@@ -406,7 +415,7 @@ class ModelReplica:
         outputs: dict[int, FinishedEvent] = {}
         texts: dict[int, list[int]] = {}
         sent: dict[int, str] = {}
-        stops = _Stops(self.tokenizer, req.stop)
+        stops = _Stops(self.tokenizer, free_text_stops(req.stop, engine_request.compiled))  # free text only
         think = getattr(engine_request.compiled, "think", None)
         split_sent: dict[int, tuple[str, str]] = {}
         tool_set = getattr(engine_request.compiled, "tools", None) is not None

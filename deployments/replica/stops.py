@@ -6,6 +6,17 @@ from __future__ import annotations
 from ..engines import FinishedEvent
 from .answer import IncrementalDecoder, TextWatch
 
+
+def free_text_stops(stops: list[str] | None, compiled) -> list[str] | None:
+    """The stop strings that apply to a request: ``stops`` when its output is free text (no scenario, or one
+    without a constraint), else none. A stop string never cuts a constrained output (a JSON document, a label, a
+    tool call, the JSON string of a ``tool_choice: auto`` text answer): its constraint decides where it ends, and a
+    cut one would come back as ``finish_reason: "stop"`` though it is not valid. OpenAI and vLLM clients send
+    ``stop`` with such requests (smolagents' tool requests), so it is accepted there and has no effect."""
+    if not stops or (compiled is not None and compiled.constraint is not None):
+        return None
+    return stops
+
 class _Stops:
     """A request's stop strings across its outputs: an output whose text shows one gets a ``FinishedEvent``
     (reason ``stop``, the tokens so far) in ``outputs`` and its text before the string in ``final``.

@@ -89,13 +89,18 @@ def test_stop_strings_end_outputs(replica):
 
 @pytest.mark.parametrize("scenario", [{"type": "json_schema", "schema": {"type": "object"}},
                                       {"type": "labels", "labels": LABELS}])
-def test_stop_strings_are_refused_on_constrained_outputs(replica, scenario):
-    from deployments.protocol import ServiceError
-
-    with pytest.raises(ServiceError) as error:
-        run(replica, {"inline_scenario": scenario, "prompt": "x", "stop": [","]})
-    assert error.value.status == 400 and error.value.detail["field"] == "stop", error.value.message
-    assert error.value.message.startswith("stop:"), error.value.message
+def test_stop_strings_never_cut_constrained_outputs(replica, scenario):
+    """Issue 29, item 8: ``stop`` is accepted with a constraint (agent libraries send it) and cuts nothing: the
+    constraint ends the output (it used to be a 400). The stop strings are ones these outputs hold."""
+    body = {"inline_scenario": scenario, "messages": CHAT, "max_new_tokens": 48, "temperature": 0}
+    plain = run(replica, body)["outputs"][0]
+    stops = ["{", "}", "\"", ":", "o", "e", " "]
+    stopped = run(replica, {**body, "stop": stops})["outputs"][0]
+    assert stopped == plain, (plain, stopped)
+    assert any(s in plain["text"] for s in stops), plain  # a stop string would have cut it
+    events = stream(replica, {**body, "stop": stops})
+    assert "".join(e.get("text") or "" for e in events if e["type"] == "token") == plain["text"]
+    assert events[-1]["response"]["outputs"][0]["text"] == plain["text"]
 
 
 def test_logprobs_are_the_models(replica, model, tokenizer):
