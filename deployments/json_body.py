@@ -250,9 +250,22 @@ class StrictJSONBody:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": raw, "more_body": False}
-            return await receive()
+            return await receive_or_disconnect(receive)
 
         await self.app(scope, replay, send)
+
+
+async def receive_or_disconnect(receive) -> dict:
+    """``await receive()``, where Serve's cancellation of the request (the client went away: Serve's proxy cancels
+    the call, and the replica's ``receive`` raises Ray's ``TaskCancelledError``) is the ASGI ``http.disconnect``
+    message a server sends when a client leaves. A streamed response waits on ``receive`` for exactly that; the
+    exception reached the error handler instead and logged a client leaving as an unexpected error."""
+    try:
+        return await receive()
+    except Exception as exc:
+        if type(exc).__name__ == "TaskCancelledError":  # ray.exceptions (not imported: this module runs without Ray)
+            return {"type": "http.disconnect"}
+        raise
 
 
 class _ParsedJSONRequest(Request):
