@@ -22,12 +22,6 @@ its candidates are ranked over all its rows (log-probabilities of the masked log
 cursors follow their beam), ended candidates are kept as hypotheses with a length-normalized score. So a beam request
 shares forward passes with everyone else and stops at the next step when it is cancelled.
 
-One-row requests keep a share of every forward: the rows of requests of several rows (beams, ``n``) are read at most
-``wide_step_rows`` per forward, so a wide request's step spans several forwards (:class:`.jobs.Feed`), each with all
-the one-row rows; a beam request's candidates are ranked chunk by chunk as its rows are read and its beams chosen when
-the last chunk is in (the best ``2B`` of the chunks' best ``2B``: the same beams). Their memory is bounded too: wide
-requests together hold at most ``1 - narrow_reserve`` of ``kv_memory_mb`` (:mod:`.admission`).
-
 Failures stay with their row: a row whose sampling or cursor fails finishes with ``error``; a failed
 prefill fails only its own jobs; only a failed forward of the whole batch fails the jobs in it.
 
@@ -63,7 +57,7 @@ from ..protocol import (
 from .admission import AdmissionMixin
 from .batch import BatchMixin
 from .beams import BeamMixin
-from .jobs import FREE_STEP, UNMASKED, Beams, Feed, Job, Pending, Row
+from .jobs import FREE_STEP, UNMASKED, Beams, Job, Pending, Row
 from .kv_cache import release_memory
 from .prefix_cache import PrefixCache
 from ..sampling import sample_row, sample_rows
@@ -95,13 +89,6 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
         kv_memory_mb: the budget of key/value cache and per-row logits memory, MiB. A request is admitted when its
             estimate (:meth:`job_bytes`) fits beside the running ones, and refused (:meth:`admission_error`) when it
             can never fit.
-        narrow_reserve: the share of ``kv_memory_mb`` that requests of several rows (beams, ``n``) never take: they
-            are admitted while their estimates together fit ``(1 - narrow_reserve) x kv_memory_mb`` (one that can
-            never fit there is refused), so one-row requests always find that much memory.
-        wide_step_rows: the most rows of requests of several rows read in one forward pass (0 = all). A wider step
-            is read in chunks over several forwards, the one-row requests' rows in every one of them (their tokens
-            come at the pace of a forward of at most this many more rows); a beam request is ranked once all its
-            rows were read, its candidates gathered chunk by chunk.
         mask_step_budget_ms: the CPU time one row's grammar mask may take in one step (0: no budget, masks computed
             on the decode thread). The step's masks are computed in parallel off the decode thread
             (:class:`processors.mask_budget.MaskBudget`); a row whose mask is late ends with ``finish_reason:
@@ -119,7 +106,6 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
         prefix_cache_tokens: int = 8192, prefill_chunk_tokens: int = 256, prepare_threads: int = 2,
         vector_lane: bool = False, kv_memory_mb: int = 4096, shared_prompt: bool = True,
         mask_step_budget_ms: float = 200.0,
-        narrow_reserve: float = 0.25, wide_step_rows: int = 32,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -127,15 +113,9 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
         if kv_memory_mb < 1:
             raise ValueError(f"kv_memory_mb must be >= 1, got {kv_memory_mb}")
-        if not 0 <= narrow_reserve < 1:
-            raise ValueError(f"narrow_reserve must be in [0, 1), got {narrow_reserve}")
-        if wide_step_rows < 0:
-            raise ValueError(f"wide_step_rows must be >= 0, got {wide_step_rows}")
         install(model)
         self.model = model
         self.kv_budget = kv_memory_mb * 2**20
-        self.narrow_reserve = narrow_reserve
-        self.wide_step_rows = wide_step_rows
         self.shared_prompt = shared_prompt
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -155,9 +135,7 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
         self._waiting: list[Pending] = []
         self._chunking: Pending | None = None
         self._rows: list[Row] = []  # the padded rows first (their cache: _cache, _mask), then each group's rows
-        # requests of several rows, prompt held once: in the batch (their rows in _rows), or with their step being read
-        # in chunks (group.feed, in the order their chunks are read)
-        self._groups: list[SharedGroup] = []
+        self._groups: list[SharedGroup] = []  # requests of several rows, prompt held once
         self._beams: dict[int, Beams] = {}
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None
@@ -208,7 +186,7 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
 
     @property
     def active_rows(self) -> int:
-        return len(self._rows) + sum(g.rows for g in self._groups if g.feed is not None)
+        return len(self._rows)
 
     # -- loop -----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -216,7 +194,7 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
         self._stats["torch_threads"] = torch.get_num_threads()
         while not self._stop.is_set():
             try:
-                idle = not self._rows and not self._groups and self._chunking is None
+                idle = not self._rows and self._chunking is None
                 ready = any(p.ready() for p in self._waiting)
                 try:
                     if idle and not ready:
@@ -232,11 +210,11 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
                 # A long prompt is read in chunks, each followed by decode steps of the running rows lasting at
                 # least as long as the chunk did: prefill takes at most half of the engine's time while others
                 # decode, so their steps slow down at most 2x and the prompt still moves at half speed.
-                if self._chunking is not None and (self._chunk_debt <= 0 or not (self._rows or self._groups)):
+                if self._chunking is not None and (self._chunk_debt <= 0 or not self._rows):
                     t0 = time.perf_counter()
                     self._prefill_chunk()
                     self._chunk_debt = time.perf_counter() - t0
-                if self._rows or self._groups:
+                if self._rows:
                     t0 = time.perf_counter()
                     self._step()
                     self._chunk_debt -= time.perf_counter() - t0
@@ -249,7 +227,6 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
 
     def _fail_all(self, message: str) -> None:
         jobs = {id(r.job): r.job for r in self._rows}
-        jobs.update((id(g.job), g.job) for g in self._groups)
         for job in jobs.values():
             job.on_event(ErrorEvent(message))
         self._rows, self._cache, self._mask, self._logits = [], None, None, None
@@ -325,9 +302,6 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
 
     def _step(self) -> None:
         t0 = time.perf_counter()
-        if not self._rows:  # only wide requests' chunks to read
-            self._forward_step([], t0, 0.0)
-            return
         rows = self._rows
         logits = self._logits
         beam_groups: dict[int, list[int]] = {}
@@ -425,131 +399,34 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
             scores, flat_ids = host[at : at + k], host[at + k : at + 2 * k]
             at += 2 * k
             nxt.extend(self._beam_select(rows, idxs, scores, [int(f) for f in flat_ids], vocab))
-        self._forward_step(nxt, t0, t_chain)
-
-    def _forward_step(self, nxt: list[tuple[int, Row, int]], t0: float, t_chain: float) -> None:
-        """The forward of one engine step: the rows chosen this step (``nxt``, as ``(source row, row, token)``) that
-        are one-row requests' rows all, the wide requests' rows (those chosen now and those whose step is being read
-        already) in chunks of at most ``wide_step_rows`` rows (:meth:`_wide_chunks`)."""
-        if nxt:
-            nxt = self._regroup(nxt)
-        else:
-            self._cache, self._mask = None, None
-            self._groups = [g for g in self._groups if g.feed is not None]
-        n = self._narrow_rows
-        for g in [g for g in self._groups if g.feed is None]:  # chosen now: their next step starts
-            picked = nxt[g.start : g.start + g.rows]
-            g.feed = Feed([row for _, row, _ in picked], [token for _, _, token in picked])
-            self._groups.remove(g)
-            self._groups.append(g)
-        self._rows = [row for _, row, _ in nxt[:n]]
-        chunks = self._wide_chunks()
         self._stats["steps"] += 1
-        self._stats["rows_decoded"] += n + sum(end - first for _, first, end in chunks)
-        self._logits = None
-        if not n and not chunks:
-            self._rows, self._cache, self._mask = [], None, None
-            if not self._groups:
-                self._trim_due = True
+        self._stats["rows_decoded"] += len(rows)
+        if not nxt:
+            self._rows, self._cache, self._mask, self._logits, self._groups = [], None, None, None, []
+            self._trim_due = True
         else:
-            positions, tokens = [], [token for _, _, token in nxt[:n]]
+            nxt = self._regroup(nxt)
+            self._rows = [row for _, row, _ in nxt]
+            positions = []
             if self._mask is not None:
                 positions.append(self._mask.sum(dim=1))
                 ones = torch.ones((self._mask.shape[0], 1), dtype=self._mask.dtype, device=self.device)
                 self._mask = torch.cat([self._mask, ones], dim=1)
-            for g, first, end in chunks:
-                positions.append(torch.full((end - first,), g.prompt_len + g.generated, dtype=torch.long, device=self.device))
-                tokens.extend(g.feed.tokens[first:end])
-            step = StepContext(self._cache.layers if self._mask is not None else None, self._mask, chunks)
+            for g in self._groups:
+                positions.append(torch.full((g.rows,), g.prompt_len + g.generated, dtype=torch.long, device=self.device))
+            step = StepContext(self._cache.layers if self._mask is not None else None, self._mask, self._groups)
             t_fwd = time.perf_counter()
             out = self.model(
-                input_ids=torch.tensor(tokens, device=self.device)[:, None],
+                input_ids=torch.tensor([t for _, _, t in nxt], device=self.device)[:, None],
                 position_ids=torch.cat(positions)[:, None], use_cache=False, cs_step=step,
             )
-            logits = out.logits[:, -1, :].float()
+            self._logits = out.logits[:, -1, :].float()
             self._stats["forward_seconds"] += time.perf_counter() - t_fwd
-            if n:
-                self._logits = logits[:n]
-            at = n
-            for g, first, end in chunks:
-                self._read_chunk(g, first, end, logits[at : at + end - first])
-                at += end - first
         step_seconds = time.perf_counter() - t0
         self._stats["step_seconds"] += step_seconds
         self._stats["chain_seconds"] += t_chain
         if self.on_step is not None:
             self.on_step(step_seconds, t_chain)
-
-    def _wide_chunks(self) -> list[tuple[SharedGroup, int, int]]:
-        """The wide requests' rows this forward reads, as ``(group, first row, end)``: at most ``wide_step_rows``
-        rows (0: all), the groups in their queue's order. A cancelled request whose step is being read leaves now."""
-        budget = self.wide_step_rows or float("inf")
-        chunks = []
-        for g in list(self._groups):
-            feed = g.feed
-            if g.job.cancelled.is_set():
-                self._groups.remove(g)
-                if g.job.num_beams > 1:
-                    self._beams.pop(id(g.job), None)
-                    self._cancelled(g.job)
-                else:
-                    for row in feed.rows:
-                        self._finish(row, "error", "cancelled")
-                continue
-            if budget <= 0:
-                continue
-            take = int(min(g.rows - feed.done, budget))
-            chunks.append((g, feed.done, feed.done + take))
-            budget -= take
-        return chunks
-
-    def _read_chunk(self, g: SharedGroup, first: int, end: int, logits: torch.Tensor) -> None:
-        """Keep what rows ``first .. end - 1`` of a wide request gave (a beam request: their best candidates right
-        away); once all its rows were read, a beam request is ranked and goes on (:meth:`_select_group`), a sampled
-        one joins the batch to be sampled at the next step."""
-        feed = g.feed
-        feed.done = end
-        if g.job.num_beams > 1:
-            feed.parts.append(self._beam_chunk(feed.rows[first:end], logits, first))
-        else:
-            feed.parts.append(logits)
-        if end < g.rows:
-            return
-        g.commit()
-        g.feed = None
-        if g.job.num_beams > 1:
-            self._select_group(g, feed, logits.shape[1])
-            return
-        g.start = len(self._rows)
-        self._rows = self._rows + feed.rows
-        logits = feed.parts[0] if len(feed.parts) == 1 else torch.cat(feed.parts)
-        self._logits = logits if self._logits is None else torch.cat([self._logits, logits])
-
-    def _beam_chunk(self, rows: list[Row], logits: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The best ``2B`` candidates of some rows of one beam request (rows ``first ..`` of its group), as (scores,
-        flat ids over the group's rows), ranked as :meth:`_step` ranks a beam request in the batch: from the tree's
-        tables, or over the masked vocabulary (log-probabilities of the model's distribution, masked)."""
-        idxs = list(range(len(rows)))
-        k = 2 * rows[0].job.num_beams
-        plan = plan_tree_beams([row.cursor for row in rows])
-        if plan is not None:
-            lse = row_logsumexp(logits, idxs)
-            scores = torch.tensor([row.score for row in rows], dtype=torch.float32)
-            top_scores, top_ids = tree_beam_candidates(plan, logits, idxs, lse, scores, k)
-            self._stats["tree_ranked_steps"] += 1
-        else:
-            logprobs = torch.log_softmax(logits, dim=-1)
-            if self.vector_lane:
-                late = self._settle_masks(rows)
-                failed = mask_rows(logits, [row.cursor for row in rows], self._mask_buffer)
-                failed.update(late)
-            else:
-                steps, failed = self._row_steps(rows)
-                apply_steps(logits, steps, self._mask_buffer)
-            mask_padded_vocab(logits, self.vocab_size)
-            logprobs = logprobs.masked_fill(torch.isneginf(logits), float("-inf"))
-            top_scores, top_ids = self._beam_candidates(rows, idxs, logprobs, failed)
-        return top_scores, top_ids + first * logits.shape[1]
 
     def _redraw(self, i: int, row: Row, logits: torch.Tensor) -> int:
         """A ``distinct`` row whose sampled token lost its item to another row of its request earlier in this step:
