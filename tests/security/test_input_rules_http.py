@@ -218,7 +218,7 @@ def test_in_flight_bound_per_client(serve_app):
     assert r.status_code == 422, r.text  # the slots were given back when the clients went away
 
 
-@pytest.mark.parametrize("key", ["", " ", "k" * 201, "with space"])
+@pytest.mark.parametrize("key", ["", "k" * 201, "with space"])
 def test_an_invalid_idempotency_key_is_a_400_and_nothing_is_written(serve_app, key):
     """An empty ``Idempotency-Key`` was taken as no key: the client asked for a retry-safe write and got one that a
     retry would repeat. Every admin write (PUT, PATCH, rollback, DELETE) answers a 400 naming the header."""
