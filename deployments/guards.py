@@ -34,7 +34,8 @@ from typing import Any
 
 from deployments.protocol import ServiceError
 
-__all__ = ["CLIENT_SCOPE_KEY", "RELEASE_SCOPE_KEY", "GENERATE_PATHS", "InflightPerClient", "ProxyHeaderCheck", "RowBudget"]
+__all__ = ["CLIENT_SCOPE_KEY", "RELEASE_SCOPE_KEY", "GENERATE_PATHS", "InflightPerClient", "ProxyHeaderCheck", "RowBudget",
+           "route_path"]
 
 #: every route that generates: each is counted per client here and in :class:`RowBudget` (a test walks the app's
 #: routes so that a new generating route cannot be left out)
@@ -50,6 +51,16 @@ async def _answer(error: ServiceError, scope, receive, send, headers: dict[str, 
     from starlette.responses import JSONResponse
 
     await JSONResponse(error.to_json(), status_code=error.status, headers=headers)(scope, receive, send)
+
+
+def route_path(scope) -> str:
+    """The request's path inside this app: Serve mounts an app under its ``route_prefix`` and puts the prefix in
+    ``root_path`` *and* at the head of ``path``, so ``/beams/v1/generate`` under ``/beams`` is ``/v1/generate``."""
+    path = scope.get("path") or ""
+    root = (scope.get("root_path") or "").rstrip("/")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
 
 
 def _header(scope, name: bytes) -> bytes | None:
@@ -86,7 +97,7 @@ class InflightPerClient:
         return str(client[0]) if client else "unknown"
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in self.paths:
+        if scope["type"] != "http" or scope.get("method") != "POST" or route_path(scope) not in self.paths:
             return await self.app(scope, receive, send)
         client = self.client_of(scope)
         scope[CLIENT_SCOPE_KEY] = client

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.guards import route_path
 from deployments.ingress.errors import _error_response
 from deployments.ingress.models import (
     _ERROR_RESPONSES, DeletedOut, ErrorBody, IdempotencyKey, IfMatch, RollbackBody, ScenarioName, ScenarioOut,
@@ -69,7 +70,7 @@ def _admin_not_found(ingress: Ingress, request: Request, status: int = 404) -> J
     """Answer a routing 404 or 405 under ``/admin``: 401 without the token (as on every admin route, so the
     admin routes cannot be probed without it); then, for a 404 under ``/admin/scenarios/``, a name no route
     could hold (one with a '/': ``../x``, ``a%2Fb``) is a 422 naming the naming rule, like any other bad name."""
-    path = request.url.path
+    path = route_path(request.scope)
     if not (path == "/admin" or path.startswith("/admin/")):
         return None
     refused = _admin_refusal(ingress, request)

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from deployments.console import mount_console
 from deployments.docs import mount_docs, plain_openapi
-from deployments.guards import InflightPerClient, ProxyHeaderCheck
+from deployments.guards import InflightPerClient, ProxyHeaderCheck, route_path
 from deployments.ingress.admin import _SCENARIOS_PREFIX, _admin_not_found, mount_admin
 from deployments.ingress.errors import _install_error_handlers
 from deployments.ingress.middleware import BodySizeLimit, RequestIdCheck
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 def _parse_body_here(ingress: Ingress, scope: dict) -> bool:
     """Whether the strict JSON check reads this request's body: not for an admin route without the admin token
     (it gets its 401 without its body being read, as before)."""
-    path = scope.get("path") or ""
+    path = route_path(scope)
     if path.startswith(_SCENARIOS_PREFIX) and "/" not in path[len(_SCENARIOS_PREFIX):] and \
             scope.get("method") in ("PUT", "PATCH"):
         return False  # a scenario write goes to the manager as bytes and is parsed there, once (as strictly)

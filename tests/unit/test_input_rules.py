@@ -280,3 +280,27 @@ def test_client_ip_header_over_repeated_lines_is_the_last_address():
 
     statuses = asyncio.run(run())
     assert sorted(statuses) == [200, 200, 429, 429, 429, 429], statuses
+
+
+def test_routes_under_a_route_prefix_are_counted_per_client():
+    """Serve mounts an app under its ``route_prefix`` with the prefix in ``root_path`` and at the head of ``path``:
+    ``/beams/v1/generate`` of an app under ``/beams`` is a generating route, counted like ``/v1/generate``."""
+    import asyncio
+
+    from deployments.guards import CLIENT_SCOPE_KEY, InflightPerClient, route_path
+
+    assert route_path({"path": "/beams/v1/generate", "root_path": "/beams"}) == "/v1/generate"
+    assert route_path({"path": "/beams/v1/generate", "root_path": "/beams/"}) == "/v1/generate"
+    assert route_path({"path": "/v1/generate", "root_path": ""}) == "/v1/generate"
+    assert route_path({"path": "/beamsx/v1/generate", "root_path": "/beams"}) == "/beamsx/v1/generate"
+    assert route_path({"path": "/beams", "root_path": "/beams"}) == "/"
+
+    seen: list[object] = []
+
+    async def app(scope, receive, send):
+        seen.append(scope.get(CLIENT_SCOPE_KEY))
+
+    scope = {"type": "http", "method": "POST", "path": "/beams/v1/generate", "root_path": "/beams",
+             "client": ("10.0.0.3", 1), "headers": []}
+    asyncio.run(InflightPerClient(app, limit=1)(scope, None, None))
+    assert seen == ["10.0.0.3"]
