@@ -247,6 +247,18 @@ class ServerSettings(BaseModel):
                     "admitted while their estimates fit together; one that can never fit is a 422 (a wide beam "
                     "request holds its prompt once and per beam only its generated tokens: docs/engines.md).",
     )
+    narrow_reserve: float = Field(
+        default=0.25, ge=0, lt=1, allow_inf_nan=False,
+        description="engine transformers: the share of kv_memory_mb that requests of several rows (beams, n) never "
+                    "take: they are admitted while their estimates together fit (1 - narrow_reserve) x kv_memory_mb, "
+                    "and one that can never fit there is a 422, so one-row requests always find this much memory.",
+    )
+    wide_step_rows: int = Field(
+        default=32, ge=0,
+        description="engine transformers: the most rows of requests of several rows read in one forward pass "
+                    "(0 = all). A wider step is read in chunks over several forwards with the one-row requests' rows "
+                    "in every one, so their tokens come at the pace of a forward of at most this many more rows.",
+    )
     prefix_cache_tokens: int = Field(default=8192, ge=0, description="Prompt-prefix key/value cache per replica, in tokens (0 = off).")
     prefill_chunk_tokens: int = Field(
         default=256, ge=16,

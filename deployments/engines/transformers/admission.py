@@ -1,5 +1,6 @@
 """Which waiting requests join the batch: rows of the padded batch (``max_batch_size``) and estimated memory
-(``kv_memory_mb``); a request that can never fit is refused. Part of :class:`.engine.DecodeEngine`."""
+(``kv_memory_mb``, of which requests of several rows together take at most ``1 - narrow_reserve``, so one-row requests
+always find the rest); a request that can never fit is refused. Part of :class:`.engine.DecodeEngine`."""
 
 from __future__ import annotations
 
@@ -42,27 +43,46 @@ class AdmissionMixin:
         scores = width * prompt * self._score_bytes if width > 1 and self.shared_prompt else 0
         return kv + logits + scores
 
+    @property
+    def wide_budget(self) -> int:
+        """Bytes that requests of several rows (beams, ``n``) may hold together: ``kv_memory_mb`` less the share
+        ``narrow_reserve`` kept for one-row requests."""
+        return int(self.kv_budget * (1 - self.narrow_reserve))
+
     def admission_error(self, request: EngineRequest) -> str | None:
         need = self.job_bytes(request)
-        if need <= self.kv_budget:
+        rows = max(request.n, request.num_beams)
+        budget = self.wide_budget if rows > 1 else self.kv_budget
+        if need <= budget:
             return None
+        where = (f"the replica's budget kv_memory_mb={self.kv_budget // 2**20}" if rows == 1 else
+                 f"what requests of several rows may hold: kv_memory_mb={self.kv_budget // 2**20} less the "
+                 f"narrow_reserve={self.narrow_reserve:g} kept for one-row requests, {budget / 2**20:.0f} MiB")
         return (f"this request needs about {need / 2**20:.0f} MiB of key/value and logits memory (prompt "
-                f"{len(request.prompt_ids)} tokens, {max(request.n, request.num_beams)} rows x "
-                f"{request.max_new_tokens} new tokens), more than the replica's budget kv_memory_mb="
-                f"{self.kv_budget // 2**20}; lower num_beams, n or max_new_tokens")
+                f"{len(request.prompt_ids)} tokens, {rows} rows x {request.max_new_tokens} new tokens), more than "
+                f"{where}; lower num_beams, n or max_new_tokens")
 
-    def _bytes_in_use(self) -> int:
+    def _jobs_in_use(self) -> list[Job]:
         jobs = {id(r.job): r.job for r in self._rows}
+        jobs.update((id(g.job), g.job) for g in self._groups)
         if self._chunking is not None:
             jobs[id(self._chunking.job)] = self._chunking.job
-        return sum(self.job_bytes(j.request) for j in jobs.values())
+        return list(jobs.values())
+
+    def _bytes_in_use(self) -> int:
+        return sum(self.job_bytes(j.request) for j in self._jobs_in_use())
 
     def _admit(self) -> None:
         room = self.max_batch_size - self._narrow_rows - (self._padded_width(self._chunking.job) if self._chunking else 0)
-        memory = self._bytes_in_use() if self._waiting else 0
+        memory = wide = 0
+        if self._waiting:
+            for j in self._jobs_in_use():
+                need = self.job_bytes(j.request)
+                memory += need
+                wide += need if j.width > 1 else 0
         admitted: list[tuple[Pending, list[Row]]] = []
         keep: list[Pending] = []
-        empty = not self._rows and self._chunking is None
+        empty = not self._rows and not self._groups and self._chunking is None
         for p in self._waiting:
             job = p.job
             if job.cancelled.is_set():
@@ -74,13 +94,16 @@ class AdmissionMixin:
                 keep.append(p)
                 continue
             need = self.job_bytes(job.request)
-            if need > self.kv_budget:
+            error = self.admission_error(job.request)
+            if error is not None:
                 if isinstance(p.rows, Future):
                     p.rows.cancel()
-                job.on_event(ErrorEvent(self.admission_error(job.request) or "too large"))
+                job.on_event(ErrorEvent(error))
                 continue
             alone = empty and not admitted
             fits = (self._padded_width(job) <= room or alone) and (memory + need <= self.kv_budget or alone)
+            # requests of several rows leave narrow_reserve of the memory to one-row requests
+            fits = fits and (job.width == 1 or wide + need <= self.wide_budget)
             if not fits:
                 keep.append(p)
                 continue
@@ -100,10 +123,12 @@ class AdmissionMixin:
                 self._chunking = p
                 room -= self._padded_width(job)
                 memory += need
+                wide += need if job.width > 1 else 0
                 continue
             admitted.append((p, rows))
             room -= self._padded_width(job)
             memory += need
+            wide += need if job.width > 1 else 0
         self._waiting = keep
         if admitted:
             self._prefill(admitted)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from ..protocol import ErrorEvent
-from .jobs import Beams, Job, Pending, Row
+from .jobs import Beams, Feed, Job, Pending, Row
 from .kv_cache import cache_of
 from .shared_kv import SharedGroup
 
@@ -183,9 +183,16 @@ class BatchMixin:
         """A job of several rows joins after the batch's rows: its prompt held once (``shared``, per layer a list of
         ``(keys, values)`` segments), its rows' generated keys/values apart (:class:`.shared_kv.SharedGroup`)."""
         job.remaining = job.n
-        if job.num_beams > 1:
-            self._beams[id(job)] = Beams()
         group = SharedGroup(job, shared, len(rows))
+        if job.num_beams > 1:
+            # its first step: every beam holds the same prompt and only the first may expand (the others score
+            # -inf), so that row's candidates are the request's; from then on its steps are read in chunks
+            self._beams[id(job)] = Beams()
+            feed = Feed(rows, [])
+            feed.parts.append(self._beam_chunk(rows[:1], logits[:1].float().clone(), 0))
+            self._groups.append(group)
+            self._select_group(group, feed, logits.shape[1])
+            return
         group.start = len(self._rows)
         self._groups.append(group)
         logits = logits.float().expand(len(rows), -1)
@@ -194,12 +201,13 @@ class BatchMixin:
 
     def _regroup(self, nxt: list[tuple[int, Row, int]]) -> list[tuple[int, Row, int]]:
         """Lay the next batch out (padded rows, then each group's rows) and select the caches' rows to match: the
-        padded cache's rows, and within each group only the generated part (a beam reorder). Returns ``nxt`` in
-        the new row order."""
+        padded cache's rows, and within each group in the batch (not one whose step is being read in chunks) only
+        the generated part (a beam reorder). Returns ``nxt`` in the new row order."""
         n0 = self._narrow_rows
         narrow = [e for e in nxt if e[0] < n0]
-        starts = [g.start for g in self._groups]
-        buckets: list[list[tuple[int, Row, int]]] = [[] for _ in self._groups]
+        ready = sorted((g for g in self._groups if g.feed is None), key=lambda g: g.start)  # groups in the batch
+        starts = [g.start for g in ready]
+        buckets: list[list[tuple[int, Row, int]]] = [[] for _ in ready]
         for e in nxt:
             if e[0] >= n0:
                 buckets[bisect_right(starts, e[0]) - 1].append(e)
@@ -213,14 +221,14 @@ class BatchMixin:
             else:
                 self._cache, self._mask = None, None
         kept = []
-        for g, bucket in zip(self._groups, buckets):
+        for g, bucket in zip(ready, buckets):
             if bucket:
                 g.select([src - g.start for src, _, _ in bucket], self.device)
                 kept.append(g)
         at = len(narrow)
         for g in kept:
             g.start, at = at, at + g.rows
-        self._groups = kept
+        self._groups = [g for g in self._groups if g.feed is not None] + kept
         return narrow + [e for bucket in buckets for e in bucket]
 
     def _trim(self) -> None:

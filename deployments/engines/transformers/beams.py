@@ -12,7 +12,7 @@ import torch
 from processors.lanes import advance_rows
 
 from ..protocol import DoneEvent, FinishedEvent, TokenEvent
-from .jobs import Beams, Job, Row
+from .jobs import Beams, Feed, Job, Row
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,31 @@ class BeamMixin:
             self._beams.pop(id(job), None)
             self._emit_beams(job, beams)
         return out
+
+    def _select_group(self, group, feed: Feed, vocab: int) -> None:
+        """Rank a wide beam request once every row of its step was read (``feed.parts``: each chunk's best
+        candidates, flat ids over the group's rows): the best ``2B`` of all chunks are the request's best ``2B``.
+        The surviving beams' generated keys/values are gathered and their next step starts (at the end of the
+        queue of wide requests); the request leaves the engine when it ended."""
+        job = group.job
+        if group in self._groups:
+            self._groups.remove(group)
+        if job.cancelled.is_set():
+            self._beams.pop(id(job), None)
+            self._cancelled(job)
+            return
+        scores = torch.cat([s for s, _ in feed.parts])
+        flat = torch.cat([f for _, f in feed.parts])
+        if len(feed.parts) > 1:
+            scores, pos = torch.topk(scores, min(2 * job.num_beams, scores.numel()))
+            flat = flat[pos]
+        host = torch.cat([scores, flat]).tolist()
+        k = scores.numel()
+        nxt = self._beam_select(feed.rows, list(range(len(feed.rows))), host[:k], [int(f) for f in host[k:]], vocab)
+        if nxt:
+            group.select([src for src, _, _ in nxt], self.device)
+            group.feed = Feed([row for _, row, _ in nxt], [token for _, _, token in nxt])
+            self._groups.append(group)
 
     def _emit_beams(self, job: Job, beams: Beams) -> None:
         for index, (_, tokens, reason) in enumerate(beams.hyps[: job.n]):

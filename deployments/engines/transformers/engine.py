@@ -22,6 +22,12 @@ its candidates are ranked over all its rows (log-probabilities of the masked log
 cursors follow their beam), ended candidates are kept as hypotheses with a length-normalized score. So a beam request
 shares forward passes with everyone else and stops at the next step when it is cancelled.
 
+One-row requests keep a share of every forward: the rows of requests of several rows (beams, ``n``) are read at most
+``wide_step_rows`` per forward, so a wide request's step spans several forwards (:class:`.jobs.Feed`), each with all
+the one-row rows; a beam request's candidates are ranked chunk by chunk as its rows are read and its beams chosen when
+the last chunk is in (the best ``2B`` of the chunks' best ``2B``: the same beams). Their memory is bounded too: wide
+requests together hold at most ``1 - narrow_reserve`` of ``kv_memory_mb`` (:mod:`.admission`).
+
 Failures stay with their row: a row whose sampling or cursor fails finishes with ``error``; a failed
 prefill fails only its own jobs; only a failed forward of the whole batch fails the jobs in it.
 
@@ -47,28 +53,30 @@ import torch
 from transformers import DynamicCache
 
 from processors import RowCursor, apply_steps
-from processors.lanes import advance_rows, lane_of, mask_rows
+from processors.lanes import mask_rows
 from processors.mask_budget import MaskBudget
 from processors.masks import FREE, MaskBuffer, Step, mask_padded_vocab
 
 from ..protocol import (
-    DoneEvent, Engine, EngineEvent, EngineRequest, ErrorEvent, FinishedEvent, TokenEvent,
+    Engine, EngineEvent, EngineRequest, ErrorEvent,
 )
 from .admission import AdmissionMixin
 from .batch import BatchMixin
 from .beams import BeamMixin
-from .jobs import FREE_STEP, UNMASKED, Beams, Job, Pending, Row
+from .jobs import FREE_STEP, UNMASKED, Beams, Feed, Job, Pending, Row
 from .kv_cache import release_memory
 from .prefix_cache import PrefixCache
-from ..sampling import sample_row, sample_rows
+from ..sampling import sample_rows
 from .shared_kv import SharedGroup, StepContext, install
 from .tree_beams import plan_tree_beams, row_logsumexp, tree_beam_candidates
+from .rows import RowsMixin
+from .wide import WideMixin
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DecodeEngine", "Job"]
 
-class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
+class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, Engine):
     name = "transformers"
 
     """Continuous-batching decode loop over ``model`` (see the module docstring).
@@ -89,6 +97,13 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
         kv_memory_mb: the budget of key/value cache and per-row logits memory, MiB. A request is admitted when its
             estimate (:meth:`job_bytes`) fits beside the running ones, and refused (:meth:`admission_error`) when it
             can never fit.
+        narrow_reserve: the share of ``kv_memory_mb`` that requests of several rows (beams, ``n``) never take: they
+            are admitted while their estimates together fit ``(1 - narrow_reserve) x kv_memory_mb`` (one that can
+            never fit there is refused), so one-row requests always find that much memory.
+        wide_step_rows: the most rows of requests of several rows read in one forward pass (0 = all). A wider step
+            is read in chunks over several forwards, the one-row requests' rows in every one of them (their tokens
+            come at the pace of a forward of at most this many more rows); a beam request is ranked once all its
+            rows were read, its candidates gathered chunk by chunk.
         mask_step_budget_ms: the CPU time one row's grammar mask may take in one step (0: no budget, masks computed
             on the decode thread). The step's masks are computed in parallel off the decode thread
             (:class:`processors.mask_budget.MaskBudget`); a row whose mask is late ends with ``finish_reason:
@@ -106,6 +121,7 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
         prefix_cache_tokens: int = 8192, prefill_chunk_tokens: int = 256, prepare_threads: int = 2,
         vector_lane: bool = False, kv_memory_mb: int = 4096, shared_prompt: bool = True,
         mask_step_budget_ms: float = 200.0,
+        narrow_reserve: float = 0.25, wide_step_rows: int = 32,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -113,9 +129,15 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
         if kv_memory_mb < 1:
             raise ValueError(f"kv_memory_mb must be >= 1, got {kv_memory_mb}")
+        if not 0 <= narrow_reserve < 1:
+            raise ValueError(f"narrow_reserve must be in [0, 1), got {narrow_reserve}")
+        if wide_step_rows < 0:
+            raise ValueError(f"wide_step_rows must be >= 0, got {wide_step_rows}")
         install(model)
         self.model = model
         self.kv_budget = kv_memory_mb * 2**20
+        self.narrow_reserve = narrow_reserve
+        self.wide_step_rows = wide_step_rows
         self.shared_prompt = shared_prompt
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -135,7 +157,9 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
         self._waiting: list[Pending] = []
         self._chunking: Pending | None = None
         self._rows: list[Row] = []  # the padded rows first (their cache: _cache, _mask), then each group's rows
-        self._groups: list[SharedGroup] = []  # requests of several rows, prompt held once
+        # requests of several rows, prompt held once: in the batch (their rows in _rows), or with their step being read
+        # in chunks (group.feed, in the order their chunks are read)
+        self._groups: list[SharedGroup] = []
         self._beams: dict[int, Beams] = {}
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None
@@ -186,7 +210,7 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
 
     @property
     def active_rows(self) -> int:
-        return len(self._rows)
+        return len(self._rows) + sum(g.rows for g in self._groups if g.feed is not None)
 
     # -- loop -----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -194,7 +218,7 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
         self._stats["torch_threads"] = torch.get_num_threads()
         while not self._stop.is_set():
             try:
-                idle = not self._rows and self._chunking is None
+                idle = not self._rows and not self._groups and self._chunking is None
                 ready = any(p.ready() for p in self._waiting)
                 try:
                     if idle and not ready:
@@ -210,11 +234,11 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
                 # A long prompt is read in chunks, each followed by decode steps of the running rows lasting at
                 # least as long as the chunk did: prefill takes at most half of the engine's time while others
                 # decode, so their steps slow down at most 2x and the prompt still moves at half speed.
-                if self._chunking is not None and (self._chunk_debt <= 0 or not self._rows):
+                if self._chunking is not None and (self._chunk_debt <= 0 or not (self._rows or self._groups)):
                     t0 = time.perf_counter()
                     self._prefill_chunk()
                     self._chunk_debt = time.perf_counter() - t0
-                if self._rows:
+                if self._rows or self._groups:
                     t0 = time.perf_counter()
                     self._step()
                     self._chunk_debt -= time.perf_counter() - t0
@@ -227,6 +251,7 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
 
     def _fail_all(self, message: str) -> None:
         jobs = {id(r.job): r.job for r in self._rows}
+        jobs.update((id(g.job), g.job) for g in self._groups)
         for job in jobs.values():
             job.on_event(ErrorEvent(message))
         self._rows, self._cache, self._mask, self._logits = [], None, None, None
@@ -302,6 +327,9 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
 
     def _step(self) -> None:
         t0 = time.perf_counter()
+        if not self._rows:  # only wide requests' chunks to read
+            self._forward_step([], t0, 0.0)
+            return
         rows = self._rows
         logits = self._logits
         beam_groups: dict[int, list[int]] = {}
@@ -399,97 +427,57 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, Engine):
             scores, flat_ids = host[at : at + k], host[at + k : at + 2 * k]
             at += 2 * k
             nxt.extend(self._beam_select(rows, idxs, scores, [int(f) for f in flat_ids], vocab))
-        self._stats["steps"] += 1
-        self._stats["rows_decoded"] += len(rows)
-        if not nxt:
-            self._rows, self._cache, self._mask, self._logits, self._groups = [], None, None, None, []
-            self._trim_due = True
-        else:
+        self._forward_step(nxt, t0, t_chain)
+
+    def _forward_step(self, nxt: list[tuple[int, Row, int]], t0: float, t_chain: float) -> None:
+        """The forward of one engine step: the rows chosen this step (``nxt``, as ``(source row, row, token)``) that
+        are one-row requests' rows all, the wide requests' rows (those chosen now and those whose step is being read
+        already) in chunks of at most ``wide_step_rows`` rows (:meth:`_wide_chunks`)."""
+        if nxt:
             nxt = self._regroup(nxt)
-            self._rows = [row for _, row, _ in nxt]
-            positions = []
+        else:
+            self._cache, self._mask = None, None
+            self._groups = [g for g in self._groups if g.feed is not None]
+        n = self._narrow_rows
+        for g in [g for g in self._groups if g.feed is None]:  # chosen now: their next step starts
+            picked = nxt[g.start : g.start + g.rows]
+            g.feed = Feed([row for _, row, _ in picked], [token for _, _, token in picked])
+            self._groups.remove(g)
+            self._groups.append(g)
+        self._rows = [row for _, row, _ in nxt[:n]]
+        chunks = self._wide_chunks()
+        self._stats["steps"] += 1
+        self._stats["rows_decoded"] += n + sum(end - first for _, first, end in chunks)
+        self._logits = None
+        if not n and not chunks:
+            self._rows, self._cache, self._mask = [], None, None
+            if not self._groups:
+                self._trim_due = True
+        else:
+            positions, tokens = [], [token for _, _, token in nxt[:n]]
             if self._mask is not None:
                 positions.append(self._mask.sum(dim=1))
                 ones = torch.ones((self._mask.shape[0], 1), dtype=self._mask.dtype, device=self.device)
                 self._mask = torch.cat([self._mask, ones], dim=1)
-            for g in self._groups:
-                positions.append(torch.full((g.rows,), g.prompt_len + g.generated, dtype=torch.long, device=self.device))
-            step = StepContext(self._cache.layers if self._mask is not None else None, self._mask, self._groups)
+            for g, first, end in chunks:
+                positions.append(torch.full((end - first,), g.prompt_len + g.generated, dtype=torch.long, device=self.device))
+                tokens.extend(g.feed.tokens[first:end])
+            step = StepContext(self._cache.layers if self._mask is not None else None, self._mask, chunks)
             t_fwd = time.perf_counter()
             out = self.model(
-                input_ids=torch.tensor([t for _, _, t in nxt], device=self.device)[:, None],
+                input_ids=torch.tensor(tokens, device=self.device)[:, None],
                 position_ids=torch.cat(positions)[:, None], use_cache=False, cs_step=step,
             )
-            self._logits = out.logits[:, -1, :].float()
+            logits = out.logits[:, -1, :].float()
             self._stats["forward_seconds"] += time.perf_counter() - t_fwd
+            if n:
+                self._logits = logits[:n]
+            at = n
+            for g, first, end in chunks:
+                self._read_chunk(g, first, end, logits[at : at + end - first])
+                at += end - first
         step_seconds = time.perf_counter() - t0
         self._stats["step_seconds"] += step_seconds
         self._stats["chain_seconds"] += t_chain
         if self.on_step is not None:
             self.on_step(step_seconds, t_chain)
-
-    def _redraw(self, i: int, row: Row, logits: torch.Tensor) -> int:
-        """A ``distinct`` row whose sampled token lost its item to another row of its request earlier in this step:
-        draw again under its new mask (its allowed set only shrank; the rows of a request advance in order)."""
-        sub = logits[i : i + 1].clone()
-        apply_steps(sub, [row.cursor.step()])
-        return int(sample_row(sub[0], row.job.sampling, row.generator))
-
-    def _sample_each(self, rows: list[Row], sampled: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """Row-by-row sampling after the batched sampler failed: a row that fails alone gets NaN."""
-        out = []
-        for i in sampled:
-            try:
-                out.append(float(sample_row(logits[i], rows[i].job.sampling, rows[i].generator)))
-            except Exception as exc:
-                logger.exception("sampling a row failed")
-                self._fail_row(rows[i], f"sampling failed: {type(exc).__name__}: {exc}")
-                out.append(float("nan"))
-        return torch.tensor(out, dtype=torch.float64, device=logits.device)
-
-    def _advance_lane(self, rows: list[Row], sampled: list[int], host: list) -> dict[int, str | None]:
-        """Advance the sampled rows of the vector lane together (no item controls: their order does not matter);
-        returns row -> None, or the message of a cursor that raised."""
-        picked = [(i, int(t)) for i, t in zip(sampled, host[: len(sampled)]) if t == t and lane_of(rows[i].cursor)]
-        if not picked:
-            return {}
-        failed = advance_rows([rows[i].cursor for i, _ in picked], [t for _, t in picked])
-        return {i: failed.get(k) for k, (i, _) in enumerate(picked)}
-
-    def _advance_sampled(self, i: int, row: Row, token: int, *, advanced: bool = False,
-                         error: str | None = None) -> list[tuple[int, Row, int]]:
-        job = row.job
-        if error is not None:
-            self._fail_row(row, error)
-            return []
-        if not advanced:
-            try:
-                row.cursor.advance(token)
-            except Exception as exc:
-                logger.exception("a row's constraint failed")
-                self._fail_row(row, f"constraint failed: {type(exc).__name__}: {exc}")
-                return []
-        row.tokens.append(token)
-        job.on_event(TokenEvent(row.index, token))
-        if row.cursor.finished:
-            self._finish(row, "error" if row.cursor.error else "stop", row.cursor.error)
-        elif len(row.tokens) >= job.max_new_tokens:
-            self._finish(row, "length", row.cursor.error)
-        else:
-            return [(i, row, token)]
-        return []
-
-    def _fail_row(self, row: Row, message: str) -> None:
-        self._stats["failed_rows"] += 1
-        self._finish(row, "error", message)
-
-    def _finish(self, row: Row, reason: str, error: str | None) -> None:
-        if row.cursor.fell_back:
-            self._stats["fallback_rows"] += 1
-        job = row.job
-        job.on_event(FinishedEvent(row.index, list(row.tokens), reason, error, row.cursor.fell_back))
-        job.remaining -= 1
-        if job.remaining == 0:
-            if reason == "error" and error == "cancelled":
-                self._stats["cancelled_jobs"] += 1
-            job.on_event(DoneEvent())

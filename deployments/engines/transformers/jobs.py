@@ -17,7 +17,7 @@ from processors.masks import FREE, Step
 
 from ..protocol import EngineEvent, EngineRequest, RequestTicket
 
-__all__ = ["FREE_STEP", "UNMASKED", "Beams", "Job", "Pending", "Row"]
+__all__ = ["FREE_STEP", "UNMASKED", "Beams", "Feed", "Job", "Pending", "Row"]
 
 FREE_STEP = Step(FREE, None, 0)
 
@@ -82,6 +82,21 @@ class Beams:
 
     def worst(self) -> float:
         return self.hyps[-1][0]
+
+
+class Feed:
+    """The next step of a wide request (a :class:`.shared_kv.SharedGroup`) while its rows are read in chunks of at most
+    ``wide_step_rows`` rows per forward, the one-row requests' rows in every forward: its rows (cursors advanced),
+    the token each row reads, how many rows were read, and what they gave so far (``parts``): logits (sampled rows)
+    or each chunk's best candidates (beams)."""
+
+    __slots__ = ("rows", "tokens", "done", "parts")
+
+    def __init__(self, rows: list[Row], tokens: list[int]):
+        self.rows = rows
+        self.tokens = tokens
+        self.done = 0
+        self.parts: list = []
 
 
 @dataclass

@@ -43,20 +43,30 @@ class _OwnLayer:
         self.vbuf: torch.Tensor | None = None
         self.used = 0
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, k: torch.Tensor, v: torch.Tensor, first: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the keys/values of rows ``first ..`` (``k``: ``(c, kv_heads, t, dim)``) at the group's next positions
+        without advancing ``used`` (the other rows of the step may follow in later forwards: see
+        :meth:`SharedGroup.commit`); returns those rows' keys/values so far, the new ones included. ``rows``: the
+        group's rows (the buffer holds all of them)."""
         need = self.used + k.shape[2]
-        if self.kbuf is None or self.kbuf.shape[2] < need or self.kbuf.shape[0] != k.shape[0]:
+        if self.kbuf is None or self.kbuf.shape[2] < need or self.kbuf.shape[0] != rows:
             room = need + max(16, need // 4)
-            shape = (k.shape[0], k.shape[1], room, k.shape[3])
+            shape = (rows, k.shape[1], room, k.shape[3])
             kbuf, vbuf = k.new_empty(shape), v.new_empty(shape)
             if self.used:
                 kbuf[:, :, : self.used] = self.kbuf[:, :, : self.used]
                 vbuf[:, :, : self.used] = self.vbuf[:, :, : self.used]
             self.kbuf, self.vbuf = kbuf, vbuf
-        self.kbuf[:, :, self.used : need] = k
-        self.vbuf[:, :, self.used : need] = v
-        self.used = need
-        return self.kbuf[:, :, :need], self.vbuf[:, :, :need]
+        end = first + k.shape[0]
+        self.kbuf[first:end, :, self.used : need] = k
+        self.vbuf[first:end, :, self.used : need] = v
+        return self.kbuf[first:end, :, :need], self.vbuf[first:end, :, :need]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """All rows' keys/values of the next positions, written and counted."""
+        out = self.write(k, v, 0, k.shape[0])
+        self.used += k.shape[2]
+        return out
 
     def select(self, index: torch.Tensor) -> None:
         if self.used:
@@ -83,6 +93,7 @@ class SharedGroup:
         self.rows = rows
         self.own = [_OwnLayer() for _ in shared]
         self.start = 0  # first row of the group in the batch (set by the engine each step)
+        self.feed = None  # the engine's Feed while the group's next step is read in row chunks (engine.py)
 
     @property
     def generated(self) -> int:
@@ -97,23 +108,32 @@ class SharedGroup:
                 layer.select(index)
         self.rows = len(local)
 
+    def commit(self, tokens: int = 1) -> None:
+        """Count the positions every row has written (:meth:`_OwnLayer.write`): the step of all rows is read."""
+        for layer in self.own:
+            layer.used += tokens
+
     def nbytes(self) -> int:
         shared = sum(2 * k.numel() * k.element_size() for k, _ in (seg for layer in self.shared for seg in layer))
         return shared + sum(layer.nbytes() for layer in self.own)
 
 
 class StepContext:
-    """What :func:`attention` needs for one decode forward: the padded rows first, then each group's rows.
+    """What :func:`attention` needs for one decode forward: the padded rows first, then the wide requests' rows.
 
     Args:
         narrow: per layer, the padded rows' cache layer (``GrowingLayer``), or ``None`` when there are none.
         narrow_mask: ``(rows, columns)`` 0/1 mask of the padded rows, the new column included.
-        groups: the wide requests, in batch order after the padded rows.
+        groups: the wide requests' rows, in batch order after the padded rows: a :class:`SharedGroup` (all its rows;
+            their keys/values are appended and counted), or ``(group, first, end)``: rows ``first .. end - 1`` of the
+            group, written at its next position without counting it (the engine calls :meth:`SharedGroup.commit` once
+            every row of the step was read: a wide request's step may span several forwards, ``wide_step_rows``).
     """
 
     __slots__ = ("narrow", "narrow_rows", "narrow_mask4d", "groups")
 
-    def __init__(self, narrow: list[GrowingLayer] | None, narrow_mask: torch.Tensor | None, groups: list[SharedGroup]):
+    def __init__(self, narrow: list[GrowingLayer] | None, narrow_mask: torch.Tensor | None,
+                 groups: list[SharedGroup | tuple[SharedGroup, int, int]]):
         self.narrow = narrow
         self.narrow_rows = 0 if narrow_mask is None else narrow_mask.shape[0]
         self.narrow_mask4d = None if narrow_mask is None else narrow_mask.bool()[:, None, None, :]
@@ -167,10 +187,17 @@ def attention(module, query, key, value, attention_mask, *, scaling=None, dropou
         k, v = ctx.narrow[layer].update(key[:n], value[:n])
         out, _ = sdpa_attention_forward(module, query[:n], k, v, ctx.narrow_mask4d, scaling=scale, dropout=0.0, **kwargs)
         outs.append(out)
-    for group in ctx.groups:
-        s, e = group.start, group.start + group.rows
-        k, v = group.own[layer].append(key[s:e], value[s:e])
+    s = n
+    for entry in ctx.groups:
+        if isinstance(entry, SharedGroup):
+            group, e = entry, s + entry.rows
+            k, v = group.own[layer].append(key[s:e], value[s:e])
+        else:
+            group, first, end = entry
+            e = s + end - first
+            k, v = group.own[layer].write(key[s:e], value[s:e], first, group.rows)
         outs.append(shared_attention(query[s:e], group.shared[layer], k, v, scale))
+        s = e
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)), None
 
 
