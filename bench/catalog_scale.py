@@ -1,0 +1,261 @@
+"""Catalog tables at scale: the packed fixed-depth tables (``processors/kinds/tree/packed.py``) against today's
+``MaskTables`` (``processors.catalog_tables.catalog_tables``) and a STATIC-style kernel, in one run.
+
+For each ``--items`` size, a random catalog of 4-token semantic ids (``--codebook`` codes per level, each level its
+own range of token ids below 49,152, as semantic-id tokens are added to a vocabulary) is built. Each table format is
+compiled in its own subprocess so its compile time and peak memory are its own; then, in this process, on the same
+items:
+
+* bytes per item of each format (``MaskTables``: its arrays, ``keys`` and the per-state item metrics included);
+* the beam step's table work for ``--beams`` rows at random states of each depth: gathering every row's children
+  (tokens and targets, what ``engines/transformers/tree_beams.py`` does) and advancing every row by one of its
+  children (what the cursors do), for ``MaskTables`` (CSR gather, ``keys`` searchsorted), the packed tables
+  (:meth:`PackedTree.children`, :meth:`PackedTree.advance`) and a STATIC-style kernel written here from the paper's
+  description (the first two levels dense: a ``codebook x codebook`` table of child ids; deeper levels CSR with an
+  explicit target per edge);
+* the whole candidate ranking of the step on top (the children's logits gathered from a ``beams x 49,152`` logits
+  matrix, the row scores added, top ``2 x beams``), so the table work is seen against the step it is part of.
+
+The result is one JSON object (``rows``: one per size); progress on stderr.
+
+    python bench/catalog_scale.py [--items 1000000,10000000] [--beams 256] [--codebook 256] [--repeat 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import emit, log, peak_rss_bytes, ratio, run_json_subprocess  # noqa: E402
+
+VOCAB = 49_152
+END = 2
+DEPTH = 4
+
+
+def make_ids(n: int, codebook: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    base = 1000 + np.arange(DEPTH) * codebook  # each level its own token range
+    return (rng.integers(0, codebook, size=(n, DEPTH)) + base).astype(np.int32)
+
+
+class _Items:
+    def __init__(self, ids: np.ndarray):
+        self.start_token_id, self.end_token_id = 1, END
+        self.flat = ids.reshape(-1)
+        self.lengths = np.full(ids.shape[0], ids.shape[1], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self.lengths.size)
+
+
+def build(fmt: str, ids: np.ndarray):
+    if fmt == "packed":
+        from processors.kinds.tree.packed import PackedTree
+
+        return PackedTree.from_items(ids, END, VOCAB)
+    from processors.catalog_tables import catalog_tables
+
+    return catalog_tables(_Items(np.unique(ids, axis=0)), VOCAB)
+
+
+def mask_tables_bytes(tables) -> int:
+    from processors.tables import item_metrics
+
+    min_rem, counts, _, _ = item_metrics(tables)
+    extra = tables.__dict__.get("_max_remaining")
+    return int(tables.nbytes + min_rem.nbytes + counts.nbytes + (extra.nbytes if extra is not None else 0))
+
+
+def compile_child(fmt: str, n: int, codebook: int) -> dict:
+    """In a subprocess: compile one format, report its time and this process's peak memory above the items."""
+    ids = make_ids(n, codebook)
+    before = peak_rss_bytes()
+    t0 = time.perf_counter()
+    tables = build(fmt, ids)
+    seconds = time.perf_counter() - t0
+    nbytes = tables.nbytes if fmt == "packed" else mask_tables_bytes(tables)
+    return {"compile_s": round(seconds, 3), "peak_rss_mb": round(peak_rss_bytes() / 2**20),
+            "peak_above_items_mb": round((peak_rss_bytes() - before) / 2**20), "bytes": nbytes}
+
+
+# -- the step's table work --------------------------------------------------------------------------------------
+def old_children(tables, states: np.ndarray):
+    offsets = tables.offsets
+    lo = offsets[states]
+    lens = offsets[states + 1] - lo
+    ends = np.cumsum(lens)
+    edge = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(lo + lens - ends, lens)
+    row = np.repeat(np.arange(states.size, dtype=np.int64), lens)
+    return row, tables.tokens[edge].astype(np.int64), tables.next_state[edge]
+
+
+def old_advance(tables, states: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    keys = states * tables.key_base + tokens
+    i = np.minimum(np.searchsorted(tables.keys, keys), tables.keys.size - 1)
+    return np.where(tables.keys[i] == keys, tables.next_state[i], -1)
+
+
+class StaticKernel:
+    """STATIC-style tables for the bench: levels 0 and 1 dense (child id per code, -1 absent), deeper levels CSR
+    with tokens and an explicit target per edge (int32), states numbered per level."""
+
+    def __init__(self, ids: np.ndarray, codebook: int):
+        ids = np.unique(ids, axis=0)
+        base = 1000 + np.arange(DEPTH) * codebook
+        c = ids - base
+        self.codebook, self.base = codebook, base
+        self.dense1 = np.full((1, codebook), -1, dtype=np.int32)  # root -> level-1 state (= code)
+        self.dense1[0, np.unique(c[:, 0])] = np.unique(c[:, 0])
+        self.dense2 = np.full((codebook, codebook), -1, dtype=np.int32)  # level-1 state x code -> level-2 state
+        pair = np.unique(c[:, 0] * codebook + c[:, 1])
+        self.dense2.reshape(-1)[pair] = np.arange(pair.size, dtype=np.int32)
+        s2 = np.searchsorted(pair, c[:, 0] * codebook + c[:, 1])
+        # level 2 -> 3 CSR, level 3 -> leaf CSR
+        k3 = np.unique(s2.astype(np.int64) * codebook + c[:, 2])
+        self.off2 = np.zeros(pair.size + 1, dtype=np.int64)
+        np.cumsum(np.bincount(k3 // codebook, minlength=pair.size), out=self.off2[1:])
+        self.tok2 = (k3 % codebook + base[2]).astype(np.int32)
+        self.nxt2 = np.arange(k3.size, dtype=np.int32)
+        s3 = np.searchsorted(k3, s2.astype(np.int64) * codebook + c[:, 2])
+        k4 = np.unique(s3.astype(np.int64) * codebook + c[:, 3])
+        self.off3 = np.zeros(k3.size + 1, dtype=np.int64)
+        np.cumsum(np.bincount(k4 // codebook, minlength=k3.size), out=self.off3[1:])
+        self.tok3 = (k4 % codebook + base[3]).astype(np.int32)
+        self.nxt3 = np.full(k4.size, -1, dtype=np.int32)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.dense1, self.dense2, self.off2, self.tok2, self.nxt2, self.off3,
+                                      self.tok3, self.nxt3))
+
+    def children(self, level: int, states: np.ndarray):
+        if level == 0:
+            row, code = np.nonzero(self.dense1[np.zeros(states.size, dtype=np.int64)] >= 0)
+            return row, code + self.base[0], self.dense1[0, code]
+        if level == 1:
+            rows = self.dense2[states]
+            row, code = np.nonzero(rows >= 0)
+            return row, code + self.base[1], rows[row, code]
+        off, tok, nxt = (self.off2, self.tok2, self.nxt2) if level == 2 else (self.off3, self.tok3, self.nxt3)
+        lo = off[states]
+        lens = off[states + 1] - lo
+        ends = np.cumsum(lens)
+        edge = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(lo + lens - ends, lens)
+        return np.repeat(np.arange(states.size), lens), tok[edge], nxt[edge]
+
+
+def timed(fn, repeat: int) -> float:
+    fn()
+    best = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best.append(time.perf_counter() - t0)
+    best.sort()
+    return best[len(best) // 2]
+
+
+def rank(row: np.ndarray, token: np.ndarray, logits, scores, k: int):
+    import torch
+
+    r = torch.from_numpy(row)
+    t = torch.from_numpy(np.asarray(token, dtype=np.int64))
+    cand = logits[r, t] + scores[r]
+    return torch.topk(cand, min(k, cand.numel()))
+
+
+def step_rows(n: int, codebook: int, beams: int, repeat: int) -> dict:
+    import torch
+
+    from processors.kinds.tree.packed import PackedTree
+
+    ids = make_ids(n, codebook)
+    old = build("old", ids)
+    packed = PackedTree.from_items(ids, END, VOCAB)
+    static = StaticKernel(ids, codebook)
+    rng = np.random.default_rng(1)
+    logits = torch.randn(beams, VOCAB)
+    scores = torch.randn(beams)
+    out = {}
+    for level in range(DEPTH):
+        # the same `beams` paths in each format: the states reached by random items' first `level` tokens
+        pick = ids[rng.integers(0, n, size=beams)]
+        o_states = np.full(beams, old.root, dtype=np.int64)
+        p_states = np.zeros(beams, dtype=np.int64)
+        s_states = np.zeros(beams, dtype=np.int64)
+        for d in range(level):
+            o_states = np.asarray([old.step(int(s), int(t)) for s, t in zip(o_states, pick[:, d])])
+            p_states = packed.advance(p_states, pick[:, d])
+            if d == 0:
+                s_states = pick[:, 0] - static.base[0]
+            elif d == 1:
+                s_states = static.dense2[s_states, pick[:, 1] - static.base[1]].astype(np.int64)
+        o_row, o_tok, _ = old_children(old, o_states)
+        p_row, p_tok, _ = packed.children(p_states)
+        assert np.array_equal(o_tok, p_tok) and np.array_equal(o_row, p_row), "formats disagree"
+        nxt_tok = pick[:, level]
+        t_old = timed(lambda: old_children(old, o_states), repeat)
+        t_packed = timed(lambda: packed.children(p_states), repeat)
+        t_old_adv = timed(lambda: old_advance(old, o_states, nxt_tok), repeat)
+        t_packed_adv = timed(lambda: packed.advance(p_states, nxt_tok), repeat)
+        assert np.array_equal(np.maximum(old_advance(old, o_states, nxt_tok), -1) >= 0,
+                              packed.advance(p_states, nxt_tok) >= 0)
+        row = {"children": int(o_tok.size),
+               "gather_ms": {"mask_tables": round(t_old * 1e3, 3), "packed": round(t_packed * 1e3, 3)},
+               "advance_ms": {"mask_tables": round(t_old_adv * 1e3, 3), "packed": round(t_packed_adv * 1e3, 3)},
+               "packed_vs_mask_tables": {"gather": ratio(t_packed, t_old), "advance": ratio(t_packed_adv, t_old_adv)}}
+        if level < 2:
+            t_static = timed(lambda: static.children(level, s_states), repeat)
+            row["gather_ms"]["static"] = round(t_static * 1e3, 3)
+            row["packed_vs_mask_tables"]["static_gather"] = ratio(t_static, t_old)
+        t_rank_old = timed(lambda: rank(*old_children(old, o_states)[:2], logits, scores, 2 * beams), repeat)
+        t_rank_packed = timed(lambda: rank(*packed.children(p_states)[:2], logits, scores, 2 * beams), repeat)
+        row["step_ms"] = {"mask_tables": round(t_rank_old * 1e3, 3), "packed": round(t_rank_packed * 1e3, 3)}
+        row["packed_vs_mask_tables"]["step"] = ratio(t_rank_packed, t_rank_old)
+        out[f"depth_{level}"] = row
+        log(f"  depth {level}: {row}")
+    # the STATIC kernel's CSR levels, timed on its own state numbering (random states of each level)
+    for level, off in ((2, static.off2), (3, static.off3)):
+        states = rng.integers(0, off.size - 1, size=beams)
+        out[f"depth_{level}"]["gather_ms"]["static"] = round(timed(lambda: static.children(level, states), repeat) * 1e3, 3)
+    out["static_bytes_per_item"] = round(static.nbytes / n, 2)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--items", default="1000000,10000000")
+    ap.add_argument("--beams", type=int, default=256)
+    ap.add_argument("--codebook", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--child", nargs=3, metavar=("FORMAT", "ITEMS", "CODEBOOK"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        emit(compile_child(args.child[0], int(args.child[1]), int(args.child[2])))
+        return
+    rows = []
+    for n in [int(x) for x in args.items.split(",")]:
+        log(f"{n:,} items")
+        row: dict = {"items": n}
+        for fmt in ("mask_tables", "packed"):
+            res = run_json_subprocess([__file__, "--child", "packed" if fmt == "packed" else "old", str(n),
+                                       str(args.codebook)], timeout=3600)
+            res["bytes_per_item"] = round(res.pop("bytes") / n, 2)
+            row[fmt] = res
+            log(f"  {fmt}: {res}")
+        row["bytes_ratio"] = ratio(row["packed"]["bytes_per_item"], row["mask_tables"]["bytes_per_item"])
+        row["compile_ratio"] = ratio(row["packed"]["compile_s"], row["mask_tables"]["compile_s"])
+        row["step"] = step_rows(n, args.codebook, args.beams, args.repeat)
+        rows.append(row)
+    emit({"bench": "catalog_scale", "beams": args.beams, "codebook": args.codebook, "depth": DEPTH, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
