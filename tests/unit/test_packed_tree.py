@@ -102,3 +102,19 @@ def test_bytes_per_item_of_four_token_ids():
     packed = PackedTree.from_items(rng.integers(1000, 2024, size=(200_000, 4)), END, 49152)
     assert packed.codes.dtype == np.uint16 and packed.offsets.dtype == np.uint32
     assert packed.nbytes / packed.n_items < 16  # about 77 for MaskTables with its keys, targets and metrics
+
+
+def test_wide_token_spans_take_the_lexsort_path():
+    """Columns whose spans do not fit 63 bits together are sorted column by column: the same tables."""
+    rng = np.random.default_rng(3)
+    ids = rng.integers(3, 151_000, size=(5000, 5))  # 5 x 18 bits: over 63
+    ids[::7] = ids[1::7][: ids[::7].shape[0]]  # some duplicates
+    packed = PackedTree.from_items(ids, END, 151_000)
+    unique = np.unique(ids, axis=0)
+    assert packed.n_items == len(unique)
+    for item in unique[:200]:
+        state = packed.root
+        for token in item.tolist():
+            assert token in packed.allowed(state).tolist()
+            state = packed.step(state, token)
+        assert state == LEAF

@@ -32,9 +32,29 @@ DONE = -2
 
 
 def _sorted_unique_rows(ids: np.ndarray) -> np.ndarray:
-    """``ids`` (items x depth) sorted by path, duplicates dropped."""
+    """``ids`` (items x depth) sorted by path, duplicates dropped. When every column's span of ids fits together in
+    63 bits (semantic ids: a few bits per level), the rows are packed into one integer each, column 0 highest, and
+    sorted as integers (one ``np.sort``); otherwise the columns are lexsorted."""
     if ids.shape[0] <= 1:
         return ids
+    low = ids.min(axis=0).astype(np.int64)
+    bits = [max(int(span).bit_length(), 1) for span in (ids.max(axis=0).astype(np.int64) - low)]
+    if sum(bits) <= 63:
+        shifts = np.cumsum([0] + bits[::-1])[:-1][::-1]  # column c sits above the columns after it
+        key = np.zeros(ids.shape[0], dtype=np.int64)
+        for col, shift in enumerate(shifts):
+            key |= (ids[:, col].astype(np.int64) - low[col]) << int(shift)
+        key.sort()  # (np.unique would hash first: several times slower here)
+        if key.size > 1:
+            keep = np.empty(key.size, dtype=bool)
+            keep[0] = True
+            np.not_equal(key[1:], key[:-1], out=keep[1:])
+            if not keep.all():
+                key = key[keep]
+        out = np.empty((key.size, ids.shape[1]), dtype=ids.dtype)
+        for col, shift in enumerate(shifts):
+            out[:, col] = ((key >> int(shift)) & ((1 << bits[col]) - 1)) + low[col]
+        return out
     order = np.lexsort(ids.T[::-1])
     ids = ids[order]
     same = np.ones(ids.shape[0] - 1, dtype=bool)
