@@ -19,7 +19,7 @@ bash scripts/setup.sh
 echo "test: running pytest"
 status=0
 # tests/vllm needs vLLM, which lives in its own virtualenv (.venv-vllm): it runs below, not here.
-.venv/bin/python -m pytest tests --ignore=tests/vllm -q -rs "$@" || status=$?
+.venv/bin/python -m pytest tests --ignore=tests/vllm -q -rs --durations=30 "$@" || status=$?
 # The vLLM engine backend's tier.
 if [ -n "$vllm_setup_pid" ]; then
     setup_status=0
