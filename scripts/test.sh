@@ -12,7 +12,7 @@ vllm_setup_log=""
 if [ "${SKIP_VLLM:-}" != "1" ]; then
     vllm_setup_log="$(mktemp -t setup_vllm.XXXXXX.log)"
     echo "test: building the vLLM tier's virtualenv in the background (log: $vllm_setup_log)"
-    bash scripts/setup_vllm.sh >"$vllm_setup_log" 2>&1 &
+    nice -n 19 bash scripts/setup_vllm.sh >"$vllm_setup_log" 2>&1 &  # lowest priority: the tests come first
     vllm_setup_pid=$!
 fi
 bash scripts/setup.sh
