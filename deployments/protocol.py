@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 __all__ = [
     "ChatMessage",
@@ -143,6 +143,10 @@ class GenerateRequest(_Strict):
     body, e.g. from an OpenAI ``response_format``) may be set; neither means unconstrained.
     Sampling fields left ``None`` take the scenario's defaults, then the server's.
     """
+
+    #: the client that sent it, as the ingress's per-client bounds count it (``InflightPerClient``); set by the
+    #: ingress (``hold_rows``), carried to the replica with the request, never part of the API
+    _client: str | None = PrivateAttr(default=None)
 
     scenario: str | None = Field(default=None, description="Name of a stored scenario.")
     inline_scenario: dict[str, Any] | None = Field(

@@ -81,6 +81,9 @@ class EngineRequest:
     #: an engine that reports log-probabilities itself (``Engine.reports_logprobs``): the alternatives per token
     #: each :class:`FinishedEvent` carries in ``logprobs`` (0: the chosen token's only); ``None``: not asked
     logprobs: int | None = None
+    #: who sent it (the ingress's client identity, :mod:`deployments.guards`), for an engine that shares its
+    #: admission fairly between clients; ``None``: unknown
+    client: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

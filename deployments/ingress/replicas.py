@@ -296,6 +296,7 @@ class ReplicaCalls:
             logger.error("route %s generates but is not in guards.GENERATE_PATHS", http.scope.get("path"))
             raise ServiceError(500, "internal error: this route is not counted per client")
         client = str(http.scope.get(CLIENT_SCOPE_KEY)) if http is not None else "unknown"
+        request._client = client  # the engine shares its admission between clients (EngineRequest.client)
         rows = max(request.n, request.num_beams)
         await self.rows.acquire(client, rows)
         self._calls += 1

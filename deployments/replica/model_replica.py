@@ -253,7 +253,8 @@ class ModelReplica:
         items = admit_item_controls(req, compiled, max_new, limits, self.settings.engine)  # exclude, distinct, budget
         engine_request = EngineRequest(prompt_ids=prompt_ids, compiled=compiled, max_new_tokens=max_new,
                                        sampling=sampling, n=req.n, num_beams=req.num_beams, items=items,
-                                       logprobs=req.logprobs if self.engine.reports_logprobs else None)
+                                       logprobs=req.logprobs if self.engine.reports_logprobs else None,
+                                       client=req._client)
         too_large = self.engine.admission_error(engine_request)
         if too_large is not None:
             raise ServiceError(422, too_large, {"field": "num_beams" if req.num_beams > 1 else "n",

@@ -113,7 +113,7 @@ class CheckedRun:
         seed = None if s.seed is None else (s.seed + req.n * (attempt - 1) + index) % (2 ** 63)
         return EngineRequest(prompt_ids=req.prompt_ids, compiled=req.compiled, max_new_tokens=max_new_tokens,
                              sampling=SamplingParams(temperature=temperature, top_p=s.top_p, top_k=s.top_k, seed=seed),
-                             n=1, num_beams=1, logprobs=req.logprobs)
+                             n=1, num_beams=1, logprobs=req.logprobs, client=req.client)
 
     async def events(self) -> AsyncIterator[Any]:
         """The engine's events (``TokenEvent``, ``FinishedEvent``, then ``DoneEvent``; or an ``ErrorEvent``) for

@@ -72,6 +72,25 @@ class AdmissionMixin:
     def _bytes_in_use(self) -> int:
         return sum(self.job_bytes(j.request) for j in self._jobs_in_use())
 
+    def _fair_order(self) -> list[Pending]:
+        """The waiting requests in the order they are offered room: one request of each client in turn (round robin),
+        the clients with fewer rows running first, each client's own requests first come first served. One
+        client's burst (up to its ``max_inflight_rows_per_client`` at the ingress) then fills the room only while
+        nobody else waits: another client's request takes one of the next rows that free up instead of waiting
+        behind the whole burst."""
+        if len(self._waiting) < 2:
+            return self._waiting
+        queues: dict[str | None, list[Pending]] = {}
+        for p in self._waiting:
+            queues.setdefault(p.job.request.client, []).append(p)
+        if len(queues) < 2:
+            return self._waiting
+        running: dict[str | None, int] = {}
+        for job in self._jobs_in_use():
+            running[job.request.client] = running.get(job.request.client, 0) + job.width
+        turns = sorted(queues.values(), key=lambda q: running.get(q[0].job.request.client, 0))  # stable
+        return [q[i] for i in range(max(map(len, turns))) for q in turns if i < len(q)]
+
     def _admit(self) -> None:
         room = self.max_batch_size - self._narrow_rows - (self._padded_width(self._chunking.job) if self._chunking else 0)
         memory = wide = 0
@@ -83,7 +102,7 @@ class AdmissionMixin:
         admitted: list[tuple[Pending, list[Row]]] = []
         keep: list[Pending] = []
         empty = not self._rows and not self._groups and self._chunking is None
-        for p in self._waiting:
+        for p in self._fair_order():
             job = p.job
             if job.cancelled.is_set():
                 if isinstance(p.rows, Future):
