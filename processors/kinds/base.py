@@ -157,3 +157,10 @@ class ConstraintKind(ABC):
         ``names``, ``parallel``), from its :attr:`CompileResult.extras`; None: as text. A scenario with a plan
         brings its own tools (a request may not add any) and its stream's token events say so."""
         return None
+
+    def output_check(self, constraint: Any) -> Any | None:
+        """What checks a finished output of ``constraint`` (the replica generates an output that fails again,
+        ``deployments/replica/regenerate.py``): an object with ``output_error(text)`` (why the text is not a valid
+        output, None when it is) and ``exact`` (whether the grammar alone already guarantees it). None: nothing to
+        check."""
+        return None
