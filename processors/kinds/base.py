@@ -164,3 +164,8 @@ class ConstraintKind(ABC):
         output, None when it is) and ``exact`` (whether the grammar alone already guarantees it). None: nothing to
         check."""
         return None
+
+    def llguidance_grammar(self, constraint: Any) -> str | None:
+        """The llguidance grammar (its JSON text) that ``constraint`` enforces, for an engine that can hand it to its
+        own guidance backend (vLLM's, ``vllm_grammar: guidance``); None: the engine masks the rows itself."""
+        return None

@@ -26,3 +26,6 @@ class GrammarKind(ConstraintKind):
     def output_check(self, constraint) -> GrammarSpec | None:
         """The spec itself when it validates finished outputs (the JSON kinds: :attr:`GrammarSpec.validates`)."""
         return constraint if constraint.validates else None
+
+    def llguidance_grammar(self, constraint) -> str:
+        return constraint.grammar
