@@ -2,7 +2,7 @@
 
 A synthetic tree of ``--keys`` keys (as bench/compile.py makes them) is compiled in this process and ``ray.put``
 once, as the config manager does (``deployments/manager/served.py:object_ref``). Then, for 1 and for 2 reader
-actors on this node, each actor fetches it the way a model replica does (``deployments/replica/model_replica.py:_fetch``: it
+actors on this node, each actor fetches it the way a model replica does (``deployments/replica/subscriber.py:_fetch``: it
 awaits the reference) and reads every byte of every array (as decoding over the whole catalog eventually would),
 and reports its resident (RSS), proportional (PSS) and unique (USS) memory from ``/proc/self/smaps_rollup``,
 before the fetch and after the read. For comparison in the same run, one actor makes a private copy of the arrays

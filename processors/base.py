@@ -23,7 +23,11 @@ import torch
 
 from .masks import Step, apply_steps
 
-__all__ = ["Cursor", "CursorLogitsProcessor", "expand_per_row"]
+__all__ = ["LANE_BUDGET", "LANE_OFF", "LANE_PLAIN", "Cursor", "CursorLogitsProcessor", "expand_per_row"]
+
+# the vector lane a row takes (:mod:`processors.lanes`, :meth:`Cursor.vector_lane`): its own step and advance, the
+# lane, the lane with a token budget
+LANE_OFF, LANE_PLAIN, LANE_BUDGET = 0, 1, 2
 
 
 class Cursor(ABC):
@@ -63,6 +67,25 @@ class Cursor(ABC):
     @abstractmethod
     def copy(self) -> "Cursor":
         """An independent cursor in the same state (used when beams are duplicated)."""
+
+    # -- capabilities the engines ask for (safe defaults: none) ----------------------------------------------
+    def vector_lane(self) -> int:
+        """The vector lane (:mod:`processors.lanes`) this bound cursor's row takes, asked once when its row is built:
+        :data:`LANE_OFF` (its own :meth:`step` and :meth:`advance`), :data:`LANE_PLAIN` or :data:`LANE_BUDGET`
+        (with a token budget). A cursor in a lane walks a :class:`~processors.tables.MaskTables` and exposes what
+        the lane reads and writes: ``tables``, ``state``, ``remaining``, ``path`` and ``last_edge``."""
+        return LANE_OFF
+
+    def item_position(self) -> object | None:
+        """Where the row stands among its items, for the rows of a ``distinct`` request that draw their tokens in
+        turn: rows at equal positions choose among the same items; ``None``: it may meet any of them (every row of
+        the request draws in turn)."""
+        return None
+
+    def release_item(self) -> None:
+        """Give back the item this row of a ``distinct`` request occupies (the row is dropped before it ends); its
+        finished items stay taken. Nothing for a cursor without items."""
+        return None
 
 
 def expand_per_row(items: Sequence, n_rows: int, what: str = "entries") -> list:

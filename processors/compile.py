@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import registry
-from .kinds.base import Capabilities
+from .kinds.base import Capabilities, ConstraintKind
 from .tables import content_hash
 from .think import ThinkSpec, compile_think
 from .special_tokens import contains_special_tokens, encode_chat, encode_segments
@@ -49,10 +49,10 @@ class CompiledScenario:
         vocab_size: the tokenizer vocabulary the scenario was compiled for.
         start_token_id: tree root token appended to the prompt (``append_start_token``), else ``None``.
         settings: generation defaults and ``system_prompt`` carried by the scenario.
-        tools: a stored tool set (the ``tools`` kind): ``mode``, ``names``, ``parallel`` (how an output is read as
-            tool calls, :class:`deployments.tool_calls.ToolPlan`) and ``prompt_tools`` (the tools rendered into
-            a chat prompt); ``None`` for every other kind. It travels with the compiled version, so a request
-            is read with the tools of the version that decoded it.
+        extras: what the kind keeps beside its compiled object (:attr:`~processors.kinds.base.CompileResult.extras`,
+            JSON data: a stored tool set's tools for the prompt and how its output is read), read back through
+            the kind's hooks (:attr:`constraint_kind`); ``None`` for most kinds. It travels with the compiled
+            version (and is part of it), so a request is read as the version that decoded it says.
     """
 
     kind: str
@@ -62,7 +62,7 @@ class CompiledScenario:
     vocab_size: int
     start_token_id: int | None = None
     settings: dict[str, Any] = field(default_factory=dict)
-    tools: dict[str, Any] | None = None
+    extras: dict[str, Any] | None = None
     version: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -77,7 +77,7 @@ class CompiledScenario:
                 self.vocab_size,
                 self.start_token_id,
                 sorted(self.settings.items()),
-                *([json.dumps(self.tools, sort_keys=True)] if self.tools is not None else []),
+                *([json.dumps(self.extras, sort_keys=True)] if self.extras is not None else []),
             ),
         )
 
@@ -89,6 +89,15 @@ class CompiledScenario:
             return registry.get(self.kind).capabilities
         except ValueError:
             return Capabilities()
+
+    @property
+    def constraint_kind(self) -> ConstraintKind | None:
+        """This scenario's kind (:class:`~processors.kinds.base.ConstraintKind`), whose hooks read its compiled
+        object and extras; None for a kind not registered."""
+        try:
+            return registry.get(self.kind)
+        except ValueError:
+            return None
 
     @property
     def end_token_id(self) -> int:
@@ -144,7 +153,7 @@ def compile_scenario(scenario, tokenizer, *, model_config=None, grammar_worker=N
         vocab_size=info.vocab_size,
         start_token_id=built.start_token_id,
         settings=settings,
-        tools=built.tools,
+        extras=built.extras,
     )
 
 
@@ -186,15 +195,16 @@ def build_prompt_ids(
     unless ``special_tokens_in_content``: only the chat template's own markers are control tokens (see
     :mod:`processors.special_tokens`). Text that spells none is tokenized as it always was.
     ``tokenizer``: a tokenizer or its :class:`TokenizerInfo`. ``tools`` (OpenAI function tools) and tool-call
-    turns in ``messages`` are rendered by :func:`processors.tool_prompt.render_tools`; without ``tools``, a stored
-    tool set's (``compiled.tools``) are.
+    turns in ``messages`` are rendered by :func:`processors.tool_prompt.render_tools`; without ``tools``, the
+    scenario's own (its kind's :meth:`~processors.kinds.base.ConstraintKind.prompt_tools`: a stored tool set's) are.
 
     ``max_text_bytes``: a text (the rendered chat, or the prompt) longer than this in UTF-8 bytes raises
     :class:`PromptTooLong` before it is tokenized (tokenizing is linear but slow: seconds for megabytes).
     """
     tokenizer = hf_tokenizer(tokenizer)
-    if tools is None and compiled is not None and compiled.tools is not None:
-        tools = compiled.tools["prompt_tools"]
+    if tools is None and compiled is not None and compiled.extras is not None:
+        kind = compiled.constraint_kind
+        tools = kind.prompt_tools(compiled.extras) if kind is not None else None
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt or messages")
     settings = compiled.settings if compiled is not None else {}

@@ -317,6 +317,9 @@ class LabelCursor(Cursor):
         if self.remaining is not None:
             self.remaining -= n
 
+    def item_position(self) -> int:
+        return self.state
+
     def _fits(self, state: int, ids: np.ndarray, lo: int, hi: int) -> np.ndarray:
         """The budget rule on a state's candidates ``ids`` (edges ``lo:hi``): the shortest label not yet emitted
         below each edge must still fit in the tokens left (the label counted from this state; the end token

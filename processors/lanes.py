@@ -4,15 +4,15 @@ A batch's rows are :class:`processors.RowCursor` objects (each the truth about i
 lane* are masked and advanced with a few array operations over all of them at once instead of one
 ``cursor.step()`` / ``cursor.advance()`` call per row:
 
-* a tree row (:class:`processors.tree.TreeCursor`) without per-request item controls (no ``exclude``,
-  ``distinct`` or multi-item rules; a token budget is fine: the budget rule is one more vector comparison);
-* a single-label row (:class:`processors.labels.LabelCursor`, not multi-label, no item controls);
+* a row whose constraint cursor says it walks :class:`~processors.tables.MaskTables` in the lane
+  (:meth:`processors.base.Cursor.vector_lane`, asked once per row: a tree or single-label row without
+  per-request item controls; a token budget is fine: the budget rule is one more vector comparison);
 * and no think block (a think row keeps the per-row path, as do grammar rows and rows with item controls).
 
 Per step, for the lane rows: their states are read from the cursors with one ``map`` (no Python code per row),
 the allowed ids of every row are one CSR gather (``tokens[offsets[s]:offsets[s+1]]`` for all ``s`` at once), the
 budget rule masks an edge whose target needs more tokens than are left (``min_remaining[target] <= remaining``,
-``DONE`` counting 0 and ``LEAF`` 1: the rule of :meth:`TreeCursor._filter`), and the result goes into the
+``DONE`` counting 0 and ``LEAF`` 1: the rule the cursors apply one by one), and the result goes into the
 batch's :class:`~processors.masks.MaskBatch` next to the per-row steps of the other rows. Advancing is one
 ``searchsorted`` of ``state * key_base + token`` into the tables' sorted keys; rows whose token is an ordinary
 edge into a state get their new state written back with one ``map(setattr, ...)``; the rare rest (the end token,
@@ -34,6 +34,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .base import LANE_BUDGET, LANE_OFF, LANE_PLAIN, Cursor
 from .masks import FREE, MaskBatch, MaskBuffer, Step, apply_steps
 from .tables import DONE, MaskTables
 
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["advance_rows", "lane_code", "lane_of", "mask_rows"]
 
-OFF, PLAIN, BUDGET = 0, 1, 2  # lane codes: per-row path, vector lane, vector lane with a token budget
+OFF, PLAIN, BUDGET = LANE_OFF, LANE_PLAIN, LANE_BUDGET  # lane codes: per-row path, vector lane, with a token budget
 
 _constraint = attrgetter("constraint")
 _done = attrgetter("done")
@@ -57,21 +58,12 @@ def lane_of(row) -> int:
 
 
 def lane_code(row) -> int:
-    """Which path a freshly built :class:`RowCursor` takes (after its item controls are bound); copies keep it."""
-    from .tree import TreeCursor
-
+    """Which path a freshly built :class:`RowCursor` takes (after its item controls are bound); copies keep it: its
+    constraint's own answer (:meth:`~processors.base.Cursor.vector_lane`), for a row without a think block."""
     if getattr(row, "think", None) is not None or getattr(row, "compiled", None) is None:
         return OFF
     c = getattr(row, "constraint", None)
-    if type(c) is TreeCursor:
-        if getattr(c, "_plain", True):
-            return PLAIN
-        rules = getattr(c, "rules", None)
-        if (getattr(c, "request", None) is None and getattr(c, "local", None) is None
-                and (rules is None or getattr(rules, "max_items", 1) <= 1) and getattr(c, "remaining", None) is not None):
-            return BUDGET
-        return OFF
-    return OFF  # grammar rows, multi-label rows (LabelCursor) and anything else: per row
+    return c.vector_lane() if isinstance(c, Cursor) else OFF  # grammar and multi-label rows: per row
 
 
 _tables = attrgetter("tables")
@@ -212,7 +204,7 @@ def _lane_masks(batch: MaskBatch, lane_rows: list, lane: np.ndarray, width: int)
             left = budget[pos] if pos is not None else budget
             tight = left <= _max_min_remaining(tables)
             if tight.any():
-                # the budget rule (processors.tree.TreeCursor._filter): the target's shortest way to an item's
+                # the budget rule (the cursors' own, per row): the target's shortest way to an item's
                 # end (DONE 0, LEAF 1) must fit in the tokens left; rows with more left than any such way skip it
                 nxt = tables.next_state[edge]
                 need = np.where(nxt >= 0, tables.min_remaining[np.maximum(nxt, 0)],  # type: ignore[attr-defined]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Cursor, CursorLogitsProcessor, as_ids
+from .base import LANE_BUDGET, LANE_OFF, LANE_PLAIN, Cursor, CursorLogitsProcessor, as_ids
 from .items import ItemBook, ItemRequest, ItemRules, terminal_of
 from .masks import ALLOW, Step
 from .tables import DONE, LEAF, MaskTables, item_metrics
@@ -327,6 +327,26 @@ class TreeCursor(Cursor):
         after another row of its request took an item in the same step)."""
         payload = self.step().payload
         return payload is None or bool(np.any(payload == token))
+
+    def vector_lane(self) -> int:
+        """The plain lane without item controls; the budget lane with a token budget only (no ``exclude``,
+        ``distinct`` or multi-item rules); else its own path."""
+        if self._plain:
+            return LANE_PLAIN
+        if self.request is None and self.local is None and self.rules.max_items <= 1 and self.remaining is not None:
+            return LANE_BUDGET
+        return LANE_OFF
+
+    def item_position(self) -> int | None:
+        """Its state; ``None`` under multi-item rules (a row that ends an item may start the next one at the root)."""
+        return None if self.rules.max_items > 1 else self.state
+
+    def release_item(self) -> None:
+        request = self.request
+        if request is None or not request.distinct or self.finished:
+            return
+        if self.path:
+            request.book.add(self.path, -1)
 
     def copy(self) -> "TreeCursor":
         new = TreeCursor.__new__(TreeCursor)

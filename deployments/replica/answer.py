@@ -1,12 +1,12 @@
-"""How a replica shapes an answer for its client: the label form, the thinking/answer split, stop strings.
+"""How a replica shapes an answer for its client: the answer form, the thinking/answer split, stop strings.
 
 Three small pieces :mod:`deployments.replica` applies around the engine, none of which changes what is decoded
 under a constraint:
 
-* :func:`answer_form` picks the tokenization of a label scenario that fits what precedes the answer: the bare
-  form (``Sports``) after a chat template's assistant header, after a think end marker ending in whitespace or
-  after raw text ending in whitespace; the spaced form (`` Sports``) after other raw text. Both forms are
-  compiled with the scenario (:meth:`processors.labels.LabelTables.for_prompt`).
+* :func:`answer_form` picks the tokenization of the answer that fits what precedes it, for a kind with two forms
+  (:meth:`processors.kinds.base.ConstraintKind.answer_form`: a label set's): the bare form (``Sports``) after a
+  chat template's assistant header, after a think end marker ending in whitespace or after raw text ending in
+  whitespace; the spaced form (`` Sports``) after other raw text. Both forms are compiled with the scenario.
 * :func:`split_thinking` splits a think scenario's output into the thinking text and the answer after the end
   marker (``reasoning_content`` / ``content`` on the OpenAI routes).
 * :class:`TextWatch` follows one output's text as tokens arrive: what may be streamed now (holding back a tail
@@ -24,34 +24,34 @@ __all__ = ["IncrementalDecoder", "TextWatch", "answer_form", "form_for_tokens", 
 
 
 def answer_form(compiled: Any, *, chat: bool, prompt: str | None) -> Any:
-    """``compiled`` with the label form that fits the prompt (itself when the kind has one form only)."""
-    constraint = getattr(compiled, "constraint", None)
-    for_prompt = getattr(constraint, "for_prompt", None)
-    if for_prompt is None:
+    """``compiled`` with the answer form that fits the prompt (itself when the kind has one form only)."""
+    kind = compiled.constraint_kind if compiled is not None and compiled.constraint is not None else None
+    if kind is None:
         return compiled
     if compiled.think is not None:
         bare = compiled.think.end[-1:].isspace()
     else:
         bare = chat or (prompt or "")[-1:].isspace()
-    chosen = for_prompt(bare)
-    return compiled if chosen is constraint else dataclasses.replace(compiled, constraint=chosen)
+    return _with_form(compiled, kind, bare)
 
 
 def form_for_tokens(compiled: Any, token_ids: list[int]) -> Any:
-    """``compiled`` with the label form that produced ``token_ids`` (an output replayed without its prompt, as the
-    web console's playground does): a think scenario's form follows its end marker; otherwise the bare form when
-    the first token starts a label only in that form."""
-    constraint = getattr(compiled, "constraint", None)
-    bare_form = getattr(constraint, "bare_form", None)
-    if bare_form is None:
+    """``compiled`` with the answer form that produced ``token_ids`` (an output replayed without its prompt, as the
+    web console's playground does): a think scenario's form follows its end marker; otherwise the kind tells by the
+    first token (:meth:`~processors.kinds.base.ConstraintKind.bare_output`)."""
+    kind = compiled.constraint_kind if compiled is not None and compiled.constraint is not None else None
+    if kind is None:
         return compiled
     if compiled.think is not None:
         bare = compiled.think.end[-1:].isspace()
     else:
-        first = int(token_ids[0]) if token_ids else None
-        bare = (first is not None and first in bare_form.tables.allowed(bare_form.tables.root)
-                and first not in constraint.tables.allowed(constraint.tables.root))
-    chosen = constraint.for_prompt(bare)
+        bare = kind.bare_output(compiled.constraint, int(token_ids[0]) if token_ids else None)
+    return _with_form(compiled, kind, bare)
+
+
+def _with_form(compiled: Any, kind: Any, bare: bool) -> Any:
+    constraint = compiled.constraint
+    chosen = kind.answer_form(constraint, bare)
     return compiled if chosen is constraint else dataclasses.replace(compiled, constraint=chosen)
 
 

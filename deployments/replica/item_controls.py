@@ -1,6 +1,7 @@
-"""Admission of a request's item controls (``exclude``, ``distinct``) and of its token budget for tree and label
-scenarios: the checks that turn bad input into a 4xx naming the field, and the shared
-:class:`processors.items.ItemRequest` the engine hands to the request's rows. Rules: ``docs/design.md``,
+"""Admission of a request's item controls (``exclude``, ``distinct``) and of its token budget for the scenarios
+whose kind has items (``capabilities.items``; the kind names their tables and any refusal): the checks that turn
+bad input into a 4xx naming the field, and the shared :class:`processors.items.ItemRequest` the engine hands to
+the request's rows. Rules: ``docs/design.md``,
 "Item controls".
 """
 
@@ -15,20 +16,21 @@ __all__ = ["admit_item_controls"]
 
 
 
-def admit_item_controls(req, compiled, max_new_tokens: int, limits, engine: str = "transformers") -> ItemRequest | None:
+def admit_item_controls(req, compiled, max_new_tokens: int, limits) -> ItemRequest | None:
     """Check ``req``'s item controls and budget against its scenario; the request's :class:`ItemRequest`, or
-    ``None`` when it has no controls. Raises :class:`ServiceError` (422, or 400 for an engine that cannot apply
-    them) naming the field."""
+    ``None`` when it has no controls. Both engines apply them (vLLM: ``deployments/engines/vllm/item_groups.py``).
+    Raises :class:`ServiceError` (422) naming the field."""
     exclude = req.exclude
     distinct = bool(req.distinct)
-    kind = compiled.kind if compiled is not None else None
     if compiled is None or not compiled.capabilities.items:
         if exclude is not None or distinct:
             field = "exclude" if exclude is not None else "distinct"
+            name = compiled.kind if compiled is not None else None
             raise ServiceError(422, f"{field}: only tree and labels scenarios have items (this request is "
-                                    f"{'unconstrained' if kind is None else kind!r})", {"field": field})
+                                    f"{'unconstrained' if name is None else name!r})", {"field": field})
         return None
     constraint = compiled.constraint
+    kind = compiled.constraint_kind
     need = min_item_tokens(constraint)
     if compiled.think is not None:
         need += len(compiled.think.end_ids)
@@ -39,25 +41,21 @@ def admit_item_controls(req, compiled, max_new_tokens: int, limits, engine: str 
                     " (the shortest item)"),
             {"field": "max_new_tokens", "minimum": need},
         )
+    tables = kind.item_tables(constraint)
     # beams end on different sequences: with one item per output they need n different items, the same rule
     # as distinct (a 422 naming n and what is available, never fewer outputs than asked)
     single_item = int(compiled.settings.get("max_items", 1) or 1) <= 1
     beams_need_items = req.num_beams > 1 and req.n > 1 and single_item
     if beams_need_items and not exclude:
-        tables = getattr(constraint, "tables", constraint)
         if tables.root >= 0 and (count := int(item_metrics(tables)[1][tables.root])) < req.n:
             raise ServiceError(422, f"n: the scenario has {count} item(s), fewer than the n={req.n} different "
                                     "outputs beam search returns", {"field": "n", "available": count})
     if not exclude and not distinct:
         return None
     field = "exclude" if exclude else "distinct"
-    if engine not in ("transformers", "vllm"):  # both apply them (vllm: deployments/engines/vllm/item_groups.py)
-        raise ServiceError(400, f"{field} (item controls) is not supported by the {engine} engine backend yet; use a "
-                                "deployment with the transformers engine backend (setting engine: transformers)",
-                           {"field": field, "engine": engine, "supported_by": "transformers"})
-    if getattr(constraint, "multi_label", False):
-        raise ServiceError(422, f"{field}: item controls apply to single-label scenarios; this one is multi_label",
-                           {"field": field})
+    refusal = kind.item_controls_refusal(constraint)
+    if refusal is not None:
+        raise ServiceError(422, f"{field}: {refusal}", {"field": field})
     if exclude is not None and len(exclude) > limits.max_exclude_items:
         raise ServiceError(
             422, f"exclude: {len(exclude)} items exceeds the limit max_exclude_items={limits.max_exclude_items}",
@@ -69,7 +67,6 @@ def admit_item_controls(req, compiled, max_new_tokens: int, limits, engine: str 
         items = resolve_exclude(constraint, exclude, distinct=sampled_distinct)
     except ValueError as exc:
         raise ServiceError(422, str(exc), {"field": "exclude"}) from None
-    tables = getattr(constraint, "tables", constraint)
     if tables.root >= 0:
         free = int(item_metrics(tables)[1][tables.root]) - items.n_excluded
         wanted = req.n if distinct or beams_need_items else 1

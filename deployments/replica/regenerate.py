@@ -88,8 +88,8 @@ class CheckedRun:
         self._caps: dict[int, int] = {}  # output -> the max_new_tokens of its running retry (reserved of the budget)
         self._retried = 0  # tokens the finished retries generated
         compiled = request.compiled
-        spec = getattr(compiled, "constraint", None) if compiled is not None else None
-        self.spec = spec if getattr(spec, "validates", False) else None
+        kind = compiled.constraint_kind if compiled is not None and compiled.constraint is not None else None
+        self.spec = kind.output_check(compiled.constraint) if kind is not None else None  # ConstraintKind.output_check
         self.hold = self.spec is not None and not self.spec.exact
         self.attempts: dict[int, int] = {}
         self.rejected_tokens = 0

@@ -8,7 +8,8 @@ instance with :func:`processors.registry.register`; :mod:`processors.registry` i
 ``type`` names to kinds. Adding a kind: its package and its line in the union (docs/design.md, section 7). What the rest of the service needs to know of a kind it reads from the kind's :class:`Capabilities`
 (``CompiledScenario.capabilities``): item controls, PATCH, a grammar matcher per row. Still kind-specific outside
 the kinds' packages: the sources of a tree (file pinning, catalog upload, PATCH, the inline split) in the config
-manager.
+manager. The replica and the engines ask a kind (the hooks at the end of :class:`ConstraintKind`) or a cursor
+(:class:`processors.base.Cursor`'s capability methods), never its class or attributes.
 
 The same shape as vLLM's structured-output backends (``v1/structured_output/backend_types.py``: a backend
 compiles a grammar, a per-request object accepts tokens and fills the bitmask) and xgrammar's
@@ -67,13 +68,14 @@ class CompileResult(NamedTuple):
     Args:
         constraint: the compiled object (an instance of the kind's ``compiled_type``).
         start_token_id: a token to append to the prompt (a tree's root with ``append_start_token``), else None.
-        tools: a stored tool set's calls (the ``tools`` kind): how the output is read as tool calls and the
-            tools shown in the prompt (:attr:`processors.compile.CompiledScenario.tools`), else None.
+        extras: what the kind keeps beside the compiled object (JSON data, part of the version), read back only by
+            the kind's own hooks (:meth:`ConstraintKind.prompt_tools`, :meth:`ConstraintKind.output_plan`);
+            :attr:`processors.compile.CompiledScenario.extras`. None: nothing.
     """
 
     constraint: Any
     start_token_id: int | None = None
-    tools: dict[str, Any] | None = None
+    extras: dict[str, Any] | None = None
 
 
 class ConstraintKind(ABC):
@@ -122,3 +124,48 @@ class ConstraintKind(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.type_name!r}>"
+
+    # -- hooks the replica and the engines call (safe defaults: a kind without the feature) -------------------
+    def answer_form(self, constraint: Any, bare: bool) -> Any:
+        """``constraint`` in the form that fits what precedes the answer: ``bare`` (it starts a message: after a
+        chat template's assistant header, or text ending in whitespace) or not (it continues text). The same
+        object for a kind with one form."""
+        return constraint
+
+    def bare_output(self, constraint: Any, first_token: int | None) -> bool:
+        """Whether an output starting with ``first_token`` (``None``: empty) was decoded in the bare form (an output
+        replayed without its prompt). Asked only to choose among :meth:`answer_form`'s forms."""
+        return False
+
+    def item_tables(self, constraint: Any) -> Any:
+        """The :class:`~processors.tables.MaskTables` whose paths are the scenario's items (a kind with
+        ``capabilities.items``): their count bounds ``n`` and ``exclude``."""
+        raise ValueError(f"scenario type {self.type_name!r} has no items")
+
+    def item_controls_refusal(self, constraint: Any) -> str | None:
+        """Why a request's ``exclude`` / ``distinct`` cannot apply to ``constraint`` (the end of a 422 naming the
+        field), or None when they can."""
+        return None
+
+    def prompt_tools(self, extras: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+        """The tools a scenario itself shows in a chat prompt (OpenAI's chat shape), from its compiled
+        :attr:`CompileResult.extras`; None: the request's own, if any."""
+        return None
+
+    def output_plan(self, extras: dict[str, Any] | None) -> dict[str, Any] | None:
+        """How the OpenAI routes read a finished output of the scenario (a response's ``tool_plan``: ``mode``,
+        ``names``, ``parallel``), from its :attr:`CompileResult.extras`; None: as text. A scenario with a plan
+        brings its own tools (a request may not add any) and its stream's token events say so."""
+        return None
+
+    def output_check(self, constraint: Any) -> Any | None:
+        """What checks a finished output of ``constraint`` (the replica generates an output that fails again,
+        ``deployments/replica/regenerate.py``): an object with ``output_error(text)`` (why the text is not a valid
+        output, None when it is) and ``exact`` (whether the grammar alone already guarantees it). None: nothing to
+        check."""
+        return None
+
+    def llguidance_grammar(self, constraint: Any) -> str | None:
+        """The llguidance grammar (its JSON text) that ``constraint`` enforces, for an engine that can hand it to its
+        own guidance backend (vLLM's, ``vllm_grammar: guidance``); None: the engine masks the rows itself."""
+        return None

@@ -22,3 +22,10 @@ class GrammarKind(ConstraintKind):
             raise ValueError(f"a {constraint.kind} scenario needs tokenizer= (a tokenizer or a TokenizerInfo) "
                              "to build its matcher")
         return GrammarCursor(constraint, info)
+
+    def output_check(self, constraint) -> GrammarSpec | None:
+        """The spec itself when it validates finished outputs (the JSON kinds: :attr:`GrammarSpec.validates`)."""
+        return constraint if constraint.validates else None
+
+    def llguidance_grammar(self, constraint) -> str:
+        return constraint.grammar

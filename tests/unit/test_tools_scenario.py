@@ -92,7 +92,7 @@ def test_compile_is_the_constraint_tool_setup_builds(tok, choice, parallel):
     one_off = compile_scenario(load_scenario(plan.scenario), tok)
     assert compiled.kind == "tools" and compiled.constraint.version == one_off.constraint.version
     assert json.loads(compiled.constraint.schema) == plan.scenario["schema"]
-    assert compiled.tools == {"mode": plan.mode, "names": list(plan.names), "parallel": plan.parallel,
+    assert compiled.extras == {"mode": plan.mode, "names": list(plan.names), "parallel": plan.parallel,
                               "prompt_tools": prompt_tools}
     assert compiled.version != one_off.version  # the tools are part of the version
 
@@ -112,7 +112,7 @@ def test_the_pipeline_compiles_it_and_the_prompt_shows_the_stored_tools(tokenize
     messages = [{"role": "user", "content": "weather in Paris?"}]
     stored = build_prompt_ids(compiled, tokenizer, messages=messages)
     plain = compiler.prepare_now({"type": "json", "system_prompt": "Be brief."})
-    assert stored == build_prompt_ids(plain, tokenizer, messages=messages, tools=compiled.tools["prompt_tools"])
+    assert stored == build_prompt_ids(plain, tokenizer, messages=messages, tools=compiled.extras["prompt_tools"])
     assert stored != build_prompt_ids(plain, tokenizer, messages=messages)
     assert "get_weather" in tokenizer.decode(stored)
 

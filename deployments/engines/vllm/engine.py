@@ -316,7 +316,9 @@ class VLLMEngine(Engine):
         else:
             stops = list(compiled.stop_token_ids)
             if self.grammar_backend == "guidance" and compiled.think is None and compiled.capabilities.grammar:
-                structured = guidance_params(compiled.constraint, StructuredOutputsParams)
+                kind = compiled.constraint_kind
+                grammar = kind.llguidance_grammar(compiled.constraint) if kind is not None else None
+                structured = guidance_params(grammar, StructuredOutputsParams)
             if structured is None:
                 extra = {EXTRA_KEY: self._files.ref(compiled)}
                 if request.items is not None:  # exclude / distinct: one book per request in the worker (.item_groups)

@@ -122,15 +122,11 @@ class ItemGroups:
 
 
 def release_occupied(cursor) -> None:
-    """Give back the item a ``distinct`` tree row occupies (the states of its unfinished item); its finished items
-    stay taken."""
-    constraint = getattr(cursor, "constraint", None)
-    request = getattr(constraint, "request", None)
-    if request is None or not request.distinct or getattr(constraint, "finished", True):
-        return
-    path = getattr(constraint, "path", None)
-    if path:
-        request.book.add(path, -1)
+    """Give back the item a ``distinct`` row occupies (the states of its unfinished item); its finished items stay
+    taken (:meth:`processors.base.Cursor.release_item`). ``cursor``: the row's :class:`processors.RowCursor`."""
+    constraint = cursor.constraint if cursor is not None else None
+    if constraint is not None:
+        constraint.release_item()
 
 
 def row_sampling(params, scale: float | None) -> SimpleNamespace:

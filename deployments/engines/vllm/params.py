@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 
-from processors import GrammarSpec
 from processors.items import ItemBook, ItemRequest
 
 __all__ = ["guidance_params", "item_extra", "item_request_of"]
@@ -36,16 +35,19 @@ def _token_logprobs(token_ids, entries, top: int) -> list[tuple[int, float, list
     return out
 
 
-def guidance_params(spec: GrammarSpec, params_cls):
-    """vLLM structured-output parameters that build the same llguidance grammar as ``spec``, or ``None``.
+def guidance_params(grammar: str | None, params_cls):
+    """vLLM structured-output parameters that build the same llguidance grammar as ``grammar`` (its JSON text, from
+    the scenario's kind: :meth:`processors.kinds.base.ConstraintKind.llguidance_grammar`), or ``None``.
 
     Our compile step makes a one-entry llguidance grammar: a JSON schema carrying its own options
     (``x-guidance: {whitespace_flexible: false}``) or a Lark rule ``start: /regex/``. vLLM's guidance backend
     turns ``json=`` into ``grammar_from_json_schema`` (the schema's own options win over its defaults) and
     ``grammar=`` Lark text into ``grammar_from_lark``: the same grammar again.
     """
+    if grammar is None:
+        return None
     try:
-        grammars = json.loads(spec.grammar)["grammars"]
+        grammars = json.loads(grammar)["grammars"]
     except (ValueError, KeyError, TypeError):
         return None
     if len(grammars) != 1:

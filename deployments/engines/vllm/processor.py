@@ -440,19 +440,18 @@ def watch_owner(interval: float = 1.0) -> None:
 
 def _contending(members: list[tuple[int, "_Row"]]) -> set[int]:
     """The batch indexes of a distinct request's rows whose tokens must be drawn in turn this step: rows at the same
-    state of the tree (they choose among the same children and the same item ends), or every row of a multi-item
-    request (a row that ends an item may start the next one at the root). Rows at different states of one tree
-    choose among disjoint children and ends, so they are masked as usual (and report their distribution)."""
+    item position (:meth:`processors.base.Cursor.item_position`: they choose among the same items), or every row
+    when one of them has no position (a multi-item row may start its next item anywhere). Rows at different
+    positions choose among disjoint items, so they are masked as usual (and report their distribution)."""
     if len(members) < 2:
         return set()
     states: dict[Any, list[int]] = {}
     for index, row in members:
-        constraint = getattr(row.cursor, "constraint", None)
-        rules = getattr(constraint, "rules", None)
-        state = getattr(constraint, "state", None)
-        if state is None or (rules is not None and rules.max_items > 1):
+        constraint = row.cursor.constraint if row.cursor is not None else None
+        position = constraint.item_position() if constraint is not None else None  # Cursor.item_position
+        if position is None:
             return {index for index, _ in members}
-        states.setdefault(state, []).append(index)
+        states.setdefault(position, []).append(index)
     return {index for group in states.values() if len(group) > 1 for index in group}
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from ...base import Cursor
 from ...labels import LabelCursor, LabelTables, build_label_tables
 from ...registry import register
@@ -31,6 +30,23 @@ class LabelsKind(ConstraintKind):
 
     def cursor(self, constraint, info) -> Cursor:
         return LabelCursor(constraint) if constraint.multi_label else TreeCursor(constraint.tables)
+
+    def answer_form(self, constraint, bare):
+        return constraint.for_prompt(bare)
+
+    def bare_output(self, constraint, first_token):
+        """The bare form when the first token starts a label only in that form."""
+        bare_form = constraint.bare_form
+        if bare_form is None or first_token is None:
+            return False
+        return (first_token in bare_form.tables.allowed(bare_form.tables.root)
+                and first_token not in constraint.tables.allowed(constraint.tables.root))
+
+    def item_tables(self, constraint):
+        return constraint.tables
+
+    def item_controls_refusal(self, constraint):
+        return "item controls apply to single-label scenarios; this one is multi_label" if constraint.multi_label else None
 
 
 register(LabelsKind())

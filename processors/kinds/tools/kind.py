@@ -4,7 +4,8 @@ The call schema is the one ``deployments.tool_calls.tool_setup`` builds for a re
 function, not a copy): a call ``{"name": ..., "arguments": {...}}`` (or a list of them with parallel calls, or a
 JSON string under ``auto``), compiled like a ``json_schema`` scenario (``strict: true`` refuses what the grammar
 cannot enforce). The compiled scenario also carries how an output is read as calls and the tools for the prompt
-(:attr:`~processors.compile.CompiledScenario.tools`).
+(:attr:`~processors.compile.CompiledScenario.extras`, read by :meth:`ToolsKind.prompt_tools` and
+:meth:`ToolsKind.output_plan`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .spec import ToolsScenario
 
 def tools_setup(scenario: ToolsScenario) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(json_schema scenario body, tools)`` of a validated tool set: the checked one-off scenario of
-    ``tool_setup`` and what :attr:`CompiledScenario.tools` holds (``mode``, ``names``, ``parallel``,
+    ``tool_setup`` and what :attr:`CompiledScenario.extras` holds (``mode``, ``names``, ``parallel``,
     ``prompt_tools``)."""
     plan, prompt_tools = scenario.plan()
     return plan.scenario, {"mode": plan.mode, "names": list(plan.names), "parallel": plan.parallel,
@@ -40,7 +41,13 @@ class ToolsKind(JsonSchemaKind):
         as_schema = JsonSchemaScenario.model_construct(type="json_schema", json_schema=body["schema"],
                                                        strict=scenario.strict)
         built = super().compile(as_schema, info, worker=worker)
-        return CompileResult(built.constraint, tools=tools)
+        return CompileResult(built.constraint, extras=tools)
+
+    def prompt_tools(self, extras):
+        return extras["prompt_tools"] if extras is not None else None
+
+    def output_plan(self, extras):
+        return {k: extras[k] for k in ("mode", "names", "parallel")} if extras is not None else None
 
 
 register(ToolsKind())

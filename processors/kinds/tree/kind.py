@@ -79,5 +79,8 @@ class TreeKind(ConstraintKind):
     def cursor(self, constraint, info) -> TreeCursor:
         return TreeCursor(constraint)
 
+    def item_tables(self, constraint) -> MaskTables:
+        return constraint
+
 
 register(TreeKind())

@@ -1,0 +1,123 @@
+"""The replica's scenario subscription: the compiled scenarios it serves, kept current from the config manager.
+
+:class:`ScenarioSubscriber` registers with the manager and installs the current snapshot (so a replica started after
+a PUT serves the current versions at once), then a background thread long-polls the manager for changes, installs
+them (fetching only changed versions' tables, or applying a catalog PATCH's delta to the served tables,
+``table_delta.py``) and acknowledges. It is the one owner of the served scenarios: the request handler
+(``requests.py``) reads them through :meth:`ScenarioSubscriber.scenario` and :meth:`ScenarioSubscriber.served`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+from typing import Any
+
+from processors import CompiledScenario
+
+from .table_delta import apply_table_delta, delta_wanted
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ScenarioSubscriber"]
+
+
+async def _fetch(ref) -> CompiledScenario:
+    """The tables of a snapshot entry: an ObjectRef from the manager (awaited: ``ray.get`` without blocking the
+    event loop), or the compiled object itself (a manager run without Ray)."""
+    if isinstance(ref, CompiledScenario):
+        return ref
+    return await ref
+
+
+async def _ask(manager_method, *args):
+    """Call a manager method and await its answer: through a Serve handle (``.remote()``) or directly."""
+    remote = getattr(manager_method, "remote", None)
+    result = remote(*args) if remote is not None else manager_method(*args)
+    return await result if inspect.isawaitable(result) else result
+
+
+class ScenarioSubscriber:
+    """The scenarios a replica serves, by name: ``(version, compiled)``; registration, the long poll and acks.
+
+    A base of :class:`~deployments.replica.model_replica.ModelReplica`, which gives it ``replica_id``, ``settings``
+    (``replica_table_delta``) and ``metrics`` (the served versions).
+    """
+
+    replica_id: str
+    settings: Any
+    metrics: Any
+
+    def __init__(self, manager=None) -> None:
+        self._scenarios: dict[str, tuple[int, CompiledScenario]] = {}
+        self._lock = threading.Lock()
+        self._epoch = -1
+        self.table_deltas = 0  # catalog PATCHes applied to the served tables here (table_delta.py), not fetched
+        self._manager = manager
+        self._stop = threading.Event()
+
+    def scenario(self, name: str) -> tuple[int, CompiledScenario] | None:
+        """The served ``(version, compiled)`` of ``name``, or None."""
+        with self._lock:
+            return self._scenarios.get(name)
+
+    def served(self) -> dict[str, tuple[int, CompiledScenario]]:
+        """Every served scenario (the mapping in place now; a new snapshot replaces it whole)."""
+        return self._scenarios
+
+    async def _register(self) -> None:
+        """The one registration path (this constructor runs it with ``asyncio.run``, ServeModelReplica's async
+        constructor awaits it): register with the manager, install and acknowledge the current snapshot (so a
+        replica started after a PUT serves the current versions at once), then start the poll thread."""
+        await self._apply(await _ask(self._manager.register, self.replica_id))
+        self._poller = threading.Thread(target=self._poll_loop, name="scenario-poll", daemon=True)
+        self._poller.start()
+        logger.info("%s ready (%d scenarios)", self.replica_id, len(self._scenarios))
+
+    async def _apply(self, snapshot: dict | None) -> None:
+        """Serve a snapshot from the manager (fetching only the tables of changed versions) and acknowledge it."""
+        if not snapshot:
+            return
+        new: dict[str, tuple[int, CompiledScenario]] = {}
+        for name, entry in snapshot.get("scenarios", {}).items():
+            version = int(entry["version"])
+            current = self._scenarios.get(name)
+            if current is not None and current[0] == version:
+                new[name] = current  # unchanged: keep the object, no fetch
+                continue
+            compiled = None
+            delta = entry.get("delta")
+            if (delta is not None and current is not None and current[0] == delta.get("base")
+                    and await asyncio.to_thread(delta_wanted, self.settings.replica_table_delta, entry["ref"])):
+                compiled = await asyncio.to_thread(apply_table_delta, current[1], delta)
+                self.table_deltas += compiled is not None
+            new[name] = (version, compiled if compiled is not None else await _fetch(entry["ref"]))
+        with self._lock:
+            self._scenarios = new
+            self._epoch = int(snapshot.get("epoch", self._epoch))
+        self.metrics.set_versions({name: v for name, (v, _) in new.items()})
+        await _ask(self._manager.ack, self.replica_id, self._epoch, self.versions())
+
+    def _poll_loop(self) -> None:
+        """Thread: the long poll, on an event loop of its own (the replica's loop serves requests)."""
+        asyncio.run(self._poll())
+
+    async def _poll(self) -> None:
+        while not self._stop.is_set():
+            try:
+                snapshot = await _ask(self._manager.wait_for_update, self.replica_id, self._epoch)
+                if snapshot:
+                    await self._apply(snapshot)
+            except Exception:
+                logger.warning("%s: scenario poll failed; retrying", self.replica_id, exc_info=True)
+                await asyncio.to_thread(self._stop.wait, 1.0)
+
+    def versions(self) -> dict[str, int]:
+        """The scenario versions this replica serves now."""
+        with self._lock:
+            return {name: v for name, (v, _) in self._scenarios.items()}
+
+    def stop_polling(self) -> None:
+        self._stop.set()
