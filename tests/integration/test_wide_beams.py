@@ -149,6 +149,7 @@ def test_tree_ranked_beams_equal_the_masked_path(model, tokenizer, tree, monkeyp
     """Beams ranked from the tree's tables (``tree_beams``) against the same requests through the full-vocabulary
     mask and log-softmax (the path every other constraint takes), forced by turning the tree plan off."""
     from deployments.engines.transformers import engine as engine_module
+    from deployments.engines.transformers import wide as wide_module
 
     eos = tokenizer.eos_token_id
     prompts = [_prompt(tokenizer, 30), _prompt(tokenizer, 5)]
@@ -156,6 +157,7 @@ def test_tree_ranked_beams_equal_the_masked_path(model, tokenizer, tree, monkeyp
     for tree_ranked in (True, False):
         if not tree_ranked:
             monkeypatch.setattr(engine_module, "plan_tree_beams", lambda cursors: None)
+            monkeypatch.setattr(wide_module, "plan_tree_beams", lambda cursors: None)  # a wide step read in chunks
         engine = DecodeEngine(model, tokenizer, prefix_cache_tokens=0).start()
         try:
             runs = [_beams(engine, p, tree, w) for p, w in zip(prompts, (32, 8))]

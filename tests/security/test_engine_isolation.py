@@ -147,7 +147,9 @@ def test_a_failing_row_fails_only_its_own_request(engine, tokenizer, monkeypatch
     # per-row failure the engine cannot foresee (a NaN row, a bug in a cursor). The others must not notice.
     # The batched sampler fails for any batch holding such a row, and so does the row-by-row fallback for
     # exactly those rows.
-    real_rows, real_row = engine_module.sample_rows, engine_module.sample_row
+    from deployments.engines.transformers import rows as rows_module  # the row-by-row fallback lives there
+
+    real_rows, real_row = engine_module.sample_rows, rows_module.sample_row
 
     def faulty_sample_rows(logits, params, generators):
         if any(p.seed == 4242 for p in params):
@@ -160,7 +162,7 @@ def test_a_failing_row_fails_only_its_own_request(engine, tokenizer, monkeypatch
         return real_row(logits, params, generator)
 
     monkeypatch.setattr(engine_module, "sample_rows", faulty_sample_rows)
-    monkeypatch.setattr(engine_module, "sample_row", faulty_sample_row)
+    monkeypatch.setattr(rows_module, "sample_row", faulty_sample_row)
     _, bg = _background(engine, tokenizer, max_new=30)
     ev = Events()
     engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Hi."), compiled=None, max_new_tokens=8, n=2,
