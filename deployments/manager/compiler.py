@@ -131,7 +131,7 @@ class StoredScenarioCompiler:
         self.tables_patched = 0  # PATCHes whose tables were updated from their base's (not compiled in full)
         self._patched: set[str] = set()  # of the catalogs in _tables, those (see was_patched)
         # a PATCH of more items than the base's states / this compiles the new items in full: faster there (about
-        # 6 touched paths an item, each ~50 states' worth of a full compile; docs/benchmarks.md, issue 21)
+        # 6 touched paths an item, each ~50 states' worth of a full compile; docs/benchmarks.md, catalog PATCH)
         self.patch_states_per_item = 300
         # a tree given inline: its fields by (name, tables version), and, once served, its items and catalog tables
         # prepared in the background for a first PATCH (name -> (version, future)); see note_installed

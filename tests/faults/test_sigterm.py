@@ -1,4 +1,4 @@
-"""Issue 23, item 16: SIGTERM to the process that runs the service (what systemd and docker send) ends it with one
+"""SIGTERM to the process that runs the service (what systemd and docker send) ends it with one
 line, not with Ray's failure-signal report (``*** SIGTERM received at time=... PC: @ ... clock_nanosleep ... and at
 least 4 more frames``), which reads as a crash.
 

@@ -1,4 +1,4 @@
-"""Issue 29, item 2, in the decode engine (real model, real llguidance): a row whose grammar mask passes
+"""The grammar mask budget in the decode engine (real model, real llguidance): a row whose grammar mask passes
 ``mask_step_budget_ms`` ends with ``finish_reason: "error"`` naming the setting, and the rows beside it keep
 decoding. Before the budget the ambiguous grammar's masks were computed on the decode thread, a second and more
 each after some tens of tokens, so the ordinary row beside it got one token every few seconds and the grammar row

@@ -1,4 +1,4 @@
-"""One request must not stall, crash or starve the others (issue 13, defects 1, 2, 4 and 5).
+"""One request must not stall, crash or starve the others.
 
 The decode engine with the real model: a beam request, a tiny temperature, a failing row, a long prompt and a
 grammar whose first mask is slow each run next to an ordinary request, which must keep decoding and finish

@@ -223,7 +223,7 @@ def test_labels_live(live):
 
 
 def test_inline_labels(live):
-    """Issue 23, item 9: a one-off choice is compiled on a model replica for its one request (100,000 labels cost
+    """A one-off choice is compiled on a model replica for its one request (100,000 labels cost
     17-20 s of a replica each), so it has smaller bounds than a stored scenario: max_inline_labels and
     max_inline_label_bytes, a 422 naming the field the client used, on every one-off route; a stored scenario of as
     many labels is fine (max_labels)."""

@@ -1,4 +1,4 @@
-"""Tools and the JSON inside request fields, over HTTP on the shared app (issue 29, items 1 and 6).
+"""Tools and the JSON inside request fields, over HTTP on the shared app.
 
 * Thousands of tools are refused by ``limits.max_tools`` before any tool is read, quickly, and the ingress keeps
   answering meanwhile (``GET /v1/models``, served on the ingress's event loop, is timed from another thread);
@@ -350,7 +350,7 @@ def test_every_json_field_nested_deep_in_the_body_is_a_4xx(serve_app, depth):
 
 
 def test_the_issue_requests(serve_app):
-    """The requests of the issue: an earlier call's arguments ``"[" * 3000 + "]" * 3000`` (chat and Responses)
+    """The report's requests: an earlier call's arguments ``"[" * 3000 + "]" * 3000`` (chat and Responses)
     and, with tool_choice none, parameters nested 200 and 700 deep: each a 422 naming the field."""
     text = _deep_text(3000)
     r = requests.post(f"{serve_app.url}{CHAT}", json={"messages": _history(text), "max_tokens": 2}, timeout=TIMEOUT)

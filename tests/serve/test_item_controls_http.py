@@ -1,5 +1,5 @@
 """Item controls over HTTP through the shared Serve app: exclude and distinct on POST /v1/generate and as extra
-body fields of the OpenAI routes, multi-item scenarios, and the 4xx answers (issue 11 item 3)."""
+body fields of the OpenAI routes, multi-item scenarios, and the 4xx answers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 29, item 8: ``stop`` is accepted on every request, with the real ``openai`` client against the shared app.
+"""``stop`` is accepted on every request, with the real ``openai`` client against the shared app.
 
 Agent libraries send ``stop`` with constrained requests (smolagents' ToolCallingAgent with its tool requests:
 ``["Observation:", "Calling tools:"]``), and OpenAI and vLLM accept it; it used to be a 400 ``stop strings apply to

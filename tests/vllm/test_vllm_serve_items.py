@@ -1,4 +1,4 @@
-"""Item controls on ``engine: vllm`` end to end over real HTTP (issue 22, deliverables 1 and 6): ``exclude``,
+"""Item controls on ``engine: vllm`` end to end over real HTTP: ``exclude``,
 ``distinct`` across the ``n`` rows of a request (separate vLLM requests sharing one book in vLLM's worker),
 multi-item scenarios with a separator and fixed width, the token budget, labels, the 4xx answers, and a cancelled
 stream. The transformers backend's semantics (tests/integration/test_item_controls.py): every output is parsed
