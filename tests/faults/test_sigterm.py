@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from cli.serve_run import MESSAGE
-from serve_app import free_port
+from helpers import free_port
 
 pytestmark = pytest.mark.faults
 

@@ -18,6 +18,7 @@ from config import load_scenario
 from deployments.engines.transformers import engine as engine_module
 from deployments.engines import EngineRequest, EventCollector, SamplingParams
 from deployments.engines.transformers import DecodeEngine
+from helpers import chat_prompt_ids
 from processors import build_prompt_ids, compile_scenario
 from processors.grammar import compile_regex
 
@@ -34,14 +35,10 @@ def engine(model, tokenizer):
     eng.stop()
 
 
-def _chat(tokenizer, text, compiled=None):
-    return build_prompt_ids(compiled, tokenizer, messages=[{"role": "user", "content": text}])
-
-
 def _background(engine, tokenizer, max_new=200):
     """An ordinary greedy request that decodes for a while; returns (ticket, events)."""
     ev = Events()
-    job = engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Count from 1 to 500, separated by commas."),
+    job = engine.submit(EngineRequest(prompt_ids=chat_prompt_ids(tokenizer, "Count from 1 to 500, separated by commas."),
                                       compiled=None, max_new_tokens=max_new, sampling=SamplingParams(temperature=0)), ev)
     deadline = time.time() + 60
     while not ev.times and time.time() < deadline:
@@ -65,7 +62,7 @@ def test_beam_request_shares_the_batch_and_can_be_cancelled(engine, tokenizer):
                                        compiled=None, max_new_tokens=1024, n=8, num_beams=8), beam_ev)
     time.sleep(1.0)
     other_ev = Events()
-    engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Say hello."), compiled=None, max_new_tokens=8,
+    engine.submit(EngineRequest(prompt_ids=chat_prompt_ids(tokenizer, "Say hello."), compiled=None, max_new_tokens=8,
                                 sampling=SamplingParams(temperature=0)), other_ev)
     assert other_ev.done.wait(120), "a short request waited behind a beam request"
     assert other_ev.error is None and other_ev.finished[0].finish_reason in ("stop", "length")
@@ -114,7 +111,7 @@ def test_beam_outputs_stay_valid_next_to_sampled_rows(engine, tokenizer):
     labels = compile_scenario(load_scenario({"type": "labels", "labels": LABELS}), tokenizer)
     bg_job, bg = _background(engine, tokenizer, max_new=40)
     ev = Events()
-    engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Topic: a vote in parliament", labels), compiled=labels,
+    engine.submit(EngineRequest(prompt_ids=chat_prompt_ids(tokenizer, "Topic: a vote in parliament", labels), compiled=labels,
                       max_new_tokens=12, num_beams=4, n=3), ev)
     outs = ev.wait()
     assert sorted(outs) == [0, 1, 2]
@@ -128,7 +125,7 @@ def test_beam_outputs_stay_valid_next_to_sampled_rows(engine, tokenizer):
 def test_tiny_temperature_is_greedy_and_fails_nobody(engine, model, tokenizer):
     # defect 2: logits / 1e-39 overflowed to inf/NaN, the sampler raised and the engine failed every active job
     _, bg = _background(engine, tokenizer, max_new=30)
-    prompt = _chat(tokenizer, "Name a colour.")
+    prompt = chat_prompt_ids(tokenizer, "Name a colour.")
     ev = Events()
     engine.submit(EngineRequest(prompt_ids=prompt, compiled=None, max_new_tokens=6, sampling=SamplingParams(temperature=1e-39)), ev)
     out = ev.wait()[0]
@@ -163,7 +160,7 @@ def test_a_failing_row_fails_only_its_own_request(engine, tokenizer, monkeypatch
     monkeypatch.setattr(engine_module, "sample_row", faulty_sample_row)
     _, bg = _background(engine, tokenizer, max_new=30)
     ev = Events()
-    engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Hi."), compiled=None, max_new_tokens=8, n=2,
+    engine.submit(EngineRequest(prompt_ids=chat_prompt_ids(tokenizer, "Hi."), compiled=None, max_new_tokens=8, n=2,
                       sampling=SamplingParams(temperature=1.0, seed=4242)), ev)
     assert ev.done.wait(60)
     assert ev.error is None
@@ -206,7 +203,7 @@ def test_slow_first_grammar_mask_does_not_stall_other_rows(engine, tokenizer):
     _, bg = _background(engine, tokenizer, max_new=150)
     ev = Events()
     submitted = time.perf_counter()
-    engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Write the letter a many times."), compiled=compiled,
+    engine.submit(EngineRequest(prompt_ids=chat_prompt_ids(tokenizer, "Write the letter a many times."), compiled=compiled,
                       max_new_tokens=3, n=8, sampling=SamplingParams(temperature=1.0, seed=1)), ev)
     outs = ev.wait()
     for o in outs.values():

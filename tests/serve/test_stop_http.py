@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
 from tool_checks import check_calls, chat, openai_model
@@ -20,11 +19,6 @@ pytestmark = pytest.mark.serve
 
 # every JSON object and every tool call holds these; smolagents' own stop strings come first
 STOPS = ["Observation:", "Calling tools:", "{", "\"", ":", "}", ",", "\n"]
-
-
-@pytest.fixture(scope="module")
-def client(serve_app):
-    return openai.OpenAI(base_url=f"{serve_app.url}/v1", api_key="unused", max_retries=0, timeout=180)
 
 
 @pytest.fixture(scope="module")

@@ -158,10 +158,7 @@ def test_labels_exclude_and_distinct(app, eos):
         assert got == ["New York City", "Sports", "Technology"], got
 
 
-def test_item_controls_as_openai_extra_body(app, eos):
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{app.url}/v1", api_key="unused")
+def test_item_controls_as_openai_extra_body(app, eos, client):
     excluded = CATALOG[:200]
     resp = client.completions.create(model="default", prompt=PROMPT, max_tokens=8, n=5, temperature=0,
                                      extra_body={"scenario": "vi-tree", "distinct": True,
