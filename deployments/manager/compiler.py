@@ -343,13 +343,10 @@ class StoredScenarioCompiler:
             logger.exception("scenario %r: reading the items of version %d failed", name, entry[0])
             return None
 
-    def save_content(self, data: bytes) -> str:
-        """Keep ``data`` (a catalog upload, canonical) as a local copy under its SHA-256; returns the hash."""
-        return self.keep_content(data)[0]
-
     def keep_content(self, data: bytes) -> tuple[str, bool]:
-        """:meth:`save_content`, and whether the copy is new (no copy was there): a write refused before anything
-        was stored gives a new copy back with :meth:`discard_content`."""
+        """Keep ``data`` (a catalog upload, canonical) as a local copy under its SHA-256: the hash, and whether the
+        copy is new (no copy was there): a write refused before anything was stored gives a new copy back with
+        :meth:`discard_content`."""
         sha = hashlib.sha256(data).hexdigest()
         local = os.path.join(self._content_dir, f"{sha}.json")
         if _file_sha256(local) == sha:

@@ -25,7 +25,18 @@ from processors.grammar import compile_regex
 LABELS = ["Sports", "Technology", "Politics", "New York City"]
 
 
-Events = EventCollector
+class Events(EventCollector):
+    """An :class:`EventCollector` that also tells when the tokens arrived."""
+
+    def first_token_at(self) -> float:
+        """Arrival time (``time.perf_counter``) of the first token."""
+        if not self.times:
+            raise RuntimeError("no token yet")
+        return self.times[0][0]
+
+    def tokens_between(self, start: float, end: float) -> int:
+        """How many tokens arrived strictly between two ``time.perf_counter`` readings."""
+        return sum(1 for t, _ in self.times if start < t < end)
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +204,7 @@ def test_long_prompt_keeps_only_last_logits_and_others_keep_decoding(engine, mod
 
 
 def test_slow_first_grammar_mask_does_not_stall_other_rows(engine, tokenizer):
-    # defect 5: the first mask of this regex costs ~1 s per row and was computed in the engine thread
+    # the first mask of this regex costs ~1 s per row: it must not be computed on the engine thread
     pattern = "(a{10000})" * 400
     spec = compile_regex(pattern, tokenizer, eos_token_id=tokenizer.eos_token_id)
     compiled = compile_scenario(load_scenario({"type": "regex", "pattern": "a+"}), tokenizer)
