@@ -66,8 +66,8 @@ def _solo_greedy(model, prompt, max_new, eos):
 
 
 def test_beam_request_shares_the_batch_and_can_be_cancelled(engine, tokenizer):
-    # defect 1: a beam request that cannot end early (no EOS before 1024 tokens is likely) ran alone through
-    # generate, blocking every other request until it ended, and ignored cancellation
+    # what this guards against: a beam request that cannot end early (no EOS before 1024 tokens is likely) ran
+    # alone through generate, blocking every other request until it ended, and ignored cancellation
     beam_ev = Events()
     beam = engine.submit(EngineRequest(prompt_ids=build_prompt_ids(None, tokenizer, prompt="Count from 1 to 10000: 1, 2, 3,"),
                                        compiled=None, max_new_tokens=1024, n=8, num_beams=8), beam_ev)
@@ -134,7 +134,8 @@ def test_beam_outputs_stay_valid_next_to_sampled_rows(engine, tokenizer):
 
 
 def test_tiny_temperature_is_greedy_and_fails_nobody(engine, model, tokenizer):
-    # defect 2: logits / 1e-39 overflowed to inf/NaN, the sampler raised and the engine failed every active job
+    # what this guards against: logits / 1e-39 overflowed to inf/NaN, the sampler raised and the engine failed
+    # every active job
     _, bg = _background(engine, tokenizer, max_new=30)
     prompt = chat_prompt_ids(tokenizer, "Name a colour.")
     ev = Events()
@@ -180,8 +181,8 @@ def test_a_failing_row_fails_only_its_own_request(engine, tokenizer, monkeypatch
 
 
 def test_long_prompt_keeps_only_last_logits_and_others_keep_decoding(engine, model, tokenizer):
-    # defect 4: prefill computed logits for every prompt position (4090 x 49152 floats) in one forward, and
-    # every other request waited for the whole prefill
+    # what this guards against: prefill computed logits for every prompt position (4090 x 49152 floats) in one
+    # forward, and every other request waited for the whole prefill
     widths = []
     hook = model.lm_head.register_forward_hook(lambda mod, inp, out: widths.append(out.shape[1]))
     try:

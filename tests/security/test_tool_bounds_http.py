@@ -92,7 +92,7 @@ def _refused(r: requests.Response, status: int, *words: str) -> str:
     return message
 
 
-# --------------------------------------------------------------------------------------------- item 1: many tools
+# ----------------------------------------------------------------------------------------------------- many tools
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -154,7 +154,7 @@ def test_a_stored_tool_set_past_max_tools_is_refused_and_nothing_is_stored(serve
         requests.delete(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=60)
 
 
-# --------------------------------------------------------------------------------------------- item 6: tool_choice none
+# ----------------------------------------------------------------------------------------------------- tool_choice none
 
 
 def _deep_schema(steps: int) -> dict:
@@ -185,7 +185,7 @@ def test_the_parameters_limits_apply_whatever_the_tool_choice(serve_app, route, 
     _refused(r, 422, field)
 
 
-# --------------------------------------------------------------------------------------------- item 6: deep JSON
+# ----------------------------------------------------------------------------------------------------- deep JSON
 
 
 def _deep_text(depth: int, kind: str = "array") -> str:
