@@ -1,13 +1,13 @@
-"""Rerun the requests of the robustness reports (issues 13, 23 and 29) against the app and measure what others feel.
+"""Rerun the requests of the three robustness reports against the app and measure what others feel.
 
 A probe client sends small labels requests (the seeded ``sentiment`` scenario) one after another for the whole
 run. First alone (the baseline), then while each attack request of the report is sent. For each attack it
 reports the attack's own HTTP status and time, the probe's latency during it as a ratio to the baseline
 (p50, p95, max), any probe error, and the model replicas' RSS before, at peak and after.
 
-Run: ``.venv/bin/python bench/attack_rerun.py`` (issue 13's requests, about 6 minutes here),
-``.venv/bin/python bench/attack_rerun.py --issue 23`` (issue 23's, about 8 minutes; the manager's RSS is reported
-too, and each row says what the report saw before the fixes) or ``--issue 29`` (issue 29's: one replica with
+Run: ``.venv/bin/python bench/attack_rerun.py`` (the first report's requests, about 6 minutes here), ``--report 2``
+(the second's: guards, admin PATCH, catalogs; about 8 minutes; the manager's RSS too, and each row says what the
+report saw before the fixes) or ``--report 3`` (the third's: tools, grammar and prompt bounds; one replica with
 ``limits.max_num_beams: 1024`` as in that report; each row also counts /healthz checks that failed while it ran).
 The last line is one JSON object.
 """
@@ -199,7 +199,7 @@ def attacks(bench: ServeBench):
     ]
 
 
-# -- issue 23 -------------------------------------------------------------------------------------------------------
+# -- report 2 ------------------------------------------------------------------------------------------------------
 
 def _raw(url: str, method: str, path: str, headers: list[tuple[str, str]], body: bytes = b"") -> tuple[int, str]:
     """One HTTP/1.1 request written as is (a header may repeat)."""
@@ -220,8 +220,8 @@ def _items_lines(items) -> bytes:
     return b"".join(b"[" + ",".join(map(str, item)).encode() + b"]\n" for item in items)
 
 
-def attacks_23(bench: ServeBench):
-    """Issue 23's requests; each entry: (name, what the report saw before the fixes, the request)."""
+def attacks_second(bench: ServeBench):
+    """The second report's requests; each entry: (name, what the report saw before the fixes, the request)."""
     url, admin = bench.url, bench.admin
     ndjson = {**admin, "Content-Type": "application/x-ndjson"}
     header = b'{"start_token_id": 1000, "end_token_id": 2}\n'
@@ -346,13 +346,13 @@ def attacks_23(bench: ServeBench):
     ]
 
 
-# -- issue 29 -------------------------------------------------------------------------------------------------------
+# -- report 3 ------------------------------------------------------------------------------------------------------
 
 AMBIGUOUS = 'start: x+ "\u2603"\nx: "a" | "ab" | "abc" | "b" | "bc" | "c" | x x | x x x'
 
 
-def attacks_29(bench: ServeBench):
-    """Issue 29's requests (one replica, ``limits.max_num_beams: 1024``); each entry: (name, what the report saw
+def attacks_third(bench: ServeBench):
+    """The third report's requests (one replica, ``limits.max_num_beams: 1024``); each entry: (name, what the report saw
     before the fixes, the request). Each row also gives /healthz during the attack (``healthz``)."""
     url, admin = bench.url, bench.admin
     chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
@@ -492,9 +492,9 @@ class Health:
 
 
 def main() -> None:
-    issue = int(sys.argv[sys.argv.index("--issue") + 1]) if "--issue" in sys.argv else 13
+    report = int(sys.argv[sys.argv.index("--report") + 1]) if "--report" in sys.argv else 1
     with ServeBench(num_cpus=4) as bench:
-        if issue == 29:  # the report's setting: one replica, wide beams allowed
+        if report == 3:  # the report's setting: one replica, wide beams allowed
             bench.deploy(bench.settings(num_replicas=1, torch_threads=2, limits={"max_num_beams": 1024}), replicas=1)
         else:
             bench.deploy(bench.settings(num_replicas=2, num_cpus_per_replica=1, torch_threads=1), replicas=2)
@@ -503,8 +503,8 @@ def main() -> None:
         probe.phase = "baseline"
         time.sleep(30)
         results = []
-        runs = ([(name, None, fn) for name, fn in attacks(bench)] if issue == 13 else
-                attacks_23(bench) if issue == 23 else attacks_29(bench))
+        runs = ([(name, None, fn) for name, fn in attacks(bench)] if report == 1 else
+                attacks_second(bench) if report == 2 else attacks_third(bench))
         for name, before, fn in runs:
             probe.phase = name
             with Rss() as rss, Rss("ConfigManager") as manager_rss, Health(bench.url) as health:
@@ -528,7 +528,7 @@ def main() -> None:
             row["probe_p95_vs_baseline"] = round(p["p95_s"] / base["p95_s"], 2) if base["p95_s"] else None
             row["probe_max_vs_baseline"] = round(p["max_s"] / base["max_s"], 2) if base["max_s"] else None
         health = bench.health()
-    emit({"bench": "attack_rerun", "issue": issue, "baseline": base, "attacks": results, "health": health.get("status"),
+    emit({"bench": "attack_rerun", "report": report, "baseline": base, "attacks": results, "health": health.get("status"),
           "probe_non_200": sum(len(r["probe"]["non_200"]) for r in results)})
 
 

@@ -19,7 +19,7 @@ For comparison in the same run, the manager's table work of one PATCH is timed i
 to the base's tables along the changed paths (``processors.tree_delta.patch_tables``, what the manager does) against
 a full compile of the new items (``catalog_tables``, what it did), checked equal.
 
-Targets (issue 21): a PATCH of 2,000 items in at most 0.5 s at 10^6 items and 1 s at 10^7, for both forms.
+Targets: a PATCH of 2,000 items in at most 0.5 s at 10^6 items and 1 s at 10^7, for both forms.
 
     python bench/catalog_patch.py [--quick] [--items 270000,1000000] [--rounds 5] [--delta 2000]
         [--forms catalog,prefix_dict] [--replica-table-delta auto|always|never]

@@ -24,7 +24,7 @@ before it (what the phase adds at its worst moment); ``peak_rss_mib`` is the pro
 input included). CPU seconds of the phase are reported beside wall seconds (on a loaded machine the wall time
 includes waiting for a core).
 
-Targets (issue 12.3): 10^6 keys in at most 2 s, 10^7 keys in at most 25 s with a peak under 4 GiB.
+Targets: 10^6 keys in at most 2 s, 10^7 keys in at most 25 s with a peak under 4 GiB.
 
     python bench/compile.py [--quick] [--tree-keys 1000000,10000000] [--labels 100000] [--repeats 2]
 """

@@ -20,7 +20,7 @@ redeployed between phases. In a phase, every round runs every workload on every 
 systems rotated from one workload and round to the next, so drifting load hits them alike. Every output is
 checked (labels: exactly one label; json: parses and validates; free: some text); tokens/s counts the completion
 tokens the server reports, req/s the requests, both over the wall time of a workload's batch. Ratios: ours / each
-peer in req/s, per round then the median (the same requests in the same round). Targets (issue 22): at least
+peer in req/s, per round then the median (the same requests in the same round). Targets: at least
 0.95x vLLM's server and at least 1.0x Ray Serve LLM on every workload and both routes.
 
 ``--profile N`` (default 20) then sends N sequential short label requests through each layer: our whole HTTP path
@@ -415,7 +415,7 @@ def run_phase(args, bench, system: str, routes: dict, peers: dict, workloads: li
 
 
 def verdict(phases: dict, peers: list[str]) -> dict:
-    """Targets (issue 22): each of our routes at least 0.95x vLLM's server and at least Ray Serve LLM (1.0x) in
+    """Targets: each of our routes at least 0.95x vLLM's server and at least Ray Serve LLM (1.0x) in
     requests/s on every workload, every output valid."""
     targets = {"vllm-server": 0.95, "ray-serve-llm": 1.0}
     out = {}

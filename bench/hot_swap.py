@@ -14,12 +14,12 @@ answer is a path of the last version. With ``--exact-too`` each timed inline PUT
 tree in a body that the manager parses whole (an escaped character in its description keeps it off the split way of
 ``deployments/manager/inline_tree.py``): the two ways of reading a large inline tree compared in one run.
 
-Memory (issue 12.4): after the first PUT of a size and after the last one, the resident set (RSS), proportional
+Memory: after the first PUT of a size and after the last one, the resident set (RSS), proportional
 (PSS) and unique (USS) memory of every model replica process (``/proc/<pid>/smaps_rollup``), against the same
 reading before the size's first PUT. Replicas read the tables through Ray's object store (zero-copy numpy), so
 replicas on one node share them: a private copy per replica would show up as USS.
 
-Stall (issue 12.5, ``--stall-keys``): 8 client threads send small label requests without pause; rounds alternate a
+Stall (``--stall-keys``): 8 client threads send small label requests without pause; rounds alternate a
 quiet window and a window in which versions of a ``--stall-keys`` tree are PUT back to back. The p95 latency of
 the requests that started inside the swap windows is compared with the p95 of those in the quiet windows.
 

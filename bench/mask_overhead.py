@@ -459,7 +459,7 @@ def main(argv=None) -> dict:
         "targets": {
             "chain_at_most_2x_floor": {"met": not missed_floor, "missed_in": missed_floor},
             "naive_at_least_20x_chain": {"met": not missed_naive, "missed_in": missed_naive},
-            # issue 11 item 5: the vector lane, smollm2 (vocab 49,152), 1,000 labels, one thread
+            # the vector lane, smollm2 (vocab 49,152), 1,000 labels, one thread
             **{f"labels_b{b}_chain_at_most_{lim:g}x_fill": {
                 "met": (c := next((c for c in configs if c["vocab"] == "smollm2" and c["constraint"] == "labels"
                                    and c["batch"] == b), None)) is not None and c["chain_over_floor"] <= lim,

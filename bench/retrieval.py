@@ -1,5 +1,5 @@
 """Generative retrieval with item controls: 16 clients each asking for 16 items of a semantic-id catalog, with
-1,000 excluded items per request, against the same requests without item controls (issue 11 item 6).
+1,000 excluded items per request, against the same requests without item controls.
 
 The catalog holds ``--items`` items of ``--levels`` codes (256 codes per level; code ``c`` of level ``l`` is token
 ``BASE_TOKEN + 256 * l + c`` of the vocabulary), written as a tree file and compiled as a stored scenario would be.

@@ -7,7 +7,7 @@ and each model replica's resident memory at the start, during a warm-up of the s
 its peak there: by then the prefix cache and the allocator's pools have grown to their working size) and at
 the end.
 
-    python bench/soak.py                       # 120 s, 32 clients, a swap every 3 s (the soak)
+    python bench/soak.py                       # 120 s, 32 clients, a swap every 3 s (the full soak)
     python bench/soak.py --duration 30         # shorter
 
 ``tests/faults/test_soak.py`` runs :func:`run_soak` against the shared test app for a shorter time (set

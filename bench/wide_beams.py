@@ -6,7 +6,7 @@ token ``1000 + 256 l + c``), compiled from a tree file as a stored scenario woul
 and ``H`` in ``--history``, in the same run:
 
 * ``ours``: the decode engine (prompt held once per request, ``shared_kv``), ``num_beams = n = B``;
-* ``padded``: the same engine with ``shared_prompt=False``, the layout before issue 19 (prompt copied into each
+* ``padded``: the same engine with ``shared_prompt=False``, the layout without ``shared_kv`` (prompt copied into each
   row), where its estimate fits ``--padded-max-gb``;
 * ``hf``: HF ``generate`` with ``prefix_allowed_tokens_fn`` over the same tree, where ``B x H <= --hf-max-cost``;
 * ``floor``: the model's own work with no constraint: the history's prefill (in the engine's 256-token chunks), then
@@ -18,7 +18,7 @@ validity (every returned item in the catalog, the ``n`` items of a request disti
 of ``--concurrent-beams`` beams at once against the same requests one at a time. Progress on stderr; the last line
 of stdout is one JSON object.
 
-    .venv/bin/python bench/wide_beams.py                                   # the issue's grid (long: ~1 h on 2 cores)
+    .venv/bin/python bench/wide_beams.py                                   # the full grid (long: ~1 h on 2 cores)
     .venv/bin/python bench/wide_beams.py --beams 8,256 --history 64,1024   # a part of it
 """
 

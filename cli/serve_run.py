@@ -3,8 +3,7 @@ line instead of a crash report.
 
 Why: ``ray.init`` in the ``serve run`` process installs Ray's C++ failure signal handler (absl's), which also
 catches SIGTERM: ``kill <pid>`` (what systemd and docker send) printed ``*** SIGTERM received at time=... PC: @ ...
-clock_nanosleep ... and at least 4 more frames`` before the process ended, which reads as a crash (issue 23, item
-16). For a config file ``serve run`` imports none of this project's code, so the service cannot change that from
+clock_nanosleep ... and at least 4 more frames`` before the process ended, which reads as a crash. For a config file ``serve run`` imports none of this project's code, so the service cannot change that from
 inside; ``RAY_DISABLE_FAILURE_SIGNAL_HANDLER=1`` would remove it, but also the stack traces of real crashes, in the
 driver and in every Ray worker started with its environment. This launcher runs the same ``serve run`` command
 in-process and, right after its ``ray.init`` returned, puts a Python SIGTERM handler in place of Ray's (for SIGTERM

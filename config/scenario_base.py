@@ -4,7 +4,6 @@ the scenario pipeline (:class:`ScenarioError`); each kind's package holds its mo
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -79,16 +78,6 @@ class ScenarioBase(ConfigModel):
     def check_one_off_limits(cls, body: Mapping[str, Any], limits: Limits) -> None:
         """The limits a one-off constraint has beyond :meth:`check_limits` (smaller ones: it is compiled on a model
         replica for one request). Raises ``config.settings.LimitExceeded`` naming the field. Default: none."""
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> ScenarioBase:
-        """Load a scenario of this kind from a JSON or YAML file (see :func:`load_scenario`)."""
-        from config.scenarios import load_scenario  # the union of every kind: built on top of this module
-
-        scenario = load_scenario(path)
-        if not isinstance(scenario, cls):
-            raise ValueError(f"{os.fspath(path)}: expected a {cls.__name__}, got type {scenario.type!r}")
-        return scenario
 
 
 class ScenarioError(ValueError):

@@ -15,7 +15,7 @@ proxy headers that would lift the request timeout.
   on the model replicas at a time (per ingress replica); a request past that waits at the ingress, in the
   client's own first-come queue, until the client's earlier requests give rows back. Another client is not
   behind that queue: its request goes to the replicas at once, behind at most that many rows of each other
-  client, instead of behind everything one client sent (issue 23, item 6). A request larger than the budget
+  client, instead of behind everything one client sent. A request larger than the budget
   (the budget is at least ``max_n`` and ``max_num_beams``) is sent when the client has nothing else in flight.
 * :class:`ProxyHeaderCheck`: Serve's HTTP proxy lets a client choose its own request timeout
   (``x-request-timeout-seconds``, where 0 or less means none) and switch off the disconnect check

@@ -48,7 +48,6 @@ _EXPORTS: dict[str, str] = {
     "apply_steps": "masks",
     "bitmask_to_ids": "masks",
     "bitmask_words": "masks",
-    "MultiSeqCursor": "multiseq",
     "MultiSeqLogitsProcessor": "multiseq",
     "DONE": "tables",
     "LEAF": "tables",

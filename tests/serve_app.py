@@ -8,7 +8,6 @@ start (persistence across restarts) restart it themselves through ``serve_app.re
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
@@ -18,14 +17,10 @@ from typing import Any
 import pytest
 import requests
 
+from helpers import free_port
+
 ADMIN_TOKEN = "serve-test-token"
 APP_NAME = "constrained"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_label(out: dict, labels: list[str], bare: bool | None = None) -> None:

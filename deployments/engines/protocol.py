@@ -162,16 +162,6 @@ class EventCollector:
             raise RuntimeError(self.error)
         return self.finished
 
-    def first_token_at(self) -> float:
-        """Arrival time (``time.perf_counter``) of the first token."""
-        if not self.times:
-            raise RuntimeError("no token yet")
-        return self.times[0][0]
-
-    def tokens_between(self, start: float, end: float) -> int:
-        """How many tokens arrived strictly between two ``time.perf_counter`` readings."""
-        return sum(1 for t, _ in self.times if start < t < end)
-
 
 class RequestTicket(ABC):
     """A submitted request: cancel it from any thread."""

@@ -131,7 +131,7 @@ class StoredScenarioCompiler:
         self.tables_patched = 0  # PATCHes whose tables were updated from their base's (not compiled in full)
         self._patched: set[str] = set()  # of the catalogs in _tables, those (see was_patched)
         # a PATCH of more items than the base's states / this compiles the new items in full: faster there (about
-        # 6 touched paths an item, each ~50 states' worth of a full compile; docs/benchmarks.md, issue 21)
+        # 6 touched paths an item, each ~50 states' worth of a full compile; docs/benchmarks.md, catalog PATCH)
         self.patch_states_per_item = 300
         # a tree given inline: its fields by (name, tables version), and, once served, its items and catalog tables
         # prepared in the background for a first PATCH (name -> (version, future)); see note_installed
@@ -343,13 +343,10 @@ class StoredScenarioCompiler:
             logger.exception("scenario %r: reading the items of version %d failed", name, entry[0])
             return None
 
-    def save_content(self, data: bytes) -> str:
-        """Keep ``data`` (a catalog upload, canonical) as a local copy under its SHA-256; returns the hash."""
-        return self.keep_content(data)[0]
-
     def keep_content(self, data: bytes) -> tuple[str, bool]:
-        """:meth:`save_content`, and whether the copy is new (no copy was there): a write refused before anything
-        was stored gives a new copy back with :meth:`discard_content`."""
+        """Keep ``data`` (a catalog upload, canonical) as a local copy under its SHA-256: the hash, and whether the
+        copy is new (no copy was there): a write refused before anything was stored gives a new copy back with
+        :meth:`discard_content`."""
         sha = hashlib.sha256(data).hexdigest()
         local = os.path.join(self._content_dir, f"{sha}.json")
         if _file_sha256(local) == sha:

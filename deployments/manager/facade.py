@@ -273,7 +273,7 @@ class ConfigManager:
                 return Draft(result={"name": name, **answer, "version": current})
             delta = None
             if body.get("content_format") == "items" and self.compiler.was_patched(body["content_sha256"]):
-                added, removed = report.applied(add, remove)  # for replicas serving `current` (deliverable 3)
+                added, removed = report.applied(add, remove)  # for replicas serving `current` (they apply the delta)
                 delta = {"base": current, "add": added, "remove": removed}
             note = "".join(f", {step} {took:.3f} s" for step, took in report.timings.items())
             return Draft(body=body, content=content, new_content=new_sha, answer=answer, expect_current=current,

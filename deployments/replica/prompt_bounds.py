@@ -1,4 +1,4 @@
-"""The prompt's length bound in bytes (issue 29, item 3): a text that cannot fit in ``max_prompt_tokens`` tokens is
+"""The prompt's length bound in bytes: a text that cannot fit in ``max_prompt_tokens`` tokens is
 refused by its length, before it is tokenized.
 
 No token of the tokenizer decodes to more than ``max_token_bytes`` bytes (the longest token of its vocabulary,

@@ -1,4 +1,4 @@
-"""A replica applies a catalog PATCH to the tables it serves (issue 21, deliverable 3), instead of fetching the new
+"""A replica applies a catalog PATCH to the tables it serves, instead of fetching the new
 version's whole tables from the object store.
 
 The config manager publishes a patched version with the delta it was made by (``deployments/manager/served.py``:

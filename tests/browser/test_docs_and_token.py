@@ -1,4 +1,4 @@
-"""The admin token stays out of reach of other pages (issue 13, defect 8), in headless Chromium against the shared app.
+"""The admin token stays out of reach of other pages, in headless Chromium against the shared app.
 
 * ``/docs`` is Swagger UI served by the service itself: the page renders the API with every request going to
   this origin (anything else is blocked and recorded here), under a Content-Security-Policy of its own, with no

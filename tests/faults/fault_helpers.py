@@ -7,17 +7,18 @@ signal to a real process; nothing is faked.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import redis
 import requests
 
+from helpers import wait_until
 from serve_app import APP_NAME
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -40,19 +41,9 @@ def kill(pid: int, sig: int = signal.SIGKILL) -> None:
     os.kill(pid, sig)
 
 
-def until(fn: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.5) -> Any:
-    """Poll ``fn`` until it returns something truthy; fail naming ``what`` (and the last value) on timeout."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-        except (requests.RequestException, redis.RedisError, KeyError, ValueError) as exc:
-            last = exc
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; last: {last!r}")
+# Poll ``fn`` until it returns something truthy (helpers.wait_until); while the app recovers from a fault a
+# request, Redis or parse error is a falsy answer, not a failure.
+until = functools.partial(wait_until, errors=(requests.RequestException, redis.RedisError, KeyError, ValueError))
 
 
 def healthz(app) -> dict[str, Any]:

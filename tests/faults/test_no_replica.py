@@ -1,7 +1,7 @@
-"""Issue 23, item 13: every model replica is killed (SIGKILL). Before, ``/healthz`` said ``ok`` (with
-``replicas: {}``) and a generation request was held by Serve's router until a new replica had started (17 s and
-more). Now ``/healthz`` is a 503 with ``status: unavailable`` and a request is a 503 naming the cause, as long as no
-replica answers; once Serve has started new ones, both are served again.
+"""Every model replica is killed (SIGKILL). ``/healthz`` must not say ``ok`` (with ``replicas: {}``) nor a
+generation request be held by Serve's router until a new replica has started (17 s and more): ``/healthz`` is a
+503 with ``status: unavailable`` and a request is a 503 naming the cause, as long as no replica
+answers; once Serve has started new ones, both are served again.
 
 The assertions are on answers (status codes, messages), not on how long anything took.
 """

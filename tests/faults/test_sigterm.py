@@ -1,4 +1,4 @@
-"""Issue 23, item 16: SIGTERM to the process that runs the service (what systemd and docker send) ends it with one
+"""SIGTERM to the process that runs the service (what systemd and docker send) ends it with one
 line, not with Ray's failure-signal report (``*** SIGTERM received at time=... PC: @ ... clock_nanosleep ... and at
 least 4 more frames``), which reads as a crash.
 
@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from cli.serve_run import MESSAGE
-from serve_app import free_port
+from helpers import free_port
 
 pytestmark = pytest.mark.faults
 

@@ -1,6 +1,6 @@
 """Load with scenario swaps: 32 clients mix scenarios while an admin swaps versions every 3 s.
 
-15 s of warm-up and 40 s measured here (``SOAK_SECONDS`` sets the measured length; the issue's full soak is
+15 s of warm-up and 40 s measured here (``SOAK_SECONDS`` sets the measured length; the full soak is
 ``python bench/soak.py``, 20 s + 120 s).
 Zero failed requests, every output valid for the version it names, replica memory growth under 10%.
 """

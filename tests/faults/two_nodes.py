@@ -20,6 +20,8 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # for helpers, as pytest does for the test modules
+from helpers import wait_until  # noqa: E402
 
 TOKEN = "two-nodes-token"
 LABELS = ["Sports", "Technology", "Politics"]
@@ -28,20 +30,6 @@ LABELS = ["Sports", "Technology", "Politics"]
 def check(condition: bool, message: str) -> None:
     if not condition:
         raise SystemExit(f"two_nodes: FAILED: {message}")
-
-
-def wait_for(fn, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-        except requests.RequestException as exc:
-            last = exc
-        if last:
-            return last
-        time.sleep(0.5)
-    raise SystemExit(f"two_nodes: FAILED: timed out waiting for {what}; last: {last!r}")
 
 
 def _forget_cluster(address: str) -> None:
@@ -83,8 +71,8 @@ def main() -> None:
             "custom_resources": {"manager": {"head": 0.01}, "ingress": {"head": 0.01}},
         }
         serve.run(build_app(args), name="two-nodes", route_prefix="/", blocking=False)
-        wait_for(lambda: len(requests.get(f"{url}/healthz", timeout=10).json().get("replicas") or {}) == 2,
-                 300, "two replicas registered")
+        wait_until(lambda: len(requests.get(f"{url}/healthz", timeout=10).json().get("replicas") or {}) == 2,
+                   timeout=300, what="two replicas registered", errors=(requests.RequestException,))
         replicas = serve_actors("two-nodes", "ModelReplica")
         nodes = {a["Address"]["NodeID"] for a in replicas}
         check(len(replicas) == 2 and len(nodes) == 2, f"replicas not on two nodes: {replicas}")

@@ -90,7 +90,7 @@ def test_stop_strings_end_outputs(replica):
 @pytest.mark.parametrize("scenario", [{"type": "json_schema", "schema": {"type": "object"}},
                                       {"type": "labels", "labels": LABELS}])
 def test_stop_strings_never_cut_constrained_outputs(replica, scenario):
-    """Issue 29, item 8: ``stop`` is accepted with a constraint (agent libraries send it) and cuts nothing: the
+    """``stop`` is accepted with a constraint (agent libraries send it) and cuts nothing: the
     constraint ends the output (it used to be a 400). The stop strings are ones these outputs hold."""
     body = {"inline_scenario": scenario, "messages": CHAT, "max_new_tokens": 48, "temperature": 0}
     plain = run(replica, body)["outputs"][0]

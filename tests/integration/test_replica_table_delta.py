@@ -1,4 +1,4 @@
-"""A model replica applies a catalog PATCH to the tables it serves (issue 21, deliverable 3): the real
+"""A model replica applies a catalog PATCH to the tables it serves: the real
 ``ModelReplica`` (the real model) polls a real config manager (real Redis, the real tokenizer) in this process; with
 ``replica_table_delta: always`` every PATCH of the version it serves is applied there (not fetched), and the tables
 it then serves equal a full compile of the new items, byte for byte; its answers are items of that version. A replica

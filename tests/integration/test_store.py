@@ -20,6 +20,7 @@ from deployments.redis_server import (
     redact_url,
 )
 from deployments.store import ScenarioStore
+from helpers import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -33,15 +34,15 @@ def store(data_dir):
     return ScenarioStore(connect_redis(None, data_dir))
 
 
-def _wait_dead(pid: int, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _wait_dead(pid: int) -> None:
+    def gone() -> bool:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"process {pid} is still alive")
+            return True
+        return False
+
+    wait_until(gone, timeout=5.0, interval=0.02, what=f"process {pid} to end")
 
 
 def test_embedded_server_persists_under_data_dir(data_dir):

@@ -1,4 +1,4 @@
-"""Wide requests with the real model (issue 19): the prompt held once per request (``shared_kv``) decodes the same
+"""Wide requests with the real model: the prompt held once per request (``shared_kv``) decodes the same
 beams as the padded layout that copies it into every row; a request too large for the memory budget is refused
 while another is served; a cancelled wide request frees its memory. Every output is checked against the catalog.
 """

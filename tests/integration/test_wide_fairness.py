@@ -1,4 +1,4 @@
-"""One-row requests beside wide ones (issue 29, item 5), with the real model and the real engine at its defaults.
+"""One-row requests beside wide ones, with the real model and the real engine at its defaults.
 
 (a) memory: requests of several rows together hold at most ``1 - narrow_reserve`` of ``kv_memory_mb``, so a one-row
 request is admitted while wide requests fill what they may; (b) steps: a wide request's step is read in chunks of

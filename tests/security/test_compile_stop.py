@@ -1,4 +1,4 @@
-"""A compile past ``compile_timeout_s`` stops (issue 23, defects 4 and 9).
+"""A compile past ``compile_timeout_s`` stops.
 
 Before, the caller gave up at the limit but the compile thread ran on: a large label set or a deep tree kept a
 core busy for minutes after its 400, and the config manager's two compile threads, once both held by such

@@ -1,4 +1,4 @@
-"""Issue 29, item 2, over HTTP: an ambiguous grammar made every decode step of its replica take seconds.
+"""The grammar mask budget over HTTP: an ambiguous grammar would make every decode step of its replica take seconds.
 
 ``start: x+ "☃"`` with ``x: "a" | "ab" | "abc" | "b" | "bc" | "c" | x x | x x x`` as ``structured_outputs.grammar``
 on ``/v1/chat/completions``, greedy, ``max_tokens`` 1,024: its llguidance masks cost more at every token (a second

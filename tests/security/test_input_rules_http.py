@@ -1,4 +1,4 @@
-"""Issue 13 over real HTTP against the shared Serve app: bodies that used to be stored, crash a batch or answer
+"""Input rules over real HTTP against the shared Serve app: bodies that used to be stored, crash a batch or answer
 500 are now a 422 naming the field; message content cannot smuggle control tokens; errors do not show internal
 paths; a client cannot hold unbounded work or disable the request timeout.
 

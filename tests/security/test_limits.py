@@ -24,6 +24,7 @@ from fastapi.testclient import TestClient
 from config import Limits, ServerSettings
 from config.settings import LimitExceeded, json_depth, regex_repeat
 from deployments.protocol import ServiceError
+from helpers import user_messages
 
 pytestmark = pytest.mark.serve
 
@@ -100,8 +101,7 @@ def live(serve_app):
         requests.delete(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=60)
 
 
-def _chat(text: str = "Yes or no?") -> list[dict]:
-    return [{"role": "user", "content": text}]
+QUESTION = "Yes or no?"
 
 
 # --------------------------------------------------------------------------------------------- request limits
@@ -113,10 +113,10 @@ def test_max_new_tokens(live):
              422, "max_new_tokens", "max_new_tokens")
     _refused(_post(live, "/v1/completions", {"scenario": "sec-lim-labels", "prompt": "x", "max_tokens": limit + 1}),
              422, "max_new_tokens", "max_tokens")
-    _refused(_post(live, "/v1/chat/completions", {"messages": _chat(), "max_completion_tokens": limit + 1}),
+    _refused(_post(live, "/v1/chat/completions", {"messages": user_messages(QUESTION), "max_completion_tokens": limit + 1}),
              422, "max_new_tokens", "max_completion_tokens")
     # at the limit: accepted (the label scenario ends after a few tokens)
-    r = _post(live, "/v1/generate", {"scenario": "sec-lim-labels", "messages": _chat(), "max_new_tokens": limit})
+    r = _post(live, "/v1/generate", {"scenario": "sec-lim-labels", "messages": user_messages(QUESTION), "max_new_tokens": limit})
     assert r.status_code == 200, r.text
     assert r.json()["outputs"][0]["finish_reason"] == "stop"
 
@@ -131,9 +131,9 @@ def test_scenario_max_new_tokens(live):
 
 
 def test_n_and_num_beams(live):
-    base = {"scenario": "sec-lim-labels", "messages": _chat(), "max_new_tokens": 4}
+    base = {"scenario": "sec-lim-labels", "messages": user_messages(QUESTION), "max_new_tokens": 4}
     _refused(_post(live, "/v1/generate", {**base, "n": DEFAULTS.max_n + 1}), 422, "max_n", "n")
-    _refused(_post(live, "/v1/chat/completions", {"messages": _chat(), "n": DEFAULTS.max_n + 1, "max_tokens": 2}), 422, "max_n", "n")
+    _refused(_post(live, "/v1/chat/completions", {"messages": user_messages(QUESTION), "n": DEFAULTS.max_n + 1, "max_tokens": 2}), 422, "max_n", "n")
     _refused(_post(live, "/v1/generate", {**base, "num_beams": DEFAULTS.max_num_beams + 1}), 422, "max_num_beams", "num_beams")
     r = _post(live, "/v1/generate", {**base, "n": DEFAULTS.max_n, "temperature": 1.0})
     assert r.status_code == 200, r.text
@@ -144,7 +144,7 @@ def test_n_and_num_beams(live):
 
 def test_exclude_items(live):
     limit = DEFAULTS.max_exclude_items
-    base = {"scenario": "sec-lim-labels", "messages": _chat(), "max_new_tokens": 4}
+    base = {"scenario": "sec-lim-labels", "messages": user_messages(QUESTION), "max_new_tokens": 4}
     _refused(_post(live, "/v1/generate", {**base, "exclude": ["yes"] * (limit + 1)}), 422, "max_exclude_items",
              "exclude")
     # at the limit (the same label repeated) it passes, and the excluded label is never the answer
@@ -164,7 +164,7 @@ def test_prompt_tokens(live, tokenizer):
     error = _refused(_post(live, "/v1/generate", {"prompt": prompt(limit + 1), "max_new_tokens": 1}), 413, "max_prompt_tokens", "prompt")
     assert str(limit + 1) in error["message"]
     _refused(_post(live, "/v1/completions", {"prompt": prompt(limit + 1), "max_tokens": 1}), 413, "max_prompt_tokens")
-    _refused(_post(live, "/v1/chat/completions", {"messages": _chat(prompt(limit)), "max_tokens": 1}), 413, "max_prompt_tokens")
+    _refused(_post(live, "/v1/chat/completions", {"messages": user_messages(prompt(limit)), "max_tokens": 1}), 413, "max_prompt_tokens")
     # (exactly at the limit passes: checked on a replica with a small limit, test_replica_limits; a 4096-token
     # prefill costs tens of seconds on a small CPU)
 
@@ -218,12 +218,12 @@ def test_labels_live(live):
     many = [f"l{i}" for i in range(DEFAULTS.max_labels + 1)]
     _refused(_put(live, "sec-lim-many", {"type": "labels", "labels": many}), 422, "max_labels", "invalid scenario: labels")
     assert _history(live, "sec-lim-many")[0] == 404
-    _refused(_post(live, "/v1/chat/completions", {"messages": _chat(), "structured_outputs": {"choice": many}, "max_tokens": 2}),
+    _refused(_post(live, "/v1/chat/completions", {"messages": user_messages(QUESTION), "structured_outputs": {"choice": many}, "max_tokens": 2}),
              422, "max_labels", "structured_outputs.choice")
 
 
 def test_inline_labels(live):
-    """Issue 23, item 9: a one-off choice is compiled on a model replica for its one request (100,000 labels cost
+    """A one-off choice is compiled on a model replica for its one request (100,000 labels cost
     17-20 s of a replica each), so it has smaller bounds than a stored scenario: max_inline_labels and
     max_inline_label_bytes, a 422 naming the field the client used, on every one-off route; a stored scenario of as
     many labels is fine (max_labels)."""
@@ -233,7 +233,7 @@ def test_inline_labels(live):
     limit = DEFAULTS.max_inline_labels
     assert limit < DEFAULTS.max_labels
     many = [f"l{i}" for i in range(limit + 1)]
-    over = {"messages": _chat(), "max_tokens": 2}
+    over = {"messages": user_messages(QUESTION), "max_tokens": 2}
     _refused(_post(live, "/v1/chat/completions", {**over, "structured_outputs": {"choice": many}}),
              422, "max_inline_labels", "structured_outputs.choice")
     _refused(_post(live, "/v1/completions", {"prompt": "x", "max_tokens": 2, "guided_choice": many}),
@@ -243,7 +243,7 @@ def test_inline_labels(live):
              422, "max_inline_label_bytes", "structured_outputs.choice")
     # at the limits: accepted and answered with one of the labels
     at = [f"l{i}" for i in range(limit)]
-    r = _post(live, "/v1/chat/completions", {"messages": _chat("Pick one."), "max_tokens": 8, "structured_outputs": {"choice": at}})
+    r = _post(live, "/v1/chat/completions", {"messages": user_messages("Pick one."), "max_tokens": 8, "structured_outputs": {"choice": at}})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] in at, r.text
     # the replica's own check (a direct handle call skips the ingress): the same pipeline stage, one_off=True
@@ -268,7 +268,7 @@ def test_schema_bytes(live):
     assert str(limit + 1) in error["message"]
     assert _history(live, "sec-lim-s") == before
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": bigger}}
-    _refused(_post(live, "/v1/chat/completions", {"messages": _chat(), "response_format": fmt, "max_tokens": 2}),
+    _refused(_post(live, "/v1/chat/completions", {"messages": user_messages(QUESTION), "response_format": fmt, "max_tokens": 2}),
              422, "max_schema_bytes", "response_format.json_schema.schema")
 
 
@@ -283,14 +283,14 @@ def _nested_schema(depth: int) -> dict:
 def test_max_tools(live):
     limit = DEFAULTS.max_tools
     tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(limit + 1)]
-    for path, body in (("/v1/chat/completions", {"messages": _chat(), "max_tokens": 2, "tools": tools}),
-                       ("/v1/generate", {"messages": _chat(), "max_new_tokens": 2, "tools": tools})):
+    for path, body in (("/v1/chat/completions", {"messages": user_messages(QUESTION), "max_tokens": 2, "tools": tools}),
+                       ("/v1/generate", {"messages": user_messages(QUESTION), "max_new_tokens": 2, "tools": tools})):
         _refused(_post(live, path, body), 422, "max_tools", "tools")
     r = _put(live, "sec-lim-t", {"type": "tools", "tools": tools})
     _refused(r, 422, "max_tools", "invalid scenario: tools")
     assert _history(live, "sec-lim-t")[0] == 404
     # at the limit: past the count (tool_choice none: nothing to compile; the answer is the model's)
-    body = {"messages": _chat(), "max_tokens": 2, "tools": tools[:limit], "tool_choice": "none"}
+    body = {"messages": user_messages(QUESTION), "max_tokens": 2, "tools": tools[:limit], "tool_choice": "none"}
     assert "max_tools" not in _post(live, "/v1/chat/completions", body).text
 
 

@@ -1,4 +1,4 @@
-"""Issue 29, item 3: one 20 MB text must not take the model replicas down for everyone.
+"""One 20 MB text must not take the model replicas down for everyone.
 
 A text of 20 MB (under the 32 MiB body limit) in a ``function_call_output`` on ``/v1/responses``, a tool's
 ``description`` with ``tool_choice: "none"`` on chat, a chat message or a ``/v1/generate`` prompt used to be
@@ -26,7 +26,7 @@ from config import Limits
 
 pytestmark = pytest.mark.serve
 
-BIG = "x " * 10_000_000  # 20 MB of text, 10 million tokens (the texts of the issue)
+BIG = "x " * 10_000_000  # 20 MB of text, 10 million tokens (the texts of the report)
 TIMEOUT = 120
 # a probe answer after this long was held (quiet: about 0.2 s; before the fix the probe got 503s, one after 6.9 s)
 HELD_S = 5.0

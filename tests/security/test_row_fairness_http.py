@@ -1,4 +1,4 @@
-"""Issue 23, item 6: fairness counts rows, not requests. One client's many ``n=8`` requests used to go to the model
+"""Fairness counts rows, not requests. One client's many ``n=8`` requests used to go to the model
 replicas all at once (the per-client bound counted requests), so another client's single-row request queued
 behind all their rows. Now a client's requests hold at most ``max_inflight_rows_per_client`` rows on the replicas
 (``deployments/guards.py:RowBudget``); the rest wait at the ingress in that client's queue, and another client's

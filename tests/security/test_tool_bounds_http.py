@@ -1,4 +1,4 @@
-"""Tools and the JSON inside request fields, over HTTP on the shared app (issue 29, items 1 and 6).
+"""Tools and the JSON inside request fields, over HTTP on the shared app.
 
 * Thousands of tools are refused by ``limits.max_tools`` before any tool is read, quickly, and the ingress keeps
   answering meanwhile (``GET /v1/models``, served on the ingress's event loop, is timed from another thread);
@@ -92,7 +92,7 @@ def _refused(r: requests.Response, status: int, *words: str) -> str:
     return message
 
 
-# --------------------------------------------------------------------------------------------- item 1: many tools
+# ----------------------------------------------------------------------------------------------------- many tools
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -154,7 +154,7 @@ def test_a_stored_tool_set_past_max_tools_is_refused_and_nothing_is_stored(serve
         requests.delete(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=60)
 
 
-# --------------------------------------------------------------------------------------------- item 6: tool_choice none
+# ----------------------------------------------------------------------------------------------------- tool_choice none
 
 
 def _deep_schema(steps: int) -> dict:
@@ -185,7 +185,7 @@ def test_the_parameters_limits_apply_whatever_the_tool_choice(serve_app, route, 
     _refused(r, 422, field)
 
 
-# --------------------------------------------------------------------------------------------- item 6: deep JSON
+# ----------------------------------------------------------------------------------------------------- deep JSON
 
 
 def _deep_text(depth: int, kind: str = "array") -> str:
@@ -350,7 +350,7 @@ def test_every_json_field_nested_deep_in_the_body_is_a_4xx(serve_app, depth):
 
 
 def test_the_issue_requests(serve_app):
-    """The requests of the issue: an earlier call's arguments ``"[" * 3000 + "]" * 3000`` (chat and Responses)
+    """The report's requests: an earlier call's arguments ``"[" * 3000 + "]" * 3000`` (chat and Responses)
     and, with tool_choice none, parameters nested 200 and 700 deep: each a 422 naming the field."""
     text = _deep_text(3000)
     r = requests.post(f"{serve_app.url}{CHAT}", json={"messages": _history(text), "max_tokens": 2}, timeout=TIMEOUT)

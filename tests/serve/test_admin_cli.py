@@ -20,7 +20,8 @@ import pytest
 import requests
 
 from config import Limits
-from serve_app import ADMIN_TOKEN, free_port
+from helpers import free_port
+from serve_app import ADMIN_TOKEN
 
 pytestmark = pytest.mark.serve
 

@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 import requests
+from helpers import user_messages
 from serve_app import swap_under_load
 from test_admin_cli import _ok, cli
 
@@ -20,10 +21,6 @@ pytestmark = pytest.mark.serve
 
 PHRASES = ["red apple", "green pear", "blue sky at night", "yellow sun", "white snow", "black cat", "grey mouse",
            "orange juice", "purple rain", "pink panther", "brown bear", "silver moon"]
-
-
-def _chat(text):
-    return [{"role": "user", "content": text}]
 
 
 def _name() -> str:
@@ -74,7 +71,7 @@ def test_catalog_put_get_and_generate(serve_app, tokenizer, phrase_items):
     got = requests.get(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=30)
     assert got.headers["etag"] == '"1"'
     assert got.json()["scenario"]["content_format"] == "items"
-    r = serve_app.generate({"scenario": name, "messages": _chat("Name a thing."), "n": 4, "temperature": 1.5})
+    r = serve_app.generate({"scenario": name, "messages": user_messages("Name a thing."), "n": 4, "temperature": 1.5})
     assert r.status_code == 200, r.text
     for out in r.json()["outputs"]:
         check_item(out, items, tokenizer.eos_token_id)
@@ -107,7 +104,7 @@ def test_patch_under_load_every_output_matches_its_version(serve_app, tokenizer,
 
     seen = swap_under_load(
         serve_app, name, (r.json()["version"], set(current)), swap,
-        lambda i: {"scenario": name, "messages": _chat(f"Name a thing ({i})."), "temperature": 1.5},
+        lambda i: {"scenario": name, "messages": user_messages(f"Name a thing ({i})."), "temperature": 1.5},
         lambda body, items: check_item(body["outputs"][0], items, tokenizer.eos_token_id),
         swaps=len(phrases) - 3, clients=8, min_answers=16)
     assert len(seen) >= 3, f"the load should span several versions, saw {sorted(seen)}"
@@ -151,7 +148,7 @@ def test_patch_semantics_over_http(serve_app, tokenizer, phrase_items):
     r = requests.post(f"{serve_app.url}/admin/scenarios/{name}/rollback", json={"version": 1},
                       headers=serve_app.admin, timeout=240)
     assert r.status_code == 200 and r.json()["version"] == 5
-    out = serve_app.generate({"scenario": name, "messages": _chat("Name a thing."), "n": 4, "temperature": 1.5})
+    out = serve_app.generate({"scenario": name, "messages": user_messages("Name a thing."), "n": 4, "temperature": 1.5})
     for o in out.json()["outputs"]:
         check_item(o, {a, b}, tokenizer.eos_token_id)
     # labels
@@ -179,7 +176,7 @@ def test_cs_admin_put_items_and_patch(serve_app, tokenizer, phrase_items, tmp_pa
     assert lines[1] == f"  1 already present (not added again): {json.dumps(list(a))}"
     done = cli("patch", name, "--add", str(add), "--base-version", "1", url=serve_app.url)
     assert done.returncode == 5 and "changed underneath" in done.stderr, done.stderr
-    out = serve_app.generate({"scenario": name, "messages": _chat("Name a thing."), "n": 4, "temperature": 1.5})
+    out = serve_app.generate({"scenario": name, "messages": user_messages("Name a thing."), "n": 4, "temperature": 1.5})
     for o in out.json()["outputs"]:
         check_item(o, {a, c}, tokenizer.eos_token_id)
 

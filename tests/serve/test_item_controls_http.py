@@ -1,5 +1,5 @@
 """Item controls over HTTP through the shared Serve app: exclude and distinct on POST /v1/generate and as extra
-body fields of the OpenAI routes, multi-item scenarios, and the 4xx answers (issue 11 item 3)."""
+body fields of the OpenAI routes, multi-item scenarios, and the 4xx answers."""
 
 from __future__ import annotations
 
@@ -60,10 +60,7 @@ def _split(ids, sep):
     yield cur
 
 
-def test_item_controls_as_openai_extra_body(serve_app, catalog):
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{serve_app.url}/v1", api_key="unused")
+def test_item_controls_as_openai_extra_body(serve_app, catalog, client):
     resp = client.completions.create(model="default", prompt="Items:", max_tokens=4, n=5, temperature=1.5,
                                      extra_body={"scenario": "t-items", "distinct": True,
                                                  "exclude": [list(i) for i in CATALOG[:20]]})

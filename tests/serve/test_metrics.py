@@ -14,6 +14,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from deployments.examples import build_phrase_tree, chat_root_token_id
+from helpers import user_messages
 
 pytestmark = pytest.mark.serve
 
@@ -50,10 +51,6 @@ def wait_for(url: str, check, what: str) -> dict:
                 f"{ {k: v for k, v in samples.items() if not k.endswith('_bucket')} }")
 
 
-def _chat(text):
-    return [{"role": "user", "content": text}]
-
-
 @pytest.fixture(scope="module")
 def traffic(serve_app, tokenizer):
     """Two PUTs, then generate requests: plain, streamed, on a tree that falls back, on an unknown name."""
@@ -67,7 +64,7 @@ def traffic(serve_app, tokenizer):
 
     tokens = 0
     for i in range(3):
-        r = serve_app.generate({"scenario": LABELS, "messages": _chat(f"Question {i}?"), "n": 2, "seed": i})
+        r = serve_app.generate({"scenario": LABELS, "messages": user_messages(f"Question {i}?"), "n": 2, "seed": i})
         assert r.status_code == 200, r.text
         tokens += r.json()["usage"]["completion_tokens"]
     r = requests.post(f"{serve_app.url}/v1/generate", json={"scenario": LABELS, "prompt": "Yes or no:", "stream": True},
@@ -75,7 +72,7 @@ def traffic(serve_app, tokenizer):
     assert r.status_code == 200
     streamed = [line for line in r.iter_lines() if line.startswith(b"data: {") and b'"token_id":' in line]
     tokens += sum(1 for line in streamed if b'"token_id":null' not in line)
-    r = serve_app.generate({"scenario": FALLBACK, "messages": _chat("A fruit?"), "n": 2})
+    r = serve_app.generate({"scenario": FALLBACK, "messages": user_messages("A fruit?"), "n": 2})
     assert r.status_code == 200, r.text
     fallback_tokens = r.json()["usage"]["completion_tokens"]
     assert all(out["token_ids"] == [first[0], tokenizer.eos_token_id] for out in r.json()["outputs"]), r.text

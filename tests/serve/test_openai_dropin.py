@@ -34,11 +34,6 @@ CAR_SCHEMA = CarDescription.model_json_schema()
 
 
 @pytest.fixture(scope="module")
-def client(serve_app):
-    return openai.OpenAI(base_url=f"{serve_app.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def model(client):
     (card,) = client.models.list().data
     return card.id

@@ -15,6 +15,7 @@ import requests
 
 from config import is_tree_path
 from deployments.examples import build_phrase_tree, chat_root_token_id
+from helpers import user_messages
 from serve_app import check_label, labels_hot_swap_under_load
 
 pytestmark = pytest.mark.serve
@@ -27,10 +28,6 @@ SCHEMA = {
 }
 LABELS = ["Sports", "Technology", "Politics", "New York City"]
 PHRASES = ["red apple", "green pear", "blue sky at night"]
-
-
-def _chat(text):
-    return [{"role": "user", "content": text}]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +62,7 @@ def _valid(name, bodies, out):
 
 @pytest.mark.parametrize("name", ["t-labels", "t-tree", "t-schema", "t-json", "t-regex"])
 def test_each_kind_generates_valid_output(serve_app, stored, name):
-    r = serve_app.generate({"scenario": name, "messages": _chat("Answer, please."), "n": 3, "temperature": 1.2, "max_new_tokens": 48})
+    r = serve_app.generate({"scenario": name, "messages": user_messages("Answer, please."), "n": 3, "temperature": 1.2, "max_new_tokens": 48})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["scenario"] == name and body["version"] >= 1
@@ -101,7 +98,7 @@ def test_sixteen_concurrent_clients_mixing_scenarios(serve_app, stored):
 
     def one(i):
         name = names[i % len(names)]
-        r = serve_app.generate({"scenario": name, "messages": _chat(f"Request {i}"), "temperature": 1.0, "max_new_tokens": 40, "seed": i})
+        r = serve_app.generate({"scenario": name, "messages": user_messages(f"Request {i}"), "temperature": 1.0, "max_new_tokens": 40, "seed": i})
         assert r.status_code == 200, r.text
         body = r.json()
         for out in body["outputs"]:
@@ -184,24 +181,21 @@ def test_delete_then_404(serve_app):
     assert serve_app.generate({"scenario": "t-del", "prompt": "x"}).status_code == 404
 
 
-def test_openai_client_chat_completions(serve_app, stored):
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{serve_app.url}/v1", api_key="unused")
+def test_openai_client_chat_completions(serve_app, stored, client):
     resp = client.chat.completions.create(
-        model="default", messages=_chat("Which topic is a football match?"), max_tokens=12, n=2,
+        model="default", messages=user_messages("Which topic is a football match?"), max_tokens=12, n=2,
         extra_body={"scenario": "t-labels"},
     )
     assert len(resp.choices) == 2
     for choice in resp.choices:
         assert choice.message.content.strip() in LABELS
     one_off = client.chat.completions.create(
-        model="default", messages=_chat("Say yes or no."), max_tokens=8,
+        model="default", messages=user_messages("Say yes or no."), max_tokens=8,
         extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
     )
     assert one_off.choices[0].message.content.strip() in ("yes", "no")
     schema_resp = client.chat.completions.create(
-        model="default", messages=_chat("A person as JSON."), max_tokens=48,
+        model="default", messages=user_messages("A person as JSON."), max_tokens=48,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
     )
     choice = schema_resp.choices[0]

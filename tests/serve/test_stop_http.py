@@ -1,4 +1,4 @@
-"""Issue 29, item 8: ``stop`` is accepted on every request, with the real ``openai`` client against the shared app.
+"""``stop`` is accepted on every request, with the real ``openai`` client against the shared app.
 
 Agent libraries send ``stop`` with constrained requests (smolagents' ToolCallingAgent with its tool requests:
 ``["Observation:", "Calling tools:"]``), and OpenAI and vLLM accept it; it used to be a 400 ``stop strings apply to
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
 from tool_checks import check_calls, chat, openai_model
@@ -20,11 +19,6 @@ pytestmark = pytest.mark.serve
 
 # every JSON object and every tool call holds these; smolagents' own stop strings come first
 STOPS = ["Observation:", "Calling tools:", "{", "\"", ":", "}", ",", "\n"]
-
-
-@pytest.fixture(scope="module")
-def client(serve_app):
-    return openai.OpenAI(base_url=f"{serve_app.url}/v1", api_key="unused", max_retries=0, timeout=180)
 
 
 @pytest.fixture(scope="module")

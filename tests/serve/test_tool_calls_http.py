@@ -22,11 +22,6 @@ pytestmark = pytest.mark.serve
 
 
 @pytest.fixture(scope="module")
-def client(serve_app):
-    return openai.OpenAI(base_url=f"{serve_app.url}/v1", api_key="unused", max_retries=0, timeout=180)
-
-
-@pytest.fixture(scope="module")
 def model(client):
     return openai_model(client)
 

@@ -13,7 +13,6 @@ import json
 import threading
 
 import jsonschema
-import openai
 import pytest
 import requests
 
@@ -26,11 +25,6 @@ NOTE = {"type": "function", "function": {
     "name": "write_note", "description": "Write a note.",
     "parameters": {"type": "object", "properties": {"text": {"type": "string", "minLength": 120, "maxLength": 140}},
                    "required": ["text"], "additionalProperties": False}}}
-
-
-@pytest.fixture(scope="module")
-def client(serve_app):
-    return openai.OpenAI(base_url=f"{serve_app.url}/v1", api_key="unused", max_retries=0, timeout=180)
 
 
 @pytest.fixture(scope="module")

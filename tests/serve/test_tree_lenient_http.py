@@ -1,4 +1,4 @@
-"""RTP-LLM's tree files over real HTTP (issue 11.1): the admin PUT accepts them and returns the loader's
+"""RTP-LLM's tree files over real HTTP: the admin PUT accepts them and returns the loader's
 ``warnings``; the same body with ``strict: true`` is refused naming the problem; outputs stay paths of the tree."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The catalog tables built without the padded matrix (issue 23 item 3) against a copy of the functions they
+"""The catalog tables built without the padded matrix against a copy of the functions they
 replaced (the padded-matrix build of ``processors/catalog_tables.py`` as of commit a5e49c3, kept below as the
 reference, unchanged but for its names): the same tables array for array and the same tree file bytes, on varied
 catalogs (random catalogs of mixed lengths, shared prefixes, an item that is a prefix of another, one very long

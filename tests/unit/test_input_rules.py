@@ -1,4 +1,4 @@
-"""Input rules of issue 13 that are pure functions: the strict JSON body parser, the request and scenario models,
+"""Input rules that are pure functions: the strict JSON body parser, the request and scenario models,
 special tokens in message content (with the real tokenizer), error texts without internal paths, the HTTP
 timeouts in serve_config.yaml.
 

@@ -1,4 +1,4 @@
-"""Item controls on hand-built trees (issue 11 items 3 and 4): the per-state metrics, the token budget (never cut
+"""Item controls on hand-built trees: the per-state metrics, the token budget (never cut
 mid-item), exclude, distinct, multi-item sequences with a separator and in the fixed-width form.
 
 Expected values come from brute force over the tree's items (:func:`items_of`), never from the cursor itself.

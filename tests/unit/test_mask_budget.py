@@ -1,7 +1,7 @@
-"""Issue 29, item 2, at the cursor level: a per-step budget for a row's grammar mask work
+"""At the cursor level: a per-step budget for a row's grammar mask work
 (:class:`processors.mask_budget.MaskBudget`, setting ``mask_step_budget_ms``).
 
-The ambiguous grammar of the issue (``start: x+ "☃"``, ``x: "a" | "ab" | ... | x x | x x x``) costs more llguidance
+An ambiguous grammar (``start: x+ "☃"``, ``x: "a" | "ab" | ... | x x | x x x``) costs more llguidance
 work at every token (a second and more per mask after about 40 tokens of ``aaaa``). Its row must be reported late
 once one step's mask passes the budget, its cursor must then allow only its end token without touching its matcher,
 and a cheap row settled in the same calls must never be reported. Real tokenizer, real llguidance matchers.

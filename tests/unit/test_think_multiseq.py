@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from processors import (
-    MultiSeqCursor,
     MultiSeqLogitsProcessor,
+    RowCursor,
     ThinkCursor,
     ThinkModeLogitsProcessor,
     ThinkSpec,
@@ -227,7 +227,7 @@ def test_multiseq_random_rows_never_emit_after_eos(tok, eos):
 def test_multiseq_refusals_and_copy(eos):
     with pytest.raises(ValueError, match="eos_token_ids"):
         MultiSeqLogitsProcessor([])
-    cursor = MultiSeqCursor([7, eos])
+    cursor = RowCursor(None, eos_token_ids=sorted([7, eos]))  # as MultiSeqLogitsProcessor makes its rows
     assert cursor.end_token_id == min(7, eos)
     other = cursor.copy()
     other.advance(7)

@@ -1,4 +1,4 @@
-"""The bounds on tools, in-process (issue 29, items 1 and 6): ``tool_setup`` counts the tools first
+"""The bounds on tools, in-process: ``tool_setup`` counts the tools first
 (``limits.max_tools``) and measures their ``parameters`` before reading any, its work after is linear, every check
 applies whatever ``tool_choice`` is; a stored tool set gets the same bound; an earlier call's ``arguments`` are held
 to ``max_json_depth`` (a 422 naming the field, never a ``RecursionError``). HTTP: tests/security/test_tool_bounds_http.py.
@@ -48,7 +48,7 @@ def test_more_tools_than_max_tools_are_refused_before_any_is_read(choice):
 
 
 def test_six_thousand_tools_are_refused_at_once():
-    """The issue's 6,000 parameterless tools: refused by the count (they took 75 s through the quadratic setup)."""
+    """6,000 parameterless tools: refused by the count (they took 75 s through the quadratic setup)."""
     start = time.monotonic()
     with pytest.raises(ServiceError, match="max_tools"):
         tool_setup(_tools(6000), "auto", None, DEFAULTS)
@@ -112,7 +112,7 @@ def test_a_stored_tool_set_is_held_to_max_tools_before_it_is_read():
     assert scenario.plan() is scenario.plan()  # built once, at validation: the compile takes the same
 
 
-DEEP_TEXT = "[" * 3000 + "]" * 3000  # the issue's arguments: deeper than Python's JSON parser goes
+DEEP_TEXT = "[" * 3000 + "]" * 3000  # arguments deeper than Python's JSON parser goes
 
 
 @pytest.mark.parametrize("arguments", [DEEP_TEXT, "[" * 65 + "]" * 65, '{"a":' * 70 + "1" + "}" * 70,

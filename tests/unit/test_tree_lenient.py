@@ -1,4 +1,4 @@
-"""RTP-LLM parity of the tree loader (issue 11.1): what RTP-LLM loads is accepted with warnings, ``strict`` refuses
+"""RTP-LLM parity of the tree loader: what RTP-LLM loads is accepted with warnings, ``strict`` refuses
 it; and the fast paths (numpy scan of files, hashed keys in the table builder) agree with the exact ones."""
 
 from __future__ import annotations

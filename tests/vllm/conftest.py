@@ -23,7 +23,8 @@ def app(tmp_path_factory):
     """The one Ray Serve app of this tier: one vLLM-backed model replica, the config manager, the ingress."""
     import ray
     from ray import serve
-    from serve_app import free_port, start_local_ray
+    from helpers import free_port
+    from serve_app import start_local_ray
     from vllm_checks import VLLMServeApp
 
     data_dir = str(tmp_path_factory.mktemp("vllm-serve-data"))
@@ -41,3 +42,11 @@ def app(tmp_path_factory):
         from deployments.redis_server import stop_orphaned_servers
 
         stop_orphaned_servers(data_dir)
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    """The official ``openai`` client on the tier's app (no retries; 300 s a request: vLLM on CPU is slow)."""
+    from helpers import openai_client
+
+    return openai_client(app.url, timeout=300)

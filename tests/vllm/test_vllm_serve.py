@@ -17,6 +17,7 @@ pytest.importorskip("vllm.v1.engine.async_llm", reason="the vLLM tier runs in .v
 
 import requests  # noqa: E402
 
+from helpers import user_messages  # noqa: E402
 from serve_app import check_label, labels_hot_swap_under_load  # noqa: E402
 from vllm_checks import APP, check_output  # noqa: E402
 
@@ -29,10 +30,6 @@ SCHEMA = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
-
-
-def _chat(text):
-    return [{"role": "user", "content": text}]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +62,7 @@ def test_every_kind_with_n_3_concurrently(app, bodies, tokenizer):
     from concurrent.futures import ThreadPoolExecutor
 
     def one(name):
-        r = app.generate({"scenario": name, "messages": _chat("Answer: a topic, a thing, a person or a number."),
+        r = app.generate({"scenario": name, "messages": user_messages("Answer: a topic, a thing, a person or a number."),
                           "n": 3, "temperature": 1.2, "max_new_tokens": 48}, timeout=300)
         return name, r
 
@@ -87,14 +84,14 @@ def test_seed_reproduces_over_http(app, bodies):
 
 
 def test_high_temperature_stays_valid(app, bodies, tokenizer):
-    r = app.generate({"scenario": "v-labels", "messages": _chat("Topic?"), "n": 4, "temperature": 5.0, "seed": 1})
+    r = app.generate({"scenario": "v-labels", "messages": user_messages("Topic?"), "n": 4, "temperature": 5.0, "seed": 1})
     assert r.status_code == 200, r.text
     for out in r.json()["outputs"]:
         check_label(out, LABELS)
 
 
 def test_streaming_tokens_add_up_to_the_answer(app, bodies, tokenizer):
-    with requests.post(f"{app.url}/v1/generate", json={"scenario": "v-schema", "messages": _chat("A person."),
+    with requests.post(f"{app.url}/v1/generate", json={"scenario": "v-schema", "messages": user_messages("A person."),
                                                         "stream": True, "max_new_tokens": 40, "seed": 3},
                        stream=True, timeout=120) as r:
         assert r.status_code == 200
@@ -108,14 +105,11 @@ def test_streaming_tokens_add_up_to_the_answer(app, bodies, tokenizer):
     _check(bodies["v-schema"], out, tokenizer)
 
 
-def test_openai_chat_completions_with_a_scenario_and_a_one_off_constraint(app, bodies):
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{app.url}/v1", api_key="unused")
-    resp = client.chat.completions.create(model="default", messages=_chat("Which topic is a football match?"),
+def test_openai_chat_completions_with_a_scenario_and_a_one_off_constraint(app, bodies, client):
+    resp = client.chat.completions.create(model="default", messages=user_messages("Which topic is a football match?"),
                                           max_tokens=12, n=2, extra_body={"scenario": "v-labels"})
     assert [c.message.content.strip() in LABELS for c in resp.choices] == [True, True]
-    one_off = client.chat.completions.create(model="default", messages=_chat("Say yes or no."), max_tokens=8,
+    one_off = client.chat.completions.create(model="default", messages=user_messages("Say yes or no."), max_tokens=8,
                                              extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert one_off.choices[0].message.content.strip() in ("yes", "no")
 
@@ -162,7 +156,7 @@ def test_late_replica_serves_current_versions(app, bodies, tokenizer):
         # a PUT now waits for this replica's ack too, and it serves the new version at once
         v2 = app.put("v-late", {"type": "labels", "labels": ["later one", "later two"]})["version"]
         assert replica.versions()["v-late"] == v2
-        out = asyncio.run(replica.generate({"scenario": "v-tree", "messages": _chat("A thing."), "n": 2, "temperature": 1.5}))
+        out = asyncio.run(replica.generate({"scenario": "v-tree", "messages": user_messages("A thing."), "n": 2, "temperature": 1.5}))
         for o in out["outputs"]:
             _check(bodies["v-tree"], o, tokenizer)
     finally:

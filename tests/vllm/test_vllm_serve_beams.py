@@ -1,4 +1,4 @@
-"""Both engines in one app (issue 22, deliverables 3 and 6): ``engine: vllm`` with ``beam_replicas: 1`` runs a second
+"""Both engines in one app: ``engine: vllm`` with ``beam_replicas: 1`` runs a second
 model deployment, ``BeamReplica``, on the transformers engine; the ingress sends requests with ``num_beams`` > 1
 there and every other request to the vLLM replica, over real HTTP. A second Serve app beside the tier's shared one
 (its own config manager and embedded Redis, route prefix ``/beams``), removed at the end of this module.

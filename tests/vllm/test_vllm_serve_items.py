@@ -1,4 +1,4 @@
-"""Item controls on ``engine: vllm`` end to end over real HTTP (issue 22, deliverables 1 and 6): ``exclude``,
+"""Item controls on ``engine: vllm`` end to end over real HTTP: ``exclude``,
 ``distinct`` across the ``n`` rows of a request (separate vLLM requests sharing one book in vLLM's worker),
 multi-item scenarios with a separator and fixed width, the token budget, labels, the 4xx answers, and a cancelled
 stream. The transformers backend's semantics (tests/integration/test_item_controls.py): every output is parsed
@@ -158,10 +158,7 @@ def test_labels_exclude_and_distinct(app, eos):
         assert got == ["New York City", "Sports", "Technology"], got
 
 
-def test_item_controls_as_openai_extra_body(app, eos):
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{app.url}/v1", api_key="unused")
+def test_item_controls_as_openai_extra_body(app, eos, client):
     excluded = CATALOG[:200]
     resp = client.completions.create(model="default", prompt=PROMPT, max_tokens=8, n=5, temperature=0,
                                      extra_body={"scenario": "vi-tree", "distinct": True,

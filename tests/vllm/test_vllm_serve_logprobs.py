@@ -14,7 +14,6 @@ import pytest
 
 pytest.importorskip("vllm.v1.engine.async_llm", reason="the vLLM tier runs in .venv-vllm: bash scripts/test_vllm.sh")
 
-import openai  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -69,8 +68,7 @@ def test_generate_reports_the_masked_distribution(app, labels, tokenizer):
             check_logprobs(out, TOP, paths)
 
 
-def test_chat_completions_top_logprobs(app, labels, tokenizer):
-    client = openai.OpenAI(base_url=f"{app.url}/v1", api_key="unused", max_retries=0, timeout=300)
+def test_chat_completions_top_logprobs(app, labels, tokenizer, client):
     r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "A topic?"}],
                                        logprobs=True, top_logprobs=3, temperature=1.0, seed=9, n=2,
                                        extra_body={"scenario": labels})

@@ -16,17 +16,11 @@ import pytest
 pytest.importorskip("vllm.v1.engine.async_llm", reason="the vLLM tier runs in .venv-vllm: bash scripts/test_vllm.sh")
 
 import jsonschema  # noqa: E402
-import openai  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
 from tool_checks import TOOLS, chat, check_call, check_calls, openai_model  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture(scope="module")
-def client(app):
-    return openai.OpenAI(base_url=f"{app.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")

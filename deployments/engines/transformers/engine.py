@@ -76,9 +76,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DecodeEngine", "Job"]
 
-class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, Engine):
-    name = "transformers"
 
+class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, Engine):
     """Continuous-batching decode loop over ``model`` (see the module docstring).
 
     Args:
@@ -115,6 +114,8 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
     of ``w > 1`` rows (beams, ``n``) holds its prompt once and each row only its generated tokens
     (:mod:`.shared_kv`); ``max_batch_size`` bounds the one-row requests, the memory budget bounds everything.
     """
+
+    name = "transformers"
 
     def __init__(
         self, model, tokenizer, *, max_batch_size: int = 16, eos_token_ids: tuple[int, ...] | None = None,

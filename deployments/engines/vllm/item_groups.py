@@ -116,10 +116,6 @@ class ItemGroups:
             self.groups.pop(key, None)
             self.stats["expired"] += 1
 
-    def is_distinct(self, key: str | None) -> bool:
-        group = self.groups.get(key) if key is not None else None
-        return group is not None and group.request.distinct
-
 
 def release_occupied(cursor) -> None:
     """Give back the item a ``distinct`` row occupies (the states of its unfinished item); its finished items stay

@@ -1,4 +1,4 @@
-"""Issue 23 over real HTTP against the shared Serve app: requests that used to slip past a guard or answer 500.
+"""Guards over real HTTP against the shared Serve app: requests that used to slip past a guard or answer 500.
 
 * a guard header sent twice (``x-request-timeout-seconds: 300`` then ``0``): the ingress read the first copy and
   Serve's proxy the last, so the timeout was lifted; now a 400 naming the header;

@@ -1,4 +1,4 @@
-"""Issue 23, defect 7: ``usage`` counted only the last attempt of a regenerated JSON output, so a client could have
+"""``usage`` counted only the last attempt of a regenerated JSON output, so a client could have
 many attempts generated and be billed for one, and the regeneration work of a request was bounded only per output
 (``n`` x ``json_regenerate_attempts`` attempts). Every attempt's tokens count now, and the rejected attempts of a
 request generate at most ``json_regenerate_budget`` x ``n`` x ``max_new_tokens`` tokens together (a retry starts

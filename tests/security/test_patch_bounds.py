@@ -1,4 +1,4 @@
-"""Issue 23, the admin PATCH and catalog defects, against the real config manager (embedded Redis, real tokenizer,
+"""The admin PATCH and catalog uploads against the real config manager (embedded Redis, real tokenizer,
 no replicas): a PATCH changes exactly its delta, keeps to ``max_tree_keys``, and a replay (the same
 ``Idempotency-Key``) gets its first answer exactly, also for a PATCH that changed nothing; a refused catalog
 upload or PATCH leaves no content file behind in ``data/tree-content``.
@@ -28,7 +28,7 @@ MAX_KEYS = 64
 @pytest.fixture(scope="module")
 def manager(start_manager):
     """The real config manager with max_tree_keys=64 (a catalog or a PATCH past it is refused)."""
-    with start_manager("issue23-patch", limits=Limits(max_tree_keys=MAX_KEYS)) as manager:
+    with start_manager("patch-bounds", limits=Limits(max_tree_keys=MAX_KEYS)) as manager:
         yield manager
 
 

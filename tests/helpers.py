@@ -1,0 +1,79 @@
+"""Small helpers shared by every test tier (unit, integration, serve, security, faults and the vLLM tier): a free
+port, a chat body, the prompt ids of a chat, polling until a condition holds, and the ``openai`` client on a running
+app. Imported as ``helpers``: pytest puts ``tests/`` on ``sys.path`` for ``tests/conftest.py`` (no ``__init__.py``);
+a script started in its own process (``tests/faults/two_nodes.py``) puts it there itself.
+
+Nothing here imports the project or a heavy library at import time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["chat_prompt_ids", "free_port", "openai_client", "user_messages", "wait_until", "wait_until_async"]
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback address now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def user_messages(text: str) -> list[dict]:
+    """The ``messages`` of a chat body with one user message, ``text``."""
+    return [{"role": "user", "content": text}]
+
+
+def chat_prompt_ids(tokenizer: Any, text: str, compiled: Any = None) -> list[int]:
+    """The prompt ids of a chat of one user message, ``text``, as the service builds them for ``compiled`` (a compiled
+    scenario, or ``None`` for free text)."""
+    from processors import build_prompt_ids
+
+    return build_prompt_ids(compiled, tokenizer, messages=user_messages(text))
+
+
+def wait_until(fn: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.5,
+               errors: tuple[type[BaseException], ...] = ()) -> Any:
+    """Call ``fn`` every ``interval`` seconds until it returns something truthy, and return that. An exception of
+    one of ``errors`` counts as a falsy answer (it is kept as the last value). After ``timeout`` seconds: an
+    ``AssertionError`` naming ``what`` and the last value."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+        except errors as exc:
+            last = exc
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; last: {last!r}")
+
+
+async def wait_until_async(predicate: Callable[[], Any], *, timeout: float, what: str,
+                           interval: float = 0.02) -> Any:
+    """:func:`wait_until` on an event loop: ``predicate`` may return a coroutine (awaited), and the waits are
+    ``asyncio.sleep``, so the loop's other tasks run meanwhile."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if asyncio.iscoroutine(last):
+            last = await last
+        if last:
+            return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; last: {last!r}")
+
+
+def openai_client(url: str, timeout: float) -> Any:
+    """The official ``openai`` client on the app at ``url`` (its ``/v1``), without retries: a failed request fails
+    the test instead of being sent again."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
