@@ -18,7 +18,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from config import SCENARIO_TYPES, Limits, scenario_model
+from config import Limits
+from processors.scenarios import SCENARIO_TYPES, scenario_model
 from deployments.json_body import BodyRejected, parse_json
 from deployments.openai_models import (  # noqa: F401  (the models are this module's API too)
     DEFAULT_MODEL_NAME, IGNORED_FIELDS, NEUTRAL_FIELDS, PASSTHROUGH_FIELDS, AssistantMessage, ChatChoice,

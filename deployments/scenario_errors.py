@@ -1,6 +1,6 @@
 """Scenario pipeline and scenario store failures at the HTTP edge: the one place their HTTP statuses are chosen.
 
-The pipeline (``config.parse_scenario``, ``processors.ScenarioCompiler``) raises one :class:`config.ScenarioError`
+The pipeline (``processors.scenarios.parse_scenario``, ``processors.ScenarioCompiler``) raises one :class:`config.ScenarioError`
 per failure, with its message; here it becomes the :class:`~deployments.protocol.ServiceError` the routes answer:
 422 for a body that is invalid or past a limit, 400 for one that does not compile (also past the compile
 limits). Used by the model replica (one-off constraints), the OpenAI translation and the config manager.
@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from config import Limits, ScenarioError, parse_scenario, scenario_model, scenario_to_dict
+from config import Limits, ScenarioError, scenario_to_dict
+from processors.scenarios import parse_scenario, scenario_model
 from deployments.protocol import ServiceError
 
 __all__ = ["SCENARIO_ERROR_STATUS", "STORE_ERROR_STATUS", "openai_field_error", "scenario_service_error", "store_error_status",
@@ -47,7 +48,7 @@ def store_error_status(error: Exception) -> int:
 def validated_one_off(scenario: dict[str, Any], field: str, limits: Limits | None = None) -> dict[str, Any]:
     """Check a one-off scenario here (cheap), so a bad schema or label list is a 422 naming the OpenAI field.
 
-    The first stage of the scenario pipeline (``config.parse_scenario``: ``limits`` first, the stored scenarios'
+    The first stage of the scenario pipeline (``processors.scenarios.parse_scenario``: ``limits`` first, the stored scenarios'
     limits: label count, schema depth and size, regex length and repetition, before the schema checker walks a
     possibly deep schema; then validation); its error names the scenario's field, renamed here to the OpenAI field
     that holds it (``schema.allOf[0].pattern`` -> ``response_format.json_schema.schema.allOf[0].pattern``).

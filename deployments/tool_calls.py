@@ -30,7 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from config import Limits, ScenarioError, scenario_to_dict
-from config.scenarios import check_scenario_body
+from processors.scenarios import check_scenario_body
 from config.settings import LimitExceeded, json_depth
 from deployments.protocol import ServiceError
 from deployments.scenario_errors import openai_field_error, validated_one_off

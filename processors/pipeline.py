@@ -5,10 +5,10 @@ Every path that turns a scenario body into a :class:`~processors.compile.Compile
 :class:`ScenarioCompiler`: the config manager (stored scenarios), the model replicas (one-off constraints from the
 OpenAI routes), the console's inspect of an older version, and offline tools. The stages:
 
-1. the body's shape, its limits (``config.Limits.check_scenario``: the kind's own checks, then the nesting depth)
+1. the body's shape, its limits (``processors.scenarios.check_limits``: the kind's own checks, then the nesting depth)
    and, for a one-off constraint, what only stored scenarios may use (a server file): before anything walks the
-   body recursively (``config.check_scenario_body``);
-2. validation into the kind's config model (``config.validate_scenario_body``);
+   body recursively (``processors.scenarios.check_scenario_body``);
+2. validation into the kind's config model (``processors.scenarios.validate_scenario_body``);
 3. compilation by the kind (:mod:`processors.registry`) for the compiler's tokenizer, JSON-schema and regex
    grammars in a :class:`~processors.compile_worker.GrammarWorker` killed at ``compile_timeout_s`` /
    ``compile_memory_mb``, then the limits that need the compiled form (the keys of a tree file); the whole of
@@ -28,7 +28,7 @@ Example::
     >>> compiled = compiler.prepare_now({"type": "labels", "labels": ["yes", "no"]})   # doctest: +SKIP
     >>> compiler.prepare_now({"type": "labels", "labels": []})                          # doctest: +SKIP
     Traceback (most recent call last):
-    config.scenarios.ScenarioError: labels: List should have at least 1 item after validation, not 0
+    config.scenario_base.ScenarioError: labels: List should have at least 1 item after validation, not 0
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ from collections import OrderedDict, deque
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
-from config import Limits, ScenarioError, check_scenario_body, parse_scenario, validate_scenario_body
+from config import Limits, ScenarioError
+from processors.scenarios import check_scenario_body, parse_scenario, validate_scenario_body
 from config.settings import LimitExceeded
 
 from . import registry
@@ -117,7 +118,7 @@ class ScenarioCompiler:
     # -- the stages -------------------------------------------------------------------------------------------
 
     def parse(self, body: Any, *, one_off: bool = False, field: str = "body", from_json: bool = False):
-        """Stages 1 and 2: the body's config model (``config.parse_scenario`` with these limits; ``from_json``: the
+        """Stages 1 and 2: the body's config model (``processors.scenarios.parse_scenario`` with these limits; ``from_json``: the
         body was parsed from JSON text, no need to check that it serializes)."""
         return parse_scenario(body, self.limits, one_off=one_off, field=field, from_json=from_json)
 

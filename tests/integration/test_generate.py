@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from config import load_scenario
+from processors.scenarios import load_scenario
 from deployments.examples import build_phrase_tree, chat_root_token_id
 from processors import ConstrainedLogitsProcessor, build_prompt_ids, compile_scenario
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from config import load_scenario
+from processors.scenarios import load_scenario
 from deployments.engines import EngineRequest, EventCollector, SamplingParams
 from deployments.engines.transformers import DecodeEngine
 from processors import build_prompt_ids, compile_scenario

@@ -1,5 +1,5 @@
 """The ``tools`` kind: a stored tool set compiled into the JSON-schema grammar of its calls.
 
-``spec`` is its config model (torch-free; a member of ``config.Scenario``), ``kind`` its compile side (registered
+``spec`` is its config model (torch-free; a member of ``processors.scenarios.Scenario``), ``kind`` its compile side (registered
 with :mod:`processors.registry` when the registry loads the kinds). Importing this package imports neither.
 """

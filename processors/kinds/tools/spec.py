@@ -1,6 +1,6 @@
 """The ``tools`` kind's spec: a stored tool set (OpenAI function ``tools``, ``tool_choice``).
 
-Torch-free (pydantic only): ``config/scenarios.py`` imports it to build the ``Scenario`` union, and the ingress
+Torch-free (pydantic only): ``processors/scenarios.py`` finds it to build the ``Scenario`` union, and the ingress
 validates bodies with it.
 """
 
@@ -38,6 +38,7 @@ class ToolsScenario(ScenarioBase):
     parallel_tool_calls: bool | None = Field(
         default=None, strict=True, description="false: at most one call per answer (default: several may come).")
 
+    union_order: ClassVar[int] = 60
     constraint_field: ClassVar[str | None] = "tools"
     _plan: Any = PrivateAttr(default=None)  # plan(): (ToolPlan, prompt_tools), built at validation
 

@@ -1,4 +1,7 @@
-"""Scenario models: what a stored scenario may say, validated with pydantic.
+"""The ``Scenario`` union: every kind's config model, and the first stage of the scenario pipeline.
+
+Torch-free (pydantic only): the ingress, the config manager and the CLI import it without loading a model. It sits
+above the kinds' specs (``processors/kinds/<kind>/spec.py``) and below their compile side.
 
 A scenario is discriminated by ``type``:
 
@@ -15,15 +18,18 @@ A scenario is discriminated by ``type``:
 Every kind may also carry ``think`` (a thinking budget), a ``system_prompt``, a ``description`` and generation
 defaults (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``).
 
-The union :data:`Scenario` is the one map from a ``type`` name to its config model (:func:`scenario_model`). The
-models live in their kinds' packages (``processors/kinds/<kind>/spec.py``, torch-free); each carries what is specific to its kind on the config side: the cheap limit checks of a raw body
-(:meth:`ScenarioBase.check_limits`), whether a one-off (unstored) body may use it as given
-(:meth:`ScenarioBase.check_one_off`) and the field that holds the constraint (``constraint_field``). The compile
-side of each kind is in the same package (``processors/kinds/<kind>/``).
+The kinds are found once, by :func:`processors.kinds.kind_packages` (every package under ``processors/kinds/``):
+here each package's ``spec`` module gives its config models (the :class:`~config.ScenarioBase` subclasses it
+defines with a ``type`` literal), in :attr:`~config.ScenarioBase.union_order`; the registry imports each package's
+``kind`` module from the same list. The union :data:`Scenario` is then the one map from a ``type`` name to its
+config model (:func:`scenario_model`). Each model carries what is specific to its kind on the config side: the
+cheap limit checks of a raw body (:meth:`~config.ScenarioBase.check_limits`), whether a one-off (unstored) body
+may use it as given (:meth:`~config.ScenarioBase.check_one_off`) and the field that holds the constraint
+(``constraint_field``).
 
 :func:`parse_scenario` is the first stage of the scenario pipeline (shape -> limits -> validation), pure Python so
-that the ingress can run it too; every failure is one :class:`ScenarioError`. ``processors.pipeline`` adds the
-compile stage.
+that the ingress can run it too; every failure is one :class:`~config.ScenarioError`. ``processors.pipeline`` adds
+the compile stage.
 
 Example::
 
@@ -36,35 +42,27 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Union, get_args
 
-from pydantic import (
-    ConfigDict, Field, TypeAdapter, ValidationError,
-)
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
+from config.limit_checks import LimitExceeded
+from config.scenario_base import ScenarioBase, ScenarioError, read_scenario_file, scenario_to_dict
+from processors.kinds import kind_packages
 
 if TYPE_CHECKING:
     from config.settings import Limits
 
 __all__ = [
-    "GrammarScenario",
-    "JsonScenario",
-    "JsonSchemaScenario",
-    "LabelsScenario",
-    "RegexScenario",
     "SCENARIO_TYPES",
     "Scenario",
     "ScenarioAdapter",
-    "ScenarioBase",
-    "ScenarioError",
-    "ThinkConfig",
-    "ToolsScenario",
-    "TreeScenario",
-    "TreeSpec",
+    "check_limits",
     "check_scenario_body",
     "load_scenario",
     "parse_scenario",
@@ -74,26 +72,32 @@ __all__ = [
 ]
 
 
-from config.scenario_base import ConfigModel, ScenarioBase, ScenarioError, ThinkConfig, _rebuild_error  # noqa: F401
-# Each kind's config model lives in its package (processors/kinds/<kind>/spec.py, torch-free); adding a kind is
-# adding its import here and its member to the union below.
-from processors.kinds.grammar.spec import GrammarScenario
-from processors.kinds.json_schema.spec import JsonSchemaScenario, JsonScenario
-from processors.kinds.labels.spec import LabelsScenario
-from processors.kinds.regex.spec import RegexScenario
-from processors.kinds.tools.spec import ToolsScenario
-from processors.kinds.tree.spec import TreeScenario, TreeSpec
+def _type_name(model: type[ScenarioBase]) -> str:
+    return get_args(model.model_fields["type"].annotation)[0]
 
-Scenario = Annotated[
-    Union[TreeScenario, LabelsScenario, JsonSchemaScenario, JsonScenario, RegexScenario, GrammarScenario,
-          ToolsScenario],
-    Field(discriminator="type"),
-]
+
+def _spec_models() -> list[type[ScenarioBase]]:
+    """The config models of every kind package's ``spec`` module, in union order (ties: package, then definition
+    order)."""
+    found: list[type[ScenarioBase]] = []
+    for package in kind_packages():
+        spec = importlib.import_module(f"processors.kinds.{package}.spec")
+        found.extend(obj for obj in vars(spec).values()
+                     if isinstance(obj, type) and issubclass(obj, ScenarioBase) and obj.__module__ == spec.__name__
+                     and "type" in obj.model_fields)
+    return sorted(found, key=lambda model: model.union_order)  # stable: ties keep package order
+
+
+_UNION_MODELS = _spec_models()
+
+if TYPE_CHECKING:
+    Scenario = ScenarioBase
+else:
+    #: the discriminated union of every kind's config model
+    Scenario = Annotated[Union[tuple(_UNION_MODELS)], Field(discriminator="type")]
 ScenarioAdapter: TypeAdapter[Scenario] = TypeAdapter(Scenario, config=ConfigDict(title="Scenario"))
-#: ``type`` name -> config model, from the union (the only place the names are written down)
-_MODELS: dict[str, type[ScenarioBase]] = {
-    get_args(model.model_fields["type"].annotation)[0]: model for model in get_args(get_args(Scenario)[0])
-}
+#: ``type`` name -> config model, in the order of the union
+_MODELS: dict[str, type[ScenarioBase]] = {_type_name(model): model for model in _UNION_MODELS}
 #: the values of ``type``, in the order of the union
 SCENARIO_TYPES: tuple[str, ...] = tuple(_MODELS)
 
@@ -103,37 +107,11 @@ def scenario_model(type_name: Any) -> type[ScenarioBase] | None:
     return _MODELS.get(type_name) if isinstance(type_name, str) else None
 
 
-def _read_mapping(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"scenario file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"cannot read scenario file {path}: {error}") from None
-    if not text.strip():
-        raise ValueError(f"scenario file {path} is empty")
-    if path.suffix.lower() in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as error:
-            raise ValueError(f"scenario file {path} is not valid YAML: {error}") from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"scenario file {path} is not valid JSON: {error}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"scenario file {path} must hold a mapping at the top level, got {type(data).__name__}")
-    return data
-
-
 def load_scenario(source: dict[str, Any] | str | os.PathLike[str]) -> Scenario:
     """Validate a scenario given as a dict, or read it from a JSON / YAML (``.yaml``, ``.yml``) file.
 
-    A tree scenario read from a file with a relative ``path`` gets that path resolved against the scenario
-    file's directory.
+    Paths inside a scenario read from a file (a tree's relative ``path``) are resolved against the scenario
+    file's directory (:meth:`~config.ScenarioBase.resolve_paths`).
 
     Raises:
         pydantic.ValidationError: the body breaks a rule (the message names the field).
@@ -145,18 +123,26 @@ def load_scenario(source: dict[str, Any] | str | os.PathLike[str]) -> Scenario:
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"load_scenario() expects a dict or a path, got {type(source).__name__}")
     path = Path(source)
-    scenario = ScenarioAdapter.validate_python(_read_mapping(path))
-    if isinstance(scenario, TreeScenario) and scenario.path is not None:
-        tree_path = Path(scenario.path)
-        if not tree_path.is_absolute():
-            resolved = path.resolve().parent / tree_path
-            scenario = scenario.model_copy(update={"path": os.path.normpath(resolved)})
-    return scenario
+    scenario = ScenarioAdapter.validate_python(read_scenario_file(path))
+    return scenario.resolve_paths(path.resolve().parent)
 
 
-def scenario_to_dict(scenario: ScenarioBase) -> dict[str, Any]:
-    """A JSON-ready dict of the scenario (aliases such as ``schema``, no ``None`` fields), for storage."""
-    return scenario.model_dump(mode="json", by_alias=True, exclude_none=True)
+def check_limits(body: Any, limits: Limits) -> None:
+    """The cheap limit checks of a raw scenario body (before validation; wrongly typed fields are left to
+    validation): those of its kind (the config model's :meth:`~config.ScenarioBase.check_limits`: label count,
+    inline tree keys, schema nesting and size, regex length and repetition, also of the patterns in a schema),
+    then the scenario's own ``max_new_tokens`` (:meth:`config.Limits.check_max_new_tokens`). A tree given as a
+    ``path`` is counted when it is loaded (:meth:`config.Limits.check_tree_keys`).
+
+    Raises:
+        LimitExceeded: naming the field and the limit.
+    """
+    if not isinstance(body, Mapping):
+        return
+    model = scenario_model(body.get("type"))
+    if model is not None:
+        model.check_limits(body, limits)
+    limits.check_max_new_tokens(body)
 
 
 # --------------------------------------------------------------------------------------------- the pipeline's first stage
@@ -192,20 +178,18 @@ def _invalid(body: Mapping[str, Any], error: ValidationError) -> ScenarioError:
 def check_scenario_body(body: Any, limits: Limits | None = None, *, one_off: bool = False,
                         field: str = "body") -> None:
     """The cheap checks of a raw scenario body, before anything walks it recursively: a JSON object, the
-    ``limits`` (:meth:`config.Limits.check_scenario`, then the nesting depth, named ``field``; with ``one_off`` the
+    ``limits`` (:func:`check_limits`, then the nesting depth, named ``field``; with ``one_off`` the
     smaller bounds of a one-off constraint, :meth:`ScenarioBase.check_one_off_limits`), and with ``one_off`` what a
     one-off constraint may not use (:meth:`ScenarioBase.check_one_off`).
 
     Raises:
         ScenarioError: ``invalid`` or ``limit``.
     """
-    from config.settings import LimitExceeded
-
     if not isinstance(body, Mapping):
         raise ScenarioError("invalid", f"a scenario body must be a JSON object, got {type(body).__name__}")
     if limits is not None:
         try:
-            limits.check_scenario(body)  # first: it names the limit of the field (schema depth, ...)
+            check_limits(body, limits)  # first: it names the limit of the field (schema depth, ...)
             limits.check_json_depth(body, field)
             if one_off and (kind := scenario_model(body.get("type"))) is not None:
                 kind.check_one_off_limits(body, limits)
