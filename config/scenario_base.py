@@ -71,10 +71,12 @@ class ScenarioBase(ConfigModel):
     structured_output: ClassVar[str | None] = None
 
     @classmethod
-    def check_limits(cls, body: Mapping[str, Any], limits: Limits) -> None:
+    def check_limits(cls, body: Mapping[str, Any], limits: Limits) -> Any:
         """The cheap limit checks of this kind on a raw body (before validation; wrongly typed fields are left to
         validation). Raises ``config.settings.LimitExceeded`` naming the field. Called by
-        :meth:`config.Limits.check_scenario`."""
+        ``processors.scenarios.check_limits``. Returns what it built on the way that the validation of the same
+        body may reuse (its validators read it as ``info.context["prepared"]``), or None (the default)."""
+        return None
 
     @classmethod
     def check_one_off(cls, body: Mapping[str, Any]) -> None:
@@ -159,6 +161,9 @@ class ScenarioError(ValueError):
     """
 
     KINDS = ("invalid", "limit", "compile", "timeout")
+    #: kind -> the HTTP status of its answer: 422 for a body that is invalid or past a limit, 400 for one that
+    #: does not compile (also past the compile limits); the edge (``deployments/scenario_errors.py``) answers it
+    STATUS = {"invalid": 422, "limit": 422, "compile": 400, "timeout": 400}
 
     def __init__(self, kind: str, message: str, *, field: str | None = None, reason: str | None = None,
                  detail: dict[str, Any] | None = None, locs: list[tuple] | None = None):

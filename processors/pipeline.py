@@ -212,12 +212,12 @@ class ScenarioCompiler:
         """All stages: the cheap checks here, then validation and compilation on a worker thread bounded by
         ``compile_timeout_s``. A one-off body is looked up in the cache first; a refusal that would only repeat
         (past ``compile_memory_mb``) is cached too, so the same body is refused again without a compile."""
-        key = self._check(body, one_off=one_off, field=field)
+        key, prepared = self._check(body, one_off=one_off, field=field)
         hit = self._lookup(key)
         if hit is not None:
             return hit
         try:
-            compiled = await self.run_bounded(self._validate_and_compile, body, executor=executor)
+            compiled = await self.run_bounded(self._validate_and_compile, body, prepared, executor=executor)
         except ScenarioError as exc:
             self._remember(key, exc)
             raise
@@ -227,27 +227,29 @@ class ScenarioCompiler:
     def prepare_blocking(self, body: Any, *, one_off: bool = False, field: str = "body",
                          executor: Executor | None = None) -> CompiledScenario:
         """:meth:`prepare` for a caller without an event loop."""
-        key = self._check(body, one_off=one_off, field=field)
+        key, prepared = self._check(body, one_off=one_off, field=field)
         hit = self._lookup(key)
         if hit is not None:
             return hit
         try:
-            compiled = self.run_bounded_blocking(self._validate_and_compile, body, executor=executor)
+            compiled = self.run_bounded_blocking(self._validate_and_compile, body, prepared,
+                                                 executor=executor)
         except ScenarioError as exc:
             self._remember(key, exc)
             raise
         self._remember(key, compiled)
         return compiled
 
-    def _check(self, body: Any, *, one_off: bool, field: str) -> str | None:
-        """Stage 1; the cache key of a one-off body (None when not cached). Also refuses a body that is not JSON."""
-        check_scenario_body(body, self.limits, one_off=one_off, field=field)
+    def _check(self, body: Any, *, one_off: bool, field: str) -> tuple[str | None, Any]:
+        """Stage 1: the cache key of a one-off body (None when not cached) and what the checks built for the
+        validation (:func:`~processors.scenarios.check_scenario_body`). Also refuses a body that is not JSON."""
+        prepared = check_scenario_body(body, self.limits, one_off=one_off, field=field)
         cached = one_off and self.cache is not None
         try:
             text = json.dumps(body, sort_keys=cached, ensure_ascii=False)
         except (TypeError, ValueError) as exc:
             raise ScenarioError("invalid", f"the scenario body is not JSON: {exc}") from None
-        return self.cache_key(text) if cached else None
+        return (self.cache_key(text) if cached else None), prepared
 
     def cache_key(self, canonical_json: str) -> str:
         """The content hash of a body (its JSON with sorted keys) for this compiler's tokenizer."""
@@ -256,8 +258,8 @@ class ScenarioCompiler:
         digest.update(canonical_json.encode("utf-8", "surrogatepass"))
         return digest.hexdigest()
 
-    def _validate_and_compile(self, body: Mapping[str, Any]) -> CompiledScenario:
-        return self.compile_now(validate_scenario_body(body))
+    def _validate_and_compile(self, body: Mapping[str, Any], prepared: Any = None) -> CompiledScenario:
+        return self.compile_now(validate_scenario_body(body, prepared))
 
     def _lookup(self, key: str | None) -> CompiledScenario | None:
         """The cached compile of a body (None: not cached); raises the cached refusal."""

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Union, get_args
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
 from config.limit_checks import LimitExceeded
-from config.scenario_base import ScenarioBase, ScenarioError, read_scenario_file, scenario_to_dict
+from config.scenario_base import ConstraintError, ScenarioBase, ScenarioError, read_scenario_file, scenario_to_dict
 from processors.kinds import kind_packages
 
 if TYPE_CHECKING:
@@ -64,6 +64,8 @@ __all__ = [
     "ScenarioAdapter",
     "check_limits",
     "check_scenario_body",
+    "checked_one_off",
+    "field_error",
     "load_scenario",
     "parse_scenario",
     "scenario_model",
@@ -127,22 +129,23 @@ def load_scenario(source: dict[str, Any] | str | os.PathLike[str]) -> Scenario:
     return scenario.resolve_paths(path.resolve().parent)
 
 
-def check_limits(body: Any, limits: Limits) -> None:
+def check_limits(body: Any, limits: Limits) -> Any:
     """The cheap limit checks of a raw scenario body (before validation; wrongly typed fields are left to
     validation): those of its kind (the config model's :meth:`~config.ScenarioBase.check_limits`: label count,
     inline tree keys, schema nesting and size, regex length and repetition, also of the patterns in a schema),
     then the scenario's own ``max_new_tokens`` (:meth:`config.Limits.check_max_new_tokens`). A tree given as a
-    ``path`` is counted when it is loaded (:meth:`config.Limits.check_tree_keys`).
+    ``path`` is counted when it is loaded (:meth:`config.Limits.check_tree_keys`). Returns what the kind's check
+    built for the validation of this body to reuse (:func:`validate_scenario_body`'s ``prepared``), or None.
 
     Raises:
         LimitExceeded: naming the field and the limit.
     """
     if not isinstance(body, Mapping):
-        return
+        return None
     model = scenario_model(body.get("type"))
-    if model is not None:
-        model.check_limits(body, limits)
+    prepared = model.check_limits(body, limits) if model is not None else None
     limits.check_max_new_tokens(body)
+    return prepared
 
 
 # --------------------------------------------------------------------------------------------- the pipeline's first stage
@@ -176,20 +179,22 @@ def _invalid(body: Mapping[str, Any], error: ValidationError) -> ScenarioError:
 
 
 def check_scenario_body(body: Any, limits: Limits | None = None, *, one_off: bool = False,
-                        field: str = "body") -> None:
+                        field: str = "body") -> Any:
     """The cheap checks of a raw scenario body, before anything walks it recursively: a JSON object, the
     ``limits`` (:func:`check_limits`, then the nesting depth, named ``field``; with ``one_off`` the
     smaller bounds of a one-off constraint, :meth:`ScenarioBase.check_one_off_limits`), and with ``one_off`` what a
-    one-off constraint may not use (:meth:`ScenarioBase.check_one_off`).
+    one-off constraint may not use (:meth:`ScenarioBase.check_one_off`). Returns what the limit checks built for
+    the validation to reuse (:func:`check_limits`), or None.
 
     Raises:
         ScenarioError: ``invalid`` or ``limit``.
     """
+    prepared = None
     if not isinstance(body, Mapping):
         raise ScenarioError("invalid", f"a scenario body must be a JSON object, got {type(body).__name__}")
     if limits is not None:
         try:
-            check_limits(body, limits)  # first: it names the limit of the field (schema depth, ...)
+            prepared = check_limits(body, limits)  # first: it names the limit of the field (schema depth, ...)
             limits.check_json_depth(body, field)
             if one_off and (kind := scenario_model(body.get("type"))) is not None:
                 kind.check_one_off_limits(body, limits)
@@ -199,6 +204,7 @@ def check_scenario_body(body: Any, limits: Limits | None = None, *, one_off: boo
         model = scenario_model(body.get("type"))
         if model is not None:
             model.check_one_off(body)
+    return prepared
 
 
 def parse_scenario(body: Any, limits: Limits | None = None, *, one_off: bool = False, field: str = "body",
@@ -210,19 +216,60 @@ def parse_scenario(body: Any, limits: Limits | None = None, *, one_off: bool = F
     Raises:
         ScenarioError: ``invalid`` (the message names each bad field, ``errors`` in its detail) or ``limit``.
     """
-    check_scenario_body(body, limits, one_off=one_off, field=field)
+    prepared = check_scenario_body(body, limits, one_off=one_off, field=field)
     if not from_json:
         try:
             json.dumps(body)
         except (TypeError, ValueError) as exc:
             raise ScenarioError("invalid", f"the scenario body is not JSON: {exc}") from None
-    return validate_scenario_body(body)
+    return validate_scenario_body(body, prepared)
 
 
-def validate_scenario_body(body: Mapping[str, Any]) -> Scenario:
+def validate_scenario_body(body: Mapping[str, Any], prepared: Any = None) -> Scenario:
     """Validate a checked body (see :func:`parse_scenario`) into its config model; :class:`ScenarioError`
-    (``invalid``) naming each bad field."""
+    (``invalid``) naming each bad field. ``prepared``: what :func:`check_scenario_body` returned for this body
+    (the validators read it as ``info.context["prepared"]``)."""
+    data = body if isinstance(body, dict) else dict(body)
     try:
-        return ScenarioAdapter.validate_python(body if isinstance(body, dict) else dict(body))
+        if prepared is None:
+            return ScenarioAdapter.validate_python(data)
+        return ScenarioAdapter.validate_python(data, context={"prepared": prepared})
     except ValidationError as exc:
         raise _invalid(body, exc) from None
+
+
+# --------------------------------------------------------------------------------------- fields named as sent
+
+
+def field_error(error: ScenarioError, field: str, main: str | None) -> ConstraintError:
+    """``error`` (of a constraint given inside a request) with its fields named as the client sent them: ``main``
+    (the scenario's field holding the constraint) is ``field``; the status is that of its kind
+    (:attr:`ScenarioError.STATUS <config.ScenarioError>`)."""
+    status = ScenarioError.STATUS[error.kind]
+    if error.kind == "limit":
+        inner = error.field or ""
+        inside = main is not None and (inner == main or inner.startswith((f"{main}.", f"{main}[")))
+        where = field + inner[len(main):] if main is not None and inside else f"{field}.{inner}"
+        return ConstraintError(status, f"{where}: {error.reason}", {**error.detail, "field": where})
+    parts = []
+    for loc, item in zip(error.locs, error.detail.get("errors", ())):
+        names = [str(p) for p in loc]
+        if names and names[0] == main:  # `field` already names it
+            names = names[1:]
+        parts.append(f"{'.'.join([field, *names])}: {item['message']}")
+    message = "; ".join(parts[:5]) + (f"; and {len(parts) - 5} more" if len(parts) > 5 else "")
+    return ConstraintError(status, message or f"{field}: {error.message}")
+
+
+def checked_one_off(scenario: dict[str, Any], field: str, limits: Limits | None = None) -> dict[str, Any]:
+    """A one-off scenario given in a request's ``field``, checked (cheap: :func:`parse_scenario` with ``one_off``,
+    ``limits`` first) and returned as stored (:func:`~config.scenario_to_dict`).
+
+    Raises:
+        ConstraintError: naming the request's field (``schema.allOf[0].pattern`` ->
+            ``response_format.json_schema.schema.allOf[0].pattern``; :func:`field_error`).
+    """
+    try:
+        return scenario_to_dict(parse_scenario(scenario, limits, one_off=True))
+    except ScenarioError as error:
+        raise field_error(error, field, getattr(scenario_model(scenario["type"]), "constraint_field", None)) from None
