@@ -40,7 +40,7 @@ import jsonschema  # noqa: E402
 import torch  # noqa: E402
 from transformers import LogitsProcessorList  # noqa: E402
 
-from config import load_scenario  # noqa: E402
+from processors.scenarios import load_scenario  # noqa: E402
 from deployments.model_loader import load_model_and_tokenizer  # noqa: E402
 from processors import ConstrainedLogitsProcessor, build_prompt_ids, compile_scenario  # noqa: E402
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import LogitsProcessorList  # noqa: E402
 
-from config import load_scenario  # noqa: E402
+from processors.scenarios import load_scenario  # noqa: E402
 from deployments.examples import build_phrase_tree, chat_root_token_id  # noqa: E402
 from deployments.model_loader import load_model_and_tokenizer  # noqa: E402
 from processors import ConstrainedLogitsProcessor, build_prompt_ids, compile_scenario  # noqa: E402

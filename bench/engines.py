@@ -182,7 +182,7 @@ def grammar_ab(args) -> dict:
     batches), alternating for ``--rounds`` rounds. Both must give the same tokens (same grammar, greedy)."""
     import threading as _threading
 
-    from config import load_scenario
+    from processors.scenarios import load_scenario
     from deployments.engines import DoneEvent, EngineRequest, ErrorEvent, FinishedEvent, SamplingParams
     from deployments.engines.vllm import VLLMEngine, model_directory
     from deployments.model_loader import load_tokenizer

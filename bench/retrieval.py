@@ -81,7 +81,7 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from config import load_scenario
+    from processors.scenarios import load_scenario
     from deployments.engines import EngineRequest, SamplingParams
     from deployments.engines.transformers import DecodeEngine
     from deployments.model_loader import load_model_and_tokenizer

@@ -140,7 +140,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    from config import load_scenario
+    from processors.scenarios import load_scenario
     from deployments.engines import EngineRequest, EventCollector, SamplingParams
     from deployments.engines.transformers import DecodeEngine
     from deployments.engines.transformers.kv_cache import release_memory

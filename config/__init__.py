@@ -1,29 +1,18 @@
-"""Configuration models for the constrained-decoding service: scenarios, think mode and tree files.
+"""Configuration models for the constrained-decoding service: settings and limits, the base of the scenario
+models, and tree files.
 
-Pure Python (pydantic, numpy, ijson, jsonschema, pyyaml): nothing here imports Ray or torch.
+Pure Python (pydantic, numpy, ijson, jsonschema, pyyaml): nothing here imports Ray or torch, nor the packages
+above it (``processors``, ``deployments``). The ``Scenario`` union of every kind's config model is
+``processors/scenarios.py``.
 """
 
-from config.scenarios import (
-    GrammarScenario,
-    JsonSchemaScenario,
-    JsonScenario,
-    LabelsScenario,
-    RegexScenario,
-    SCENARIO_TYPES,
-    Scenario,
-    ScenarioAdapter,
+from config.scenario_base import (
+    ConstraintError,
     ScenarioBase,
     ScenarioError,
     ThinkConfig,
-    ToolsScenario,
-    TreeScenario,
-    TreeSpec,
-    check_scenario_body,
-    load_scenario,
-    parse_scenario,
-    scenario_model,
+    read_scenario_file,
     scenario_to_dict,
-    validate_scenario_body,
 )
 from config.settings import Limits, ServerSettings
 from config.tree_file import DEFAULT_SEP, MAX_REPORTED_PROBLEMS, TreeData, TreeFileError, is_tree_path, load_tree
@@ -31,30 +20,16 @@ from config.tree_file import DEFAULT_SEP, MAX_REPORTED_PROBLEMS, TreeData, TreeF
 __all__ = [
     "DEFAULT_SEP",
     "MAX_REPORTED_PROBLEMS",
-    "GrammarScenario",
-    "JsonSchemaScenario",
-    "JsonScenario",
-    "LabelsScenario",
-    "SCENARIO_TYPES",
+    "ConstraintError",
     "Limits",
-    "RegexScenario",
-    "Scenario",
-    "ScenarioAdapter",
     "ScenarioBase",
     "ScenarioError",
     "ServerSettings",
     "ThinkConfig",
-    "ToolsScenario",
     "TreeData",
     "TreeFileError",
-    "TreeScenario",
-    "TreeSpec",
-    "check_scenario_body",
     "is_tree_path",
-    "load_scenario",
     "load_tree",
-    "parse_scenario",
-    "scenario_model",
+    "read_scenario_file",
     "scenario_to_dict",
-    "validate_scenario_body",
 ]

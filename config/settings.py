@@ -105,25 +105,10 @@ class Limits(BaseModel):
             )
         return self
 
-    def check_scenario(self, body: Mapping[str, Any]) -> None:
-        """Check a scenario body (the raw dict, before validation) against these limits.
-
-        Cheap checks only, meant to run before the body is validated or compiled: those of its kind (the
-        config model's ``check_limits``: label count, inline tree keys, schema nesting and size, regex length
-        and repetition, also of the patterns in a schema), then the scenario's own ``max_new_tokens``.
-        Fields of the wrong type are left to validation. (A tree given as a ``path`` is counted when it is
-        loaded: see :meth:`check_tree_keys`.)
-
-        Raises:
-            LimitExceeded: naming the field and the limit.
-        """
-        from config.scenarios import scenario_model  # config.scenarios uses these limits; import at call time
-
-        if not isinstance(body, Mapping):
-            return
-        model = scenario_model(body.get("type"))
-        if model is not None:
-            model.check_limits(body, self)
+    def check_max_new_tokens(self, body: Mapping[str, Any]) -> None:
+        """Raise :class:`LimitExceeded` when a scenario body's own ``max_new_tokens`` (an int; other types are
+        left to validation) is over ``max_new_tokens``. The kind's checks come first
+        (``processors.scenarios.check_limits``)."""
         max_new = body.get("max_new_tokens")
         if isinstance(max_new, int) and not isinstance(max_new, bool) and max_new > self.max_new_tokens:
             raise LimitExceeded("max_new_tokens", str(max_new), "max_new_tokens", self.max_new_tokens)

@@ -9,7 +9,7 @@ The state starts at ``str(start_token_id)``; after token ``t`` it becomes ``stat
 missing or has an empty list allows only ``end_token_id``.
 
 :func:`load_tree` reads such a tree from a file (streamed with ``ijson``, never loaded whole), from a plain dict,
-or from a :class:`config.scenarios.TreeSpec`, checks every rule at once and returns a compact :class:`TreeData`
+or from a :class:`processors.kinds.tree.spec.TreeSpec`, checks every rule at once and returns a compact :class:`TreeData`
 (keys in a list, candidates in one flat ``int64`` array with CSR offsets). All problems found are reported
 together in one :class:`TreeFileError`, each naming the exact key and candidate index.
 
@@ -104,7 +104,7 @@ def load_tree(source: Any, *, vocab_size: int | None = None, strict: bool = Fals
 
     Args:
         source: a path (``str`` or ``os.PathLike``) to a JSON tree file, the bytes of one, a dict in the tree file
-            format, or a :class:`config.scenarios.TreeSpec` (any object with ``start_token_id``, ``end_token_id``,
+            format, or a :class:`processors.kinds.tree.spec.TreeSpec` (any object with ``start_token_id``, ``end_token_id``,
             ``sep`` and ``prefix_dict`` attributes). Files are streamed: memory grows with the tree, not with the
             JSON text.
         vocab_size: when given, every id (start, end, candidates, ids inside keys) must be below it.

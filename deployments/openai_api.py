@@ -1,8 +1,9 @@
 """The OpenAI-compatible layer: request and response bodies, and their mapping to and from the native API.
 
 The ingress (``deployments/ingress/``) serves ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``
-with the models of ``deployments/openai_models.py`` (re-exported here). :func:`openai_to_generate` turns an OpenAI body into a :class:`GenerateRequest` (a
-``response_format`` or ``structured_outputs`` becomes a checked one-off scenario); :func:`openai_response` and
+with the models of ``deployments/openai_models.py`` (re-exported here). :func:`openai_mapping` turns an OpenAI body
+into a :class:`GenerateRequest` (a ``response_format`` or ``structured_outputs`` becomes a checked one-off scenario)
+and the plan its outputs are read with as tool calls (:func:`openai_to_generate`: the request alone); :func:`openai_response` and
 :func:`openai_stream_chunks` turn the replicas' answers back into OpenAI JSON bodies and stream chunks.
 
 This module knows nothing of HTTP, handles or Serve, and does not import the ingress.
@@ -14,11 +15,12 @@ import json
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from config import SCENARIO_TYPES, Limits, scenario_model
+from config import Limits
+from processors.scenarios import SCENARIO_TYPES, scenario_model
 from deployments.json_body import BodyRejected, parse_json
 from deployments.openai_models import (  # noqa: F401  (the models are this module's API too)
     DEFAULT_MODEL_NAME, IGNORED_FIELDS, NEUTRAL_FIELDS, PASSTHROUGH_FIELDS, AssistantMessage, ChatChoice,
@@ -29,7 +31,7 @@ from deployments.openai_models import (  # noqa: F401  (the models are this modu
 from deployments.openai_stream import openai_stream_chunks
 from deployments.protocol import GenerateRequest, GenerateResponse, ServiceError
 from deployments.scenario_errors import validated_one_off as _validated_inline
-from deployments.tool_calls import ToolPlan, parse_tool_output, stored_plan, tool_setup
+from deployments.tool_calls import ToolPlan, parse_tool_output, tool_setup
 
 __all__ = [
     "ChatCompletionRequest",
@@ -37,6 +39,8 @@ __all__ = [
     "CompletionRequest",
     "CompletionResponse",
     "ModelList",
+    "OpenAIMapping",
+    "openai_mapping",
     "openai_response",
     "openai_stream_chunks",
     "openai_to_generate",
@@ -181,10 +185,32 @@ def check_model(name: str | None, served: str) -> None:
                            {"type": "NotFoundError", "param": "model", "code": "model_not_found"})
 
 
+class OpenAIMapping(NamedTuple):
+    """An OpenAI body mapped onto the native API (:func:`openai_mapping`)."""
+
+    #: the replica request
+    request: GenerateRequest
+    #: the OpenAI names of the mapped fields (for errors)
+    rename: dict[str, str]
+    #: how a chat body's outputs are read as tool calls (its own tools); None: as text, or with the plan a stored
+    #: tool set's answer carries
+    tool_plan: ToolPlan | None
+
+
 def openai_to_generate(
     body: CompletionRequest | ChatCompletionRequest, limits: Limits | None = None, served: str | None = None
 ) -> tuple[GenerateRequest, dict[str, str]]:
-    """The replica request for an OpenAI-style body, and the OpenAI names of the mapped fields (for errors).
+    """The replica request for an OpenAI-style body, and the OpenAI names of the mapped fields (for errors):
+    :func:`openai_mapping` without the tool plan."""
+    mapped = openai_mapping(body, limits, served)
+    return mapped.request, mapped.rename
+
+
+def openai_mapping(
+    body: CompletionRequest | ChatCompletionRequest, limits: Limits | None = None, served: str | None = None
+) -> OpenAIMapping:
+    """The replica request for an OpenAI-style body, the OpenAI names of the mapped fields (for errors) and the
+    plan its outputs are read with as tool calls.
 
     With ``limits``, a one-off constraint is checked against them (a 422 naming the OpenAI field). With
     ``served`` (the served model's name), another ``model`` is a 404. Fields outside the body model are checked
@@ -198,6 +224,7 @@ def openai_to_generate(
     if inline is not None:
         inline = _validated_inline(inline, field, limits)
     prompt_tools = None
+    plan = None
     if isinstance(body, ChatCompletionRequest):
         _check_stored_tool_choice(body)
         plan, prompt_tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls, limits)
@@ -209,7 +236,6 @@ def openai_to_generate(
                                {"field": "tool_choice", "type": "invalid_request_error", "param": "tool_choice"})
         if plan is not None:
             inline = plan.scenario
-        body._tool_plan = plan
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     data: dict[str, Any] = {
         "scenario": body.scenario,
@@ -235,7 +261,7 @@ def openai_to_generate(
         data["prompt"] = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
     rename = {"max_new_tokens": max_field}
     try:
-        return GenerateRequest.model_validate(data), rename
+        return OpenAIMapping(GenerateRequest.model_validate(data), rename, plan)
     except ValidationError as error:
         raise validation_error(error.errors(), rename) from None
 
@@ -306,10 +332,10 @@ def _completion_logprobs(items: list[dict[str, Any]] | None, text: str) -> dict[
 def openai_response(result: GenerateResponse | dict[str, Any], *, chat: bool, model: str,
                     tools: ToolPlan | None = None) -> dict[str, Any]:
     """The OpenAI answer for a replica's :class:`GenerateResponse` (validated only when given as a dict); with
-    ``tools`` (the request's :attr:`ChatCompletionRequest.tool_plan`) each output is read as tool calls."""
+    ``tools`` (the request's own plan, :attr:`OpenAIMapping.tool_plan`) each output is read as tool calls."""
     response = result if isinstance(result, GenerateResponse) else GenerateResponse.model_validate(result)
     if tools is None:  # a stored tool set: read with the plan of the version that decoded it (from the replica)
-        tools = stored_plan(response.tool_plan)
+        tools = ToolPlan.from_info(response.tool_plan)
     common = {
         "created": int(time.time()),
         "model": model,

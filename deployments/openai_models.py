@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deployments.protocol import ChatMessage, Usage
-from deployments.tool_calls import Tool, ToolChoice, ToolPlan
+from deployments.tool_calls import Tool, ToolChoice
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -203,12 +203,6 @@ class ChatCompletionRequest(_OpenAIBody):
     tool_choice: ToolChoice | None = Field(
         default=None, description="none, auto (the default with tools), required, or {type: function, function: {name}}.")
     parallel_tool_calls: bool | None = Field(default=None, description="false: at most one call per answer.")
-    _tool_plan: ToolPlan | None = PrivateAttr(default=None)
-
-    @property
-    def tool_plan(self) -> ToolPlan | None:
-        """How the output is read as tool calls (set by :func:`openai_to_generate`; ``None``: as text)."""
-        return self._tool_plan
 
 
 class _OpenAIResponse(BaseModel):

@@ -12,7 +12,7 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 from deployments.protocol import GenerateResponse
-from deployments.tool_calls import ToolPlan, parse_tool_output, stored_plan, tool_call_deltas
+from deployments.tool_calls import ToolPlan, parse_tool_output, tool_call_deltas
 
 __all__ = ["openai_stream_chunks"]
 
@@ -74,7 +74,7 @@ async def openai_stream_chunks(
                 yield chunk([choice(index, None if chat and reason and not text else text, reason)])
             elif kind_of == "done" and event.get("response"):
                 response = GenerateResponse.model_validate(event["response"])
-                plan = tools if tools is not None else stored_plan(response.tool_plan)  # that version's tools
+                plan = tools if tools is not None else ToolPlan.from_info(response.tool_plan)  # that version's tools
                 for index, output in enumerate(response.outputs):
                     if chat and plan is not None:
                         text = output.text

@@ -5,10 +5,10 @@ Every path that turns a scenario body into a :class:`~processors.compile.Compile
 :class:`ScenarioCompiler`: the config manager (stored scenarios), the model replicas (one-off constraints from the
 OpenAI routes), the console's inspect of an older version, and offline tools. The stages:
 
-1. the body's shape, its limits (``config.Limits.check_scenario``: the kind's own checks, then the nesting depth)
+1. the body's shape, its limits (``processors.scenarios.check_limits``: the kind's own checks, then the nesting depth)
    and, for a one-off constraint, what only stored scenarios may use (a server file): before anything walks the
-   body recursively (``config.check_scenario_body``);
-2. validation into the kind's config model (``config.validate_scenario_body``);
+   body recursively (``processors.scenarios.check_scenario_body``);
+2. validation into the kind's config model (``processors.scenarios.validate_scenario_body``);
 3. compilation by the kind (:mod:`processors.registry`) for the compiler's tokenizer, JSON-schema and regex
    grammars in a :class:`~processors.compile_worker.GrammarWorker` killed at ``compile_timeout_s`` /
    ``compile_memory_mb``, then the limits that need the compiled form (the keys of a tree file); the whole of
@@ -28,7 +28,7 @@ Example::
     >>> compiled = compiler.prepare_now({"type": "labels", "labels": ["yes", "no"]})   # doctest: +SKIP
     >>> compiler.prepare_now({"type": "labels", "labels": []})                          # doctest: +SKIP
     Traceback (most recent call last):
-    config.scenarios.ScenarioError: labels: List should have at least 1 item after validation, not 0
+    config.scenario_base.ScenarioError: labels: List should have at least 1 item after validation, not 0
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ from collections import OrderedDict, deque
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
-from config import Limits, ScenarioError, check_scenario_body, parse_scenario, validate_scenario_body
+from config import Limits, ScenarioError
+from processors.scenarios import check_scenario_body, parse_scenario, validate_scenario_body
 from config.settings import LimitExceeded
 
 from . import registry
@@ -117,7 +118,7 @@ class ScenarioCompiler:
     # -- the stages -------------------------------------------------------------------------------------------
 
     def parse(self, body: Any, *, one_off: bool = False, field: str = "body", from_json: bool = False):
-        """Stages 1 and 2: the body's config model (``config.parse_scenario`` with these limits; ``from_json``: the
+        """Stages 1 and 2: the body's config model (``processors.scenarios.parse_scenario`` with these limits; ``from_json``: the
         body was parsed from JSON text, no need to check that it serializes)."""
         return parse_scenario(body, self.limits, one_off=one_off, field=field, from_json=from_json)
 
@@ -211,12 +212,12 @@ class ScenarioCompiler:
         """All stages: the cheap checks here, then validation and compilation on a worker thread bounded by
         ``compile_timeout_s``. A one-off body is looked up in the cache first; a refusal that would only repeat
         (past ``compile_memory_mb``) is cached too, so the same body is refused again without a compile."""
-        key = self._check(body, one_off=one_off, field=field)
+        key, prepared = self._check(body, one_off=one_off, field=field)
         hit = self._lookup(key)
         if hit is not None:
             return hit
         try:
-            compiled = await self.run_bounded(self._validate_and_compile, body, executor=executor)
+            compiled = await self.run_bounded(self._validate_and_compile, body, prepared, executor=executor)
         except ScenarioError as exc:
             self._remember(key, exc)
             raise
@@ -226,27 +227,29 @@ class ScenarioCompiler:
     def prepare_blocking(self, body: Any, *, one_off: bool = False, field: str = "body",
                          executor: Executor | None = None) -> CompiledScenario:
         """:meth:`prepare` for a caller without an event loop."""
-        key = self._check(body, one_off=one_off, field=field)
+        key, prepared = self._check(body, one_off=one_off, field=field)
         hit = self._lookup(key)
         if hit is not None:
             return hit
         try:
-            compiled = self.run_bounded_blocking(self._validate_and_compile, body, executor=executor)
+            compiled = self.run_bounded_blocking(self._validate_and_compile, body, prepared,
+                                                 executor=executor)
         except ScenarioError as exc:
             self._remember(key, exc)
             raise
         self._remember(key, compiled)
         return compiled
 
-    def _check(self, body: Any, *, one_off: bool, field: str) -> str | None:
-        """Stage 1; the cache key of a one-off body (None when not cached). Also refuses a body that is not JSON."""
-        check_scenario_body(body, self.limits, one_off=one_off, field=field)
+    def _check(self, body: Any, *, one_off: bool, field: str) -> tuple[str | None, Any]:
+        """Stage 1: the cache key of a one-off body (None when not cached) and what the checks built for the
+        validation (:func:`~processors.scenarios.check_scenario_body`). Also refuses a body that is not JSON."""
+        prepared = check_scenario_body(body, self.limits, one_off=one_off, field=field)
         cached = one_off and self.cache is not None
         try:
             text = json.dumps(body, sort_keys=cached, ensure_ascii=False)
         except (TypeError, ValueError) as exc:
             raise ScenarioError("invalid", f"the scenario body is not JSON: {exc}") from None
-        return self.cache_key(text) if cached else None
+        return (self.cache_key(text) if cached else None), prepared
 
     def cache_key(self, canonical_json: str) -> str:
         """The content hash of a body (its JSON with sorted keys) for this compiler's tokenizer."""
@@ -255,8 +258,8 @@ class ScenarioCompiler:
         digest.update(canonical_json.encode("utf-8", "surrogatepass"))
         return digest.hexdigest()
 
-    def _validate_and_compile(self, body: Mapping[str, Any]) -> CompiledScenario:
-        return self.compile_now(validate_scenario_body(body))
+    def _validate_and_compile(self, body: Mapping[str, Any], prepared: Any = None) -> CompiledScenario:
+        return self.compile_now(validate_scenario_body(body, prepared))
 
     def _lookup(self, key: str | None) -> CompiledScenario | None:
         """The cached compile of a body (None: not cached); raises the cached refusal."""

@@ -3,7 +3,7 @@
 Each kind package of ``processors/kinds/`` registers its kind when its ``kind`` module is imported; the first
 lookup here imports them all (``processors.kinds.load_kinds``), so a new kind is found without being listed
 anywhere. The registry checks that the kinds and the config models
-(the ``config.Scenario`` union) name the same types.
+(the ``processors.scenarios.Scenario`` union) name the same types.
 
 Example::
 
@@ -47,7 +47,7 @@ def _load() -> None:
     with _LOAD_LOCK:
         if _LOADED:
             return
-        from config import SCENARIO_TYPES
+        from processors.scenarios import SCENARIO_TYPES
         from processors.kinds import load_kinds
 
         load_kinds()  # each kind module registers its kind
@@ -63,7 +63,7 @@ def _load() -> None:
 def names() -> tuple[str, ...]:
     """The registered type names, in the order of the config union."""
     _load()
-    from config import SCENARIO_TYPES
+    from processors.scenarios import SCENARIO_TYPES
 
     return tuple(SCENARIO_TYPES)
 

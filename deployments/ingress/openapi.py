@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from config import ScenarioAdapter
+from processors.scenarios import ScenarioAdapter
 from deployments.manager.catalog import CATALOG_CONTENT_TYPES
 
 

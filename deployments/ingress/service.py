@@ -22,11 +22,11 @@ from deployments.ingress.replicas import DeathMemory, ReplicaCalls
 from deployments.ingress.sse import _SSE_HEADERS, Streams
 from deployments.metrics import _in_serve_replica, route_logs_to_serve
 from deployments.openai_api import (
-    ChatCompletionRequest, CompletionRequest, openai_response, openai_to_generate, served_model_name,
+    ChatCompletionRequest, CompletionRequest, openai_mapping, openai_response, served_model_name,
 )
 from deployments.protocol import GenerateRequest, ServiceError, check_request_limits
 from deployments.responses_api import ResponsesRequest, chat_to_response, renamed_error, responses_to_chat
-from deployments.tool_calls import check_tool_fields
+from deployments.tool_calls import ToolPlan, check_tool_fields
 
 
 class Ingress(ReplicaCalls, Streams, HealthCheck):
@@ -80,16 +80,17 @@ class Ingress(ReplicaCalls, Streams, HealthCheck):
         )
         check_tool_fields(self.limits, request.tools, request.messages)
 
-    def _openai_request(self, body: CompletionRequest | ChatCompletionRequest) -> GenerateRequest:
-        request, rename = openai_to_generate(body, self.limits, served=self.model_name)
+    def _openai_request(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[GenerateRequest, ToolPlan | None]:
+        """The replica request of an OpenAI body, checked, and the plan its outputs are read with as tool calls."""
+        request, rename, plan = openai_mapping(body, self.limits, served=self.model_name)
         self.check_limits(request, rename)
-        return request
+        return request, plan
 
     async def openai_generate(self, body: CompletionRequest | ChatCompletionRequest, *, chat: bool,
                               http: Request | None = None):
         # off the event loop: the tools' and one-off schemas' checks are linear but may take seconds (a schema
         # of max_schema_bytes against the JSON-schema meta-schema); other requests are answered meanwhile
-        request = await asyncio.to_thread(self._openai_request, body)
+        request, tools = await asyncio.to_thread(self._openai_request, body)
         release = await self.hold_rows(http, request)
         try:
             if request.stream:
@@ -97,14 +98,14 @@ class Ingress(ReplicaCalls, Streams, HealthCheck):
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 response = StreamingResponse(
                     self.openai_sse(first, stream, chat=chat, n=request.n, include_usage=include_usage, release=release,
-                                    tools=getattr(body, "tool_plan", None)),
+                                    tools=tools),
                     media_type="text/event-stream",
                     headers=_SSE_HEADERS,
                 )
                 release = None  # the stream gives the rows back when it ends
                 return response
             result = await self.generate(request)
-            return openai_response(result, chat=chat, model=self.model_name, tools=getattr(body, "tool_plan", None))
+            return openai_response(result, chat=chat, model=self.model_name, tools=tools)
         finally:
             if release is not None:
                 release()
@@ -112,17 +113,16 @@ class Ingress(ReplicaCalls, Streams, HealthCheck):
     async def responses_generate(self, body: ResponsesRequest, http: Request | None = None):
         """``POST /v1/responses``: the chat flow for the chat body the Responses body maps to, answered as a
         Responses object or event stream (errors name the Responses fields)."""
-        def prepare() -> tuple[ChatCompletionRequest, GenerateRequest]:
+        def prepare() -> tuple[GenerateRequest, ToolPlan | None]:
             chat_body = responses_to_chat(body, self.limits)
-            request, _ = openai_to_generate(chat_body, self.limits, served=self.model_name)
+            request, _, plan = openai_mapping(chat_body, self.limits, served=self.model_name)
             self.check_limits(request, {"max_new_tokens": "max_output_tokens"})
-            return chat_body, request
+            return request, plan
 
         try:
-            chat_body, request = await asyncio.to_thread(prepare)  # off the event loop, as openai_generate's
+            request, tools = await asyncio.to_thread(prepare)  # off the event loop, as openai_generate's
         except ServiceError as error:
             raise renamed_error(error) from None
-        tools = getattr(chat_body, "tool_plan", None)  # set by openai_to_generate when the output is read as calls
         release = await self.hold_rows(http, request)
         try:
             if request.stream:

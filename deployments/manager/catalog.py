@@ -354,6 +354,7 @@ def parse_json_body(raw: bytes, limits: Any, *, scenario: bool) -> Any:
     nesting limit; a scenario body also gets the cheap limit checks (label count, inline tree keys, ...)."""
     from config.settings import LimitExceeded
     from deployments.json_body import BodyRejected, parse_json
+    from processors.scenarios import check_limits
 
     try:
         body = parse_json(raw) if raw.strip() else None
@@ -371,7 +372,7 @@ def parse_json_body(raw: bytes, limits: Any, *, scenario: bool) -> Any:
                            {"field": "body"})
     try:
         if scenario:  # the kind's own limits first (they name the field, e.g. max_schema_depth), as before
-            limits.check_scenario(body)
+            check_limits(body, limits)
         limits.check_json_depth(body)
     except LimitExceeded as error:
         raise ServiceError(error.status, f"invalid scenario: {error}" if scenario else str(error),

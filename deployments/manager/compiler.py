@@ -3,7 +3,7 @@
 Every compile the manager makes goes through :meth:`StoredScenarioCompiler.compile` (async) or
 :meth:`StoredScenarioCompiler.compile_blocking` (at start), which run :meth:`StoredScenarioCompiler._prepare`
 on the compiler's own threads, one at a time, bounded by ``limits.compile_timeout_s``:
-``validate`` (422: limits, ``config.load_scenario``, a tree path confined to ``tree_dir``) ->
+``validate`` (422: limits, ``processors.scenarios.load_scenario``, a tree path confined to ``tree_dir``) ->
 ``_compile_now`` (400: ``processors.pipeline.ScenarioCompiler.compile_now``: grammars in its bounded worker
 process, each kind's limits on the compiled form). ``_compile_now`` is the one place that calls the processors.
 

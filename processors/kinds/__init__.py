@@ -1,10 +1,11 @@
-"""One package per constraint kind (``processors/kinds/<kind>/``), each owning all of its kind: ``spec.py`` (the
-config model, torch-free, joined into ``config.Scenario``) and ``kind.py`` (the compile side, registered with
-:mod:`processors.registry`), plus whatever else the kind alone uses.
+"""One package per constraint kind (``processors/kinds/<kind>/``), each owning all of its kind: ``spec.py`` (its
+config models, torch-free, joined into ``processors.scenarios.Scenario``) and ``kind.py`` (the compile side,
+registered with :mod:`processors.registry`), plus whatever else the kind alone uses.
 
-Nothing here is imported eagerly: ``config`` imports the specs without torch, and :func:`load_kinds` (called by
-the registry on its first lookup) imports every package's ``kind`` module, so a new kind is found without being
-listed anywhere. Plain modules here (``base``, ``llguidance_kind``) are shared code, not kinds.
+:func:`kind_packages` is how the kinds are found, the one place: every package here. ``processors.scenarios``
+imports each package's ``spec`` to build the union (torch-free), :func:`load_kinds` (called by the registry on its
+first lookup) each package's ``kind``; so a new kind is found without being listed anywhere. Nothing here is
+imported eagerly. Plain modules here (``base``, ``llguidance_kind``) are shared code, not kinds.
 """
 
 from __future__ import annotations

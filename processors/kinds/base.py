@@ -3,9 +3,9 @@
 A kind is the compile side of one scenario ``type`` (its spec is a config model): it turns a validated
 spec into an immutable compiled object for one tokenizer, makes a fresh per-row cursor from that object, and
 names the limits of its spec. Each kind is a package under ``processors/kinds/``: ``spec.py`` (the config model,
-torch-free, a member of the ``Scenario`` union in ``config/scenarios.py``) and ``kind.py``, which registers one
+torch-free, a member of the ``Scenario`` union in ``processors/scenarios.py``) and ``kind.py``, which registers one
 instance with :func:`processors.registry.register`; :mod:`processors.registry` is the only place that maps
-``type`` names to kinds. Adding a kind: its package and its line in the union (docs/design.md, section 7). What the rest of the service needs to know of a kind it reads from the kind's :class:`Capabilities`
+``type`` names to kinds. Adding a kind: its package (docs/design.md, section 7); both the union and the registry find it. What the rest of the service needs to know of a kind it reads from the kind's :class:`Capabilities`
 (``CompiledScenario.capabilities``): item controls, PATCH, a grammar matcher per row. Still kind-specific outside
 the kinds' packages: the sources of a tree (file pinning, catalog upload, PATCH, the inline split) in the config
 manager. The replica and the engines ask a kind (the hooks at the end of :class:`ConstraintKind`) or a cursor
@@ -82,7 +82,7 @@ class ConstraintKind(ABC):
     """One scenario kind: spec (config model) -> compiled object -> per-row cursor.
 
     Class attributes:
-        config_model: the ``config.scenarios`` model of the spec; its ``type`` literal is the kind's name.
+        config_model: the config model of the spec (a member of ``processors.scenarios.Scenario``); its ``type`` literal is the kind's name.
         compiled_type: the class of the compiled objects (several kinds may share one, e.g. the grammar kinds).
         needs_tokenizer: whether :meth:`cursor` needs the tokenizer info (a grammar matcher does; tables do not).
         capabilities: what its scenarios can do (:class:`Capabilities`), for the code outside the kinds.

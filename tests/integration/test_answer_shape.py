@@ -130,7 +130,7 @@ def test_text_watch_and_split_pieces():
 
 def test_console_replay_follows_the_label_form(tokenizer):
     """The web console replays a generated answer without its prompt: both forms replay as allowed."""
-    from config import load_scenario
+    from processors.scenarios import load_scenario
     from deployments.console import replay
     from processors import compile_scenario
 

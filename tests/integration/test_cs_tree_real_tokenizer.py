@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from cli.tree import main
-from config import is_tree_path, load_scenario, load_tree
+from config import is_tree_path, load_tree
+from processors.scenarios import load_scenario
 from deployments.examples import EXAMPLE_TOPICS, build_phrase_tree, chat_root_token_id
 from processors import DONE, compile_scenario
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from config import load_scenario
+from processors.scenarios import load_scenario
 from deployments.engines import EngineRequest, EventCollector, SamplingParams
 from deployments.engines.transformers import DecodeEngine
 from helpers import chat_prompt_ids

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from config import load_scenario
+from processors.scenarios import load_scenario
 from deployments.examples import build_phrase_tree, chat_root_token_id
 from helpers import chat_prompt_ids
 from processors import ConstrainedLogitsProcessor, compile_scenario

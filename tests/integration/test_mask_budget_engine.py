@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from config import load_scenario
+from processors.scenarios import load_scenario
 from deployments.engines import EngineRequest, EventCollector, SamplingParams
 from deployments.engines.transformers import DecodeEngine
 from helpers import chat_prompt_ids

@@ -13,7 +13,8 @@ import weakref
 
 import pytest
 
-from config import ServerSettings, load_scenario
+from config import ServerSettings
+from processors.scenarios import load_scenario
 from item_checks import product_tree
 from deployments.engines import EngineRequest, EventCollector, SamplingParams
 from deployments.engines.transformers import DecodeEngine

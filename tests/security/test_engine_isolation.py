@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from config import load_scenario
+from processors.scenarios import load_scenario
 from deployments.engines.transformers import engine as engine_module
 from deployments.engines import EngineRequest, EventCollector, SamplingParams
 from deployments.engines.transformers import DecodeEngine

@@ -227,8 +227,8 @@ def test_inline_labels(live):
     17-20 s of a replica each), so it has smaller bounds than a stored scenario: max_inline_labels and
     max_inline_label_bytes, a 422 naming the field the client used, on every one-off route; a stored scenario of as
     many labels is fine (max_labels)."""
-    from config import parse_scenario
-    from config.scenarios import ScenarioError
+    from processors.scenarios import parse_scenario
+    from config import ScenarioError
 
     limit = DEFAULTS.max_inline_labels
     assert limit < DEFAULTS.max_labels

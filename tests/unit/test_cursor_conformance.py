@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from config import load_scenario
+from processors.scenarios import load_scenario
 from config.tree_file import is_tree_path
 from processors import (
     ALLOW, BAN, BITMASK, FREE, CompiledScenario, ConstrainedLogitsProcessor, GrammarCursor, LabelCursor, RowCursor,

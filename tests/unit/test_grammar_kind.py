@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from config import GrammarScenario, Limits, ScenarioError, parse_scenario, scenario_to_dict
+from config import Limits, ScenarioError, scenario_to_dict
+from processors.kinds.grammar.spec import GrammarScenario
+from processors.scenarios import parse_scenario
 from deployments.openai_api import ChatCompletionRequest, openai_to_generate
 from deployments.protocol import ServiceError
 from processors import ScenarioCompiler, registry

@@ -15,7 +15,8 @@ import redis
 import yaml
 from pydantic import ValidationError
 
-from config import ServerSettings, load_scenario
+from config import ServerSettings
+from processors.scenarios import load_scenario
 from deployments.json_body import BodyRejected, parse_json
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.protocol import GenerateRequest, ServiceError

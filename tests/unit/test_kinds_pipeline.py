@@ -18,7 +18,8 @@ import weakref
 
 import pytest
 
-from config import SCENARIO_TYPES, Limits, ScenarioError, load_scenario, parse_scenario, scenario_model
+from config import Limits, ScenarioError
+from processors.scenarios import SCENARIO_TYPES, load_scenario, parse_scenario, scenario_model
 from processors import (
     BITMASK, CompiledScenario, GrammarCursor, GrammarSpec, LabelCursor, RowCursor, ScenarioCompiler, TokenizerInfo, TreeCursor,
     compile_scenario, constraint_cursor, get_lltokenizer, registry,

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from config import load_scenario
+from processors.scenarios import load_scenario
 from processors import RowCursor, compile_scenario
 from processors.grammar import GrammarCursor, compile_grammar, compile_regex
 from processors.mask_budget import SETTING, WALL_FACTOR, MaskBudget

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from config import load_scenario
+from processors.scenarios import load_scenario
 from deployments.engines import EngineRequest, EventCollector, SamplingParams
 from deployments.engines.transformers import DecodeEngine
 from processors import build_prompt_ids, compile_scenario

@@ -12,6 +12,7 @@ from config import Limits
 from config.settings import LimitExceeded, regex_repeat, schema_patterns
 from deployments.openai_api import ChatCompletionRequest, openai_to_generate
 from deployments.protocol import ServiceError
+from processors.scenarios import check_limits
 
 DEFAULTS = Limits()
 
@@ -44,17 +45,17 @@ def test_sequential_repeats_are_refused_in_total():
     pattern = "(a{10000})" * 400
     assert len(pattern) <= DEFAULTS.max_regex_length
     with pytest.raises(LimitExceeded) as error:
-        DEFAULTS.check_scenario({"type": "regex", "pattern": pattern})
+        check_limits({"type": "regex", "pattern": pattern}, DEFAULTS)
     assert error.value.limit_name == "max_regex_repeat" and error.value.field == "pattern"
     assert "4000000" in str(error.value) and f"max_regex_repeat={DEFAULTS.max_regex_repeat}" in str(error.value)
-    DEFAULTS.check_scenario({"type": "regex", "pattern": "(a{10000})"})  # one of them is fine
+    check_limits({"type": "regex", "pattern": "(a{10000})"}, DEFAULTS)  # one of them is fine
     with pytest.raises(LimitExceeded):
         Limits(max_regex_repeat=50).check_regex("(a{10}){6}")
 
 
 def _schema_error(schema, limits: Limits = DEFAULTS) -> LimitExceeded:
     with pytest.raises(LimitExceeded) as error:
-        limits.check_scenario({"type": "json_schema", "schema": schema})
+        check_limits({"type": "json_schema", "schema": schema}, limits)
     return error.value
 
 
@@ -94,14 +95,14 @@ def test_data_and_names_in_a_schema_are_not_regexes():
         "enum": [{"pattern": huge}], "const": {"pattern": huge}, "default": {"pattern": huge},
         "examples": [{"pattern": huge}],
     }
-    DEFAULTS.check_scenario({"type": "json_schema", "schema": schema})
+    check_limits({"type": "json_schema", "schema": schema}, DEFAULTS)
     assert list(schema_patterns(schema)) == []
 
 
 def test_the_allof_schema_of_the_issue_passes_the_regex_limits():
     """Its patterns are small: what bounds it is the compile worker (tests/security/test_compile_bounds.py)."""
     schema = {"type": "string", "allOf": [{"pattern": f"a{{{i},}}"} for i in range(1, 25)]}
-    DEFAULTS.check_scenario({"type": "json_schema", "schema": schema})
+    check_limits({"type": "json_schema", "schema": schema}, DEFAULTS)
     assert [path for path, _ in schema_patterns(schema)] == [f"schema.allOf[{i}].pattern" for i in range(24)]
 
 

@@ -11,19 +11,12 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 import config
-from config import (
-    JsonSchemaScenario,
-    JsonScenario,
-    LabelsScenario,
-    RegexScenario,
-    ScenarioAdapter,
-    ThinkConfig,
-    TreeScenario,
-    TreeSpec,
-    load_scenario,
-    load_tree,
-    scenario_to_dict,
-)
+from config import ThinkConfig, load_tree, scenario_to_dict
+from processors.kinds.json_schema.spec import JsonSchemaScenario, JsonScenario
+from processors.kinds.labels.spec import LabelsScenario
+from processors.kinds.regex.spec import RegexScenario
+from processors.kinds.tree.spec import TreeScenario, TreeSpec
+from processors.scenarios import ScenarioAdapter, load_scenario
 
 TREE = {"start_token_id": 225, "end_token_id": 2, "prefix_dict": {"225": [10, 11], "225_10": [2]}}
 
@@ -329,8 +322,8 @@ def test_load_scenario_rejects_other_types():
 def test_scenario_types_name_every_member_of_the_union():
     import typing
 
-    from config import SCENARIO_TYPES
-    from config.scenarios import Scenario
+    from processors.scenarios import SCENARIO_TYPES
+    from processors.scenarios import Scenario
 
     members = typing.get_args(typing.get_args(Scenario)[0])
     assert tuple(typing.get_args(m.model_fields["type"].annotation)[0] for m in members) == SCENARIO_TYPES

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from config import Limits, ScenarioError, parse_scenario
+from config import Limits, ScenarioError
+from processors.scenarios import parse_scenario
 from deployments.openai_api import ChatCompletionRequest, openai_to_generate
 from deployments.protocol import ServiceError
 from deployments.responses_api import ResponsesRequest, responses_to_chat

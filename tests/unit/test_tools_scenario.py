@@ -11,7 +11,9 @@ import json
 
 import pytest
 
-from config import Limits, ScenarioError, ToolsScenario, load_scenario, parse_scenario, scenario_to_dict
+from config import Limits, ScenarioError, scenario_to_dict
+from processors.kinds.tools.spec import ToolsScenario
+from processors.scenarios import load_scenario, parse_scenario
 from deployments.openai_api import ChatCompletionRequest, openai_response, openai_stream_chunks, openai_to_generate
 from deployments.protocol import ServiceError
 from deployments.tool_calls import stored_plan, tool_setup

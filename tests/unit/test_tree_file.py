@@ -9,7 +9,8 @@ import pickle
 import numpy as np
 import pytest
 
-from config import TreeData, TreeFileError, TreeSpec, load_tree
+from config import TreeData, TreeFileError, load_tree
+from processors.kinds.tree.spec import TreeSpec
 from config.tree_file import MAX_REPORTED_PROBLEMS
 
 SEED_TREE = {

@@ -9,7 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from config import TreeFileError, load_tree, load_scenario
+from config import TreeFileError, load_tree
+from processors.scenarios import load_scenario
 from config import tree_builder, tree_file
 from processors.tables import DONE, LEAF, _build_by_strings, build_tree_tables
 

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm.v1.engine.async_llm", reason="the vLLM tier runs in .venv-vllm: bash scripts/test_vllm.sh")
 
 from vllm_checks import VLLM_TEST_SETTINGS, Collector, check_output  # noqa: E402
-from config import load_scenario  # noqa: E402
+from processors.scenarios import load_scenario  # noqa: E402
 from deployments.engines import EngineRequest, ErrorEvent, FinishedEvent, SamplingParams, TokenEvent  # noqa: E402
 from deployments.examples import build_phrase_tree, chat_root_token_id  # noqa: E402
 from processors import build_prompt_ids, compile_scenario  # noqa: E402

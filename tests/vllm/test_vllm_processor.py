@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality  # noqa: E402
 
-from config import load_scenario  # noqa: E402
+from processors.scenarios import load_scenario  # noqa: E402
 from deployments.engines.vllm.handoff import EXTRA_KEY, ScenarioFiles  # noqa: E402
 from deployments.engines.vllm.processor import ChainLogitsProcessor  # noqa: E402
 from processors import RowCursor, bitmask_to_ids, compile_scenario  # noqa: E402

@@ -1,6 +1,6 @@
 """The ``grammar`` kind's spec: the whole output is a sentence of a Lark grammar (field ``grammar``).
 
-Torch-free (pydantic only): ``config/scenarios.py`` imports it to build the ``Scenario`` union, and the ingress
+Torch-free (pydantic only): ``processors/scenarios.py`` finds it to build the ``Scenario`` union, and the ingress
 validates bodies with it.
 """
 
@@ -163,6 +163,7 @@ class GrammarScenario(ScenarioBase):
     type: Literal["grammar"] = Field(description="Scenario kind.")
     grammar: str = Field(min_length=1, description="The Lark grammar the whole output must be a sentence of.")
 
+    union_order: ClassVar[int] = 50
     constraint_field: ClassVar[str | None] = "grammar"
     structured_output: ClassVar[str | None] = "grammar"
 

@@ -1,6 +1,6 @@
 """The ``json_schema`` and ``json`` kinds' specs: a JSON Schema (field ``schema``), or any JSON value.
 
-Torch-free (pydantic only): ``config/scenarios.py`` imports it to build the ``Scenario`` union, and the ingress
+Torch-free (pydantic only): ``processors/scenarios.py`` finds it to build the ``Scenario`` union, and the ingress
 validates bodies with it.
 """
 
@@ -27,6 +27,7 @@ class JsonSchemaScenario(ScenarioBase):
     type: Literal["json_schema"] = Field(description="Scenario kind.")
     json_schema: dict[str, Any] = Field(alias="schema", description="The JSON Schema the output must satisfy.")
 
+    union_order: ClassVar[int] = 30
     constraint_field: ClassVar[str | None] = "schema"
 
     @classmethod
@@ -53,3 +54,5 @@ class JsonScenario(ScenarioBase):
     """Constrain output to any JSON value."""
 
     type: Literal["json"] = Field(description="Scenario kind.")
+
+    union_order: ClassVar[int] = 31

@@ -1,6 +1,6 @@
 """The ``labels`` kind's spec: one label of a set, or several joined by a separator.
 
-Torch-free (pydantic only): ``config/scenarios.py`` imports it to build the ``Scenario`` union, and the ingress
+Torch-free (pydantic only): ``processors/scenarios.py`` finds it to build the ``Scenario`` union, and the ingress
 validates bodies with it.
 """
 
@@ -28,6 +28,7 @@ class LabelsScenario(ScenarioBase):
     separator: str = Field(default=",", min_length=1, description="Joins labels when multi_label is true.")
     max_labels: int | None = Field(default=None, ge=1, strict=True, description="Most labels per answer (multi_label only).")
 
+    union_order: ClassVar[int] = 20
     constraint_field: ClassVar[str | None] = "labels"
     structured_output: ClassVar[str | None] = "choice"
 

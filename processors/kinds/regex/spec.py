@@ -1,6 +1,6 @@
 """The ``regex`` kind's spec: the whole output matches a regular expression (field ``pattern``).
 
-Torch-free (pydantic only): ``config/scenarios.py`` imports it to build the ``Scenario`` union, and the ingress
+Torch-free (pydantic only): ``processors/scenarios.py`` finds it to build the ``Scenario`` union, and the ingress
 validates bodies with it.
 """
 
@@ -25,6 +25,7 @@ class RegexScenario(ScenarioBase):
     type: Literal["regex"] = Field(description="Scenario kind.")
     pattern: str = Field(min_length=1, description="The regular expression the whole output must match.")
 
+    union_order: ClassVar[int] = 40
     constraint_field: ClassVar[str | None] = "pattern"
     structured_output: ClassVar[str | None] = "regex"
 

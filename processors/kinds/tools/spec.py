@@ -1,6 +1,6 @@
 """The ``tools`` kind's spec: a stored tool set (OpenAI function ``tools``, ``tool_choice``).
 
-Torch-free (pydantic only): ``config/scenarios.py`` imports it to build the ``Scenario`` union, and the ingress
+Torch-free (pydantic only): ``processors/scenarios.py`` finds it to build the ``Scenario`` union, and the ingress
 validates bodies with it.
 """
 
@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
-from config.scenario_base import ScenarioBase
+from config.scenario_base import ConstraintError, ScenarioBase
+
+from .plan import NamedToolChoice, Tool, call_schema, tool_plan
 
 if TYPE_CHECKING:
     from config.settings import Limits
@@ -23,7 +25,7 @@ class ToolsScenario(ScenarioBase):
     """A stored tool set: OpenAI function ``tools`` and how they are called (``tool_choice``,
     ``parallel_tool_calls``), served by name on the chat and Responses routes as tool calls.
 
-    Validated like the request-level tools (``deployments.tool_calls.tool_setup``: distinct names, a named
+    Validated like the request-level tools (:func:`~processors.kinds.tools.plan.tool_plan`: distinct names, a named
     ``tool_choice`` one of the tools, each ``parameters`` a valid JSON schema of an object within the JSON-schema
     limits) and compiled into the same constraint that function builds for a request. ``tool_choice`` is
     ``auto`` (the default: a call or a text answer), ``required`` or a named function; ``"none"`` is refused (a
@@ -38,39 +40,39 @@ class ToolsScenario(ScenarioBase):
     parallel_tool_calls: bool | None = Field(
         default=None, strict=True, description="false: at most one call per answer (default: several may come).")
 
+    union_order: ClassVar[int] = 60
     constraint_field: ClassVar[str | None] = "tools"
     _plan: Any = PrivateAttr(default=None)  # plan(): (ToolPlan, prompt_tools), built at validation
 
     @classmethod
-    def check_limits(cls, body: Mapping[str, Any], limits: Limits) -> None:
+    def check_limits(cls, body: Mapping[str, Any], limits: Limits) -> Any:
+        """The tools counted and their ``parameters`` measured, then the call schema they make together (several
+        tools within the limits each may not be) held to the schema limits. Returns that call schema: the
+        validation of this body takes it (:func:`~processors.kinds.tools.plan.tool_plan`'s ``built``), so the
+        call schema of one body is built once."""
         tools = body.get("tools")
         if not isinstance(tools, list):
-            return
+            return None
         limits.check_tool_count(len(tools), "tools")  # first: nothing below reads more tools than the limit
         parameters = []
         for tool in tools:
             function = tool.get("function") if isinstance(tool, Mapping) else None
             parameters.append(function.get("parameters") if isinstance(function, Mapping) else None)
         limits.check_tool_parameters(parameters, "tools")
-        try:  # the call schema they make together (several tools within the limits each may not be)
-            plan, _ = cls._setup(body, check_schemas=False)  # built only: the schema checks come with validation
+        try:  # built only: the schema checks come with validation
+            schema = call_schema(tools, body.get("tool_choice", "auto"), body.get("parallel_tool_calls"))
         except Exception:  # noqa: BLE001 - what is wrong with the body is named by validation
-            return
-        if plan is not None:
-            limits.check_schema(plan.scenario["schema"], "tools")
+            return None
+        if schema is not None:
+            limits.check_schema(schema, "tools")
+        return schema
 
-    @staticmethod
-    def _setup(body: Mapping[str, Any], *, check_schemas: bool = True):
-        from deployments.tool_calls import tool_setup
-
-        return tool_setup(body.get("tools"), body.get("tool_choice", "auto"), body.get("parallel_tool_calls"),
-                          check_schemas=check_schemas)
-
-    def plan(self):
-        """``(ToolPlan, prompt_tools)`` of this tool set (``deployments.tool_calls.tool_setup``), built once (at
-        validation) and kept: the compile takes the same plan."""
+    def plan(self, built: dict[str, Any] | None = None):
+        """``(ToolPlan, prompt_tools)`` of this tool set (:func:`~processors.kinds.tools.plan.tool_plan`), built
+        once (at validation, from the call schema of the limit check when given as ``built``) and kept: the
+        compile takes the same plan."""
         if self._plan is None:
-            self._plan = self._setup(self.model_dump())
+            self._plan = tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls, built=built)
         return self._plan
 
     @field_validator("tool_choice", mode="before")
@@ -85,10 +87,7 @@ class ToolsScenario(ScenarioBase):
         return choice
 
     @model_validator(mode="after")
-    def _check_tools(self) -> ToolsScenario:
-        from deployments.protocol import ServiceError
-        from deployments.tool_calls import NamedToolChoice, Tool
-
+    def _check_tools(self, info: ValidationInfo) -> ToolsScenario:
         def first(exc: ValidationError) -> str:
             err = exc.errors()[0]
             where = ".".join(str(p) for p in err.get("loc", ()))
@@ -105,7 +104,7 @@ class ToolsScenario(ScenarioBase):
             except ValidationError as exc:
                 raise ValueError(f"tool_choice.{first(exc)}") from None
         try:
-            self.plan()
-        except ServiceError as exc:
+            self.plan((info.context or {}).get("prepared"))
+        except ConstraintError as exc:
             raise ValueError(exc.message) from None
         return self

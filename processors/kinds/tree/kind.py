@@ -67,7 +67,7 @@ class TreeKind(ConstraintKind):
         return CompileResult(tables, int(start_token_id) if scenario.append_start_token else None)
 
     def check_compiled(self, scenario, constraint, limits) -> None:
-        # an inline tree was counted before compiling (config.TreeScenario.check_limits); a file only now
+        # an inline tree was counted before compiling (TreeScenario.check_limits); a file only now
         if scenario.path is None:
             return
         try:

@@ -1,12 +1,14 @@
 """The ``tree`` kind's spec: a token tree inline (``tree``, the tree file format) or a tree file (``path``).
 
-Torch-free (pydantic only): ``config/scenarios.py`` imports it to build the ``Scenario`` union, and the ingress
+Torch-free (pydantic only): ``processors/scenarios.py`` finds it to build the ``Scenario`` union, and the ingress
 validates bodies with it.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, StrictInt, WithJsonSchema, model_validator
@@ -105,6 +107,7 @@ class TreeScenario(ScenarioBase):
                     "(the fixed-width form: every item must end where nothing but the end token follows).",
     )
 
+    union_order: ClassVar[int] = 10
     constraint_field: ClassVar[str | None] = "tree"
 
     @classmethod
@@ -119,6 +122,11 @@ class TreeScenario(ScenarioBase):
         if body.get("path") is not None:
             raise ScenarioError("invalid", "a one-off tree must be given inline ('tree'), not as a server file "
                                            "('path'); store a scenario to use a tree file", field="path")
+
+    def resolve_paths(self, directory: Path) -> TreeScenario:
+        if self.path is None or Path(self.path).is_absolute():
+            return self
+        return self.model_copy(update={"path": os.path.normpath(directory / self.path)})
 
     @model_validator(mode="after")
     def _strict_tree(self) -> TreeScenario:
