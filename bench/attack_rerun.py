@@ -5,7 +5,8 @@ run. First alone (the baseline), then while each attack request of the report is
 reports the attack's own HTTP status and time, the probe's latency during it as a ratio to the baseline
 (p50, p95, max), any probe error, and the model replicas' RSS before, at peak and after.
 
-Run: ``.venv/bin/python bench/attack_rerun.py`` (the first report's requests, about 6 minutes here), ``--report 2``
+Run: ``.venv/bin/python bench/attack_rerun.py`` (the first report's requests, about 6 minutes here), ``--only
+PREFIX[,PREFIX]`` for the attacks whose names start so, ``--report 2``
 (the second's: guards, admin PATCH, catalogs; about 8 minutes; the manager's RSS too, and each row says what the
 report saw before the fixes) or ``--report 3`` (the third's: tools, grammar and prompt bounds; one replica with
 ``limits.max_num_beams: 1024`` as in that report; each row also counts /healthz checks that failed while it ran).
@@ -505,6 +506,8 @@ def main() -> None:
         results = []
         runs = ([(name, None, fn) for name, fn in attacks(bench)] if report == 1 else
                 attacks_second(bench) if report == 2 else attacks_third(bench))
+        only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
+        runs = [r for r in runs if only is None or any(r[0].startswith(prefix) for prefix in only)]
         for name, before, fn in runs:
             probe.phase = name
             with Rss() as rss, Rss("ConfigManager") as manager_rss, Health(bench.url) as health:

@@ -17,7 +17,7 @@ import pytest
 from processors.scenarios import load_scenario
 from processors import RowCursor, compile_scenario
 from processors.grammar import GrammarCursor, compile_grammar, compile_regex
-from processors.mask_budget import SETTING, WALL_FACTOR, MaskBudget
+from processors.mask_budget import SETTING, WALL_FACTOR, MaskBudget, late_message
 from processors.masks import ALLOW, BITMASK
 
 AMBIGUOUS = 'start: x+ "\u2603"\nx: "a" | "ab" | "abc" | "b" | "bc" | "c" | x x | x x x'
@@ -40,7 +40,8 @@ def test_an_ambiguous_grammar_row_is_reported_late_and_the_others_settle(tokeniz
     for _ in range(200):
         assert slow.mask_due and cheap.mask_due
         t0 = time.perf_counter()
-        late = budget.settle([cheap, slow])
+        late, waiting = budget.settle([cheap, slow])
+        assert not waiting  # nothing deferrable: every mask is waited for
         longest = max(longest, time.perf_counter() - t0)
         if late:
             break
@@ -73,7 +74,7 @@ def test_settled_masks_are_the_masks_step_computes(tokenizer, aaaa):
     settled, inline = GrammarCursor(spec, tokenizer), GrammarCursor(spec, tokenizer)
     budget = MaskBudget(10_000)
     for _ in range(5):
-        assert budget.settle([settled]) == {}
+        assert budget.settle([settled]) == ({}, set())
         assert np.array_equal(settled.step().payload, inline.step().payload)
         settled.advance(aaaa)
         inline.advance(aaaa)
@@ -84,7 +85,7 @@ def test_no_budget_leaves_the_masks_to_step(tokenizer):
     spec = compile_regex("[a-z]+", tokenizer, eos_token_id=tokenizer.eos_token_id)
     cursor = GrammarCursor(spec, tokenizer)
     budget = MaskBudget(0)
-    assert not budget.enabled and budget.settle([cursor]) == {}
+    assert not budget.enabled and budget.settle([cursor]) == ({}, set())
     assert cursor.mask_due  # nothing was computed
     assert cursor.step().kind == BITMASK and not cursor.mask_due
     with pytest.raises(ValueError, match=SETTING):
@@ -96,4 +97,54 @@ def test_rows_without_grammar_work_are_left_alone(tokenizer):
     rows = [RowCursor(labels, tokenizer), RowCursor(None, tokenizer, eos_token_ids=[tokenizer.eos_token_id])]
     budget = MaskBudget(50)
     assert not any(r.mask_due for r in rows)
-    assert budget.settle(rows) == {} and budget.stats["masks"] == 0
+    assert budget.settle(rows) == ({}, set()) and budget.stats["masks"] == 0
+
+
+def test_a_deferrable_row_waits_no_longer_than_asked_and_its_mask_is_found_later(tokenizer, aaaa):
+    """A row the caller may leave out of a step (``defer``) is not waited for past ``wait_ms``: its mask goes on
+    computing and a later call finds it done (the same mask ``step()`` computes) or late; a cheap row settled in
+    the same call is never deferred."""
+    spec = compile_grammar("lark", AMBIGUOUS, tokenizer, kind="grammar", eos_token_id=tokenizer.eos_token_id)
+    slow, inline = GrammarCursor(spec, tokenizer), GrammarCursor(spec, tokenizer)
+    cheap = GrammarCursor(compile_regex("[a-z]{1,4000}", tokenizer, eos_token_id=tokenizer.eos_token_id), tokenizer)
+    budget = MaskBudget(60_000)
+    deferred_once = False
+    for _ in range(80):
+        t0 = time.perf_counter()
+        late, waiting = budget.settle([cheap, slow], defer=[0, 1], wait_ms=1)
+        assert not late and 0 not in waiting
+        if waiting:
+            deferred_once = True
+            assert waiting == {1} and time.perf_counter() - t0 < 2.0
+            # the mask is still being computed: a second call does not start another one
+            masks = budget.stats["masks"]
+            while waiting:
+                late, waiting = budget.settle([slow], defer=[0], wait_ms=50)
+                assert not late and budget.stats["masks"] == masks
+        assert not slow.mask_due
+        assert np.array_equal(slow.step().payload, inline.step().payload)
+        for cursor in (cheap, slow, inline):
+            cursor.advance(aaaa)
+        if deferred_once:
+            break
+    assert deferred_once, "no mask of the ambiguous grammar took over 1 ms in 80 tokens"
+    assert budget.stats["deferred"] >= 1
+    budget.close()
+
+
+def test_a_deferred_row_over_its_budget_is_late_on_a_later_call(tokenizer, aaaa):
+    compiled = compile_scenario(load_scenario({"type": "grammar", "grammar": AMBIGUOUS}), tokenizer)
+    slow = RowCursor(compiled, tokenizer)
+    budget = MaskBudget(50)
+    for _ in range(200):
+        late, waiting = budget.settle([slow], defer=[0], wait_ms=0)
+        while waiting and not late:
+            time.sleep(0.01)
+            late, waiting = budget.settle([slow], defer=[0], wait_ms=0)
+        if late:
+            break
+        slow.step()
+        slow.advance(aaaa)
+    assert list(late) == [0] and not waiting
+    assert slow.error == late[0] and late[0].startswith(late_message(50, 0, 0).split("(")[0])
+    budget.close()

@@ -47,14 +47,14 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from transformers import DynamicCache
 
 from processors import RowCursor, apply_steps
 from processors.lanes import mask_rows
-from processors.mask_budget import MaskBudget
+from processors.mask_budget import STEP_WAIT_MS, MaskBudget
 from processors.masks import FREE, MaskBuffer, Step, mask_padded_vocab
 
 from ..protocol import (
@@ -63,7 +63,7 @@ from ..protocol import (
 from .admission import AdmissionMixin
 from .batch import BatchMixin
 from .beams import BeamMixin
-from .jobs import FREE_STEP, UNMASKED, Beams, Feed, Job, Pending, Row
+from .jobs import FREE_STEP, HELD, UNMASKED, Beams, Feed, Job, Pending, Row
 from .kv_cache import release_memory
 from .prefix_cache import PrefixCache
 from ..sampling import sample_rows
@@ -176,7 +176,7 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
         self._chunk_debt = 0.0  # seconds of decoding owed to the running rows after the last prefill chunk
         self.prefix_cache = PrefixCache(max_tokens=prefix_cache_tokens)
         self._stats = {
-            "steps": 0, "step_seconds": 0.0, "chain_seconds": 0.0, "rows_decoded": 0, "prefills": 0,
+            "steps": 0, "held_row_steps": 0, "step_seconds": 0.0, "chain_seconds": 0.0, "rows_decoded": 0, "prefills": 0,
             "fallback_rows": 0, "prefill_tokens": 0, "prefix_tokens_reused": 0, "prefill_chunks": 0,
             "failed_rows": 0, "cancelled_jobs": 0, "forward_seconds": 0.0,
             "tree_ranked_steps": 0,  # beam steps of one request ranked from its tree's tables (tree_beams)
@@ -300,13 +300,15 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
         job.on_event(ErrorEvent("cancelled"))
 
     # -- one decode step ------------------------------------------------------------------------
-    def _row_steps(self, rows: list[Row], skip: set[int] = frozenset()) -> tuple[list[Step], dict[int, str]]:  # type: ignore[assignment]
-        """Each row's allowed set (rows in ``skip``: none, they are ranked from their tables); a cursor that raises
-        fails its row only, as does a grammar mask over its budget (:meth:`_settle_masks`)."""
+    def _row_steps(self, rows: list[Row], skip: set[int] = frozenset(),  # type: ignore[assignment]
+                   defer: Iterable[int] = ()) -> tuple[list[Step], dict[int, str], set[int]]:
+        """Each row's allowed set (rows in ``skip``: none, they are ranked from their tables; rows left out of the
+        step because their grammar mask is still being computed: none either); a cursor that raises fails its row
+        only, as does a grammar mask over its budget (:meth:`_settle_masks`). Returns ``(steps, failed, waiting)``."""
         steps: list[Step] = []
-        failed = self._settle_masks(rows, skip)
+        failed, waiting = self._settle_masks(rows, skip, defer)
         for i, row in enumerate(rows):
-            if i in skip:
+            if i in skip or i in waiting:
                 steps.append(FREE_STEP)
                 continue
             try:
@@ -315,16 +317,38 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
                 logger.exception("a row's constraint failed")
                 failed[i] = f"constraint failed: {type(exc).__name__}: {exc}"
                 steps.append(Step(FREE, None, row.cursor.end_token_id))
-        return steps, failed
+        return steps, failed, waiting
 
-    def _settle_masks(self, rows: list[Row], skip: set[int] = frozenset()) -> dict[int, str]:  # type: ignore[assignment]
-        """Compute the rows' due grammar masks in parallel within ``mask_step_budget_ms``: ``{row: message}`` for
-        those late (their cursors now allow only their end token; the caller fails the rows)."""
-        late = self._mask_budget.settle([row.cursor for row in rows], skip)
+    def _settle_masks(self, rows: list[Row], skip: set[int] = frozenset(),  # type: ignore[assignment]
+                      defer: Iterable[int] = ()) -> tuple[dict[int, str], set[int]]:
+        """Compute the rows' due grammar masks in parallel within ``mask_step_budget_ms``. Returns ``(late,
+        waiting)``: ``{row: message}`` for those late (their cursors now allow only their end token; the caller
+        fails the rows), and the rows of ``defer`` whose mask is still being computed after a short wait (they sit
+        out this step, :meth:`_hold`). When no other work would share the step, it waits for them instead."""
+        budget = self._mask_budget
+        cursors = [row.cursor for row in rows]
+        late, waiting = budget.settle(cursors, skip, defer=defer, wait_ms=min(STEP_WAIT_MS, budget.budget_ms / 20))
+        if waiting and len(waiting) + len(late) + len(skip) >= len(rows) and not self._groups:
+            more, waiting = budget.settle(cursors, set(skip) | set(late))  # nobody else to serve: wait for them
+            late.update(more)
         if late:
             logger.warning("%d row(s) ended: grammar mask over %s ms (mask_step_budget_ms)", len(late),
-                           f"{self._mask_budget.budget_ms:g}")
-        return late
+                           f"{budget.budget_ms:g}")
+        return late, waiting
+
+    def _deferrable(self, rows: list[Row]) -> list[int]:
+        """The rows a step may leave out while their grammar mask computes: one-row requests' rows (the padded
+        batch: a row sits out with a masked column) that sat out fewer steps than their token limit (so a row's
+        steps stay within twice its token limit, which the batch's width was admitted for)."""
+        return [i for i in range(min(self._narrow_rows, len(rows))) if rows[i].deferred < rows[i].job.max_new_tokens]
+
+    def _hold(self, i: int, row: Row, logits: torch.Tensor) -> tuple[int, Row, int]:
+        """Leave row ``i`` out of this step: it keeps its logits for the next one and reads no token (a masked
+        column of the padded batch, :meth:`_forward_step`)."""
+        row.held = logits[i].clone()
+        row.deferred += 1
+        self._stats["held_row_steps"] += 1
+        return i, row, HELD
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -347,13 +371,14 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
         beam_at = [i for idxs in beam_groups.values() for i in idxs if i not in skip]
         # beam scores: log-probabilities of the model's distribution, masked (as HF beam search does)
         logprobs = torch.log_softmax(logits[beam_at], dim=-1) if beam_at else None
+        defer = self._deferrable(rows)
         if self.vector_lane:
-            late = self._settle_masks(rows, skip)
-            failed = mask_rows(logits, [UNMASKED if i in skip else r.cursor for i, r in enumerate(rows)],
-                               self._mask_buffer)
+            late, waiting = self._settle_masks(rows, skip, defer)
+            failed = mask_rows(logits, [UNMASKED if i in skip or i in waiting else r.cursor
+                                        for i, r in enumerate(rows)], self._mask_buffer)
             failed.update(late)
         else:
-            steps, failed = self._row_steps(rows, skip)
+            steps, failed, waiting = self._row_steps(rows, skip, defer)
             apply_steps(logits, steps, self._mask_buffer)
         mask_padded_vocab(logits, self.vocab_size)
         if beam_at:
@@ -370,6 +395,8 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
                 self._finish(row, "error", "cancelled")
             elif i in failed:
                 self._fail_row(row, failed[i])
+            elif i in waiting:  # its grammar mask is still computing: it sits out this step
+                nxt.append(self._hold(i, row, logits))
             else:
                 sampled.append(i)
         # everything chosen on the device comes back in one transfer: sampled tokens, then each beam
@@ -456,13 +483,19 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
                 self._trim_due = True
         else:
             positions, tokens = [], [token for _, _, token in nxt[:n]]
+            held = [k for k, token in enumerate(tokens) if token == HELD]
             if self._mask is not None:
                 positions.append(self._mask.sum(dim=1))
                 ones = torch.ones((self._mask.shape[0], 1), dtype=self._mask.dtype, device=self.device)
+                if held:  # rows sitting out the step: a column no query ever reads, any token in it
+                    ones[held] = 0
+                    tokens = [0 if token == HELD else token for token in tokens]
                 self._mask = torch.cat([self._mask, ones], dim=1)
             for g, first, end in chunks:
                 positions.append(torch.full((end - first,), g.prompt_len + g.generated, dtype=torch.long, device=self.device))
                 tokens.extend(g.feed.tokens[first:end])
+            # the one-row rows' next grammar masks compute while the model runs (processors.mask_budget)
+            self._mask_budget.start(row.cursor for row in self._rows)
             step = StepContext(self._cache.layers if self._mask is not None else None, self._mask, chunks)
             t_fwd = time.perf_counter()
             out = self.model(
@@ -473,6 +506,10 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
             self._stats["forward_seconds"] += time.perf_counter() - t_fwd
             if n:
                 self._logits = logits[:n]
+                for k in held:  # the logits it sat out with
+                    row = self._rows[k]
+                    self._logits[k] = row.held
+                    row.held = None
             at = n
             for g, first, end in chunks:
                 self._read_chunk(g, first, end, logits[at : at + end - first])

@@ -17,7 +17,7 @@ from processors.masks import FREE, Step
 
 from ..protocol import EngineEvent, EngineRequest, RequestTicket
 
-__all__ = ["FREE_STEP", "UNMASKED", "Beams", "Feed", "Job", "Pending", "Row"]
+__all__ = ["FREE_STEP", "HELD", "UNMASKED", "Beams", "Feed", "Job", "Pending", "Row"]
 
 FREE_STEP = Step(FREE, None, 0)
 
@@ -31,6 +31,8 @@ class Unmasked:
 
 
 UNMASKED = Unmasked()
+#: the token of a row that sits out a step (its grammar mask still computing): it reads none
+HELD = -1
 
 
 class Job(RequestTicket):
@@ -55,7 +57,7 @@ class Job(RequestTicket):
 
 
 class Row:
-    __slots__ = ("job", "index", "cursor", "generator", "tokens", "score")
+    __slots__ = ("job", "index", "cursor", "generator", "tokens", "score", "held", "deferred")
 
     def __init__(self, job: Job, index: int, cursor: RowCursor, generator: torch.Generator | None,
                  tokens: list[int] | None = None, score: float = 0.0):
@@ -65,6 +67,8 @@ class Row:
         self.generator = generator
         self.tokens: list[int] = tokens if tokens is not None else []
         self.score = score  # beam rows: sum of the log-probabilities of ``tokens``
+        self.held: torch.Tensor | None = None  # its logits while it sits out a step (its grammar mask computing)
+        self.deferred = 0  # steps it sat out
 
 
 class Beams:

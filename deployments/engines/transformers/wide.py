@@ -81,11 +81,11 @@ class WideMixin:
         else:
             logprobs = torch.log_softmax(logits, dim=-1)
             if self.vector_lane:
-                late = self._settle_masks(rows)
+                late, _ = self._settle_masks(rows)
                 failed = mask_rows(logits, [row.cursor for row in rows], self._mask_buffer)
                 failed.update(late)
             else:
-                steps, failed = self._row_steps(rows)
+                steps, failed, _ = self._row_steps(rows)
                 apply_steps(logits, steps, self._mask_buffer)
             mask_padded_vocab(logits, self.vocab_size)
             logprobs = logprobs.masked_fill(torch.isneginf(logits), float("-inf"))
