@@ -65,7 +65,7 @@ def make_reader():
             self.before = smaps()
 
         async def fetch(self, refs, copy: bool = False):
-            from deployments.replica import _fetch
+            from deployments.replica.subscriber import _fetch
 
             t0 = time.perf_counter()
             tables = await _fetch(refs[0])  # the replica's own fetch: awaits the reference

@@ -56,7 +56,7 @@ def main() -> None:
 
     import torch
 
-    from config import load_scenario
+    from processors.scenarios import load_scenario
     from deployments.engines import EngineRequest, EventCollector, SamplingParams
     from deployments.engines.transformers import DecodeEngine
     from deployments.model_loader import load_model, load_tokenizer

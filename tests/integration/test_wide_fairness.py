@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from config import load_scenario
+from processors.scenarios import load_scenario
 from deployments.engines import EngineRequest, SamplingParams
 from deployments.engines.protocol import DoneEvent, ErrorEvent, FinishedEvent, TokenEvent
 from deployments.engines.transformers import DecodeEngine
