@@ -16,7 +16,7 @@ a catalog. After the
 last round, one generation checks that the answer is an item of the current version.
 
 For comparison in the same run, the manager's table work of one PATCH is timed in this process: the delta applied
-to the base's tables along the changed paths (``processors.tree_delta.patch_tables``, what the manager does) against
+to the base's tables along the changed paths (``processors.kinds.tree.delta.patch_tables``, what the manager does) against
 a full compile of the new items (``catalog_tables``, what it did), checked equal.
 
 Targets: a PATCH of 2,000 items in at most 0.5 s at 10^6 items and 1 s at 10^7, for both forms.
@@ -76,8 +76,8 @@ def in_process_patch(items: list[list[int]], start: int, add: list, remove: list
     and hash, and its tables along the changed paths against a full compile of the new items (checked equal)."""
     from deployments.manager.catalog import parse_catalog
     from deployments.manager.catalog_delta import apply_tree_delta
-    from processors.catalog_tables import catalog_tables
-    from processors.tree_delta import patch_tables
+    from processors.kinds.tree.catalog_tables import catalog_tables
+    from processors.kinds.tree.delta import patch_tables
 
     catalog = parse_catalog(catalog_bytes(items, start), vocab_size=VOCAB)
     base = catalog_tables(catalog, VOCAB)

@@ -1,5 +1,5 @@
 """Catalog tables at scale: the packed fixed-depth tables (``processors/kinds/tree/packed.py``) against today's
-``MaskTables`` (``processors.catalog_tables.catalog_tables``) and a STATIC-style kernel, in one run.
+``MaskTables`` (``processors.kinds.tree.catalog_tables.catalog_tables``) and a STATIC-style kernel, in one run.
 
 For each ``--items`` size, a random catalog of 4-token semantic ids (``--codebook`` codes per level, each level its
 own range of token ids below 49,152, as semantic-id tokens are added to a vocabulary) is built. Each table format is
@@ -66,7 +66,7 @@ def build(fmt: str, ids: np.ndarray):
         from processors.kinds.tree.packed import PackedTree
 
         return PackedTree.from_items(ids, END, VOCAB)
-    from processors.catalog_tables import catalog_tables
+    from processors.kinds.tree.catalog_tables import catalog_tables
 
     return catalog_tables(_Items(ids), VOCAB)  # the items deduplicated by the caller (as a catalog's are)
 

@@ -4,7 +4,7 @@
 spread over a 49,152-id vocabulary) is written as a tree JSON file (docs/design.md format), then each phase runs
 in a fresh subprocess:
 
-* ``load``:  ``config.load_tree(path, vocab_size=V)`` (the numpy scan of the file + every validation rule);
+* ``load``:  ``load_tree(path, vocab_size=V)`` (the numpy scan of the file + every validation rule);
 * ``build``: ``processors.build_tree_tables(tree, V)`` on an already loaded tree (edges linked by key hashes, the
   per-state item metrics included);
 * ``both``:  the two together, as the manager's compile runs them;
@@ -94,20 +94,20 @@ def phase_tree(kind: str, path: str, vocab: int) -> dict:
             out["seconds"], out["cpu_seconds"] = time.perf_counter() - t0, time.process_time() - c0
         out["keys"] = len(prefix)
     else:
-        import config
+        from processors.kinds.tree.file import load_tree
         import processors
-        from config import tree_file
+        from processors.kinds.tree import file as tree_file
         from processors.tables import _build_by_strings
 
         if kind == "exact":  # the ijson parser and the dict-of-strings build
             tree_file.scan_tree_file = lambda p: None
         tree = None
         if kind == "build":
-            tree = config.load_tree(path, vocab_size=vocab)
+            tree = load_tree(path, vocab_size=vocab)
         with PeakMeter() as pm:
             t0, c0 = time.perf_counter(), time.process_time()
             if tree is None:
-                tree = config.load_tree(path, vocab_size=vocab)
+                tree = load_tree(path, vocab_size=vocab)
             t1 = time.perf_counter()
             tables = None
             if kind == "exact":

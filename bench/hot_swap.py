@@ -47,7 +47,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import emit, iter_tree, log, ratio, write_tree_json  # noqa: E402
-from config import is_tree_path  # noqa: E402
+from processors.kinds.tree.file import is_tree_path  # noqa: E402
 from bench._serve import APP_NAME, ServeBench, cpu_delta, percentile, replica_versions, serve_process_cpu  # noqa: E402
 
 VOCAB = 49_152  # SmolLM2's vocabulary: every id stays below it

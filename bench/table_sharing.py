@@ -112,7 +112,7 @@ def main() -> None:
 
     import ray
 
-    import config
+    from processors.kinds.tree.file import load_tree
     import processors
 
     t_start = time.perf_counter()
@@ -121,7 +121,7 @@ def main() -> None:
         write_tree_json(path, iter_tree(args.keys, VOCAB, start_token_id=1, end_token_id=2, seed=args.seed),
                         start_token_id=1, end_token_id=2)
         t0 = time.perf_counter()
-        tables = processors.build_tree_tables(config.load_tree(path, vocab_size=VOCAB), VOCAB)
+        tables = processors.build_tree_tables(load_tree(path, vocab_size=VOCAB), VOCAB)
         compile_s = time.perf_counter() - t0
     table_mib = sum(a.nbytes for a in _arrays(tables)) / MIB
     log(f"{args.keys} keys compiled in {compile_s:.1f} s: {tables.n_states} states, {tables.n_edges} edges, "

@@ -107,7 +107,7 @@ class MaskTables:
     @classmethod
     def assemble(cls, offsets: np.ndarray, tokens: np.ndarray, next_state: np.ndarray, keys: np.ndarray, root: int,
                  end_token_id: int, vocab_size: int, metrics: tuple, max_remaining: np.ndarray) -> "MaskTables":
-        """Tables from arrays already known to be valid (``processors/tree_delta.py``: a previous version's tables
+        """Tables from arrays already known to be valid (``processors/kinds/tree/delta.py``: a previous version's tables
         updated along the changed paths), with their ``keys`` and item metrics: no check and no pass over all
         states (only the content hash reads every array). ``metrics``: what :func:`item_metrics` gives."""
         self = object.__new__(cls)
@@ -178,7 +178,7 @@ class MaskTables:
 
 
 def build_tree_tables(tree, vocab_size: int) -> MaskTables:
-    """Compile a loaded tree (``config.TreeData``) into :class:`MaskTables`.
+    """Compile a loaded tree (``processors.kinds.tree.file.TreeData``) into :class:`MaskTables`.
 
     Each key becomes a state; the edge ``key --t-->`` leads to the state of ``key + sep + str(t)``
     when that key exists, to ``LEAF`` (only the end token) when it does not, and to ``DONE`` when
@@ -231,7 +231,7 @@ def build_tree_tables(tree, vocab_size: int) -> MaskTables:
 
 def _link_edges(tree, state: np.ndarray, tokens: np.ndarray, next_state: np.ndarray, end: int) -> None:
     """Set ``next_state`` of every edge whose target path is a key (by hash), in place."""
-    from config.tree_fast import extend_hash
+    from processors.kinds.tree.scan import extend_hash
 
     h1, h2, targetable = tree.key_h1, tree.key_h2, tree.targetable
     edges = np.flatnonzero(targetable[state] & (tokens != end))  # edges from reachable-shaped states
@@ -374,7 +374,7 @@ def _item_metrics(tables: "MaskTables") -> tuple[np.ndarray, np.ndarray, bool, i
         ready = uniq[pending[uniq] == 0]
     uniform = bool(np.array_equal(min_rem, max_rem))
     deepest = int(max_rem.max())
-    # the longest way down per state: what a delta (processors/tree_delta.py) needs to update `uniform`/`deepest`
+    # the longest way down per state: what a delta (processors/kinds/tree/delta.py) needs to update `uniform`/`deepest`
     tables.__dict__["_max_remaining"] = _freeze(np.minimum(max_rem, _UNSET).astype(np.int32))
     return (_freeze(min_rem.astype(np.int32)), _freeze(np.minimum(items, np.iinfo(np.int32).max).astype(np.int32)),
             uniform, deepest)

@@ -18,7 +18,7 @@ no item twice). Blank lines are skipped. An item may be a prefix of another (``[
 
 The manager parses it once (:func:`parse_catalog`), stores the canonical catalog (the header's two ids, then the
 items in order, ``[a,b,c]`` per line) as tree content under its SHA-256, and compiles the tree it spells straight
-from the items (table building is the processors' job: :mod:`processors.catalog_tables`). The stored body::
+from the items (table building is the processors' job: :mod:`processors.kinds.tree.catalog_tables`). The stored body::
 
     {"type": "tree", "path": "catalog", "content_sha256": "<sha>", "content_format": "items", "items": 3, ...}
 
@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from deployments.protocol import ServiceError
-from processors.catalog_tables import _row_order as _row_order  # re-exported (tests)
-from processors.catalog_tables import catalog_tables, tree_file_bytes
+from processors.kinds.tree.catalog_tables import _row_order as _row_order  # re-exported (tests)
+from processors.kinds.tree.catalog_tables import catalog_tables, tree_file_bytes
 
 __all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "catalog_body", "check_items", "items_from_tree", "catalog_tables",
            "parse_catalog", "parse_json_body", "tree_file_bytes"]
@@ -319,7 +319,7 @@ def _slow_catalog(body: bytes, first_line: int, start: int, end: int, options: d
 
 
 def items_from_tree(tree: Any) -> list[tuple[int, ...]]:
-    """The items a loaded tree (``config.TreeData``) serves: every path the decoding can take from the root to the
+    """The items a loaded tree (``processors.kinds.tree.file.TreeData``) serves: every path the decoding can take from the root to the
     end token, walked from the root as the tree file format reads it (a state that is missing or has an empty list
     allows only the end token). Keys that no path reaches serve nothing and give no item; the end token at the root
     gives the empty item ``()`` (the answer may be just the end token). Items come in the tree's candidate order."""

@@ -242,7 +242,7 @@ def apply_delta(compiler: Any, limits: Any, name: str, body: dict[str, Any] | No
     :class:`~deployments.manager.compiler.StoredScenarioCompiler` (validation, stored catalogs, content copies).
     ``prepared``: the current version's items and catalog tables when it is a tree given inline that the compiler
     has read already (``StoredScenarioCompiler.tree_base``; ``body`` is not needed then)."""
-    from config import load_tree
+    from processors.kinds.tree.file import load_tree
 
     from processors import registry
 
@@ -307,7 +307,7 @@ def _apply_tree(compiler: Any, limits: Any, name: str, body: Any, add: list[Any]
     # catalog: its Python work per touched path then costs more than a full compile's array passes. (Not on another
     # thread beside the bytes above: measured, the two together took longer than one after the other.)
     if base_tables is not None and (len(add) + len(remove)) * compiler.patch_states_per_item <= base_tables.n_states:
-        from processors.tree_delta import patch_tables
+        from processors.kinds.tree.delta import patch_tables
 
         tables = patch_tables(base_tables, add, remove)
         if tables is not None:  # (None: the base's tables cannot tell their items; the compile builds them in full)

@@ -66,7 +66,7 @@ def lower_manager_priority(nice: int) -> None:
 
 def compile_warnings(compiled) -> list[str]:
     """What a compile accepted but reports (a lenient tree load: keys outside the root, unknown fields, skipped ids;
-    see ``config.load_tree``): the admin PUT returns them as ``warnings``."""
+    see ``processors.kinds.tree.file.load_tree``): the admin PUT returns them as ``warnings``."""
     return list(getattr(getattr(compiled, "constraint", None), "warnings", ()) or ())
 
 
@@ -275,7 +275,7 @@ class StoredScenarioCompiler:
             self._catalogs.pop(next(iter(self._catalogs)))
 
     def catalog_tables(self, sha: str):
-        """The tables of catalog ``sha`` when built here lately (a PATCH updates them: processors/tree_delta.py)."""
+        """The tables of catalog ``sha`` when built here lately (a PATCH updates them: processors/kinds/tree/delta.py)."""
         return self._tables.get(sha)
 
     def remember_tables(self, sha: str, tables, patched: bool = False) -> None:
@@ -309,7 +309,7 @@ class StoredScenarioCompiler:
 
     def note_installed(self, name: str, version: int, compiled) -> None:
         """``compiled`` (None: removed) is what ``name`` serves from ``version`` on. A tree given inline is read
-        into its items and their catalog tables in the background (processors/tree_items.py, catalog_tables), so
+        into its items and their catalog tables in the background (processors/kinds/tree/item_list.py, catalog_tables), so
         that its first PATCH is a delta too (:meth:`tree_base`), without parsing and loading the stored body."""
         self._tree_bases.pop(name, None)
         tables = getattr(compiled, "constraint", None)
@@ -321,8 +321,8 @@ class StoredScenarioCompiler:
             self._tree_bases.pop(next(iter(self._tree_bases)))
 
     def _read_tree_base(self, tables, fields: dict[str, Any], start_token_id: int):
-        from processors.catalog_tables import catalog_tables
-        from processors.tree_items import tree_items
+        from processors.kinds.tree.catalog_tables import catalog_tables
+        from processors.kinds.tree.item_list import tree_items
 
         from .catalog import Catalog
 
@@ -394,7 +394,7 @@ class StoredScenarioCompiler:
             if sha is not None and body.get("content_format") == "items":
                 # a catalog: its tables straight from the parsed items (kept in memory after a PUT or PATCH), equal
                 # to those of the tree file they spell, without writing and parsing that file
-                from processors.catalog_tables import catalog_tables
+                from processors.kinds.tree.catalog_tables import catalog_tables
 
                 catalog = self.catalog(name, sha)
                 tables = self._tables.get(sha)  # a PATCH's, updated from its base's along the changed paths
@@ -420,7 +420,7 @@ class StoredScenarioCompiler:
         other fields through the scenario model, the tree's text through the tree loader (its numpy scan), the
         tables from that one load. ``None`` when anything is refused here: the exact way then decides, and names
         the problem as for any inline tree (a tree counted by its keys, as there)."""
-        from config import load_tree
+        from processors.kinds.tree.file import load_tree
         from config.settings import LimitExceeded
         from processors.tables import build_tree_tables
 

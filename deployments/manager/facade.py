@@ -134,7 +134,7 @@ class ConfigManager:
     async def put(self, name: str, body: dict, idempotency_key: str | None = None) -> dict[str, Any]:
         """Validate, compile, store a new version of ``name`` and wait until every live replica
         serves it. Returns ``{"name", "version"}``, plus ``warnings`` when the compile accepted something it reports
-        (a lenient tree load: keys outside the root, unknown fields, skipped ids; see ``config.load_tree``; not kept
+        (a lenient tree load: keys outside the root, unknown fields, skipped ids; see ``processors.kinds.tree.file.load_tree``; not kept
         for an idempotent replay). 422: invalid name or body; 400: does not compile (nothing stored in either case);
         503: Redis down; 504: replicas did not ack.
 

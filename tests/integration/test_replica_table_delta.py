@@ -19,7 +19,7 @@ from config import ServerSettings
 from deployments.manager.catalog import Catalog
 from deployments.redis_server import connect_redis
 from deployments.replica.table_delta import delta_wanted
-from processors.catalog_tables import catalog_tables
+from processors.kinds.tree.catalog_tables import catalog_tables
 from tests.manager_helpers import make_manager
 
 pytestmark = pytest.mark.integration

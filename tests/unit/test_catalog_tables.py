@@ -1,5 +1,5 @@
 """The direct compile of a catalog (``catalog_tables``: items -> MaskTables) against the reference path it replaces
-(the tree file text of ``tree_file_bytes`` -> ``config.load_tree`` -> ``build_tree_tables``): equal tables."""
+(the tree file text of ``tree_file_bytes`` -> ``processors.kinds.tree.file.load_tree`` -> ``build_tree_tables``): equal tables."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from config import load_tree
+from processors.kinds.tree.file import load_tree
 from deployments.manager.catalog import Catalog, catalog_tables, parse_catalog, tree_file_bytes
 from processors.tables import DONE, LEAF, build_tree_tables, item_metrics
 

@@ -1,5 +1,5 @@
 """The catalog tables built without the padded matrix against a copy of the functions they
-replaced (the padded-matrix build of ``processors/catalog_tables.py`` as of commit a5e49c3, kept below as the
+replaced (the padded-matrix build of ``processors/kinds/tree/catalog_tables.py`` as of commit a5e49c3, kept below as the
 reference, unchanged but for its names): the same tables array for array and the same tree file bytes, on varied
 catalogs (random catalogs of mixed lengths, shared prefixes, an item that is a prefix of another, one very long
 item, the empty item, ids up to the vocabulary's end, the end token's handling)."""
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from deployments.manager.catalog import Catalog
-from processors.catalog_tables import CatalogItems, catalog_tables, tree_file_bytes
-import processors.catalog_tables as catalog_tables_module
+from processors.kinds.tree.catalog_tables import CatalogItems, catalog_tables, tree_file_bytes
+import processors.kinds.tree.catalog_tables as catalog_tables_module
 from processors.tables import DONE, LEAF, MaskTables
 
 VOCAB = 49152

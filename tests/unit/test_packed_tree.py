@@ -1,5 +1,5 @@
 """The packed tables of a fixed-depth catalog (``processors/kinds/tree/packed.py``) answer as the ``MaskTables``
-compiled from the same items (``processors.catalog_tables.catalog_tables``): walked along every item and off it, for
+compiled from the same items (``processors.kinds.tree.catalog_tables.catalog_tables``): walked along every item and off it, for
 random catalogs of several depths, widths and token ranges. No model needed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from processors.catalog_tables import catalog_tables
+from processors.kinds.tree.catalog_tables import catalog_tables
 from processors.kinds.tree.packed import DONE, LEAF, PackedTree
 from processors.tables import item_metrics
 

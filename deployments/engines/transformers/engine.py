@@ -68,7 +68,7 @@ from .kv_cache import release_memory
 from .prefix_cache import PrefixCache
 from ..sampling import sample_rows
 from .shared_kv import SharedGroup, StepContext, install
-from .tree_beams import plan_tree_beams, row_logsumexp, tree_beam_candidates
+from processors.kinds.tree.beams import plan_tree_beams, row_logsumexp, tree_beam_candidates
 from .rows import RowsMixin
 from .wide import WideMixin
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from config import load_tree
+from processors.kinds.tree.file import load_tree
 from config.settings import LimitExceeded
 
 from ...registry import register

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .cancel import checkpoint
+from config.cancel import checkpoint
 
 __all__ = ["CHUNK_BYTES", "SCAN_THREADS", "KeyBlock", "ScannedTree", "extend_hash", "ordered_map",
            "parse_keys", "scan_tree_bytes", "scan_tree_file"]

@@ -3,7 +3,7 @@
 A catalog (``deployments/manager/catalog.py``: the items format of ``PUT /admin/scenarios/{name}`` with
 ``Content-Type: application/x-ndjson``) is a list of items, each the token ids after the root, without the end
 token. :func:`catalog_tables` gives the compiled :class:`~processors.tables.MaskTables` of the tree those items
-spell; :func:`tree_file_bytes` gives that tree in the tree file format (:mod:`config.tree_file`). Both build the
+spell; :func:`tree_file_bytes` gives that tree in the tree file format (:mod:`processors.kinds.tree.file`). Both build the
 same trie (:class:`_Trie`: built level by level over the flat ids, no padded matrix, so time and memory follow the
 total number of ids rather than items x longest item; nodes numbered in preorder, so a parent comes before its
 children), so the tables equal those of the tree file once loaded (``tests/unit/test_catalog_tables.py`` compares

@@ -14,7 +14,7 @@ import numpy as np
 
 from config.cancel import checkpoint
 
-from .tables import DONE, LEAF, MaskTables
+from processors.tables import DONE, LEAF, MaskTables
 
 __all__ = ["tree_items"]
 
