@@ -65,7 +65,7 @@ def catalog_bytes(items: list[list[int]], start: int) -> bytes:
 
 def prefix_dict_body(items: list[list[int]], start: int) -> bytes:
     """An inline tree scenario whose ``prefix_dict`` spells ``items`` (the tree file text of the catalog)."""
-    from deployments.manager.catalog import Catalog, tree_file_bytes
+    from processors.kinds.tree.catalog import Catalog, tree_file_bytes
 
     tree = tree_file_bytes(Catalog.from_items(start, END, [tuple(i) for i in items]))
     return b'{"type":"tree","max_new_tokens":8,"tree":' + tree + b"}"
@@ -74,8 +74,8 @@ def prefix_dict_body(items: list[list[int]], start: int) -> bytes:
 def in_process_patch(items: list[list[int]], start: int, add: list, remove: list) -> dict:
     """The manager's work of one PATCH in this process: the delta applied to the item list, the new catalog's bytes
     and hash, and its tables along the changed paths against a full compile of the new items (checked equal)."""
-    from deployments.manager.catalog import parse_catalog
-    from deployments.manager.catalog_delta import apply_tree_delta
+    from processors.kinds.tree.catalog import parse_catalog
+    from processors.kinds.tree.catalog_delta import apply_tree_delta
     from processors.kinds.tree.catalog_tables import catalog_tables
     from processors.kinds.tree.delta import patch_tables
 

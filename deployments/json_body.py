@@ -1,205 +1,33 @@
-"""Strict JSON for request bodies: what Python's ``json`` module accepts but a body must not hold.
-
-:func:`parse_json` parses like ``json.loads`` and refuses, naming the field by its dotted path
-(``messages.0.content``, ``tree.prefix_dict``):
-
-* non-finite numbers: the ``NaN``, ``Infinity`` and ``-Infinity`` literals (not JSON, but ``json.loads`` takes
-  them) and numbers that overflow to infinity (``1e999``);
-* integers of more than ``sys.get_int_max_str_digits()`` digits (4300), which ``json.loads`` refuses with a
-  bare ``ValueError``;
-* strings (values or keys) holding a lone UTF-16 surrogate (``"\\ud800"``, or its bytes in the body): not
-  Unicode text, they break the tokenizer and the Redis encoding;
-* an object that gives a key twice (``json.loads`` keeps the last silently; the tree-file loader reports it).
-
-Invalid JSON and bodies nested deeper than the parser can go are left to the caller (``json.JSONDecodeError`` and
-``RecursionError`` as from ``json.loads``), so their existing errors stay as they were.
-
-:class:`StrictJSONBody` is the ASGI middleware that applies it to every request body the ingress receives; it
-keeps what it parsed in the request's scope (``JSON_BODY_SCOPE_KEY``), where the routes of a
-:class:`ParsedJSONRoute` take it instead of parsing the body again: a body is parsed once.
-
-Example::
-
-    >>> parse_json(b'{"temperature": 0.5}')
-    {'temperature': 0.5}
-    >>> try:
-    ...     parse_json(b'{"messages": [{"content": "ok"}, {"temperature": NaN}]}')
-    ... except BodyRejected as error:
-    ...     print(error)
-    messages.1.temperature: NaN is not a finite number (give a finite number)
+"""Strict JSON request bodies at the ingress: :class:`StrictJSONBody`, the ASGI middleware that parses every request
+body the ingress receives with :func:`config.strict_json.parse_json` (what ``json.loads`` accepts but a body must
+not hold, refused naming the field) and keeps what it parsed in the request's scope (``JSON_BODY_SCOPE_KEY``), where
+the routes of a :class:`ParsedJSONRoute` take it instead of parsing the body again: a body is parsed once; and
+:func:`parse_json_body`, an admin write's body parsed once within the limits.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import re
-import sys
-from collections import Counter
 from typing import Any, Callable
 
 from fastapi.routing import APIRoute
 from starlette.requests import Request
 
+from config.strict_json import BodyRejected, parse_json
 from deployments.protocol import ServiceError
 
-__all__ = ["JSON_BODY_SCOPE_KEY", "BodyRejected", "ParsedJSONRoute", "StrictJSONBody", "parse_json"]
+__all__ = ["JSON_BODY_SCOPE_KEY", "BodyRejected", "ParsedJSONRoute", "StrictJSONBody", "body_rejected", "parse_json",
+           "parse_json_body"]
 
 #: the scope entry where :class:`StrictJSONBody` keeps the body it parsed (absent: not parsed there)
 JSON_BODY_SCOPE_KEY = "constrained_serve.json_body"
-
-#: a ``\uXXXX`` escape of a surrogate code point (D800-DFFF) in JSON text; a pair is fine, the walk tells
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-_SURROGATE_ESCAPE_STR = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 _METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 _THREAD_BYTES = 1 << 20
 
 
-class BodyRejected(ValueError):
-    """A body breaks a rule of :func:`parse_json`; ``field`` is the dotted path, the message starts with it."""
-
-    def __init__(self, field: str, reason: str):
-        self.field, self.reason = field, reason
-        super().__init__(f"{field}: {reason}")
-
-    def __reduce__(self):
-        return (type(self), (self.field, self.reason))
-
-    def to_service_error(self) -> ServiceError:
-        return ServiceError(422, str(self), {"field": self.field})
-
-
-class _Bad:
-    """Stands where a refused number was, until the walk finds its path."""
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str):
-        self.reason = reason
-
-
-class _Duplicates(dict):
-    """An object that gave some key more than once (``counts``: key -> times)."""
-
-    __slots__ = ("counts",)
-
-
-class _Parse:
-    """The hooks of one parse; ``suspect`` says whether the result needs the walk."""
-
-    def __init__(self) -> None:
-        self.suspect = False
-
-    def constant(self, name: str) -> _Bad:
-        self.suspect = True
-        return _Bad(f"{name} is not a finite number (give a finite number)")
-
-    def float_(self, text: str) -> float | _Bad:
-        value = float(text)
-        if value - value != 0.0:  # inf (nan cannot come from a JSON number)
-            self.suspect = True
-            shown = text if len(text) <= 24 else text[:12] + "..." + text[-6:]
-            return _Bad(f"{shown} overflows to infinity, not a finite number (give a finite number)")
-        return value
-
-    def int_(self, text: str) -> int | _Bad:
-        digits = len(text.lstrip("-"))
-        limit = sys.get_int_max_str_digits()
-        if limit and digits > limit:
-            self.suspect = True
-            return _Bad(f"an integer of {digits} digits is too long (at most {limit} digits)")
-        return int(text)
-
-    def object_(self, pairs: list[tuple[str, Any]]) -> dict:
-        value = dict(pairs)
-        if len(value) != len(pairs):
-            self.suspect = True
-            counts = Counter(key for key, _ in pairs)
-            value = _Duplicates(value)
-            value.counts = {key: n for key, n in counts.items() if n > 1}
-        return value
-
-
-def _loads(text: bytes | str, hooks: _Parse, parse_int: Callable[[str], Any] | None) -> Any:
-    return json.loads(text, parse_constant=hooks.constant, parse_float=hooks.float_, parse_int=parse_int,
-                      object_pairs_hook=hooks.object_)
-
-
-def _join(path: str, part: Any) -> str:
-    return f"{path}.{part}" if path else str(part)
-
-
-def _surrogate_reason(text: str, what: str) -> str:
-    match = _SURROGATE.search(text)
-    return (f"{what} holds a lone surrogate (\\u{ord(match.group()):04x}) at character {match.start()}: "
-            "not valid Unicode text")
-
-
-def _first_problem(value: Any, field: str) -> BodyRejected | None:
-    """The first refused item in document order, named by its path (iterative: no recursion limit)."""
-    stack: list[tuple[Any, str]] = [(value, "")]
-    while stack:
-        item, path = stack.pop()
-        where = path or field
-        if isinstance(item, _Bad):
-            return BodyRejected(where, item.reason)
-        if isinstance(item, str):
-            if _SURROGATE.search(item):
-                return BodyRejected(where, _surrogate_reason(item, "the text"))
-        elif isinstance(item, dict):
-            if isinstance(item, _Duplicates):
-                key, times = next(iter(item.counts.items()))
-                return BodyRejected(where, f"duplicate key {json.dumps(key)} (appears {times} times; give each key once)")
-            for key in item:
-                if _SURROGATE.search(key):
-                    return BodyRejected(where, _surrogate_reason(key, f"a key ({key[:40]!r})"))
-            stack.extend((child, _join(path, key)) for key, child in reversed(item.items()))
-        elif isinstance(item, list):
-            stack.extend((child, _join(path, i)) for i, child in reversed(list(enumerate(item))))
-    return None
-
-
-def _may_hold_surrogates(text: bytes | str) -> bool:
-    if isinstance(text, str):
-        return bool(_SURROGATE.search(text) or _SURROGATE_ESCAPE_STR.search(text))
-    if _SURROGATE_ESCAPE.search(text):
-        return True
-    try:
-        text.decode("utf-8")
-    except UnicodeDecodeError:  # json.loads decodes with 'surrogatepass' (or the body is UTF-16/32)
-        return True
-    return False
-
-
-def parse_json(text: bytes | str, field: str = "body") -> Any:
-    """``json.loads(text)``, refusing what the module docstring lists with :class:`BodyRejected`.
-
-    ``field`` names the text itself; paths inside it are appended (``field`` is dropped for a whole body,
-    kept as a prefix otherwise: ``structured_outputs.json.minimum``).
-
-    Raises:
-        BodyRejected: naming the first offending field.
-        json.JSONDecodeError, UnicodeDecodeError: not JSON (as ``json.loads``).
-        RecursionError: nested deeper than the parser can go (as ``json.loads``).
-    """
-    hooks = _Parse()
-    try:
-        value = _loads(text, hooks, None)
-    except json.JSONDecodeError:
-        raise
-    except ValueError as error:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
-        if "integer string conversion" not in str(error):
-            raise
-        hooks = _Parse()
-        value = _loads(text, hooks, hooks.int_)
-    if hooks.suspect or _may_hold_surrogates(text):
-        problem = _first_problem(value, field)
-        if problem is not None:
-            if field != "body" and problem.field != field:
-                problem = BodyRejected(f"{field}.{problem.field}", problem.reason)
-            raise problem
-    return value
+def body_rejected(error: BodyRejected) -> ServiceError:
+    """The answer to a body that breaks a strict-JSON rule: a 422 naming the field."""
+    return ServiceError(422, str(error), {"field": error.field})
 
 
 class StrictJSONBody:
@@ -238,7 +66,7 @@ class StrictJSONBody:
             except BodyRejected as error:
                 from starlette.responses import JSONResponse
 
-                refusal = error.to_service_error()
+                refusal = body_rejected(error)
                 response = JSONResponse(refusal.to_json(), status_code=refusal.status)
                 return await response(scope, receive, send)
             except (ValueError, RecursionError):  # not JSON, or too deep: the app answers as it always did
@@ -289,3 +117,34 @@ class ParsedJSONRoute(APIRoute):
             return await handler(_ParsedJSONRequest(request.scope, request.receive))
 
         return parsed_body_handler
+
+
+def parse_json_body(raw: bytes, limits: Any, *, scenario: bool) -> Any:
+    """An admin write's HTTP body (bytes, as the ingress received them) parsed once, strictly
+    (:func:`deployments.json_body.parse_json`: no NaN, no lone surrogates, no repeated keys), within the
+    nesting limit; a scenario body also gets the cheap limit checks (label count, inline tree keys, ...)."""
+    from config.settings import LimitExceeded
+    from processors.scenarios import check_limits
+
+    try:
+        body = parse_json(raw) if raw.strip() else None
+    except BodyRejected as error:
+        raise body_rejected(error) from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ServiceError(422, f"body: not valid JSON: {error}", {"field": "body"}) from None
+    except RecursionError:
+        raise ServiceError(422, f"body: nesting depth over {limits.max_json_depth} exceeds the limit "
+                                f"max_json_depth={limits.max_json_depth}",
+                           {"field": "body", "limit_name": "max_json_depth", "limit": limits.max_json_depth}) from None
+    if not isinstance(body, dict):
+        what = "a scenario JSON object" if scenario else 'a JSON object {"add": [...], "remove": [...]}'
+        raise ServiceError(422, f"body: expected {what}, got {type(body).__name__ if raw.strip() else 'nothing'}",
+                           {"field": "body"})
+    try:
+        if scenario:  # the kind's own limits first (they name the field, e.g. max_schema_depth), as before
+            check_limits(body, limits)
+        limits.check_json_depth(body)
+    except LimitExceeded as error:
+        raise ServiceError(error.status, f"invalid scenario: {error}" if scenario else str(error),
+                           error.detail()) from None
+    return body

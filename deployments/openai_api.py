@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from config import Limits
 from processors.scenarios import SCENARIO_TYPES, scenario_model
-from deployments.json_body import BodyRejected, parse_json
+from deployments.json_body import BodyRejected, body_rejected, parse_json
 from deployments.openai_models import (  # noqa: F401  (the models are this module's API too)
     DEFAULT_MODEL_NAME, IGNORED_FIELDS, NEUTRAL_FIELDS, PASSTHROUGH_FIELDS, AssistantMessage, ChatChoice,
     ChatCompletionRequest, ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse,
@@ -123,7 +123,7 @@ def _inline_scenario(
         try:
             schema = parse_json(schema, field=names["json"])  # the body's rules: finite, no dups, ...
         except BodyRejected as error:
-            raise error.to_service_error() from None
+            raise body_rejected(error) from None
         except json.JSONDecodeError as error:
             raise ServiceError(422, f"{names['json']}: not valid JSON: {error}") from None
         except RecursionError:  # deeper than the parser can go, so far deeper than any limit

@@ -14,13 +14,15 @@ statuses are :data:`STORE_ERROR_STATUS`, looked up by :func:`store_error_status`
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from config import ConstraintError, Limits, ScenarioError
 from deployments.protocol import ServiceError
 from processors.scenarios import checked_one_off
 
-__all__ = ["SCENARIO_ERROR_STATUS", "STORE_ERROR_STATUS", "constraint_service_error", "scenario_service_error",
+__all__ = ["SCENARIO_ERROR_STATUS", "STORE_ERROR_STATUS", "constraint_service_error", "refused_as_service_error", "scenario_service_error",
            "store_error_status", "validated_one_off"]
 
 #: ScenarioError.kind -> HTTP status (written beside the kinds, :attr:`config.ScenarioError.STATUS`)
@@ -38,6 +40,16 @@ def scenario_service_error(error: ScenarioError, noun: str = "scenario", name: s
 def constraint_service_error(error: ConstraintError) -> ServiceError:
     """The answer to a refused constraint field: its status, message and detail as they are."""
     return ServiceError(error.status, error.message, error.detail)
+
+
+@contextmanager
+def refused_as_service_error() -> Iterator[None]:
+    """A block (or, called, a decorator) whose :class:`config.ConstraintError` (a kind's refusal: a catalog line, a
+    PATCH item) leaves it as the :class:`ServiceError` it answers (:func:`constraint_service_error`)."""
+    try:
+        yield
+    except ConstraintError as error:
+        raise constraint_service_error(error) from None
 
 
 #: the scenario store's failure kinds (deployments/store_errors.py, by class name; a subclass takes its base's) -> status

@@ -19,7 +19,7 @@ from deployments.ingress.models import (
 )
 from deployments.ingress.openapi import _patch_openapi_extra, _scenario_openapi_extra
 from deployments.json_body import ParsedJSONRoute
-from deployments.manager.catalog import CATALOG_CONTENT_TYPES
+from processors.kinds.tree.catalog import CATALOG_CONTENT_TYPES
 from deployments.protocol import ServiceError
 from deployments.store import validate_name
 from deployments.store_content import validate_idempotency_key

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from processors.scenarios import ScenarioAdapter
-from deployments.manager.catalog import CATALOG_CONTENT_TYPES
+from processors.kinds.tree.catalog import CATALOG_CONTENT_TYPES
 
 
 def _scenario_openapi_extra() -> dict[str, Any]:

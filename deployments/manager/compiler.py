@@ -161,7 +161,7 @@ class StoredScenarioCompiler:
             if not isinstance(sha, str) or not _SHA256_HEX.fullmatch(sha):
                 raise ServiceError(422, "invalid scenario: content_sha256: expected 64 lowercase hex digits",
                                    {"name": name, "field": "content_sha256"})
-            if "content_format" in body:  # a catalog (deployments/manager/catalog.py): items, not a tree file
+            if "content_format" in body:  # a catalog (processors/kinds/tree/catalog.py): items, not a tree file
                 fmt = body.pop("content_format")
                 if fmt != "items":
                     raise ServiceError(422, f"invalid scenario: content_format: only 'items' (a catalog), got {fmt!r}",
@@ -253,16 +253,19 @@ class StoredScenarioCompiler:
         return int(self.pipeline.info.vocab_size)
 
     def catalog(self, name: str, sha: str):
-        """The stored catalog ``sha`` parsed (:class:`~deployments.manager.catalog.Catalog`); the last few are
+        """The stored catalog ``sha`` parsed (:class:`~processors.kinds.tree.catalog.Catalog`); the last few are
         kept in memory, so a PATCH does not parse its base again."""
-        from .catalog import parse_catalog
+        from processors.kinds.tree.catalog import parse_catalog
+
+        from deployments.scenario_errors import refused_as_service_error
 
         cached = self._catalogs.get(sha)
         if cached is None:
             with open(self.content_file(name, sha), "rb") as handle:
                 data = handle.read()
             # a stored catalog may hold the empty item (a patched tree whose root allows the end token)
-            cached = parse_catalog(data, vocab_size=self.vocab_size, allow_empty=True)
+            with refused_as_service_error():
+                cached = parse_catalog(data, vocab_size=self.vocab_size, allow_empty=True)
             head = cached.header()
             if data.startswith(head + b"\n") and len(data) == len(head) + 1 + sum(map(len, cached.lines)) + len(cached):
                 cached._content = data  # its canonical bytes as they are (a PATCH splices its result's from them)
@@ -296,7 +299,7 @@ class StoredScenarioCompiler:
         return sha in self._patched
 
     def _note_tree_form(self, name: str, compiled, fields: dict[str, Any], start_token_id: Any) -> None:
-        from .catalog import _RESERVED
+        from processors.kinds.tree.catalog import _RESERVED
 
         tables = getattr(compiled, "constraint", None)
         if start_token_id is None or not hasattr(tables, "offsets"):
@@ -324,7 +327,7 @@ class StoredScenarioCompiler:
         from processors.kinds.tree.catalog_tables import catalog_tables
         from processors.kinds.tree.item_list import tree_items
 
-        from .catalog import Catalog
+        from processors.kinds.tree.catalog import Catalog
 
         flat, lengths = tree_items(tables)
         catalog = Catalog.from_flat(start_token_id, tables.end_token_id, flat, lengths, fields)

@@ -39,7 +39,9 @@ from deployments.redis_server import connect_redis
 from deployments.store import IDEMPOTENCY_TTL_S, BaseChanged, ScenarioStore, pack_body, pruned_error, request_fingerprint
 from deployments.store import validate_name
 
-from .catalog import catalog_body, parse_catalog, parse_json_body
+from deployments.json_body import parse_json_body
+from deployments.scenario_errors import refused_as_service_error
+from processors.kinds.tree.catalog import catalog_body, parse_catalog
 from .compiler import StoredScenarioCompiler, compile_warnings, lower_manager_priority
 from .inline_tree import split_inline_tree
 from .reconciler import StoreReconciler
@@ -188,7 +190,7 @@ class ConfigManager:
                                             finish=finish, idempotency_key=idempotency_key))
 
     async def put_items(self, name: str, data: bytes, idempotency_key: str | None = None) -> dict[str, Any]:
-        """Store a catalog (the items format of :mod:`deployments.manager.catalog`: a header line, then one JSON
+        """Store a catalog (the items format of :mod:`processors.kinds.tree.catalog`: a header line, then one JSON
         array of token ids per line) as a new version of tree scenario ``name``, like :meth:`put`. The bytes are
         parsed and validated once, here; the canonical catalog is stored as tree content (chunked) and the stored
         body names it (``content_sha256``, ``content_format: items``). Returns ``{"name", "version", "items"}``."""
@@ -196,9 +198,10 @@ class ConfigManager:
             return request_fingerprint("put_items", name, hashlib.sha256(bytes(data)).hexdigest())
 
         def prepare() -> Draft:
-            catalog = parse_catalog(data, vocab_size=self.compiler.vocab_size,
-                                    max_items=self.settings.limits.max_tree_keys,
-                                    max_item_tokens=self.settings.limits.max_item_tokens)
+            with refused_as_service_error():
+                catalog = parse_catalog(data, vocab_size=self.compiler.vocab_size,
+                                        max_items=self.settings.limits.max_tree_keys,
+                                        max_item_tokens=self.settings.limits.max_item_tokens)
             content = catalog.content()
             sha, new = self.compiler.keep_content(content)
             self.compiler.remember_catalog(sha, catalog)
@@ -231,7 +234,9 @@ class ConfigManager:
         stored. Without it, a write that lands between our read and our write (a PUT) is not overwritten: the
         delta is applied again to the new current version. Returns ``{"name", "version", "base_version",
         "changed", "added", "removed", "already_present", "not_present"}``."""
-        from .catalog_delta import apply_delta, parse_delta
+        from processors.kinds.patch import parse_delta
+
+        from .catalog_delta import apply_delta
         add: list[Any] = []
         remove: list[Any] = []
         base: int | None = None
@@ -241,7 +246,8 @@ class ConfigManager:
             if isinstance(delta, (bytes, bytearray)):
                 delta = await asyncio.to_thread(parse_json_body, bytes(delta), self.settings.limits,
                                           scenario=False)
-            add, remove, body_base = parse_delta(delta)
+            with refused_as_service_error():
+                add, remove, body_base = parse_delta(delta)
             if base_version is not None:
                 base_version = as_version(base_version)
                 if body_base is not None and body_base != base_version:

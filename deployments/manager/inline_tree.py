@@ -53,9 +53,9 @@ class InlineTree:
 def split_inline_tree(raw: bytes, limits: Any, *, min_bytes: int = INLINE_TREE_MIN_BYTES) -> InlineTree | None:
     """``raw`` (a PUT body) as an :class:`InlineTree`, or ``None`` when it is to be parsed whole: smaller than
     ``min_bytes``, no single top-level ``tree`` object found cheaply, the rest not a valid JSON object within
-    ``limits`` (:func:`deployments.manager.catalog.parse_json_body`), not a tree scenario, or a body that also
+    ``limits`` (:func:`deployments.json_body.parse_json_body`), not a tree scenario, or a body that also
     names a ``path`` or stored content (the exact way refuses those, naming the field)."""
-    from .catalog import parse_json_body
+    from deployments.json_body import parse_json_body
 
     if len(raw) < min_bytes:
         return None

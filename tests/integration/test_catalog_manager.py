@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from test_manager import FakeReplica, make_manager, ready
 
-from deployments.manager.catalog import parse_catalog, tree_file_bytes
+from processors.kinds.tree.catalog import parse_catalog, tree_file_bytes
 from deployments.protocol import ServiceError
 from deployments.redis_server import connect_redis
 from processors.tables import DONE, LEAF

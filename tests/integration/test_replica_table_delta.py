@@ -16,7 +16,7 @@ from test_catalog_manager import END, START, catalog_text
 from test_catalog_patch_tables import assert_full_compile
 
 from config import ServerSettings
-from deployments.manager.catalog import Catalog
+from processors.kinds.tree.catalog import Catalog
 from deployments.redis_server import connect_redis
 from deployments.replica.table_delta import delta_wanted
 from processors.kinds.tree.catalog_tables import catalog_tables

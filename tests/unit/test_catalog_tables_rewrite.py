@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from deployments.manager.catalog import Catalog
+from processors.kinds.tree.catalog import Catalog
 from processors.kinds.tree.catalog_tables import CatalogItems, catalog_tables, tree_file_bytes
 import processors.kinds.tree.catalog_tables as catalog_tables_module
 from processors.tables import DONE, LEAF, MaskTables

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from config import ConstraintError
 from config.settings import Limits
 from deployments.ingress import _if_match_version
-from deployments.manager.catalog import parse_json_body
-from deployments.manager.catalog_delta import apply_labels_delta, parse_delta
+from deployments.json_body import parse_json_body
+from processors.kinds.labels.delta import apply_labels_delta
+from processors.kinds.patch import parse_delta
 from deployments.protocol import ServiceError
 
 
@@ -30,7 +32,7 @@ def test_parse_delta():
     for body, field in (([1], "body"), ({}, "add"), ({"add": [], "remove": []}, "add"), ({"add": {}}, "add"),
                         ({"remove": "x"}, "remove"), ({"add": [[1]], "base_version": 0}, "base_version"),
                         ({"add": [[1]], "base_version": True}, "base_version"), ({"add": [[1]], "x": 1}, "x")):
-        with pytest.raises(ServiceError) as info:
+        with pytest.raises(ConstraintError) as info:
             parse_delta(body)
         assert info.value.status == 422 and info.value.detail["field"] == field, body
 
@@ -53,7 +55,7 @@ def test_labels_delta_keeps_order_and_reports_noops():
     assert new == {"type": "labels", "labels": ["a", "c", "d"], "multi_label": True}
     assert report.to_json() == {"added": 1, "removed": 1, "already_present": ["a"], "not_present": ["x"]}
     for add, remove, field in ((["a", "a"], [], "add"), ([1], [], "add"), (["q"], ["q"], "add"), ([], [None], "remove")):
-        with pytest.raises(ServiceError) as info:
+        with pytest.raises(ConstraintError) as info:
             apply_labels_delta(body, add, remove)
         assert info.value.status == 422 and info.value.detail["field"] == field
 
@@ -61,14 +63,14 @@ def test_labels_delta_keeps_order_and_reports_noops():
 def test_item_tokens_are_bounded_where_items_are_parsed():
     """``max_item_tokens``: a catalog line (fast and per-line parse) or a PATCH add longer than the limit is a 422
     naming it and the limit; at the limit it parses; a stored catalog (no limit given) is read as it is."""
-    from deployments.manager.catalog import parse_catalog
-    from deployments.manager.catalog_delta import apply_tree_delta
+    from processors.kinds.tree.catalog import parse_catalog
+    from processors.kinds.tree.catalog_delta import apply_tree_delta
 
     header = b'{"start_token_id": 100, "end_token_id": 2}\n'
     assert len(parse_catalog(header + b"[5,6,7]\n[5]\n", vocab_size=1000, max_item_tokens=3)) == 2
     for body, where in ((header + b"\n[5]\n[5,6,7,8]\n", "items: line 4:"),
                         (header + b"[5]\n[5,6,7,8]\n[1.5]\n", "items: line 3:")):
-        with pytest.raises(ServiceError) as info:
+        with pytest.raises(ConstraintError) as info:
             parse_catalog(body, vocab_size=1000, max_item_tokens=3)
         assert info.value.status == 422 and info.value.message.startswith(where), info.value.message
         assert "an item of 4 tokens exceeds the limit max_item_tokens=3" in info.value.message
@@ -77,7 +79,7 @@ def test_item_tokens_are_bounded_where_items_are_parsed():
     catalog = parse_catalog(header + b"[5]\n", vocab_size=1000)
     new, report = apply_tree_delta(catalog, [[5, 6, 7]], [[5, 6, 7, 8, 9]], vocab_size=1000, max_item_tokens=3)
     assert report.added == 1 and report.not_present == [[5, 6, 7, 8, 9]]  # removes are not bounded
-    with pytest.raises(ServiceError) as info:
+    with pytest.raises(ConstraintError) as info:
         apply_tree_delta(catalog, [[5, 6], [5, 6, 7, 8]], [], vocab_size=1000, max_item_tokens=3)
     assert info.value.status == 422 and info.value.message.startswith("add: add[1]: an item of 4 tokens")
     assert info.value.detail == {"field": "add", "limit_name": "max_item_tokens", "limit": 3}
@@ -91,8 +93,8 @@ def test_a_patched_catalogs_bytes_are_spliced_from_its_bases_exactly():
 
     import numpy as np
 
-    from deployments.manager.catalog import Catalog
-    from deployments.manager.catalog_delta import apply_tree_delta
+    from processors.kinds.tree.catalog import Catalog
+    from processors.kinds.tree.catalog_delta import apply_tree_delta
 
     rnd = random.Random(0)
     for trial in range(300):

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from config.settings import Limits
 from deployments.auth import check_bearer, mask_token, resolve_admin_token, token_file_path
 from deployments.ingress import Ingress
-from deployments.manager.catalog import parse_json_body
+from deployments.json_body import parse_json_body
 from deployments.openai_api import served_model_name
 from deployments.protocol import ServiceError
 

@@ -17,7 +17,8 @@ from pydantic import ValidationError
 
 from config import ServerSettings
 from processors.scenarios import load_scenario
-from deployments.json_body import BodyRejected, parse_json
+from config.strict_json import BodyRejected, parse_json
+from deployments.json_body import body_rejected
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
 from deployments.protocol import GenerateRequest, ServiceError
 from processors import build_prompt_ids
@@ -93,7 +94,7 @@ def test_field_prefix_and_invalid_json_left_to_the_caller():
     assert caught.value.field == "structured_outputs.json.a"
     with pytest.raises(json.JSONDecodeError):
         parse_json(b'{"a": }')
-    error = caught.value.to_service_error()
+    error = body_rejected(caught.value)
     assert isinstance(error, ServiceError) and error.status == 422 and error.detail["field"] == "structured_outputs.json.a"
 
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deployments.manager.catalog import Catalog
+from processors.kinds.tree.catalog import Catalog
 from processors.kinds.tree.catalog_tables import catalog_tables
 from processors.tables import _item_metrics, item_metrics
 from processors.kinds.tree.delta import max_remaining, patch_tables
@@ -134,7 +134,7 @@ def test_the_items_read_from_a_trees_tables_are_those_of_the_loaded_tree(seed, t
     import json
 
     from processors.kinds.tree.file import load_tree
-    from deployments.manager.catalog import items_from_tree
+    from processors.kinds.tree.catalog import items_from_tree
     from processors.tables import build_tree_tables
     from processors.kinds.tree.item_list import tree_items
 

@@ -1,6 +1,6 @@
 """The tables of a catalog (a token tree given as its items), built straight from the items with array passes.
 
-A catalog (``deployments/manager/catalog.py``: the items format of ``PUT /admin/scenarios/{name}`` with
+A catalog (``processors/kinds/tree/catalog.py``: the items format of ``PUT /admin/scenarios/{name}`` with
 ``Content-Type: application/x-ndjson``) is a list of items, each the token ids after the root, without the end
 token. :func:`catalog_tables` gives the compiled :class:`~processors.tables.MaskTables` of the tree those items
 spell; :func:`tree_file_bytes` gives that tree in the tree file format (:mod:`processors.kinds.tree.file`). Both build the
@@ -28,7 +28,7 @@ __all__ = ["CatalogItems", "catalog_tables", "tree_file_bytes"]
 
 
 class CatalogItems(Protocol):
-    """The items of a catalog as arrays (``deployments.manager.catalog.Catalog`` is one)."""
+    """The items of a catalog as arrays (``processors.kinds.tree.catalog.Catalog`` is one)."""
 
     start_token_id: int
     end_token_id: int

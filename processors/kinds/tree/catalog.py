@@ -1,5 +1,5 @@
 """Catalogs: a token tree given as its items, one token-id path per line (delta updates, PATCH, are in
-:mod:`deployments.manager.catalog_delta`).
+:mod:`processors.kinds.tree.catalog_delta`).
 
 The catalog format (``Content-Type: application/x-ndjson`` on ``PUT /admin/scenarios/{name}``, or
 ``cs-admin put NAME --items FILE``) is UTF-8 text, one JSON value per line::
@@ -18,7 +18,7 @@ no item twice). Blank lines are skipped. An item may be a prefix of another (``[
 
 The manager parses it once (:func:`parse_catalog`), stores the canonical catalog (the header's two ids, then the
 items in order, ``[a,b,c]`` per line) as tree content under its SHA-256, and compiles the tree it spells straight
-from the items (table building is the processors' job: :mod:`processors.kinds.tree.catalog_tables`). The stored body::
+from the items (the tables: :mod:`processors.kinds.tree.catalog_tables`). The stored body::
 
     {"type": "tree", "path": "catalog", "content_sha256": "<sha>", "content_format": "items", "items": 3, ...}
 
@@ -36,12 +36,12 @@ from typing import Any
 
 import numpy as np
 
-from deployments.protocol import ServiceError
+from config import ConstraintError
 from processors.kinds.tree.catalog_tables import _row_order as _row_order  # re-exported (tests)
 from processors.kinds.tree.catalog_tables import catalog_tables, tree_file_bytes
 
 __all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "catalog_body", "check_items", "items_from_tree", "catalog_tables",
-           "parse_catalog", "parse_json_body", "tree_file_bytes"]
+           "parse_catalog", "tree_file_bytes"]
 
 #: request content types read as a catalog (the first is the one documented)
 CATALOG_CONTENT_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
@@ -117,8 +117,8 @@ def _line(item: Any) -> bytes:
     return ("[" + ",".join(map(str, item)) + "]").encode("ascii")
 
 
-def _bad(message: str, field_name: str, **detail: Any) -> ServiceError:
-    return ServiceError(422, message, {"field": field_name, **detail})
+def _bad(message: str, field_name: str, **detail: Any) -> ConstraintError:
+    return ConstraintError(422, message, {"field": field_name, **detail})
 
 
 def _check_id(value: Any, what: str, vocab_size: int) -> int:
@@ -171,8 +171,8 @@ def _first_too_long(lengths: np.ndarray, limit: int) -> int | None:
     return int(over[0]) if over.size else None
 
 
-def _item_too_long(what: str, length: int, limit: int, field_name: str) -> ServiceError:
-    return ServiceError(422, f"{field_name}: {what}: an item of {length} tokens exceeds the limit "
+def _item_too_long(what: str, length: int, limit: int, field_name: str) -> ConstraintError:
+    return ConstraintError(422, f"{field_name}: {what}: an item of {length} tokens exceeds the limit "
                              f"max_item_tokens={limit}",
                         {"field": field_name, "limit_name": "max_item_tokens", "limit": limit})
 
@@ -244,7 +244,7 @@ def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None,
     if not first.strip():
         raise _bad("items: the body is empty; the first line is the header "
                    '{"start_token_id": ..., "end_token_id": ...}', "body")
-    from deployments.json_body import BodyRejected, parse_json
+    from config.strict_json import BodyRejected, parse_json
 
     try:  # strict, as every admin body: no lone surrogates, no repeated keys, no NaN (a 422, never a 500 later)
         header = parse_json(first, field="header")
@@ -287,8 +287,8 @@ def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None,
     return Catalog(start, end_id, lines, flat, lengths, options)
 
 
-def _too_many(count: int, limit: int) -> ServiceError:
-    return ServiceError(422, f"items: {count} items exceeds the limit max_tree_keys={limit}",
+def _too_many(count: int, limit: int) -> ConstraintError:
+    return ConstraintError(422, f"items: {count} items exceeds the limit max_tree_keys={limit}",
                         {"field": "items", "limit_name": "max_tree_keys", "limit": limit})
 
 
@@ -346,35 +346,3 @@ def catalog_body(catalog: Catalog, content: bytes, sha: str | None = None) -> di
     return {"type": "tree", **catalog.options, "path": CATALOG_PATH,
             "content_sha256": sha or hashlib.sha256(content).hexdigest(), "content_format": "items",
             "items": len(catalog)}
-
-
-def parse_json_body(raw: bytes, limits: Any, *, scenario: bool) -> Any:
-    """An admin write's HTTP body (bytes, as the ingress received them) parsed once, strictly
-    (:func:`deployments.json_body.parse_json`: no NaN, no lone surrogates, no repeated keys), within the
-    nesting limit; a scenario body also gets the cheap limit checks (label count, inline tree keys, ...)."""
-    from config.settings import LimitExceeded
-    from deployments.json_body import BodyRejected, parse_json
-    from processors.scenarios import check_limits
-
-    try:
-        body = parse_json(raw) if raw.strip() else None
-    except BodyRejected as error:
-        raise error.to_service_error() from None
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ServiceError(422, f"body: not valid JSON: {error}", {"field": "body"}) from None
-    except RecursionError:
-        raise ServiceError(422, f"body: nesting depth over {limits.max_json_depth} exceeds the limit "
-                                f"max_json_depth={limits.max_json_depth}",
-                           {"field": "body", "limit_name": "max_json_depth", "limit": limits.max_json_depth}) from None
-    if not isinstance(body, dict):
-        what = "a scenario JSON object" if scenario else 'a JSON object {"add": [...], "remove": [...]}'
-        raise ServiceError(422, f"body: expected {what}, got {type(body).__name__ if raw.strip() else 'nothing'}",
-                           {"field": "body"})
-    try:
-        if scenario:  # the kind's own limits first (they name the field, e.g. max_schema_depth), as before
-            check_limits(body, limits)
-        limits.check_json_depth(body)
-    except LimitExceeded as error:
-        raise ServiceError(error.status, f"invalid scenario: {error}" if scenario else str(error),
-                           error.detail()) from None
-    return body

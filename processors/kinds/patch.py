@@ -1,0 +1,80 @@
+"""The PATCH body every patchable kind takes (``{"add": [...], "remove": [...], "base_version": n}``) and the
+report of what a PATCH did; each kind applies its delta in its package (``tree/catalog_delta.py``,
+``labels/delta.py``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from config import ConstraintError
+
+__all__ = ["DeltaReport", "check_disjoint", "check_unique", "parse_delta", "refused"]
+
+
+def refused(message: str, field_name: str, **detail: Any) -> ConstraintError:
+    """A 422 naming ``field_name``."""
+    return ConstraintError(422, message, {"field": field_name, **detail})
+
+
+@dataclass
+class DeltaReport:
+    """What a PATCH did: counts, and the no-ops (adds already there, removes not there)."""
+
+    added: int = 0
+    removed: int = 0
+    already_present: list[Any] = field(default_factory=list)
+    not_present: list[Any] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per step of a tree PATCH (the manager's log)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.added or self.removed)
+
+    def applied(self, add: list[Any], remove: list[Any]) -> tuple[list[Any], list[Any]]:
+        """``(added, removed)``: the items of ``add`` and ``remove`` this PATCH applied (the no-ops left out)."""
+        present = {tuple(item) for item in self.already_present}
+        absent = {tuple(item) for item in self.not_present}
+        return ([item for item in add if tuple(item) not in present],
+                [item for item in remove if tuple(item) not in absent])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"added": self.added, "removed": self.removed, "already_present": self.already_present,
+                "not_present": self.not_present}
+
+
+def parse_delta(body: Any) -> tuple[list[Any], list[Any], int | None]:
+    """``(add, remove, base_version)`` of a PATCH body ``{"add": [...], "remove": [...], "base_version": n}``
+    (422 naming the field for anything else; at least one of add/remove)."""
+    if not isinstance(body, dict):
+        raise refused("body: expected a JSON object {\"add\": [...], \"remove\": [...]}", "body")
+    unknown = sorted(set(body) - {"add", "remove", "base_version"})
+    if unknown:
+        raise refused(f"{unknown[0]}: unknown field (a PATCH body has add, remove and base_version)", unknown[0])
+    add, remove = body.get("add", []), body.get("remove", [])
+    for what, value in (("add", add), ("remove", remove)):
+        if not isinstance(value, list):
+            raise refused(f"{what}: expected a JSON array, got {type(value).__name__}", what)
+    if not add and not remove:
+        raise refused("add: a PATCH needs at least one item to add or remove", "add")
+    base = body.get("base_version")
+    if base is not None and (type(base) is not int or base < 1):
+        raise refused(f"base_version: expected a version number (an integer from 1), got {base!r}", "base_version")
+    return add, remove, base
+
+
+def check_unique(values: list[Any], what: str) -> None:
+    seen: dict[Any, int] = {}
+    for i, value in enumerate(values):
+        if value in seen:
+            raise refused(f"{what}[{i}]: repeats {what}[{seen[value]}]", what)
+        seen[value] = i
+
+
+def check_disjoint(add: list[Any], remove: list[Any]) -> None:
+    both = set(add) & set(remove)
+    if both:
+        first = next(i for i, value in enumerate(add) if value in both)
+        raise refused(f"add[{first}]: {json.dumps(add[first] if not isinstance(add[first], tuple) else list(add[first]))} "
+                   "is also in remove; an item is either added or removed", "add")
