@@ -15,6 +15,7 @@ import pytest
 from test_manager import FakeReplica, make_manager, ready
 
 from processors.kinds.tree.catalog import parse_catalog, tree_file_bytes
+from config import ConstraintError
 from deployments.protocol import ServiceError
 from deployments.redis_server import connect_redis
 from processors.tables import DONE, LEAF
@@ -343,7 +344,7 @@ def test_catalog_parse_and_tree_build_agree_with_the_plain_way():
                                   b"[1.0]", b"[true]", b"1", b"[1]]", b"[1][2]", b"[1234567890123]"])
 def test_every_malformed_item_line_is_named(line):
     text = catalog_text([(5,), (6, 7)]) + line + b"\n"
-    with pytest.raises(ServiceError) as info:
+    with pytest.raises(ConstraintError) as info:
         parse_catalog(text, vocab_size=50000)
     assert info.value.status == 422 and "line 4" in info.value.message, info.value.message
 
