@@ -327,6 +327,14 @@ class ServerSettings(BaseModel):
         description="Newest versions per scenario that keep their body in Redis (0 = all). Older versions keep "
                     "their metadata (listed with pruned: true); reading or rolling back to one is a 410.",
     )
+    write_memory_mb: int | None = Field(
+        default=None, ge=64,
+        description="The most memory (MiB) the config manager may reach with one admin write that compiles tables "
+                    "(a PUT, a catalog upload, a PATCH): before parsing, the manager adds the write's estimated "
+                    "peak (from its bytes, or a PATCH's items) to what it holds now and refuses the write with a "
+                    "507 naming this setting when the sum is over it; nothing is stored and the service serves on. "
+                    "None = half of the machine's memory.",
+    )
     catalog_delta_chain: int = Field(
         default=8, ge=0, le=64,
         description="A catalog PATCH stores its result in Redis as the delta of the version it patched (the items "

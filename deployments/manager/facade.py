@@ -28,7 +28,6 @@ calls (e.g. 1000); Serve's default (5) would queue acks behind polls.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from typing import Any
 
@@ -36,14 +35,14 @@ from config import ServerSettings
 from deployments.metrics import ManagerMetrics, route_logs_to_serve
 from deployments.protocol import ServiceError
 from deployments.redis_server import connect_redis
-from deployments.store import IDEMPOTENCY_TTL_S, BaseChanged, ScenarioStore, pack_body, pruned_error, request_fingerprint
+from deployments.store import IDEMPOTENCY_TTL_S, ScenarioStore, pack_body, pruned_error, request_fingerprint
 from deployments.store import validate_name
 
 from deployments.json_body import parse_json_body
-from deployments.scenario_errors import refused_as_service_error
-from processors.kinds.tree.catalog import catalog_body, parse_catalog
 from .compiler import StoredScenarioCompiler, compile_warnings, lower_manager_priority
 from .inline_tree import split_inline_tree
+from .item_writes import patch_write, put_items_write
+from .memory_guard import PEAK_PER_BODY_BYTE, check_write_memory
 from .reconciler import StoreReconciler
 from .registry import ReplicaRegistry
 from .served import ServedScenarios
@@ -53,7 +52,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ConfigManager"]
 
-PATCH_ATTEMPTS = 5  # a PATCH without a base version re-applies its delta this often when writes race it
 
 
 def _setting(part: str, attr: str) -> property:
@@ -153,6 +151,8 @@ class ConfigManager:
             nonlocal body, raw, inline
             if isinstance(body, (bytes, bytearray)):  # the HTTP body as received: parsed here, once
                 raw = bytes(body)
+                check_write_memory(self.settings, PEAK_PER_BODY_BYTE * len(raw), f"a PUT of {len(raw):,} bytes",
+                                   name=name)
                 # a large inline tree: its text goes to the tree loader, not through JSON objects and pydantic
                 inline = await asyncio.to_thread(split_inline_tree, raw, self.settings.limits)
                 if inline is None:
@@ -194,32 +194,7 @@ class ConfigManager:
         array of token ids per line) as a new version of tree scenario ``name``, like :meth:`put`. The bytes are
         parsed and validated once, here; the canonical catalog is stored as tree content (chunked) and the stored
         body names it (``content_sha256``, ``content_format: items``). Returns ``{"name", "version", "items"}``."""
-        def fingerprint() -> str:
-            return request_fingerprint("put_items", name, hashlib.sha256(bytes(data)).hexdigest())
-
-        def prepare() -> Draft:
-            with refused_as_service_error():
-                catalog = parse_catalog(data, vocab_size=self.compiler.vocab_size,
-                                        max_items=self.settings.limits.max_tree_keys,
-                                        max_item_tokens=self.settings.limits.max_item_tokens)
-            content = catalog.content()
-            sha, new = self.compiler.keep_content(content)
-            self.compiler.remember_catalog(sha, catalog)
-            return Draft(body=catalog_body(catalog, content), content=content, new_content=sha if new else None,
-                         lookup_first=True)
-
-        async def draft(_fingerprint: str | None) -> Draft:
-            return await asyncio.to_thread(prepare)
-
-        def store(d: Draft, fp: str | None):
-            return self.store.put(name, d.body, idempotency_key=idempotency_key, fingerprint=fp, content=d.content,
-                                  action="put")
-
-        def finish(d: Draft, answer: dict[str, Any], replayed: bool) -> dict[str, Any]:
-            return {**answer, "items": d.body["items"]}
-
-        return await self._writes.run(Write("put", name, draft, store, fingerprint=fingerprint, finish=finish,
-                                            idempotency_key=idempotency_key))
+        return await self._writes.run(put_items_write(self, name, data, idempotency_key))
 
     async def patch(self, name: str, delta: Any, idempotency_key: str | None = None,
                     base_version: int | None = None) -> dict[str, Any]:
@@ -234,73 +209,7 @@ class ConfigManager:
         stored. Without it, a write that lands between our read and our write (a PUT) is not overwritten: the
         delta is applied again to the new current version. Returns ``{"name", "version", "base_version",
         "changed", "added", "removed", "already_present", "not_present"}``."""
-        from processors.kinds.patch import parse_delta
-
-        from .catalog_delta import apply_delta
-        add: list[Any] = []
-        remove: list[Any] = []
-        base: int | None = None
-
-        async def request() -> None:
-            nonlocal delta, add, remove, base, base_version
-            if isinstance(delta, (bytes, bytearray)):
-                delta = await asyncio.to_thread(parse_json_body, bytes(delta), self.settings.limits,
-                                          scenario=False)
-            with refused_as_service_error():
-                add, remove, body_base = parse_delta(delta)
-            if base_version is not None:
-                base_version = as_version(base_version)
-                if body_base is not None and body_base != base_version:
-                    raise ServiceError(422, f"base_version: {body_base} in the body and {base_version} in If-Match "
-                                            "differ", {"field": "base_version"})
-            base = base_version if base_version is not None else body_base
-
-        def fingerprint() -> str:
-            return body_fingerprint("patch", name, {"add": add, "remove": remove, "base_version": base})
-
-        async def draft(fp: str | None) -> Draft:
-            prepared = await asyncio.to_thread(self.compiler.tree_base, self.store, name)  # (version, base) or None
-            record = None if prepared else await asyncio.to_thread(self.store.get, name)
-            if prepared is None and record is None:
-                await self._not_found(name, None)
-            current, stored = (prepared[0], None) if record is None else (int(record["version"]), record["scenario"])
-            if base is not None and current != base:
-                raise BaseChanged(name, base, current)
-            body, content, report, new_sha = await asyncio.to_thread(
-                apply_delta, self.compiler, self.settings.limits, name, stored, add, remove, prepared and prepared[1])
-            # the answer besides name and version: kept with the Idempotency-Key, a retry gets it exactly
-            answer = {"base_version": current, **report.to_json(), "changed": report.changed}
-            if not report.changed:
-                if idempotency_key is not None and fp is not None:  # a retry must not write later either
-                    first = await asyncio.to_thread(self.store.remember_result, idempotency_key, fp,
-                                                    "patch", name, current, answer)
-                    if first is not None:  # the same request, answered meanwhile: its answer
-                        return Draft(result=await self._writes.replay(first))
-                return Draft(result={"name": name, **answer, "version": current})
-            delta = None
-            if body.get("content_format") == "items" and self.compiler.was_patched(body["content_sha256"]):
-                added, removed = report.applied(add, remove)  # for replicas serving `current` (they apply the delta)
-                delta = {"base": current, "add": added, "remove": removed}
-            note = "".join(f", {step} {took:.3f} s" for step, took in report.timings.items())
-            return Draft(body=body, content=content, new_content=new_sha, answer=answer, expect_current=current,
-                         redraft_on_conflict=base is None, lookup_first=True, replica_delta=delta, note=note)
-
-        def store(d: Draft, fp: str | None):
-            whole = isinstance(d.content, (bytes, type(None)))  # else a ContentDelta: a stored catalog's PATCH
-            return self.store.put(name, d.body, idempotency_key=idempotency_key, fingerprint=fp,
-                                  content=d.content if whole else None, content_delta=None if whole else d.content,
-                                  expect_current=d.expect_current, action="patch", answer=d.answer)
-
-        def finish(d: Draft, answer: dict[str, Any], replayed: bool) -> dict[str, Any]:
-            return answer if replayed else {"name": name, **(d.answer or {}), "version": answer["version"]}
-
-        def exhausted() -> ServiceError:
-            return ServiceError(503, f"scenario {name!r} kept changing during the PATCH ({PATCH_ATTEMPTS} attempts); "
-                                     "nothing was stored by it; retry", {"name": name})
-
-        return await self._writes.run(Write("patch", name, draft, store, fingerprint=fingerprint, request=request,
-                                            finish=finish, attempts=PATCH_ATTEMPTS, exhausted=exhausted,
-                                            idempotency_key=idempotency_key))
+        return await self._writes.run(patch_write(self, name, delta, idempotency_key, base_version))
 
     async def rollback(self, name: str, version: int, idempotency_key: str | None = None) -> dict[str, Any]:
         """Store a NEW version of ``name`` with the body of ``version`` (compiled and broadcast like a

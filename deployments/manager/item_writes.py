@@ -1,0 +1,140 @@
+"""The admin writes that change a scenario's items: a catalog upload (``put_items``) and a PATCH (``patch``), each
+as the :class:`~deployments.manager.write_flow.Write` the config manager runs (``manager``: the
+:class:`~deployments.manager.facade.ConfigManager`, whose compiler, store, settings and write flow they use)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import Any
+
+from deployments.json_body import parse_json_body
+from deployments.protocol import ServiceError
+from deployments.scenario_errors import refused_as_service_error
+from deployments.store import BaseChanged, request_fingerprint
+from processors.kinds.patch import parse_delta
+from processors.kinds.tree.catalog import catalog_body, parse_catalog
+
+from .catalog_delta import apply_delta
+from .memory_guard import PATCH_BYTES_PER_ITEM, PEAK_PER_BODY_BYTE, check_write_memory
+from .write_flow import Draft, Write, as_version, body_fingerprint
+
+__all__ = ["PATCH_ATTEMPTS", "patch_write", "put_items_write"]
+
+PATCH_ATTEMPTS = 5  # a PATCH without a base version re-applies its delta this often when writes race it
+
+
+def put_items_write(manager: Any, name: str, data: bytes, idempotency_key: str | None) -> Write:
+    """Store a catalog (the items format of :mod:`processors.kinds.tree.catalog`: a header line, then one JSON
+    array of token ids per line) as a new version of tree scenario ``name``, like ``ConfigManager.put``. The bytes are
+    parsed and validated once, here; the canonical catalog is stored as tree content (chunked) and the stored
+    body names it (``content_sha256``, ``content_format: items``). The write answers ``{"name", "version",
+    "items"}``."""
+    def fingerprint() -> str:
+        return request_fingerprint("put_items", name, hashlib.sha256(bytes(data)).hexdigest())
+
+    def prepare() -> Draft:
+        check_write_memory(manager.settings, PEAK_PER_BODY_BYTE * len(data),
+                           f"a catalog upload of {len(data):,} bytes", name=name)
+        with refused_as_service_error():
+            catalog = parse_catalog(data, vocab_size=manager.compiler.vocab_size,
+                                    max_items=manager.settings.limits.max_tree_keys,
+                                    max_item_tokens=manager.settings.limits.max_item_tokens)
+        content = catalog.content()
+        sha, new = manager.compiler.keep_content(content)
+        manager.compiler.remember_catalog(sha, catalog)
+        return Draft(body=catalog_body(catalog, content), content=content, new_content=sha if new else None,
+                     lookup_first=True)
+
+    async def draft(_fingerprint: str | None) -> Draft:
+        return await asyncio.to_thread(prepare)
+
+    def store(d: Draft, fp: str | None):
+        return manager.store.put(name, d.body, idempotency_key=idempotency_key, fingerprint=fp, content=d.content,
+                                 action="put")
+
+    def finish(d: Draft, answer: dict[str, Any], replayed: bool) -> dict[str, Any]:
+        return {**answer, "items": d.body["items"]}
+
+    return Write("put", name, draft, store, fingerprint=fingerprint, finish=finish, idempotency_key=idempotency_key)
+
+
+def patch_write(manager: Any, name: str, delta: Any, idempotency_key: str | None, base_version: int | None) -> Write:
+    """Apply ``delta`` = ``{"add": [...], "remove": [...], "base_version": n}`` to the current version of
+    ``name`` and store the result as a new version (history, acks, ``Idempotency-Key``: as for ``ConfigManager.put``).
+
+    Tree: items are lists of token ids after the root, without the end token (the result is stored as a
+    catalog); labels: label strings. Adds already present and removes not present are no-ops, reported in
+    the answer (``already_present``, ``not_present``), so a retried PATCH is safe; a PATCH that changes nothing
+    makes no version (``changed: false``, the current version). ``base_version`` (or the ``If-Match`` header,
+    passed here as ``base_version``): 409 unless that version is current when the new one is written, nothing
+    stored. Without it, a write that lands between our read and our write (a PUT) is not overwritten: the
+    delta is applied again to the new current version. The write answers ``{"name", "version", "base_version",
+    "changed", "added", "removed", "already_present", "not_present"}``."""
+    add: list[Any] = []
+    remove: list[Any] = []
+    base: int | None = None
+
+    async def request() -> None:
+        nonlocal delta, add, remove, base, base_version
+        if isinstance(delta, (bytes, bytearray)):
+            delta = await asyncio.to_thread(parse_json_body, bytes(delta), manager.settings.limits,
+                                      scenario=False)
+        with refused_as_service_error():
+            add, remove, body_base = parse_delta(delta)
+        if base_version is not None:
+            base_version = as_version(base_version)
+            if body_base is not None and body_base != base_version:
+                raise ServiceError(422, f"base_version: {body_base} in the body and {base_version} in If-Match "
+                                        "differ", {"field": "base_version"})
+        base = base_version if base_version is not None else body_base
+
+    def fingerprint() -> str:
+        return body_fingerprint("patch", name, {"add": add, "remove": remove, "base_version": base})
+
+    async def draft(fp: str | None) -> Draft:
+        prepared = await asyncio.to_thread(manager.compiler.tree_base, manager.store, name)  # (version, base) or None
+        record = None if prepared else await asyncio.to_thread(manager.store.get, name)
+        if prepared is None and record is None:
+            await manager._not_found(name, None)
+        current, stored = (prepared[0], None) if record is None else (int(record["version"]), record["scenario"])
+        if base is not None and current != base:
+            raise BaseChanged(name, base, current)
+        items = len(prepared[1][0]) if prepared else (stored or {}).get("items")
+        if isinstance(items, int):  # (a tree not patched yet: its PUT was checked, its PATCH makes a catalog)
+            check_write_memory(manager.settings, PATCH_BYTES_PER_ITEM * items, f"a PATCH of {items:,} items",
+                               name=name)
+        body, content, report, new_sha = await asyncio.to_thread(
+            apply_delta, manager.compiler, manager.settings.limits, name, stored, add, remove, prepared and prepared[1])
+        # the answer besides name and version: kept with the Idempotency-Key, a retry gets it exactly
+        answer = {"base_version": current, **report.to_json(), "changed": report.changed}
+        if not report.changed:
+            if idempotency_key is not None and fp is not None:  # a retry must not write later either
+                first = await asyncio.to_thread(manager.store.remember_result, idempotency_key, fp,
+                                                "patch", name, current, answer)
+                if first is not None:  # the same request, answered meanwhile: its answer
+                    return Draft(result=await manager._writes.replay(first))
+            return Draft(result={"name": name, **answer, "version": current})
+        delta = None
+        if body.get("content_format") == "items" and manager.compiler.was_patched(body["content_sha256"]):
+            added, removed = report.applied(add, remove)  # for replicas serving `current` (they apply the delta)
+            delta = {"base": current, "add": added, "remove": removed}
+        note = "".join(f", {step} {took:.3f} s" for step, took in report.timings.items())
+        return Draft(body=body, content=content, new_content=new_sha, answer=answer, expect_current=current,
+                     redraft_on_conflict=base is None, lookup_first=True, replica_delta=delta, note=note)
+
+    def store(d: Draft, fp: str | None):
+        whole = isinstance(d.content, (bytes, type(None)))  # else a ContentDelta: a stored catalog's PATCH
+        return manager.store.put(name, d.body, idempotency_key=idempotency_key, fingerprint=fp,
+                                 content=d.content if whole else None, content_delta=None if whole else d.content,
+                                 expect_current=d.expect_current, action="patch", answer=d.answer)
+
+    def finish(d: Draft, answer: dict[str, Any], replayed: bool) -> dict[str, Any]:
+        return answer if replayed else {"name": name, **(d.answer or {}), "version": answer["version"]}
+
+    def exhausted() -> ServiceError:
+        return ServiceError(503, f"scenario {name!r} kept changing during the PATCH ({PATCH_ATTEMPTS} attempts); "
+                                 "nothing was stored by it; retry", {"name": name})
+
+    return Write("patch", name, draft, store, fingerprint=fingerprint, request=request, finish=finish,
+                 attempts=PATCH_ATTEMPTS, exhausted=exhausted, idempotency_key=idempotency_key)

@@ -1,0 +1,90 @@
+"""A write that would not fit in the manager's memory is refused before its work (``write_memory_mb``): a catalog
+upload, a PUT body and a PATCH whose estimated peak, beside what the manager holds, is over the setting get a 507
+naming the setting and the estimate; nothing is stored (no version, no content file) and the manager goes on
+serving and accepting writes that fit. Real config manager (embedded Redis, real tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from deployments.manager.memory_guard import PATCH_BYTES_PER_ITEM, PEAK_PER_BODY_BYTE, SETTING, held_bytes
+from deployments.protocol import ServiceError
+
+ROOT, END = 1000, 2
+MIB = 2**20
+HEADROOM_MB = 64  # what the limit leaves above the manager's memory at the start
+
+
+def catalog(n: int) -> bytes:
+    """``n`` distinct 3-token items under a header."""
+    lines = [b'{"start_token_id": 1000, "end_token_id": 2}']
+    lines += [b"[%d,%d,%d]" % (10 + i // 10_000, 10 + (i // 100) % 100, 10 + i % 100) for i in range(n)]
+    return b"\n".join(lines) + b"\n"
+
+
+@pytest.fixture(scope="module")
+def manager(start_manager):
+    """The manager, started and warm (one small write made), its ``write_memory_mb`` then set to what it holds plus
+    ``HEADROOM_MB`` (the tests run in its process: what the manager holds is this process's memory)."""
+    with start_manager("write-memory", write_memory_mb=64 * 1024) as manager:
+        manager.run(manager.put_items("warm", catalog(100)))
+        manager.settings.write_memory_mb = held_bytes() // MIB + HEADROOM_MB
+        yield manager
+
+
+def _content_files(manager) -> set[str]:
+    content_dir = os.path.join(manager.settings.data_dir, "tree-content")
+    return set(os.listdir(content_dir)) if os.path.isdir(content_dir) else set()
+
+
+def _refused(call, manager) -> ServiceError:
+    with pytest.raises(ServiceError) as info:
+        manager.run(call)
+    error = info.value
+    assert error.status == 507, error.message
+    assert SETTING in error.message and error.detail["setting"] == SETTING, error.message
+    assert error.detail["estimate_mb"] > 0 and error.detail["limit_mb"] == manager.settings.write_memory_mb
+    return error
+
+
+def test_writes_over_the_memory_setting_are_refused_and_nothing_is_stored(manager):
+    small = manager.run(manager.put_items("fits", catalog(100)))
+    assert small["items"] == 100
+    files = _content_files(manager)
+    big = catalog(200_000)  # 32 bytes per body byte: about 80 MiB more than the headroom
+    assert PEAK_PER_BODY_BYTE * len(big) > HEADROOM_MB * MIB
+    error = _refused(manager.put_items("too-big", big), manager)
+    assert error.detail["name"] == "too-big"
+    # a PUT body (an inline tree) of the same size
+    prefix = {str(i): [10 + i % 50] for i in range(150_000)}
+    raw = json.dumps({"type": "tree", "tree": {"start_token_id": ROOT, "end_token_id": END,
+                                               "prefix_dict": {"1000": list(range(10, 60)), **prefix}}}).encode()
+    _refused(manager.put("too-big", raw), manager)
+    # nothing stored: no version, no content file, the served scenario as it was
+    with pytest.raises(ServiceError) as missing:
+        manager.run(manager.get("too-big"))
+    assert missing.value.status == 404
+    assert _content_files(manager) == files
+    assert [v["version"] for v in manager.run(manager.versions("fits"))] == [1]
+    # the manager serves on and takes the writes that fit
+    assert manager.run(manager.patch("fits", {"add": [[11, 12, 13, 14]]}))["version"] == 2
+    assert "fits" in manager.scenarios.served
+
+
+def test_a_patch_of_a_version_too_large_for_the_setting_is_refused(manager):
+    """A PATCH's estimate grows with the items of the version it patches (its new version is built beside it)."""
+    items = 60_000
+    answer = manager.run(manager.put_items("patched", catalog(items)))  # 1.1 MB body: fits
+    assert answer["items"] == items
+    assert PATCH_BYTES_PER_ITEM * items < HEADROOM_MB * MIB  # the PATCH fits the headroom ...
+    try:  # ... until the limit leaves less room than this PATCH's estimate
+        manager.settings.write_memory_mb = max(64, held_bytes() // MIB + 1)
+        error = _refused(manager.patch("patched", {"add": [[11, 12, 13, 14]]}), manager)
+        assert f"{items:,} items" in error.message, error.message
+        assert [v["version"] for v in manager.run(manager.versions("patched"))] == [1]
+    finally:
+        manager.settings.write_memory_mb = held_bytes() // MIB + HEADROOM_MB
+    assert manager.run(manager.patch("patched", {"add": [[11, 12, 13, 14]]}))["version"] == 2
