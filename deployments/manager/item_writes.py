@@ -25,11 +25,7 @@ PATCH_ATTEMPTS = 5  # a PATCH without a base version re-applies its delta this o
 
 
 def put_items_write(manager: Any, name: str, data: bytes, idempotency_key: str | None) -> Write:
-    """Store a catalog (the items format of :mod:`processors.kinds.tree.catalog`: a header line, then one JSON
-    array of token ids per line) as a new version of tree scenario ``name``, like ``ConfigManager.put``. The bytes are
-    parsed and validated once, here; the canonical catalog is stored as tree content (chunked) and the stored
-    body names it (``content_sha256``, ``content_format: items``). The write answers ``{"name", "version",
-    "items"}``."""
+    """The write of ``ConfigManager.put_items`` (what it does and answers: there)."""
     def fingerprint() -> str:
         return request_fingerprint("put_items", name, hashlib.sha256(bytes(data)).hexdigest())
 
@@ -60,17 +56,7 @@ def put_items_write(manager: Any, name: str, data: bytes, idempotency_key: str |
 
 
 def patch_write(manager: Any, name: str, delta: Any, idempotency_key: str | None, base_version: int | None) -> Write:
-    """Apply ``delta`` = ``{"add": [...], "remove": [...], "base_version": n}`` to the current version of
-    ``name`` and store the result as a new version (history, acks, ``Idempotency-Key``: as for ``ConfigManager.put``).
-
-    Tree: items are lists of token ids after the root, without the end token (the result is stored as a
-    catalog); labels: label strings. Adds already present and removes not present are no-ops, reported in
-    the answer (``already_present``, ``not_present``), so a retried PATCH is safe; a PATCH that changes nothing
-    makes no version (``changed: false``, the current version). ``base_version`` (or the ``If-Match`` header,
-    passed here as ``base_version``): 409 unless that version is current when the new one is written, nothing
-    stored. Without it, a write that lands between our read and our write (a PUT) is not overwritten: the
-    delta is applied again to the new current version. The write answers ``{"name", "version", "base_version",
-    "changed", "added", "removed", "already_present", "not_present"}``."""
+    """The write of ``ConfigManager.patch`` (what it does and answers: there)."""
     add: list[Any] = []
     remove: list[Any] = []
     base: int | None = None
