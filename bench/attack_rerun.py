@@ -9,7 +9,8 @@ Run: ``.venv/bin/python bench/attack_rerun.py`` (the first report's requests, ab
 PREFIX[,PREFIX]`` for the attacks whose names start so, ``--report 2``
 (the second's: guards, admin PATCH, catalogs; about 8 minutes; the manager's RSS too, and each row says what the
 report saw before the fixes) or ``--report 3`` (the third's: tools, grammar and prompt bounds; one replica with
-``limits.max_num_beams: 1024`` as in that report; each row also counts /healthz checks that failed while it ran).
+``limits.max_num_beams: 1024`` as in that report; each row also counts /healthz checks that failed while it ran);
+``--engine vllm`` runs the model replica on vLLM (with ``.venv-vllm/bin/python``).
 The last line is one JSON object.
 """
 
@@ -494,9 +495,13 @@ class Health:
 
 def main() -> None:
     report = int(sys.argv[sys.argv.index("--report") + 1]) if "--report" in sys.argv else 1
+    # --engine vllm: the model replica on vLLM (run with .venv-vllm's python; beam requests are then a 400)
+    engine = ({"engine": "vllm", "vllm_enforce_eager": True, "vllm_kv_cache_gb": 0.5, "num_cpus_per_replica": 1}
+              if "--engine" in sys.argv and sys.argv[sys.argv.index("--engine") + 1] == "vllm" else {})
     with ServeBench(num_cpus=4) as bench:
         if report == 3:  # the report's setting: one replica, wide beams allowed
-            bench.deploy(bench.settings(num_replicas=1, torch_threads=2, limits={"max_num_beams": 1024}), replicas=1)
+            bench.deploy(bench.settings(num_replicas=1, torch_threads=2, limits={"max_num_beams": 1024}, **engine),
+                         replicas=1, timeout=900)
         else:
             bench.deploy(bench.settings(num_replicas=2, num_cpus_per_replica=1, torch_threads=1), replicas=2)
         probe = Probe(bench.url).start()
