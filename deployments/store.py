@@ -55,6 +55,7 @@ from deployments.store_content import BODY_INLINE_BYTES, CHUNK_BYTES, IDEMPOTENC
 from deployments.store_content import ContentDelta, PackedBody, _SHA256_RE, content_sha256, pack_body, put_chunks
 from deployments.store_content import read_content
 from deployments.store_content import request_fingerprint, validate_idempotency_key, validate_name
+from deployments.store_records import parse_idempotency_record, parse_version_record
 from deployments.store_errors import BaseChanged, Gone, InvalidRequest, NotFound, StoreCorrupt, StoreError
 from deployments.store_errors import StoreUnavailable, VersionConflict, key_reused, pruned_error, redis_errors
 from deployments.store_scripts import BASE_CHANGED, KEY_REUSED, NO_CONTENT, NOT_LIVE, REMEMBER_SCRIPT, REPLAYED
@@ -340,15 +341,7 @@ class ScenarioStore:
             return None
         if raw.get("fingerprint") != fingerprint:
             raise key_reused(key)
-        try:
-            result: dict[str, Any] = {"action": raw["action"], "name": raw["name"], "version": int(raw["version"])}
-            if raw.get("from_version"):
-                result["from_version"] = int(raw["from_version"])
-            if raw.get("answer"):
-                result["answer"] = json.loads(raw["answer"])
-        except (KeyError, ValueError) as exc:
-            raise StoreCorrupt(f"stored idempotency record {self.idempotency_key(key)} is corrupt: {exc}") from None
-        return result
+        return parse_idempotency_record(raw, self.idempotency_key(key))
 
     @redis_errors
     def remember_result(self, key: str, fingerprint: str, action: str, name: str, version: int,
@@ -375,43 +368,8 @@ class ScenarioStore:
     # ------------------------------------------------------------------ reads
 
     def _parse(self, name: str, version: int, raw: dict[str, str]) -> dict[str, Any]:
-        key = self.version_key(name, version)
-        try:
-            action = raw["action"]
-            stored_version = int(raw["version"])
-            if stored_version != int(version) or action not in ("put", "patch", "rollback", "delete"):
-                raise ValueError(f"version field {raw.get('version')!r}, action {action!r}")
-            if action == "delete" or raw.get("pruned"):
-                scenario = None
-            else:
-                text = raw.get("scenario")
-                if text is None and raw.get("body_sha256"):
-                    data = read_content(self.client, self.content_key(raw["body_sha256"]))
-                    if data is None:
-                        raise ValueError(f"its body {raw['body_sha256'][:12]} is not stored")
-                    text = data.decode("utf-8", "surrogatepass")
-                if text is None:
-                    raise KeyError("scenario")
-                scenario = json.loads(text)
-                if not isinstance(scenario, dict):
-                    raise ValueError(f"the scenario is a {type(scenario).__name__}, not an object")
-        except (KeyError, ValueError, TypeError) as exc:
-            problem = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
-            raise StoreCorrupt(f"stored record {key} is corrupt: {problem}",
-                               {"name": name, "version": int(version)}) from None
-        record = {
-            "name": name,
-            "version": stored_version,
-            "scenario": scenario,
-            "created_at": raw.get("created_at"),
-            "action": action,
-        }
-        if raw.get("from_version"):
-            record["from_version"] = int(raw["from_version"])
-        if raw.get("pruned"):
-            record["pruned"] = True
-            record["type"] = raw.get("type") or None
-        return record
+        return parse_version_record(raw, name, version, self.version_key(name, version),
+                                    lambda sha: read_content(self.client, self.content_key(sha)))
 
     def _current(self, name: str) -> int | None:
         raw = self.client.get(self._key(name, "current"))
