@@ -102,20 +102,20 @@ def test_rows_without_grammar_work_are_left_alone(tokenizer):
 
 def test_a_deferrable_row_waits_no_longer_than_asked_and_its_mask_is_found_later(tokenizer, aaaa):
     """A row the caller may leave out of a step (``defer``) is not waited for past ``wait_ms``: its mask goes on
-    computing and a later call finds it done (the same mask ``step()`` computes) or late; a cheap row settled in
-    the same call is never deferred."""
+    computing and a later call finds it done (the same mask ``step()`` computes) or late; a row settled in the same
+    call but not named in ``defer`` is always waited for (never reported pending, however loaded the machine)."""
     spec = compile_grammar("lark", AMBIGUOUS, tokenizer, kind="grammar", eos_token_id=tokenizer.eos_token_id)
     slow, inline = GrammarCursor(spec, tokenizer), GrammarCursor(spec, tokenizer)
     cheap = GrammarCursor(compile_regex("[a-z]{1,4000}", tokenizer, eos_token_id=tokenizer.eos_token_id), tokenizer)
     budget = MaskBudget(60_000)
     deferred_once = False
     for _ in range(80):
-        t0 = time.perf_counter()
-        late, waiting = budget.settle([cheap, slow], defer=[0, 1], wait_ms=1)
-        assert not late and 0 not in waiting
+        late, waiting = budget.settle([cheap, slow], defer=[1], wait_ms=1)
+        assert not late and 0 not in waiting and not cheap.mask_due
         if waiting:
+            # the call came back while the slow mask was still computing (had it waited, the mask would be done)
             deferred_once = True
-            assert waiting == {1} and time.perf_counter() - t0 < 2.0
+            assert waiting == {1}
             # the mask is still being computed: a second call does not start another one
             masks = budget.stats["masks"]
             while waiting:
