@@ -251,12 +251,14 @@ class ServerSettings(BaseModel):
     )
     mask_step_budget_ms: float = Field(
         default=200.0, ge=0, allow_inf_nan=False,
-        description="engine transformers: the CPU time one row's grammar mask (json, json_schema, regex, grammar, "
-                    "tools) may take in one decode step. A step's masks are computed in parallel off the decode "
-                    "thread; a row whose mask has used this much CPU time (or is unfinished 10x this long after it "
-                    "started) ends with finish_reason error naming this setting, and the step goes on for the other "
-                    "rows (they wait at most this long for it, once). Normal JSON-schema masks take well under 20 ms; "
-                    "an ambiguous grammar takes longer at every token. 0 = no budget (masks on the decode thread).",
+        description="The CPU time one row's grammar mask (json, json_schema, regex, grammar, tools) may take in one "
+                    "decode step. A step's masks are computed in parallel off the decode thread; a row whose mask has "
+                    "used this much CPU time (or is unfinished 10x this long after it started) ends with "
+                    "finish_reason error naming this setting. Engine transformers: a one-row row whose mask is not "
+                    "ready sits out the step, the others go on. Engine vllm (grammar rows of vllm_grammar chain): "
+                    "vLLM steps every row of its batch together, so its other rows wait for the mask, at most this "
+                    "long. Normal JSON-schema masks take well under 20 ms; an ambiguous grammar takes longer at every "
+                    "token. 0 = no budget (masks on the decode thread).",
     )
     num_gpus_per_replica: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="GPUs per model replica: 0 on CPU, 1 in production.")
     num_cpus_per_replica: float = Field(default=1.0, ge=0, allow_inf_nan=False, description="CPUs reserved per model replica.")

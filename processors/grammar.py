@@ -30,6 +30,7 @@ from .tables import content_hash
 from .tokenizer_info import TokenizerInfo
 
 __all__ = [
+    "ENDED_EARLY",
     "GrammarCursor",
     "GrammarSpec",
     "compile_grammar",
@@ -38,6 +39,9 @@ __all__ = [
     "get_lltokenizer",
     "new_matcher",
 ]
+
+#: the error of a row that emitted its end token before its grammar accepted
+ENDED_EARLY = "the row ended before the grammar accepted"
 
 JSON_OPTIONS = {"whitespace_flexible": False}
 
@@ -237,7 +241,7 @@ class GrammarCursor(Cursor):
         if token == self.spec.eos_token_id:
             self._done = True
             if self.error is None and not self.matcher.is_accepting() and not self.matcher.is_error():
-                self.error = "the row ended before the grammar accepted"
+                self.error = ENDED_EARLY
             return
         if self.error is not None:
             return

@@ -33,6 +33,7 @@ def create_engine(settings, model, tokenizer) -> Engine:
             max_model_len=settings.limits.max_prompt_tokens + settings.limits.max_new_tokens,
             kv_cache_gb=settings.vllm_kv_cache_gb, enforce_eager=settings.vllm_enforce_eager,
             dtype=settings.vllm_dtype, grammar_backend=settings.vllm_grammar, cpu_threads=settings.vllm_cpu_threads,
+            mask_step_budget_ms=settings.mask_step_budget_ms,
         )
     from .transformers import DecodeEngine
 

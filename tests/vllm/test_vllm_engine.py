@@ -207,6 +207,29 @@ def test_cancel_ends_the_request_and_others_go_on(engine, tokenizer, compiled):
     assert engine.active_rows == 0
 
 
+def test_one_clients_burst_does_not_queue_another_clients_request_behind_it(engine, tokenizer):
+    """vLLM's scheduler serves arrival order; the engine keeps the queue itself and offers the room of each row
+    that ends one client at a time, so another client's request starts at the first free row, not after the whole
+    burst (before the gate: after every request of the burst had started)."""
+    prompt = _prompt(tokenizer, None, "Count from 1 to 100, separated by commas.")
+    burst = [Collector() for _ in range(engine.max_batch_size + 8)]
+    waited = engine.stats()["waited_requests"]
+    for col in burst:
+        engine.submit(EngineRequest(prompt_ids=prompt, compiled=None, max_new_tokens=16, client="burst",
+                                    sampling=SamplingParams(temperature=0)), col)
+    probe = Collector()
+    engine.submit(EngineRequest(prompt_ids=prompt, compiled=None, max_new_tokens=4, client="probe",
+                                sampling=SamplingParams(temperature=0)), probe)
+    assert probe.wait(300)[0].token_ids
+    for col in burst:
+        assert col.wait(300)[0].token_ids
+    probe_start = probe.times[0][0]
+    started_before = sum(1 for col in burst if col.times[0][0] < probe_start)
+    assert started_before <= engine.max_batch_size, started_before
+    assert engine.stats()["waited_requests"] - waited >= 9  # the burst's last 8 and the probe waited for room
+    assert engine.active_rows == 0 and engine.stats()["waiting_requests"] == 0
+
+
 def test_beam_search_is_refused_with_a_400_naming_the_transformers_backend(engine, tokenizer, compiled):
     from deployments.protocol import ServiceError
 

@@ -258,3 +258,49 @@ def test_distinct_rows_at_different_states_are_masked_as_usual(setup, tokenizer)
     outs[0].append(901)
     _update(proc, 0, removed=[0, 1])
     assert "req-c" not in proc.groups.groups
+
+
+AMBIGUOUS = 'start: x+ "\u2603"\nx: "a" | "ab" | "abc" | "b" | "bc" | "c" | x x | x x x'
+
+
+def test_a_grammar_row_over_the_mask_budget_gets_its_end_token_and_the_others_go_on(tokenizer, monkeypatch):
+    """``mask_step_budget_ms`` in vLLM's worker: an ambiguous grammar's masks cost more at every token; once one is
+    over the budget its row may emit only the end token (the replica's replay then reports the error), while a labels
+    row in the same batch keeps its own mask. Before the budget, each such mask held vLLM's step for seconds."""
+    from deployments.engines.vllm import model_directory
+    from deployments.engines.vllm.handoff import BUDGET_ENV
+    from processors.mask_budget import SETTING
+
+    monkeypatch.setenv(BUDGET_ENV, "30")  # read when vLLM builds the processor (the replica sets it before)
+    proc = ChainLogitsProcessor(SimpleNamespace(model_config=SimpleNamespace(tokenizer=model_directory(None))),
+                                torch.device("cpu"), False)
+    assert proc.budget.budget_ms == 30
+    files = ScenarioFiles()
+    try:
+        grammar = compile_scenario(load_scenario({"type": "grammar", "grammar": AMBIGUOUS}), tokenizer)
+        labels = compile_scenario(load_scenario({"type": "labels", "labels": LABELS}), tokenizer)
+        (aaaa,) = tokenizer.encode("aaaa", add_special_tokens=False)
+        out_grammar: list[int] = []
+        _update(proc, 2, added=[(0, SamplingParams(extra_args={EXTRA_KEY: files.ref(grammar)}), [1], out_grammar),
+                                (1, SamplingParams(extra_args={EXTRA_KEY: files.ref(labels)}), [1], [])])
+        expected_labels = _expected(RowCursor(labels, tokenizer))
+        ended_at = None
+        for step in range(300):
+            logits = proc.apply(torch.zeros(2, len(tokenizer)))
+            assert _allowed(logits[1]) == expected_labels  # the other row's mask, every step
+            allowed = _allowed(logits[0])
+            if allowed == {tokenizer.eos_token_id}:
+                ended_at = step
+                break
+            assert aaaa in allowed and len(allowed) > 1
+            out_grammar.append(aaaa)
+        assert ended_at is not None, "no mask of the ambiguous grammar went over 30 ms in 300 tokens"
+        assert proc.stats["late_rows"] == 1 and ended_at > 0
+        cursor = proc.rows[0].cursor
+        assert SETTING in cursor.error and "30 ms" in cursor.error, cursor.error
+        # from then on only the end token, whatever the next steps bring
+        assert _allowed(proc.apply(torch.zeros(2, len(tokenizer)))[0]) == {tokenizer.eos_token_id}
+        _update(proc, 0, removed=[0, 1])
+    finally:
+        files.close()
+        proc.budget.close()

@@ -29,6 +29,10 @@ outputs with the ``guidance`` backend (``grammar_backend="guidance"``): the same
 (compact whitespace, compiled by our compile step), so the same outputs are allowed; see the README for the
 measured choice.
 
+Rows go into vLLM at most ``max_batch_size`` at a time, the waiting requests offered room one client at a time
+(:mod:`.fair_gate`): vLLM's own scheduler serves arrival order, so one client's burst would otherwise queue every
+other client behind it.
+
 Beam search is refused (:class:`UnsupportedRequest`, HTTP 400 naming the transformers backend and the setting
 ``beam_replicas``, with which the ingress sends beam requests to transformers-engine replicas of the same app
 instead): vLLM's beam search is a client-side loop over single-token requests, one engine round trip per token and
@@ -43,16 +47,18 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from processors import RowCursor
+from processors.grammar import ENDED_EARLY
 from processors.items import ItemRequest
 
 from ...protocol import ServiceError
 from ..protocol import (
     DoneEvent, Engine, EngineEvent, EngineRequest, ErrorEvent, FinishedEvent, RequestTicket, TokenEvent,
 )
-from .handoff import EXTRA_KEY, OWNER_ENV, ScenarioFiles, owner_marker
+from .fair_gate import FairGate
+from .handoff import BUDGET_ENV, EXTRA_KEY, OWNER_ENV, ScenarioFiles, owner_marker
 from .params import _token_logprobs, guidance_params, item_extra  # noqa: F401  (_token_logprobs: tests import it here)
 
 logger = logging.getLogger(__name__)
@@ -172,6 +178,8 @@ class VLLMEngine(Engine):
             outputs, for grammar rows without think mode).
         cpu_threads: on CPU, threads of vLLM's model worker, bound to cores ``0..cpu_threads-1`` (``None``:
             vLLM's choice, the cores of one NUMA node but one).
+        mask_step_budget_ms: the CPU time one row's grammar mask may take in one step of vLLM's worker (0: no
+            budget); a row over it is ended there (its end token) and finishes with ``"error"`` naming the setting.
         engine_kwargs: more ``AsyncEngineArgs`` fields.
     """
 
@@ -181,7 +189,8 @@ class VLLMEngine(Engine):
     def __init__(
         self, model_dir: str, tokenizer, *, max_batch_size: int = 16, max_model_len: int = 4096,
         kv_cache_gb: float = 2.0, enforce_eager: bool = False, dtype: str = "float32",
-        grammar_backend: str = "chain", cpu_threads: int | None = None, engine_kwargs: dict[str, Any] | None = None,
+        grammar_backend: str = "chain", cpu_threads: int | None = None, mask_step_budget_ms: float = 200.0,
+        engine_kwargs: dict[str, Any] | None = None,
     ):
         if grammar_backend not in ("chain", "guidance"):
             raise ValueError(f"grammar_backend must be 'chain' or 'guidance', got {grammar_backend!r}")
@@ -195,6 +204,7 @@ class VLLMEngine(Engine):
         self.dtype = dtype
         self.grammar_backend = grammar_backend
         self.cpu_threads = cpu_threads
+        self.mask_step_budget_ms = float(mask_step_budget_ms)
         self.engine_kwargs = dict(engine_kwargs or {})
         self.llm = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -202,6 +212,7 @@ class VLLMEngine(Engine):
         self._files: ScenarioFiles | None = None
         self._active = 0
         self._start_lock = threading.Lock()
+        self._gate = FairGate(max_batch_size)  # rows into vLLM, one client at a time (see .fair_gate)
         self._stats = {
             "requests": 0, "rows": 0, "tokens": 0, "cancelled_jobs": 0, "failed_rows": 0, "fallback_rows": 0,
             "guidance_rows": 0, "failed_jobs": 0, "start_seconds": 0.0,
@@ -218,6 +229,7 @@ class VLLMEngine(Engine):
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{self.cpu_threads - 1}"
             # vLLM's processes end themselves when this process dies without stopping them (see .processor)
             os.environ[OWNER_ENV] = owner_marker()
+            os.environ[BUDGET_ENV] = repr(self.mask_step_budget_ms)  # the worker's MaskBudget (see .processor)
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine", daemon=True)
             self._thread.start()
@@ -357,7 +369,25 @@ class VLLMEngine(Engine):
         from vllm.inputs import TokensPrompt
 
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+        gate = self._gate
+        job.tasks = [cast(asyncio.Task, asyncio.current_task())]  # a cancel while the request waits for room
+        try:
+            if job.cancelled.is_set():
+                raise asyncio.CancelledError
+            held = [await gate.acquire(request.client, len(rows))]
+        except asyncio.CancelledError:
+            self._stats["cancelled_jobs"] += 1
+            job.emit(ErrorEvent("cancelled"))
+            return
+
+        def row_ended(_task) -> None:  # each row's room goes back as it leaves vLLM
+            if held[0] > 0:
+                held[0] -= 1
+                gate.release(request.client, 1)
+
         job.tasks = [asyncio.ensure_future(self._run_row(job, i, prompt, params)) for i, params in enumerate(rows)]
+        for task in job.tasks:
+            task.add_done_callback(row_ended)
         if job.cancelled.is_set():
             job._cancel_tasks()
         results = await asyncio.gather(*job.tasks, return_exceptions=True)
@@ -425,6 +455,10 @@ class VLLMEngine(Engine):
             finish, error = "error", failure
         elif reason == "stop":
             finish, error = ("error" if cursor.error else "stop"), cursor.error
+            if error == ENDED_EARLY and params.structured_outputs is None:
+                # only the worker ends a grammar row early: its mask was over the budget, or its cursor raised there
+                error = (f"{ENDED_EARLY}: vLLM's worker ended it (a grammar mask over mask_step_budget_ms = "
+                         f"{self.mask_step_budget_ms:g} ms ends a row so; the worker's log says which)")
         elif reason == "length":
             finish, error = "length", cursor.error
         else:  # "abort" and anything else vLLM may say
@@ -438,6 +472,8 @@ class VLLMEngine(Engine):
     def stats(self) -> dict[str, Any]:
         out = dict(self._stats)
         out["scenario_files"] = len(self._files) if self._files is not None else 0
+        gate = self._gate
+        out.update(waiting_requests=len(gate.waiting), waited_requests=gate.stats["waited"])
         return out
 
     @property

@@ -18,12 +18,14 @@ import shutil
 import tempfile
 import threading
 
-__all__ = ["EXTRA_KEY", "OWNER_ENV", "ScenarioFiles", "load_compiled", "owner_marker"]
+__all__ = ["BUDGET_ENV", "EXTRA_KEY", "OWNER_ENV", "ScenarioFiles", "load_compiled", "owner_marker"]
 
 #: the key of our entry in ``SamplingParams.extra_args``
 EXTRA_KEY = "constrained_serve"
 #: environment variable naming the replica process (``pid:start time``) to vLLM's processes (see .processor)
 OWNER_ENV = "CONSTRAINED_SERVE_VLLM_OWNER"
+#: ``mask_step_budget_ms`` for vLLM's worker (the replica sets it before starting vLLM; the worker inherits it)
+BUDGET_ENV = "CONSTRAINED_SERVE_MASK_STEP_BUDGET_MS"
 
 
 def owner_marker() -> str:

@@ -18,6 +18,13 @@ version it was admitted with: a new version is a new key.
 A cursor that raises forces its row's end token (the replica's replay of the same tokens reports the
 failure, see :mod:`.engine`); one row's failure never touches another row.
 
+Grammar masks (json, json_schema, regex, grammar, tools) are computed by a
+:class:`processors.mask_budget.MaskBudget` (``mask_step_budget_ms``, from :data:`.handoff.BUDGET_ENV`): the step's
+due masks in parallel on threads, each within the budget; a row whose mask is late is expired (its end token only,
+from then on) and the replica's replay reports it as an ``error`` naming the setting. vLLM samples every row of its
+batch in each step, so a row cannot sit out a step as in the transformers engine: the others wait for a slow mask,
+at most the budget.
+
 Item controls (``exclude``, ``distinct``): an entry's ``"items"`` (:func:`.params.item_extra`) binds the row's
 cursor to its request's :class:`processors.items.ItemRequest`, one per request of ours in this worker, shared by
 the request's rows (:mod:`.item_groups`: built when the first row joins, released when the rows end). Rows of a
@@ -42,9 +49,10 @@ from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 from processors import RowCursor, apply_steps
 from processors.base import as_ids
 from processors.lanes import advance_rows, lane_of, mask_rows
+from processors.mask_budget import MaskBudget
 from processors.masks import ALLOW, FREE, MaskBuffer, Step, mask_padded_vocab
 
-from .handoff import EXTRA_KEY, OWNER_ENV, load_compiled
+from .handoff import BUDGET_ENV, EXTRA_KEY, OWNER_ENV, load_compiled
 from .item_groups import ItemGroups, draw, row_generator, row_sampling
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -111,8 +119,10 @@ class ChainLogitsProcessor(LogitsProcessor):
         self._tokenizer = None
         self._tokenizer_path = vllm_config.model_config.tokenizer
         self.vocab_size: int | None = None
-        self.stats = {"rows": 0, "steps": 0, "chain_seconds": 0.0, "loads": 0, "failed_rows": 0, "drawn": 0}
+        self.stats = {"rows": 0, "steps": 0, "chain_seconds": 0.0, "loads": 0, "failed_rows": 0, "drawn": 0,
+                      "late_rows": 0}
         self.groups = ItemGroups()
+        self.budget = MaskBudget(_budget_ms())
         self.vector_lane = os.environ.get(LANE_ENV) == "1"
         watch_owner()
         try:  # grammar rows need the tokenizer (and its llguidance form): build both now, not at a first request
@@ -155,6 +165,7 @@ class ChainLogitsProcessor(LogitsProcessor):
         if self.vector_lane and not self.groups.groups:
             return self._apply_lane(logits, t0)
         n = logits.shape[0]
+        self._settle_masks(n)
         steps = [_FREE] * n
         scaled: list[tuple[int, float]] = []
         turns: dict[str, list[tuple[int, _Row]]] = {}  # distinct rows deciding items this step, per request
@@ -195,6 +206,7 @@ class ChainLogitsProcessor(LogitsProcessor):
         """:meth:`apply` with the vector lane: rows of the lane that got one new token advance together, the batch
         is masked by :func:`processors.lanes.mask_rows` (lane rows as arrays, the others by their step)."""
         n = logits.shape[0]
+        self._settle_masks(n, lanes=True)
         batch: list = [_FREE_ROW] * n
         scaled: list[tuple[int, float]] = []
         moved: list[_Row] = []
@@ -246,6 +258,25 @@ class ChainLogitsProcessor(LogitsProcessor):
         self.stats["steps"] += 1
         self.stats["chain_seconds"] += time.perf_counter() - t0
         return logits
+
+    def _settle_masks(self, n: int, lanes: bool = False) -> None:
+        """Advance the rows of the batch by their new tokens and compute their due grammar masks within the budget
+        (``lanes``: the vector lane's rows are advanced by :meth:`_apply_lane` itself, and have no grammar masks).
+        A late row's cursor is expired: its ``step()`` allows only its end token."""
+        if not self.budget.enabled:
+            return
+        cursors = []
+        for index, row in self.rows.items():
+            cursor = row.cursor
+            if index < n and cursor is not None and row.broken is None and not (lanes and lane_of(cursor)):
+                if self._consume(row) and row.ahead is None:
+                    cursors.append(cursor)
+        if cursors:
+            late, _ = self.budget.settle(cursors)
+            if late:
+                self.stats["late_rows"] += len(late)
+                logger.warning("%d row(s) ended: grammar mask over %g ms (%s)", len(late), self.budget.budget_ms,
+                               "mask_step_budget_ms")
 
     def _break(self, row: _Row) -> None:
         """The row's cursor raised: from now on it may emit only its end token."""
@@ -394,6 +425,15 @@ class ChainLogitsProcessor(LogitsProcessor):
             self.vocab_size = len(tokenizer)
             self._tokenizer = tokenizer
         return self._tokenizer
+
+
+def _budget_ms() -> float:
+    """``mask_step_budget_ms`` as the replica passed it (:data:`.handoff.BUDGET_ENV`); 200 ms when unset or bad."""
+    try:
+        value = float(os.environ.get(BUDGET_ENV, "200"))
+    except ValueError:
+        value = 200.0
+    return value if value >= 0 and value == value and value != float("inf") else 200.0
 
 
 _watching = False
