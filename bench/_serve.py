@@ -112,7 +112,7 @@ class ServeBench:
         return False
 
     def _stop_orphan_redis(self) -> None:
-        from deployments.redis_server import stop_orphaned_servers
+        from deployments.storage.redis_server import stop_orphaned_servers
 
         for pid in stop_orphaned_servers(self.data_dir):
             log(f"stopped the embedded redis-server left in {self.data_dir} (pid {pid})")

@@ -37,7 +37,7 @@ from fastapi.responses import RedirectResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.protocol import ServiceError
-from deployments.store import NAME_PATTERN
+from deployments.storage.store import NAME_PATTERN
 
 __all__ = ["InspectBody", "InspectResponse", "STATIC_DIR", "build_console_router", "mount_console", "replay"]
 

@@ -8,7 +8,7 @@ also past the compile limits). A constraint field of a request refused with its 
 :class:`config.ConstraintError` (one-off constraints, the tools' plan), answered as it is. Used by the model
 replica (one-off constraints), the OpenAI translation and the config manager.
 
-The scenario store (``deployments/store.py``) raises its failures by kind (``deployments/store_errors.py``); their
+The scenario store (``deployments/storage/store.py``) raises its failures by kind (``deployments/storage/errors.py``); their
 statuses are :data:`STORE_ERROR_STATUS`, looked up by :func:`store_error_status` when one is raised.
 """
 
@@ -52,13 +52,13 @@ def refused_as_service_error() -> Iterator[None]:
         raise constraint_service_error(error) from None
 
 
-#: the scenario store's failure kinds (deployments/store_errors.py, by class name; a subclass takes its base's) -> status
+#: the scenario store's failure kinds (deployments/storage/errors.py, by class name; a subclass takes its base's) -> status
 STORE_ERROR_STATUS = {"InvalidRequest": 422, "NotFound": 404, "VersionConflict": 409, "Gone": 410,
                       "StoreUnavailable": 503, "StoreCorrupt": 500}
 
 
 def store_error_status(error: Exception) -> int:
-    """The HTTP status of a scenario store failure (``deployments.store_errors.StoreError``): its kind's."""
+    """The HTTP status of a scenario store failure (``deployments.storage.errors.StoreError``): its kind's."""
     for cls in type(error).__mro__:
         if cls.__name__ in STORE_ERROR_STATUS:
             return STORE_ERROR_STATUS[cls.__name__]

@@ -10,7 +10,7 @@
   one), each earlier call written as the JSON the model would write (``{"name": ..., "arguments": {...}}``), and
   each ``tool`` result as a user turn ``<tool_response>...</tool_response>``.
 
-The call format is the one the service constrains the output to (``deployments/tool_calls.py``): a JSON object
+The call format is the one the service constrains the output to (``deployments/openai/tool_calls.py``): a JSON object
 ``{"name": ..., "arguments": {...}}``, or a JSON list of them for several calls. Pure Python, no dependencies.
 """
 
@@ -42,7 +42,7 @@ def template_takes_tools(tokenizer: Any) -> bool:
 def _arguments(value: Any) -> Any:
     """A call's arguments as an object when they are JSON text (what OpenAI clients send back); text that is not
     JSON, or nested deeper than the parser can go, stays text (the ingress refuses arguments nested deeper than
-    ``limits.max_json_depth`` before they come here: ``deployments.tool_calls.check_arguments``)."""
+    ``limits.max_json_depth`` before they come here: ``deployments.openai.tool_calls.check_arguments``)."""
     if isinstance(value, str):
         try:
             return json.loads(value)

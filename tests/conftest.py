@@ -41,7 +41,7 @@ def model():
 @pytest.fixture
 def data_dir(tmp_path):
     """A data directory whose embedded Redis (started by a manager under test) is shut down afterwards."""
-    from deployments.redis_server import close_embedded
+    from deployments.storage.redis_server import close_embedded
 
     path = str(tmp_path / "data")
     yield path
@@ -56,7 +56,7 @@ def start_manager(tokenizer, tmp_path_factory):
     coroutines on the manager's own event loop. On the way out the manager is closed and its Redis stopped."""
     from config import ServerSettings
     from deployments.manager import ConfigManager
-    from deployments.redis_server import close_embedded
+    from deployments.storage.redis_server import close_embedded
 
     @contextmanager
     def start(name: str, **settings):

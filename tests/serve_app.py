@@ -215,6 +215,6 @@ def serve_app(tmp_path_factory):
         serve.shutdown()
     finally:
         ray.shutdown()
-        from deployments.redis_server import stop_orphaned_servers
+        from deployments.storage.redis_server import stop_orphaned_servers
 
         stop_orphaned_servers(data_dir)

@@ -11,7 +11,7 @@ Routes:
 ``POST /v1/generate``                     native API (:class:`GenerateBody` -> ``GenerateResponse``), SSE when ``stream``
 ``POST /v1/completions``                  OpenAI completions; extra fields ``scenario``, ``structured_outputs``, ``top_k``
 ``POST /v1/chat/completions``             OpenAI chat completions; also ``response_format``
-``POST /v1/responses``                    OpenAI Responses API, mapped onto chat (``deployments/responses_api.py``)
+``POST /v1/responses``                    OpenAI Responses API, mapped onto chat (``deployments/openai/responses.py``)
 ``GET /v1/models``                        the served model
 ``GET /v1/scenarios``                     stored scenarios: name, type, current version
 ``GET /healthz``                          liveness, the manager's health, per-replica scenario versions
@@ -23,8 +23,8 @@ Routes:
 ========================================= ===========================================================
 
 Every error is JSON ``{"error": {"status": int, "message": str, ...detail}}``. The OpenAI request and response
-bodies, and their mapping to and from the native API, are in ``deployments/openai_api.py`` (the Responses API's in
-``deployments/responses_api.py`` and ``deployments/responses_stream.py``).
+bodies, and their mapping to and from the native API, are in ``deployments/openai/api.py`` (the Responses API's in
+``deployments/openai/responses.py`` and ``deployments/openai/responses_stream.py``).
 
 Modules, one job each:
 

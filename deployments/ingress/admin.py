@@ -21,9 +21,9 @@ from deployments.ingress.openapi import _patch_openapi_extra, _scenario_openapi_
 from deployments.json_body import ParsedJSONRoute
 from processors.kinds.tree.catalog import CATALOG_CONTENT_TYPES
 from deployments.protocol import ServiceError
-from deployments.store import validate_name
-from deployments.store_content import validate_idempotency_key
-from deployments.store_errors import InvalidRequest
+from deployments.storage.store import validate_name
+from deployments.storage.content import validate_idempotency_key
+from deployments.storage.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from deployments.ingress.service import Ingress

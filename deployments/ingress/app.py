@@ -20,9 +20,9 @@ from deployments.ingress.models import _ERROR_RESPONSES, _SSE_RESPONSE, Generate
 from deployments.ingress.openapi import _with_scenario_components
 from deployments.ingress.sse import _SSE_HEADERS
 from deployments.json_body import ParsedJSONRoute, StrictJSONBody
-from deployments.openai_api import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelList
+from deployments.openai.api import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelList
 from deployments.protocol import GenerateResponse
-from deployments.responses_api import ResponseObject, ResponsesRequest
+from deployments.openai.responses import ResponseObject, ResponsesRequest
 
 if TYPE_CHECKING:
     from deployments.ingress.service import Ingress

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.openai_api import validation_error
+from deployments.openai.api import validation_error
 from deployments.protocol import ServiceError, unwrap_service_error
 
 # Serve configures this logger in every replica (its files and the `serve run` console); a module logger

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from deployments.protocol import GenerateRequest
-from deployments.store import NAME_PATTERN
+from deployments.storage.store import NAME_PATTERN
 
 ScenarioName = Annotated[str, PathParam(pattern=NAME_PATTERN, description="Scenario name (the store's naming rule).")]
 IfMatch = Annotated[str | None, Header(

@@ -21,12 +21,12 @@ from deployments.ingress.health import HealthCheck
 from deployments.ingress.replicas import DeathMemory, ReplicaCalls
 from deployments.ingress.sse import _SSE_HEADERS, Streams
 from deployments.metrics import _in_serve_replica, route_logs_to_serve
-from deployments.openai_api import (
+from deployments.openai.api import (
     ChatCompletionRequest, CompletionRequest, openai_mapping, openai_response, served_model_name,
 )
 from deployments.protocol import GenerateRequest, ServiceError, check_request_limits
-from deployments.responses_api import ResponsesRequest, chat_to_response, renamed_error, responses_to_chat
-from deployments.tool_calls import ToolPlan, check_tool_fields
+from deployments.openai.responses import ResponsesRequest, chat_to_response, renamed_error, responses_to_chat
+from deployments.openai.tool_calls import ToolPlan, check_tool_fields
 
 
 class Ingress(ReplicaCalls, Streams, HealthCheck):
@@ -72,7 +72,7 @@ class Ingress(ReplicaCalls, Streams, HealthCheck):
 
     def check_limits(self, request: GenerateRequest, rename: dict[str, str] | None = None) -> None:
         """422 naming the field when a request asks for more than ``settings.limits`` allows (its tool parts
-        too: :func:`~deployments.tool_calls.check_tool_fields`). Linear in the request: the routes call it off the
+        too: :func:`~deployments.openai.tool_calls.check_tool_fields`). Linear in the request: the routes call it off the
         event loop, with the rest of a request's preparation."""
         check_request_limits(
             self.limits, max_new_tokens=request.max_new_tokens, n=request.n, num_beams=request.num_beams,

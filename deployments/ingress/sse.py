@@ -14,9 +14,9 @@ from typing import Any, AsyncIterator
 from config import ServerSettings
 from deployments.ingress.errors import to_service_error
 from deployments.ingress.replicas import _cancel, _log_generated
-from deployments.openai_api import openai_stream_chunks
-from deployments.responses_api import ResponsesRequest
-from deployments.responses_stream import responses_events
+from deployments.openai.api import openai_stream_chunks
+from deployments.openai.responses import ResponsesRequest
+from deployments.openai.responses_stream import responses_events
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _SSE_DONE = "data: [DONE]\n\n"

@@ -59,7 +59,7 @@ def apply_delta(compiler: Any, limits: Any, name: str, body: dict[str, Any] | No
 def _line_delta(add: list[Any], remove: list[Any], report: DeltaReport) -> bytes:
     """The stored form of a PATCH of a stored catalog (``store_content.line_delta``): the item lines it removed and
     those it appended, in the order ``apply_tree_delta`` applies them (the no-ops in ``report`` left out)."""
-    from deployments.store_content import line_delta
+    from deployments.storage.content import line_delta
 
     added, removed = report.applied(add, remove)
     return line_delta([_line(item) for item in removed], [_line(item) for item in added])
@@ -71,7 +71,7 @@ def _apply_tree(compiler: Any, limits: Any, name: str, body: Any, add: list[Any]
     (``base_tables``) are known. ``base_sha``: the base is stored catalog content under this hash; the result is
     then stored as the delta of it (``ContentDelta``: no whole catalog written, here or in Redis, unless the store
     compacts the chain), else as a whole catalog."""
-    from deployments.store_content import ContentDelta
+    from deployments.storage.content import ContentDelta
 
     t0 = time.perf_counter()
     catalog, report = apply_tree_delta(base, add, remove, vocab_size=compiler.vocab_size,

@@ -28,7 +28,7 @@ from typing import Any
 from config import ScenarioError, ServerSettings
 from deployments.protocol import ServiceError
 from deployments.scenario_errors import scenario_service_error
-from deployments.store import ScenarioStore, content_sha256
+from deployments.storage.store import ScenarioStore, content_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class StoredScenarioCompiler:
     Args:
         settings: the manager's :class:`config.ServerSettings` (limits, ``tree_dir``, ``data_dir``).
         tokenizer: the served model's tokenizer.
-        store: the :class:`~deployments.store.ScenarioStore` holding stored tree content.
+        store: the :class:`~deployments.storage.store.ScenarioStore` holding stored tree content.
     """
 
     def __init__(self, settings: ServerSettings, tokenizer, store: ScenarioStore):

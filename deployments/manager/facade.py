@@ -2,7 +2,7 @@
 
 :class:`ConfigManager` is a plain class (the app builder wraps it with ``serve.deployment``; run it
 as ONE replica). It is the only writer of compiled tables: it validates and compiles a scenario
-before anything is stored, stores it in Redis (:class:`~deployments.store.ScenarioStore`), puts
+before anything is stored, stores it in Redis (:class:`~deployments.storage.store.ScenarioStore`), puts
 the compiled tables in the Ray object store once per version, and broadcasts them to the model
 replicas. It is the facade the ingress and the replicas call; the work is done by its parts:
 
@@ -34,9 +34,9 @@ from typing import Any
 from config import ServerSettings
 from deployments.metrics import ManagerMetrics, route_logs_to_serve
 from deployments.protocol import ServiceError
-from deployments.redis_server import connect_redis
-from deployments.store import IDEMPOTENCY_TTL_S, ScenarioStore, pack_body, pruned_error, request_fingerprint
-from deployments.store import validate_name
+from deployments.storage.redis_server import connect_redis
+from deployments.storage.store import IDEMPOTENCY_TTL_S, ScenarioStore, pack_body, pruned_error, request_fingerprint
+from deployments.storage.store import validate_name
 
 from deployments.json_body import parse_json_body
 from .compiler import StoredScenarioCompiler, compile_warnings, lower_manager_priority
@@ -71,7 +71,7 @@ class ConfigManager:
         replica_timeout_s: a replica not heard from for this long is dropped.
         broadcast_timeout_s: how long a write waits for the replicas' acknowledgements (then 504).
         reconcile_interval_s: period of the fallback check of Redis for external changes.
-        prefix: Redis key prefix (see :mod:`deployments.store`).
+        prefix: Redis key prefix (see :mod:`deployments.storage.store`).
         idempotency_ttl_s: how long an admin write's ``Idempotency-Key`` is remembered (24 h).
     """
 
@@ -415,7 +415,7 @@ class ConfigManager:
             compiler.close()
         if getattr(self, "_embedded", False):
             try:
-                from deployments.redis_server import close_embedded_from_finalizer
+                from deployments.storage.redis_server import close_embedded_from_finalizer
 
                 close_embedded_from_finalizer(self.settings.data_dir)
             except Exception:  # pragma: no cover - interpreter shutdown

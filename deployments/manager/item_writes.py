@@ -11,7 +11,7 @@ from typing import Any
 from deployments.json_body import parse_json_body
 from deployments.protocol import ServiceError
 from deployments.scenario_errors import refused_as_service_error
-from deployments.store import BaseChanged, request_fingerprint
+from deployments.storage.store import BaseChanged, request_fingerprint
 from processors.kinds.patch import parse_delta
 from processors.kinds.tree.catalog import catalog_body, parse_catalog
 

@@ -21,8 +21,8 @@ import redis
 
 from config import ServerSettings
 from deployments.protocol import ServiceError
-from deployments.redis_server import connect_redis, enable_keyspace_notifications, keyspace_notifications_enabled
-from deployments.store import ScenarioStore
+from deployments.storage.redis_server import connect_redis, enable_keyspace_notifications, keyspace_notifications_enabled
+from deployments.storage.store import ScenarioStore
 
 from .compiler import StoredScenarioCompiler
 from .registry import ReplicaRegistry

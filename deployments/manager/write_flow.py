@@ -16,7 +16,7 @@ The flow itself: the name checked, the idempotency check, the draft, the compile
 content copy the draft made is removed again), the store write and the publish (install of the compiled tables or
 removal of the name, epoch + 1) under ``ServedScenarios.lock``, then the wait for every live replica's ack.
 A conditional write (``Draft.expect_current``) that finds another version current raises
-:class:`~deployments.store.BaseChanged`; with ``Write.attempts`` > 1 and ``Draft.redraft_on_conflict`` it is
+:class:`~deployments.storage.store.BaseChanged`; with ``Write.attempts`` > 1 and ``Draft.redraft_on_conflict`` it is
 drafted again on the new current version.
 """
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments.protocol import ServiceError
-from deployments.store import BaseChanged, request_fingerprint, validate_idempotency_key, validate_name
+from deployments.storage.store import BaseChanged, request_fingerprint, validate_idempotency_key, validate_name
 
 from .served import object_ref
 

@@ -22,7 +22,7 @@ import requests
 from fault_helpers import LABELS, OTHER_LABELS, EmbeddedRedis, actors, ask, kill, pids, synced, until
 from serve_app import ADMIN_TOKEN, check_label
 
-from deployments.store import ScenarioStore
+from deployments.storage.store import ScenarioStore
 
 pytestmark = pytest.mark.faults
 

@@ -17,8 +17,8 @@ from manager_helpers import make_manager, run_closing
 
 from deployments.manager import ConfigManager
 from deployments.protocol import ServiceError
-from deployments.redis_server import connect_redis
-from deployments.store import ScenarioStore
+from deployments.storage.redis_server import connect_redis
+from deployments.storage.store import ScenarioStore
 
 pytestmark = pytest.mark.faults
 

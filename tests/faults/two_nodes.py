@@ -50,7 +50,7 @@ def main() -> None:
 
     from bench._serve import free_port, serve_actors
     from deployments.app import build_app
-    from deployments.redis_server import stop_orphaned_servers
+    from deployments.storage.redis_server import stop_orphaned_servers
 
     data_dir = tempfile.mkdtemp(prefix="cs-two-nodes-")
     port = free_port()

@@ -16,9 +16,9 @@ import pytest
 from test_catalog_manager import END, START, catalog_text, run
 from test_catalog_patch_tables import assert_full_compile, served
 
-from deployments.redis_server import connect_redis
-from deployments.store import ScenarioStore
-from deployments.store_content import ContentDelta, apply_line_delta, line_delta
+from deployments.storage.redis_server import connect_redis
+from deployments.storage.store import ScenarioStore
+from deployments.storage.content import ContentDelta, apply_line_delta, line_delta
 from tests.manager_helpers import make_manager
 
 pytestmark = pytest.mark.integration
@@ -162,7 +162,7 @@ def test_a_delta_whose_base_is_gone_is_stored_whole(client):
     bad_sha = hashlib.sha256(canonical([(5, 6), (9,)])).hexdigest()
     store.put("bad", {**body, "content_sha256": bad_sha},
               content_delta=ContentDelta(sha, line_delta([b"[8]"], []), lambda: wrong))
-    from deployments.store import StoreCorrupt
+    from deployments.storage.store import StoreCorrupt
 
     with pytest.raises(StoreCorrupt):
         store.content(bad_sha)

@@ -17,7 +17,7 @@ from test_manager import FakeReplica, make_manager, ready
 from processors.kinds.tree.catalog import parse_catalog, tree_file_bytes
 from config import ConstraintError
 from deployments.protocol import ServiceError
-from deployments.redis_server import connect_redis
+from deployments.storage.redis_server import connect_redis
 from processors.tables import DONE, LEAF
 
 pytestmark = pytest.mark.integration

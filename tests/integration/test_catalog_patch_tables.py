@@ -15,7 +15,7 @@ from test_catalog_manager import END, START, catalog_text, run
 from test_manager import make_manager
 
 from processors.kinds.tree.catalog import Catalog, tree_file_bytes
-from deployments.redis_server import connect_redis
+from deployments.storage.redis_server import connect_redis
 from processors.kinds.tree.catalog_tables import catalog_tables
 
 pytestmark = pytest.mark.integration

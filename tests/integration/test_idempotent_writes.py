@@ -15,8 +15,8 @@ import pytest
 from config import ServerSettings
 from deployments.manager import ConfigManager
 from deployments.protocol import ServiceError
-from deployments.redis_server import connect_redis
-from deployments.store import ScenarioStore, request_fingerprint
+from deployments.storage.redis_server import connect_redis
+from deployments.storage.store import ScenarioStore, request_fingerprint
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ import deployments.manager.facade as facade
 from deployments.manager.compiler import compile_warnings
 from deployments.manager.inline_tree import INLINE_TREE_MIN_BYTES, split_inline_tree
 from deployments.protocol import ServiceError
-from deployments.redis_server import connect_redis
+from deployments.storage.redis_server import connect_redis
 
 pytestmark = pytest.mark.integration
 

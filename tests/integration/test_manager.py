@@ -20,9 +20,9 @@ import redis
 
 from deployments.manager import ConfigManager
 from deployments.protocol import ServiceError
-from deployments.redis_server import close_embedded, connect_redis, embedded_server_pid
+from deployments.storage.redis_server import close_embedded, connect_redis, embedded_server_pid
 from helpers import wait_until_async
-from deployments.store import ScenarioStore
+from deployments.storage.store import ScenarioStore
 from processors import CompiledScenario, build_prompt_ids
 
 from manager_helpers import make_manager  # noqa: F401  (test_catalog_manager and others import it from here too)

@@ -16,7 +16,7 @@ import pytest
 from config import ServerSettings
 from deployments import redis_server
 from deployments.manager import ConfigManager
-from deployments.redis_server import embedded_server_pid
+from deployments.storage.redis_server import embedded_server_pid
 
 pytestmark = pytest.mark.integration
 

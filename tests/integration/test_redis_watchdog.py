@@ -13,12 +13,12 @@ import subprocess
 import sys
 import time
 
-from deployments.redis_server import _alive, close_embedded, connect_redis
+from deployments.storage.redis_server import _alive, close_embedded, connect_redis
 from helpers import wait_until
 
 OWNER = r"""
 import sys, time
-from deployments.redis_server import connect_redis, embedded_server_pid
+from deployments.storage.redis_server import connect_redis, embedded_server_pid
 client = connect_redis(None, sys.argv[1])
 client.set("acknowledged", "yes")
 print(embedded_server_pid(sys.argv[1]), flush=True)

@@ -159,7 +159,7 @@ def test_strict_put_is_refused_by_the_manager_and_nothing_is_stored(tokenizer, d
     keyword the grammar cannot enforce, nothing stored; an exactly enforced schema is stored."""
     from deployments.manager import ConfigManager
     from deployments.protocol import ServiceError
-    from deployments.redis_server import connect_redis
+    from deployments.storage.redis_server import connect_redis
 
     manager = ConfigManager(ServerSettings(data_dir=data_dir, seed_examples=False), tokenizer=tokenizer,
                             redis_client=connect_redis(None, data_dir), replica_timeout_s=1.0,

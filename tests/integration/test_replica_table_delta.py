@@ -17,7 +17,7 @@ from test_catalog_patch_tables import assert_full_compile
 
 from config import ServerSettings
 from processors.kinds.tree.catalog import Catalog
-from deployments.redis_server import connect_redis
+from deployments.storage.redis_server import connect_redis
 from deployments.replica.table_delta import delta_wanted
 from processors.kinds.tree.catalog_tables import catalog_tables
 from tests.manager_helpers import make_manager

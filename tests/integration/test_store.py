@@ -12,14 +12,14 @@ import pytest
 import redis
 
 from deployments.protocol import ServiceError
-from deployments.redis_server import (
+from deployments.storage.redis_server import (
     close_embedded,
     connect_redis,
     embedded_server_pid,
     keyspace_notifications_enabled,
     redact_url,
 )
-from deployments.store import ScenarioStore
+from deployments.storage.store import ScenarioStore
 from helpers import wait_until
 
 pytestmark = pytest.mark.integration
@@ -254,7 +254,7 @@ def test_server_refusing_config_is_tolerated(data_dir):
         config_set = config_get
 
     no_config = NoConfig(connection_pool=client.connection_pool)
-    from deployments.redis_server import enable_keyspace_notifications
+    from deployments.storage.redis_server import enable_keyspace_notifications
 
     assert enable_keyspace_notifications(no_config) is False
     assert keyspace_notifications_enabled(no_config) is False
@@ -264,7 +264,7 @@ def test_server_refusing_config_is_tolerated(data_dir):
 def test_write_the_server_runs_after_its_caller_gave_up_is_dropped(store, monkeypatch):
     """A hung server (SIGSTOP) runs its backlog when it wakes (SIGCONT): the write whose caller got a
     503 meanwhile must not take effect then."""
-    import deployments.store as store_module
+    import deployments.storage.store as store_module
 
     store.put("late", LABELS)
     monkeypatch.setattr(store_module, "WRITE_DEADLINE_S", 0.3)
@@ -290,7 +290,7 @@ def store_dir(store):
 
 def test_write_past_its_deadline_is_not_applied(store, monkeypatch):
     """The script's own check: a write the server runs after its deadline changes nothing and says so."""
-    import deployments.store as store_module
+    import deployments.storage.store as store_module
 
     store.put("expired", LABELS)
     monkeypatch.setattr(store_module, "WRITE_DEADLINE_S", -1.0)

@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from deployments.protocol import ServiceError
-from deployments.redis_server import connect_redis
-from deployments.store import CHUNK_BYTES, ScenarioStore
+from deployments.storage.redis_server import connect_redis
+from deployments.storage.store import CHUNK_BYTES, ScenarioStore
 
 pytestmark = pytest.mark.integration
 
@@ -61,7 +61,7 @@ def test_a_body_text_is_stored_as_given_and_a_packed_body_only_for_its_own_bytes
     compressed again, so the stored bytes always match their hash."""
     import json
 
-    from deployments.store import pack_body
+    from deployments.storage.store import pack_body
 
     store = ScenarioStore(client)
     prefix = {str(1000 + i): [i % 5000 + 3, 2] for i in range(60_000)}
@@ -189,7 +189,7 @@ def test_a_refused_write_leaves_no_chunks(client):
     """A write the script refuses (the base changed, the idempotency key was used for another request, the
     deadline passed) uploaded its chunks first: they were left in Redis for ever, named by nothing. Now they are
     removed; content another version names stays."""
-    from deployments.store_errors import BaseChanged
+    from deployments.storage.errors import BaseChanged
 
     store = ScenarioStore(client)
     data = os.urandom(CHUNK_BYTES + 10)  # two chunks

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from config import Limits, ServerSettings
-from deployments.openai_api import openai_response, openai_stream_chunks
+from deployments.openai.api import openai_response, openai_stream_chunks
 from processors import ScenarioCompiler
 
 NOTE = {"type": "function", "function": {

@@ -2,7 +2,7 @@
 instructor (``Mode.TOOLS``, its default, and ``Mode.JSON_SCHEMA``), langchain-openai (``with_structured_output``
 with ``method="function_calling"`` and its default), pydantic-ai (its default tool output and ``NativeOutput``),
 litellm (``tools`` and ``response_format``). Tool calls ride on ``tools`` / ``tool_choice``
-(``deployments/tool_calls.py``), the other modes on ``response_format`` json_schema. Each answer is checked
+(``deployments/openai/tool_calls.py``), the other modes on ``response_format`` json_schema. Each answer is checked
 against its schema with ``jsonschema`` (the libraries validate too: an invalid answer would make them retry or
 raise).
 """

@@ -10,7 +10,7 @@ import pytest
 from config import Limits, ScenarioError, scenario_to_dict
 from processors.kinds.grammar.spec import GrammarScenario
 from processors.scenarios import parse_scenario
-from deployments.openai_api import ChatCompletionRequest, openai_to_generate
+from deployments.openai.api import ChatCompletionRequest, openai_to_generate
 from deployments.protocol import ServiceError
 from processors import ScenarioCompiler, registry
 

@@ -20,7 +20,7 @@ from config.settings import Limits
 from deployments.auth import check_bearer, mask_token, resolve_admin_token, token_file_path
 from deployments.ingress import Ingress
 from deployments.json_body import parse_json_body
-from deployments.openai_api import served_model_name
+from deployments.openai.api import served_model_name
 from deployments.protocol import ServiceError
 
 TOKEN = "test-admin-token-0123456789"

@@ -19,7 +19,7 @@ from config import ServerSettings
 from processors.scenarios import load_scenario
 from config.strict_json import BodyRejected, parse_json
 from deployments.json_body import body_rejected
-from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+from deployments.openai.api import ChatCompletionRequest, CompletionRequest
 from deployments.protocol import GenerateRequest, ServiceError
 from processors import build_prompt_ids
 
@@ -201,7 +201,7 @@ def test_tree_path_errors_do_not_name_the_tree_directory(tmp_path):
 
 
 def test_store_unavailable_does_not_name_the_socket(tmp_path):
-    from deployments.store import ScenarioStore
+    from deployments.storage.store import ScenarioStore
 
     socket_path = tmp_path / "hidden-dir" / "redis.socket"
     store = ScenarioStore(redis.Redis(unix_socket_path=str(socket_path), socket_connect_timeout=1))

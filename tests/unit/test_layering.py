@@ -66,8 +66,8 @@ if TYPE_CHECKING:
 def f():
     from ..tools import spec
     from . import kind
-    import deployments.tool_calls as calls
+    import deployments.openai.tool_calls as calls
 """
     imported = [module for _, module in _imported(source, "processors/kinds/labels/x.py")]
     assert imported == ["config.settings", "typing", "deployments.protocol", "processors.kinds.tools",
-                        "processors.kinds.labels", "processors.kinds.labels.kind", "deployments.tool_calls"], imported
+                        "processors.kinds.labels", "processors.kinds.labels.kind", "deployments.openai.tool_calls"], imported

@@ -1,7 +1,7 @@
 """The regex limits: what ``max_regex_repeat`` counts, and that both regex limits reach every regex inside a
 JSON schema (``pattern``, ``patternProperties`` keys, ``propertyNames``), named by its JSON path.
 
-Pure functions of ``config.settings`` and the OpenAI mapping of ``deployments.openai_api`` (no model, no Ray).
+Pure functions of ``config.settings`` and the OpenAI mapping of ``deployments.openai.api`` (no model, no Ray).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from config import Limits
 from config.settings import LimitExceeded, regex_repeat, schema_patterns
-from deployments.openai_api import ChatCompletionRequest, openai_to_generate
+from deployments.openai.api import ChatCompletionRequest, openai_to_generate
 from deployments.protocol import ServiceError
 from processors.scenarios import check_limits
 

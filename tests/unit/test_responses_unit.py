@@ -1,4 +1,4 @@
-"""The Responses API mapping without a service (``deployments/responses_api.py``, ``deployments/responses_stream.py``).
+"""The Responses API mapping without a service (``deployments/openai/responses.py``, ``deployments/openai/responses_stream.py``).
 
 A Responses body -> the chat body; a chat answer -> a Responses object; chat stream chunks -> Responses events.
 Every answer and event is validated with the installed `openai` client's own models (a strict pydantic check, not
@@ -14,8 +14,8 @@ from pydantic import TypeAdapter
 
 from deployments import responses_api
 from deployments.protocol import ServiceError
-from deployments.responses_api import ResponsesRequest, chat_to_response, renamed_error, responses_to_chat
-from deployments.responses_stream import responses_events
+from deployments.openai.responses import ResponsesRequest, chat_to_response, renamed_error, responses_to_chat
+from deployments.openai.responses_stream import responses_events
 
 openai_types = pytest.importorskip("openai.types.responses")
 EVENT = TypeAdapter(openai_types.ResponseStreamEvent)

@@ -1,6 +1,6 @@
 """The scenario store's failure kinds and the one place their HTTP statuses are chosen.
 
-``deployments/store*.py`` raise failures by kind (``deployments/store_errors.py``) and name no HTTP status; the
+``deployments/storage/store*.py`` raise failures by kind (``deployments/storage/errors.py``) and name no HTTP status; the
 statuses come from ``deployments/scenario_errors.py:STORE_ERROR_STATUS``. The statuses clients see are the ones
 the store answered before the split (404 unknown, 409 delete entry / base changed, 410 pruned, 422 refused input,
 500 corrupt, 503 unavailable).
@@ -16,8 +16,8 @@ import pytest
 
 from deployments.protocol import ServiceError
 from deployments.scenario_errors import STORE_ERROR_STATUS
-from deployments.store import validate_idempotency_key, validate_name
-from deployments.store_errors import (
+from deployments.storage.store import validate_idempotency_key, validate_name
+from deployments.storage.errors import (
     BaseChanged,
     Gone,
     InvalidRequest,

@@ -13,10 +13,10 @@ import pytest
 
 from config import Limits, ScenarioError
 from processors.scenarios import parse_scenario
-from deployments.openai_api import ChatCompletionRequest, openai_to_generate
+from deployments.openai.api import ChatCompletionRequest, openai_to_generate
 from deployments.protocol import ServiceError
-from deployments.responses_api import ResponsesRequest, responses_to_chat
-from deployments.tool_calls import check_arguments, check_tool_fields, tool_setup
+from deployments.openai.responses import ResponsesRequest, responses_to_chat
+from deployments.openai.tool_calls import check_arguments, check_tool_fields, tool_setup
 from processors.tool_prompt import render_tools
 
 DEFAULTS = Limits()

@@ -1,5 +1,5 @@
 """Tool calls without the service: the one-off constraint built from ``tools`` + ``tool_choice`` +
-``parallel_tool_calls`` (``deployments/tool_calls.py``), its refusals, reading a finished output as calls, the
+``parallel_tool_calls`` (``deployments/openai/tool_calls.py``), its refusals, reading a finished output as calls, the
 stream deltas, and the prompt (``processors/tool_prompt.py``) for a template with and without tools support.
 
 The constraint is compiled for the default model's tokenizer (llguidance must accept the call schema)."""
@@ -13,9 +13,9 @@ import pytest
 from pydantic import BaseModel
 
 from config import Limits
-from deployments.openai_api import ChatCompletionRequest, openai_response, openai_to_generate
+from deployments.openai.api import ChatCompletionRequest, openai_response, openai_to_generate
 from deployments.protocol import ServiceError
-from deployments.tool_calls import parse_tool_output, tool_call_deltas, tool_setup
+from deployments.openai.tool_calls import parse_tool_output, tool_call_deltas, tool_setup
 from processors import ScenarioCompiler, build_prompt_ids
 from processors.tool_prompt import render_tools
 

@@ -14,9 +14,9 @@ import pytest
 from config import Limits, ScenarioError, scenario_to_dict
 from processors.kinds.tools.spec import ToolsScenario
 from processors.scenarios import load_scenario, parse_scenario
-from deployments.openai_api import ChatCompletionRequest, openai_response, openai_stream_chunks, openai_to_generate
+from deployments.openai.api import ChatCompletionRequest, openai_response, openai_stream_chunks, openai_to_generate
 from deployments.protocol import ServiceError
-from deployments.tool_calls import stored_plan, tool_setup
+from deployments.openai.tool_calls import stored_plan, tool_setup
 from processors import ScenarioCompiler, build_prompt_ids, compile_scenario
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",

@@ -39,7 +39,7 @@ def app(tmp_path_factory):
         serve.shutdown()
     finally:
         ray.shutdown()
-        from deployments.redis_server import stop_orphaned_servers
+        from deployments.storage.redis_server import stop_orphaned_servers
 
         stop_orphaned_servers(data_dir)
 

@@ -56,7 +56,7 @@ def beam_app(app, tmp_path_factory, tokenizer):
     """Started after the shared app (the same Serve instance and HTTP port)."""
     from ray import serve
 
-    from deployments.redis_server import stop_orphaned_servers
+    from deployments.storage.redis_server import stop_orphaned_servers
 
     data_dir = str(tmp_path_factory.mktemp("vllm-beams-data"))
     handle = BeamApp(data_dir, app.port)

@@ -17,7 +17,7 @@ exactly one call of ``f``; ``"none"``: no constraint from the tools (they are st
 :func:`parse_tool_output` turns a finished output into ``(content, tool_calls, finish_reason)``.
 
 Torch-free (pydantic, jsonschema). A refusal is a :class:`config.ConstraintError` naming the field as the client
-sent it, with its status; the HTTP edge (``deployments/tool_calls.py``) answers it.
+sent it, with its status; the HTTP edge (``deployments/openai/tool_calls.py``) answers it.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Stored records read back: a scenario version's hash (:func:`parse_version_record`) and an idempotency record
 (:func:`parse_idempotency_record`), each checked field by field; a record that does not hold together is a
-:class:`~deployments.store_errors.StoreCorrupt` naming its key. The write side is :mod:`deployments.store`."""
+:class:`~deployments.storage.errors.StoreCorrupt` naming its key. The write side is :mod:`deployments.storage.store`."""
 
 from __future__ import annotations
 
 import json
 from typing import Any, Callable
 
-from deployments.store_errors import StoreCorrupt
+from deployments.storage.errors import StoreCorrupt
 
 __all__ = ["parse_idempotency_record", "parse_version_record"]
 

@@ -1,7 +1,7 @@
 """Scenario storage in Redis: every version of every scenario, immutable, with its history.
 
 Redis is the source of truth; the config manager compiles what is stored here. The keys are listed in
-``deployments/store_scripts.py`` (the scripts that write them) and docs/design.md section 4.1.
+``deployments/storage/scripts.py`` (the scripts that write them) and docs/design.md section 4.1.
 
 A tree scenario given as a ``path`` is stored with the content of the file: its body keeps ``path``
 (where the content was read from, for display) and adds ``content_sha256``, the key of the bytes in
@@ -34,7 +34,7 @@ that version is current, else it raises :class:`BaseChanged` and writes nothing.
 both land in the history, and ``current`` always names the newest write. Names are checked against
 :data:`NAME_PATTERN` because they become parts of keys and URLs.
 
-Failures are raised by kind (:mod:`deployments.store_errors`: Redis unreachable is :class:`StoreUnavailable`; a
+Failures are raised by kind (:mod:`deployments.storage.errors`: Redis unreachable is :class:`StoreUnavailable`; a
 record that is not what this module writes, another tool's garbage, :class:`StoreCorrupt` naming the key); their
 HTTP statuses are chosen in one place, ``deployments/scenario_errors.py:STORE_ERROR_STATUS``. The module's parts:
 ``store_content.py`` (names, fingerprints, packing and chunks), ``store_scripts.py`` (the Lua scripts),
@@ -51,15 +51,15 @@ from typing import Any
 
 import redis
 
-from deployments.store_content import BODY_INLINE_BYTES, CHUNK_BYTES, IDEMPOTENCY_KEY_PATTERN, NAME_PATTERN
-from deployments.store_content import ContentDelta, PackedBody, _SHA256_RE, content_sha256, pack_body, put_chunks
-from deployments.store_content import read_content
-from deployments.store_content import request_fingerprint, validate_idempotency_key, validate_name
-from deployments.store_records import parse_idempotency_record, parse_version_record
-from deployments.store_errors import BaseChanged, Gone, InvalidRequest, NotFound, StoreCorrupt, StoreError
-from deployments.store_errors import StoreUnavailable, VersionConflict, key_reused, pruned_error, redis_errors
-from deployments.store_scripts import BASE_CHANGED, KEY_REUSED, NO_CONTENT, NOT_LIVE, REMEMBER_SCRIPT, REPLAYED
-from deployments.store_scripts import DROP_CHUNKS_SCRIPT, TOO_LATE, WRITE_SCRIPT, WRITTEN
+from deployments.storage.content import BODY_INLINE_BYTES, CHUNK_BYTES, IDEMPOTENCY_KEY_PATTERN, NAME_PATTERN
+from deployments.storage.content import ContentDelta, PackedBody, _SHA256_RE, content_sha256, pack_body, put_chunks
+from deployments.storage.content import read_content
+from deployments.storage.content import request_fingerprint, validate_idempotency_key, validate_name
+from deployments.storage.records import parse_idempotency_record, parse_version_record
+from deployments.storage.errors import BaseChanged, Gone, InvalidRequest, NotFound, StoreCorrupt, StoreError
+from deployments.storage.errors import StoreUnavailable, VersionConflict, key_reused, pruned_error, redis_errors
+from deployments.storage.scripts import BASE_CHANGED, KEY_REUSED, NO_CONTENT, NOT_LIVE, REMEMBER_SCRIPT, REPLAYED
+from deployments.storage.scripts import DROP_CHUNKS_SCRIPT, TOO_LATE, WRITE_SCRIPT, WRITTEN
 
 __all__ = ["BODY_INLINE_BYTES", "BaseChanged", "CHUNK_BYTES", "ContentDelta", "DELTA_CHAIN", "Gone", "HISTORY_BODIES",
            "IDEMPOTENCY_KEY_PATTERN", "IDEMPOTENCY_TTL_S", "InvalidRequest", "NAME_PATTERN", "NotFound", "PackedBody",
@@ -255,7 +255,7 @@ class ScenarioStore:
                 self._drop_chunks_script(keys=[self.content_key(sha)], args=[manifest[1]], client=self.client)
 
     def _put_chunks(self, sha: str, data: bytes, packed: PackedBody | None = None) -> list[str]:
-        """:func:`~deployments.store_content.put_chunks` of content ``sha``: the chunks, not yet its manifest."""
+        """:func:`~deployments.storage.content.put_chunks` of content ``sha``: the chunks, not yet its manifest."""
         return put_chunks(self.client, self.content_key(sha), data, packed)
 
     def _content_stored(self, sha: str) -> bool:
@@ -288,7 +288,7 @@ class ScenarioStore:
         ``answer``: what the write answers besides its name and version (a PATCH's report), kept with the
         idempotency key in the same script, so :meth:`idempotent_result` gives a retry the first answer exactly.
         ``content_delta``: instead of ``content``, the body's content as a line delta of stored content (a catalog
-        PATCH, :class:`~deployments.store_content.ContentDelta`): stored as that delta while its base's chain is
+        PATCH, :class:`~deployments.storage.content.ContentDelta`): stored as that delta while its base's chain is
         shorter than :attr:`delta_chain`, else (and when the base is gone) as the whole content it makes.
         """
         if action not in ("put", "patch"):

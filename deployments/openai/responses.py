@@ -4,7 +4,7 @@
 (``input`` and ``instructions`` -> ``messages``, ``text.format`` -> ``response_format``, ``max_output_tokens`` ->
 ``max_completion_tokens``, flat function ``tools`` -> chat tools), so the same mapping, limits, constraint and
 replica calls serve both routes. :func:`chat_to_response` renders a chat completion as a Responses object, and
-:func:`deployments.responses_stream.responses_events` turns the chat stream chunks into the Responses event
+:func:`deployments.openai.responses_stream.responses_events` turns the chat stream chunks into the Responses event
 stream (``response.created`` ... ``response.completed``).
 
 Nothing is stored: ``store`` is accepted (true, false or absent) and has no effect, and what needs a stored
@@ -23,11 +23,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from config import Limits
-from deployments.openai_api import (
+from deployments.openai.api import (
     PASSTHROUGH_FIELDS, ChatCompletionRequest, StructuredOutputs, refuse_unsupported_fields, validation_error,
 )
 from deployments.protocol import ServiceError
-from deployments.tool_calls import check_arguments
+from deployments.openai.tool_calls import check_arguments
 
 __all__ = [
     "ResponseObject",
@@ -235,7 +235,7 @@ def _chat_tools(body: ResponsesRequest) -> dict[str, Any]:
 
 def responses_to_chat(body: ResponsesRequest, limits: Limits | None = None) -> ChatCompletionRequest:
     """The chat-completions body that asks for what ``body`` asks (a 400/422 naming the Responses field); with
-    ``limits``, the input's call arguments are held to them (:func:`deployments.tool_calls.check_arguments`)."""
+    ``limits``, the input's call arguments are held to them (:func:`deployments.openai.tool_calls.check_arguments`)."""
     passed = _check_fields(body)
     fmt = body.text.format if body.text is not None else None
     data: dict[str, Any] = {

@@ -1,6 +1,6 @@
 """The OpenAI-compatible request and response bodies (pydantic models) of ``/v1/completions``,
 ``/v1/chat/completions`` and ``/v1/models``; their mapping to and from the native API is in
-``deployments/openai_api.py``, which re-exports them."""
+``deployments/openai/api.py``, which re-exports them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deployments.protocol import ChatMessage, Usage
-from deployments.tool_calls import Tool, ToolChoice
+from deployments.openai.tool_calls import Tool, ToolChoice
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 

@@ -1,5 +1,5 @@
 """What the scenario store keeps, as values: scenario names and idempotency keys checked, request fingerprints,
-bodies and content packed (compressed, hashed) and cut into chunks, and read back (``deployments/store.py`` writes
+bodies and content packed (compressed, hashed) and cut into chunks, and read back (``deployments/storage/store.py`` writes
 them; docs/design.md section 4.1 has the keys).
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from redis.client import NEVER_DECODE
 
-from deployments.store_errors import InvalidRequest, StoreCorrupt
+from deployments.storage.errors import InvalidRequest, StoreCorrupt
 
 __all__ = ["BODY_INLINE_BYTES", "CHUNK_BYTES", "ContentDelta", "IDEMPOTENCY_KEY_PATTERN", "NAME_PATTERN",
            "PackedBody", "apply_line_delta", "content_sha256", "line_delta", "pack_body", "put_chunks", "read_content",

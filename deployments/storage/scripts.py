@@ -1,4 +1,4 @@
-"""The scenario store's Lua scripts (``deployments/store.py``): every write is one of them, run atomically in Redis.
+"""The scenario store's Lua scripts (``deployments/storage/store.py``): every write is one of them, run atomically in Redis.
 
 :data:`WRITE_SCRIPT` (put, patch, rollback, delete: section 4.1 of docs/design.md) and :data:`REMEMBER_SCRIPT` (the
 answer of a request that wrote nothing, kept under its idempotency key), and the status codes they answer.

@@ -1,8 +1,8 @@
 """The Responses API event stream (``POST /v1/responses`` with ``stream: true``) for a chat stream.
 
-:func:`responses_events` turns the chunks of :func:`deployments.openai_api.openai_stream_chunks` (one choice, with
+:func:`responses_events` turns the chunks of :func:`deployments.openai.api.openai_stream_chunks` (one choice, with
 a usage chunk) into numbered Responses events; the request mapping and the response object are in
-:mod:`deployments.responses_api`. This module knows nothing of HTTP.
+:mod:`deployments.openai.responses`. This module knows nothing of HTTP.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import aclosing
 from typing import Any, AsyncIterator
 
-from deployments.responses_api import (
+from deployments.openai.responses import (
     ResponsesRequest, function_call_item, message_item, reasoning_item, finished, response_skeleton,
 )
 

@@ -1,7 +1,7 @@
 """OpenAI-style stream chunks (``chat.completion.chunk``, ``text_completion``) for a replica's native stream.
 
-Moved out of :mod:`deployments.openai_api` (which re-exports :func:`openai_stream_chunks`); tool calls are sent as
-OpenAI's ``tool_calls`` deltas (:mod:`deployments.tool_calls`).
+Moved out of :mod:`deployments.openai.api` (which re-exports :func:`openai_stream_chunks`); tool calls are sent as
+OpenAI's ``tool_calls`` deltas (:mod:`deployments.openai.tool_calls`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 from deployments.protocol import GenerateResponse
-from deployments.tool_calls import ToolPlan, parse_tool_output, tool_call_deltas
+from deployments.openai.tool_calls import ToolPlan, parse_tool_output, tool_call_deltas
 
 __all__ = ["openai_stream_chunks"]
 
@@ -26,9 +26,9 @@ async def openai_stream_chunks(
     A role chunk per choice (chat), then text deltas and finish reasons, a usage chunk when ``include_usage``,
     and an ``error`` object for a native ``error`` event. ``events`` is closed when this generator is.
 
-    With ``tools`` (a chat request's :class:`~deployments.tool_calls.ToolPlan`) each output is sent once it is
-    finished and read (:func:`~deployments.tool_calls.parse_tool_output`): ``tool_calls`` deltas
-    (:func:`~deployments.tool_calls.tool_call_deltas`) and ``finish_reason: "tool_calls"``, or its text as one
+    With ``tools`` (a chat request's :class:`~deployments.openai.tool_calls.ToolPlan`) each output is sent once it is
+    finished and read (:func:`~deployments.openai.tool_calls.parse_tool_output`): ``tool_calls`` deltas
+    (:func:`~deployments.openai.tool_calls.tool_call_deltas`) and ``finish_reason: "tool_calls"``, or its text as one
     ``content`` delta. (A call's tokens are held back until the output passed its schema check in any case.)
     A stored tool set (a ``tools`` scenario) is read the same way with the plan its ``done`` response carries.
     """

@@ -1,6 +1,6 @@
 """The scenario store's failures, by kind: what went wrong, never an HTTP status.
 
-Every failure of :mod:`deployments.store` is one of these classes. Their HTTP statuses are chosen in one place,
+Every failure of :mod:`deployments.storage.store` is one of these classes. Their HTTP statuses are chosen in one place,
 :data:`deployments.scenario_errors.STORE_ERROR_STATUS` (a store error is a :class:`~deployments.protocol.ServiceError`
 carrying that status, so the routes answer it as it comes): :class:`InvalidRequest` (a name, key or body the store
 refuses), :class:`NotFound`, :class:`VersionConflict` (a delete entry where a body is needed; :class:`BaseChanged`, a

@@ -1,7 +1,7 @@
 """The OpenAI-compatible layer: request and response bodies, and their mapping to and from the native API.
 
 The ingress (``deployments/ingress/``) serves ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``
-with the models of ``deployments/openai_models.py`` (re-exported here). :func:`openai_mapping` turns an OpenAI body
+with the models of ``deployments/openai/models.py`` (re-exported here). :func:`openai_mapping` turns an OpenAI body
 into a :class:`GenerateRequest` (a ``response_format`` or ``structured_outputs`` becomes a checked one-off scenario)
 and the plan its outputs are read with as tool calls (:func:`openai_to_generate`: the request alone); :func:`openai_response` and
 :func:`openai_stream_chunks` turn the replicas' answers back into OpenAI JSON bodies and stream chunks.
@@ -22,16 +22,16 @@ from pydantic import ValidationError
 from config import Limits
 from processors.scenarios import SCENARIO_TYPES, scenario_model
 from deployments.json_body import BodyRejected, body_rejected, parse_json
-from deployments.openai_models import (  # noqa: F401  (the models are this module's API too)
+from deployments.openai.models import (  # noqa: F401  (the models are this module's API too)
     DEFAULT_MODEL_NAME, IGNORED_FIELDS, NEUTRAL_FIELDS, PASSTHROUGH_FIELDS, AssistantMessage, ChatChoice,
     ChatCompletionRequest, ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse,
     JsonSchemaFormat, ModelCard, ModelList, OpenAIChatMessage, ResponseFormat, StreamOptions, StructuredOutputs,
     TextPart, ToolCall, ToolCallFunction, structured_keys,
 )
-from deployments.openai_stream import openai_stream_chunks
+from deployments.openai.stream import openai_stream_chunks
 from deployments.protocol import GenerateRequest, GenerateResponse, ServiceError
 from deployments.scenario_errors import validated_one_off as _validated_inline
-from deployments.tool_calls import ToolPlan, parse_tool_output, tool_setup
+from deployments.openai.tool_calls import ToolPlan, parse_tool_output, tool_setup
 
 __all__ = [
     "ChatCompletionRequest",
