@@ -14,7 +14,7 @@ import time
 import pytest
 
 from config import ServerSettings
-from deployments import redis_server
+from deployments.storage import redis_server
 from deployments.manager import ConfigManager
 from deployments.storage.redis_server import embedded_server_pid
 

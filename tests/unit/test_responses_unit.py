@@ -12,7 +12,7 @@ import asyncio
 import pytest
 from pydantic import TypeAdapter
 
-from deployments import responses_api
+from deployments.openai import responses as responses_api
 from deployments.protocol import ServiceError
 from deployments.openai.responses import ResponsesRequest, chat_to_response, renamed_error, responses_to_chat
 from deployments.openai.responses_stream import responses_events
