@@ -23,7 +23,7 @@ import re
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 from config import ScenarioError, ServerSettings
 from deployments.protocol import ServiceError
@@ -71,6 +71,16 @@ def compile_warnings(compiled) -> list[str]:
 
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+class HeldBase(NamedTuple):
+    """The current version of a scenario as the compiler holds it for a PATCH: its number, its kind, the kind's own
+    form of it (a tree's: ``(Catalog, catalog tables)``) and its item count."""
+
+    version: int
+    kind: str
+    base: Any
+    items: int
+
+
 # The path a split inline tree compiles under: only a name for its prebuilt tables (never opened, never stored).
 INLINE_TREE_PATH = "(inline tree)"
 
@@ -129,7 +139,6 @@ class StoredScenarioCompiler:
         self._catalogs: dict[str, Any] = {}  # sha -> parsed Catalog, the newest few
         self._tables: dict[str, Any] = {}  # sha -> a catalog's tables (catalog_tables' form), the newest two
         self.tables_patched = 0  # PATCHes whose tables were updated from their base's (not compiled in full)
-        self._patched: set[str] = set()  # of the catalogs in _tables, those (see was_patched)
         # a PATCH of more items than the base's states / this compiles the new items in full: faster there (about
         # 6 touched paths an item, each ~50 states' worth of a full compile; docs/benchmarks.md, catalog PATCH)
         self.patch_states_per_item = 300
@@ -283,20 +292,13 @@ class StoredScenarioCompiler:
 
     def remember_tables(self, sha: str, tables, patched: bool = False) -> None:
         """Keep the tables of catalog ``sha`` (the newest two: a large catalog's tables are large). ``patched``:
-        a PATCH updated them from its base's (:meth:`was_patched`)."""
+        a PATCH updated them from its base's (counted in ``tables_patched``)."""
         self._tables.pop(sha, None)
         self._tables[sha] = tables
         while len(self._tables) > 2:
-            self._patched.discard(next(iter(self._tables)))
             self._tables.pop(next(iter(self._tables)))
         if patched:
-            self._patched.add(sha)
             self.tables_patched += 1
-
-    def was_patched(self, sha: str) -> bool:
-        """The tables of catalog ``sha`` were updated from its base's along the delta (not compiled in full): the
-        delta is small for the catalog, so the replicas may apply it too."""
-        return sha in self._patched
 
     def _note_tree_form(self, name: str, compiled, fields: dict[str, Any], start_token_id: Any) -> None:
         from processors.kinds.tree.catalog import _RESERVED
@@ -313,7 +315,7 @@ class StoredScenarioCompiler:
     def note_installed(self, name: str, version: int, compiled) -> None:
         """``compiled`` (None: removed) is what ``name`` serves from ``version`` on. A tree given inline is read
         into its items and their catalog tables in the background (processors/kinds/tree/item_list.py, catalog_tables), so
-        that its first PATCH is a delta too (:meth:`tree_base`), without parsing and loading the stored body."""
+        that its first PATCH is a delta too (:meth:`held_base`), without parsing and loading the stored body."""
         self._tree_bases.pop(name, None)
         tables = getattr(compiled, "constraint", None)
         form = self._tree_forms.get((name, getattr(tables, "version", "")))
@@ -333,18 +335,32 @@ class StoredScenarioCompiler:
         catalog = Catalog.from_flat(start_token_id, tables.end_token_id, flat, lengths, fields)
         return catalog, catalog_tables(catalog, self.vocab_size)
 
-    def tree_base(self, store: ScenarioStore, name: str):
-        """``(version, (Catalog, catalog tables))`` of the current version of ``name`` when it is a tree given inline
+    def held_base(self, store: ScenarioStore, name: str) -> HeldBase | None:
+        """What this compiler holds of the current version of ``name`` for a PATCH, when it is a tree given inline
         whose items were read here (waits for the background read while it runs); ``None`` when not: the PATCH
         then reads the stored body."""
         entry = self._tree_bases.get(name)
         if entry is None or entry[0] != store.current_version(name):
             return None
         try:
-            return entry[0], entry[1].result()
+            catalog, tables = entry[1].result()
         except Exception:  # noqa: BLE001 - the PATCH then takes the stored body's way
             logger.exception("scenario %r: reading the items of version %d failed", name, entry[0])
             return None
+        return HeldBase(entry[0], "tree", (catalog, tables), len(catalog))
+
+    # -- what a kind's PATCH asks of the stored content (processors.kinds.patch.PatchStore) -------------------
+
+    @property
+    def limits(self):
+        return self.settings.limits
+
+    def content_delta(self, base_sha: str, removed_lines: list[bytes], added_lines: list[bytes], content):
+        """The stored form of catalog content that is ``base_sha``'s with lines removed and appended
+        (:class:`~deployments.storage.content.ContentDelta`; ``content`` gives the whole bytes)."""
+        from deployments.storage.content import ContentDelta, line_delta
+
+        return ContentDelta(base_sha, line_delta(removed_lines, added_lines), content)
 
     def keep_content(self, data: bytes) -> tuple[str, bool]:
         """Keep ``data`` (a catalog upload, canonical) as a local copy under its SHA-256: the hash, and whether the
@@ -362,7 +378,6 @@ class StoredScenarioCompiler:
         Only for a copy :meth:`keep_content` called new: stored versions keep theirs (and Redis has the bytes)."""
         self._catalogs.pop(sha, None)
         self._tables.pop(sha, None)
-        self._patched.discard(sha)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self._content_dir, f"{sha}.json"))
 

@@ -79,19 +79,20 @@ def patch_write(manager: Any, name: str, delta: Any, idempotency_key: str | None
         return body_fingerprint("patch", name, {"add": add, "remove": remove, "base_version": base})
 
     async def draft(fp: str | None) -> Draft:
-        prepared = await asyncio.to_thread(manager.compiler.tree_base, manager.store, name)  # (version, base) or None
-        record = None if prepared else await asyncio.to_thread(manager.store.get, name)
-        if prepared is None and record is None:
+        held = await asyncio.to_thread(manager.compiler.held_base, manager.store, name)  # HeldBase or None
+        record = None if held else await asyncio.to_thread(manager.store.get, name)
+        if held is None and record is None:
             await manager._not_found(name, None)
-        current, stored = (prepared[0], None) if record is None else (int(record["version"]), record["scenario"])
+        current, stored = (held.version, None) if record is None else (int(record["version"]), record["scenario"])
         if base is not None and current != base:
             raise BaseChanged(name, base, current)
-        items = len(prepared[1][0]) if prepared else (stored or {}).get("items")
+        items = held.items if held else (stored or {}).get("items")
         if isinstance(items, int):  # (a tree not patched yet: its PUT was checked, its PATCH makes a catalog)
             check_write_memory(manager.settings, PATCH_BYTES_PER_ITEM * items, f"a PATCH of {items:,} items",
                                name=name)
-        body, content, report, new_sha = await asyncio.to_thread(
-            apply_delta, manager.compiler, manager.settings.limits, name, stored, add, remove, prepared and prepared[1])
+        result = await asyncio.to_thread(apply_delta, manager.compiler, name, stored, add, remove,
+                                         held and (held.kind, held.base))
+        body, content, report, new_sha = result.body, result.stored, result.report, result.new_sha
         # the answer besides name and version: kept with the Idempotency-Key, a retry gets it exactly
         answer = {"base_version": current, **report.to_json(), "changed": report.changed}
         if not report.changed:
@@ -102,7 +103,7 @@ def patch_write(manager: Any, name: str, delta: Any, idempotency_key: str | None
                     return Draft(result=await manager._writes.replay(first))
             return Draft(result={"name": name, **answer, "version": current})
         delta = None
-        if body.get("content_format") == "items" and manager.compiler.was_patched(body["content_sha256"]):
+        if result.replica_delta:
             added, removed = report.applied(add, remove)  # for replicas serving `current` (they apply the delta)
             delta = {"base": current, "add": added, "remove": removed}
         note = "".join(f", {step} {took:.3f} s" for step, took in report.timings.items())

@@ -51,14 +51,14 @@ class Capabilities:
     Args:
         items: the outputs are items of a catalog (a tree's paths, a label set's labels): the item controls
             (``exclude``, ``distinct``, ``max_items``, the token budget) apply.
-        patch: how ``PATCH /admin/scenarios/{name}`` changes a stored body: ``"items"`` (paths added to and
-            removed from a tree: any tree form, stored as a catalog) or ``"labels"``; ``None``: PUT only (a 409).
+        patch: ``PATCH /admin/scenarios/{name}`` adds and removes the scenario's items
+            (:meth:`ConstraintKind.apply_patch`); ``False``: PUT only (a 409).
         grammar: a grammar matcher per row (``GrammarSpec``): its first mask may be slow (an engine builds it off
             the decode loop), it needs the tokenizer, and vLLM's own guidance backend can enforce it.
     """
 
     items: bool = False
-    patch: str | None = None
+    patch: bool = False
     grammar: bool = False
 
 
@@ -164,6 +164,14 @@ class ConstraintKind(ABC):
         output, None when it is) and ``exact`` (whether the grammar alone already guarantees it). None: nothing to
         check."""
         return None
+
+    def apply_patch(self, name: str, body: dict[str, Any] | None, add: list[Any], remove: list[Any],
+                    store: Any, prepared: Any = None) -> Any:
+        """A PATCH's ``add`` / ``remove`` applied to the stored ``body`` of scenario ``name`` (a kind with
+        ``capabilities.patch``; on a worker thread): a :class:`processors.kinds.patch.PatchResult`. ``store``: a
+        :class:`processors.kinds.patch.PatchStore`; ``prepared``: what the store already holds of the current
+        version, in the kind's own form (``body`` may then be None). Refusals are ``ConstraintError``."""
+        raise ValueError(f"scenario type {self.type_name!r} has no PATCH")
 
     def llguidance_grammar(self, constraint: Any) -> str | None:
         """The llguidance grammar (its JSON text) that ``constraint`` enforces, for an engine that can hand it to its

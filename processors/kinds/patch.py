@@ -1,21 +1,62 @@
-"""The PATCH body every patchable kind takes (``{"add": [...], "remove": [...], "base_version": n}``) and the
-report of what a PATCH did; each kind applies its delta in its package (``tree/catalog_delta.py``,
-``labels/delta.py``)."""
+"""The PATCH body every patchable kind takes (``{"add": [...], "remove": [...], "base_version": n}``), the report
+of what a PATCH did, what a kind's PATCH gives back (:class:`PatchResult`) and what it may ask of the stored content
+around it (:class:`PatchStore`, the config manager's side). Each kind applies its delta in its package
+(:meth:`processors.kinds.base.ConstraintKind.apply_patch`: ``tree/catalog_delta.py``, ``labels/delta.py``)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 from config import ConstraintError
 
-__all__ = ["DeltaReport", "check_disjoint", "check_unique", "parse_delta", "refused"]
+__all__ = ["DeltaReport", "PatchResult", "PatchStore", "check_disjoint", "check_unique", "parse_delta", "refused"]
 
 
 def refused(message: str, field_name: str, **detail: Any) -> ConstraintError:
     """A 422 naming ``field_name``."""
     return ConstraintError(422, message, {"field": field_name, **detail})
+
+
+class PatchStore(Protocol):
+    """What a kind's PATCH may use of the stored content around it (the config manager's compiler implements it):
+    the parsed stored catalogs and their tables kept in memory, local content copies, the stored form of a delta."""
+
+    vocab_size: int
+    limits: Any
+    #: a PATCH of more items than the base's states / this compiles the new items in full
+    patch_states_per_item: int
+
+    def validate(self, name: str, body: dict[str, Any]) -> Any: ...
+
+    def catalog(self, name: str, sha: str) -> Any: ...
+
+    def catalog_tables(self, sha: str) -> Any: ...
+
+    def remember_catalog(self, sha: str, catalog: Any) -> None: ...
+
+    def remember_tables(self, sha: str, tables: Any, patched: bool = False) -> None: ...
+
+    def keep_content(self, data: bytes) -> tuple[str, bool]: ...
+
+    def content_delta(self, base_sha: str, removed_lines: list[bytes], added_lines: list[bytes], content: Any) -> Any:
+        """The stored form of content that is ``base_sha``'s with lines removed and appended (``content``: a
+        callable giving the whole bytes when the store needs them)."""
+        ...
+
+
+class PatchResult(NamedTuple):
+    """What a kind's PATCH gives the write: the whole new body, the content to store with it (bytes, the store's
+    delta form from :meth:`PatchStore.content_delta`, or None), the report, and the SHA-256 of the content when its
+    local copy is new (a refused write discards it); ``replica_delta``: the new version's tables were updated from
+    the base's along the changed paths, so a replica serving the base may apply the delta itself."""
+
+    body: dict[str, Any]
+    stored: Any
+    report: "DeltaReport"
+    new_sha: str | None
+    replica_delta: bool = False
 
 
 @dataclass

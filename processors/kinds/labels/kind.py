@@ -16,7 +16,7 @@ class LabelsKind(ConstraintKind):
 
     config_model = LabelsScenario
     compiled_type = LabelTables
-    capabilities = Capabilities(items=True, patch="labels")
+    capabilities = Capabilities(items=True, patch=True)
 
     def compile(self, scenario, info, *, worker=None) -> CompileResult:
         return CompileResult(build_label_tables(
@@ -33,6 +33,13 @@ class LabelsKind(ConstraintKind):
 
     def answer_form(self, constraint, bare):
         return constraint.for_prompt(bare)
+
+    def apply_patch(self, name, body, add, remove, store, prepared=None):
+        from ..patch import PatchResult
+        from .delta import apply_labels_delta
+
+        new_body, report = apply_labels_delta(body, add, remove)
+        return PatchResult(new_body, None, report, None)
 
     def bare_output(self, constraint, first_token):
         """The bare form when the first token starts a label only in that form."""

@@ -1,8 +1,12 @@
 """A PATCH of a tree's items: a catalog (:class:`~processors.kinds.tree.catalog.Catalog`) with items added and
-removed, order kept, its canonical bytes spliced from the base's."""
+removed, order kept, its canonical bytes spliced from the base's (:func:`apply_tree_delta`); and the tree kind's
+PATCH of a stored body of any tree form (:func:`patch_stored_tree`: the result stored as a catalog, its tables
+updated from the base's along the changed paths when the delta is small for the catalog)."""
 
 from __future__ import annotations
 
+import hashlib
+import time
 from itertools import compress
 from typing import Any
 
@@ -10,10 +14,10 @@ import numpy as np
 
 from config import ConstraintError
 
-from ..patch import DeltaReport, check_disjoint, check_unique
-from .catalog import Catalog, _line, check_items
+from ..patch import DeltaReport, PatchResult, check_disjoint, check_unique, refused
+from .catalog import _RESERVED, Catalog, _line, catalog_body, check_items, items_from_tree
 
-__all__ = ["apply_tree_delta"]
+__all__ = ["apply_tree_delta", "patch_stored_tree"]
 
 
 def _too_many_after_patch(count: int, limit: int) -> ConstraintError:
@@ -136,3 +140,67 @@ def _spliced_content(base: Catalog, rows: list[int], added: list[bytes]) -> tupl
               out=new_ends)
     new_ends += head
     return content, new_ends
+
+
+def patch_stored_tree(name: str, body: dict[str, Any] | None, add: list[Any], remove: list[Any], store: Any,
+                      prepared: tuple[Catalog, Any] | None = None) -> PatchResult:
+    """A PATCH of a stored tree body (worker thread; :meth:`processors.kinds.base.ConstraintKind.apply_patch`).
+    ``store``: a :class:`~processors.kinds.patch.PatchStore`; ``prepared``: ``(items, catalog tables)`` of the
+    current version when it is a tree given inline that the store has read already (``body`` is not needed then).
+    A stored catalog is patched as the delta of its content; an inline tree or a tree file is read into its items
+    once and stored as a catalog."""
+    from .file import load_tree
+
+    if prepared is not None:
+        return _patch(name, body, add, remove, store, *prepared)
+    assert body is not None
+    sha = body.get("content_sha256")
+    if body.get("content_format") == "items" and isinstance(sha, str):  # a stored catalog
+        return _patch(name, body, add, remove, store, store.catalog(name, sha), store.catalog_tables(sha), base_sha=sha)
+    scenario = store.validate(name, body)
+    tree = load_tree(scenario.tree if scenario.tree is not None else scenario.path, vocab_size=store.vocab_size)
+    options = {k: v for k, v in body.items() if k not in _RESERVED}
+    base = Catalog.from_items(int(tree.start_token_id), int(tree.end_token_id), items_from_tree(tree), options)
+    return _patch(name, body, add, remove, store, base, None)
+
+
+def _patch(name: str, body: Any, add: list[Any], remove: list[Any], store: Any, base: Catalog, base_tables: Any,
+           base_sha: str | None = None) -> PatchResult:
+    """:func:`patch_stored_tree` once the base's items (``base``) and, when built lately, its catalog tables
+    (``base_tables``) are known. ``base_sha``: the base is stored catalog content under this hash; the result is then
+    stored as the delta of it (no whole catalog written, here or in Redis, unless the store compacts the chain),
+    else as a whole catalog."""
+    t0 = time.perf_counter()
+    limits = store.limits
+    catalog, report = apply_tree_delta(base, add, remove, vocab_size=store.vocab_size,
+                                       max_items=limits.max_tree_keys, max_item_tokens=limits.max_item_tokens)
+    t1 = time.perf_counter()
+    if not report.changed:
+        return PatchResult(body, None, report, None)
+    if not len(catalog):  # (not catalog.items: that makes a tuple per item)
+        raise refused(f"remove: the PATCH would leave scenario {name!r} without items; DELETE it instead", "remove",
+                      name=name)
+    content = catalog.content()
+    if base_sha is not None:  # no local copy either: the catalog stays parsed in memory, the store rebuilds the bytes
+        sha, new = hashlib.sha256(content).hexdigest(), False
+        added, removed = report.applied(add, remove)
+        stored: Any = store.content_delta(base_sha, [_line(item) for item in removed], [_line(item) for item in added],
+                                          lambda: content)
+    else:
+        (sha, new), stored = store.keep_content(content), content
+    store.remember_catalog(sha, catalog)
+    t2 = time.perf_counter()
+    # the base's tables updated along the changed paths (equal to a full compile), unless the delta is large for the
+    # catalog: its Python work per touched path then costs more than a full compile's array passes. (Not on another
+    # thread beside the bytes above: measured, the two together took longer than one after the other.)
+    patched = False
+    if base_tables is not None and (len(add) + len(remove)) * store.patch_states_per_item <= base_tables.n_states:
+        from .delta import patch_tables
+
+        tables = patch_tables(base_tables, add, remove)
+        if tables is not None:  # (None: the base's tables cannot tell their items; the compile builds them in full)
+            store.remember_tables(sha, tables, patched=True)
+            patched = True
+    report.timings = {"items": t1 - t0, "bytes": t2 - t1, "tables": time.perf_counter() - t2}
+    return PatchResult(catalog_body(catalog, content, sha), stored, report, sha if new else None,
+                       replica_delta=patched)

@@ -46,7 +46,7 @@ class TreeKind(ConstraintKind):
 
     config_model = TreeScenario
     compiled_type = MaskTables
-    capabilities = Capabilities(items=True, patch="items")
+    capabilities = Capabilities(items=True, patch=True)
 
     def compile(self, scenario, info, *, worker=None) -> CompileResult:
         strict = bool(scenario.strict)
@@ -81,6 +81,12 @@ class TreeKind(ConstraintKind):
 
     def item_tables(self, constraint) -> MaskTables:
         return constraint
+
+    def apply_patch(self, name, body, add, remove, store, prepared=None):
+        """Items of any tree form added and removed; the result is stored as a catalog (``catalog_delta.py``)."""
+        from .catalog_delta import patch_stored_tree
+
+        return patch_stored_tree(name, body, add, remove, store, prepared)
 
 
 register(TreeKind())
