@@ -119,8 +119,9 @@ def request_fingerprint(action: str, name: str, body: Any = None, from_version: 
 
 
 def content_sha256(body: Any) -> str | None:
-    """The ``content_sha256`` of a tree body stored with the content of its file, else None."""
-    if isinstance(body, dict) and body.get("type") == "tree" and isinstance(body.get("content_sha256"), str):
+    """The ``content_sha256`` of a body stored with content of its own (a tree file's, a catalog's), else None. Only
+    bodies the manager has validated are stored, and validation refuses the field where the kind has no content."""
+    if isinstance(body, dict) and isinstance(body.get("content_sha256"), str):
         return body["content_sha256"]
     return None
 
