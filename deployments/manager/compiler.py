@@ -23,12 +23,14 @@ import re
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 from config import ScenarioError, ServerSettings
 from deployments.protocol import ServiceError
 from deployments.scenario_errors import scenario_service_error
 from deployments.storage.store import ScenarioStore, content_sha256
+
+from .tree_bases import HeldBase, InlineTreeBases
 
 logger = logging.getLogger(__name__)
 
@@ -71,16 +73,6 @@ def compile_warnings(compiled) -> list[str]:
 
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-class HeldBase(NamedTuple):
-    """The current version of a scenario as the compiler holds it for a PATCH: its number, its kind, the kind's own
-    form of it (a tree's: ``(Catalog, catalog tables)``) and its item count."""
-
-    version: int
-    kind: str
-    base: Any
-    items: int
-
-
 # The path a split inline tree compiles under: only a name for its prebuilt tables (never opened, never stored).
 INLINE_TREE_PATH = "(inline tree)"
 
@@ -142,10 +134,8 @@ class StoredScenarioCompiler:
         # a PATCH of more items than the base's states / this compiles the new items in full: faster there (about
         # 6 touched paths an item, each ~50 states' worth of a full compile; docs/benchmarks.md, catalog PATCH)
         self.patch_states_per_item = 300
-        # a tree given inline: its fields by (name, tables version), and, once served, its items and catalog tables
-        # prepared in the background for a first PATCH (name -> (version, future)); see note_installed
-        self._tree_forms: dict[tuple[str, str], tuple[dict[str, Any], int]] = {}
-        self._tree_bases: dict[str, tuple[int, Any]] = {}
+        # trees given inline: their items read for a first PATCH, once no write comes (see .tree_bases)
+        self.tree_bases = InlineTreeBases(self._pool, lambda: self.vocab_size)
         self.new_loop()
 
     def new_loop(self) -> None:
@@ -153,6 +143,7 @@ class StoredScenarioCompiler:
         self._gate = asyncio.Lock()
 
     def close(self) -> None:
+        self.tree_bases.close()
         self.pipeline.close()
 
     # ------------------------------------------------------------------ validate
@@ -300,54 +291,15 @@ class StoredScenarioCompiler:
         if patched:
             self.tables_patched += 1
 
-    def _note_tree_form(self, name: str, compiled, fields: dict[str, Any], start_token_id: Any) -> None:
-        from processors.kinds.tree.catalog import _RESERVED
-
-        tables = getattr(compiled, "constraint", None)
-        if start_token_id is None or not hasattr(tables, "offsets"):
-            return
-        self._tree_forms.pop((name, tables.version), None)
-        self._tree_forms[(name, tables.version)] = ({k: v for k, v in fields.items() if k not in _RESERVED},
-                                                    int(start_token_id))
-        while len(self._tree_forms) > 8:
-            self._tree_forms.pop(next(iter(self._tree_forms)))
-
     def note_installed(self, name: str, version: int, compiled) -> None:
-        """``compiled`` (None: removed) is what ``name`` serves from ``version`` on. A tree given inline is read
-        into its items and their catalog tables in the background (processors/kinds/tree/item_list.py, catalog_tables), so
-        that its first PATCH is a delta too (:meth:`held_base`), without parsing and loading the stored body."""
-        self._tree_bases.pop(name, None)
-        tables = getattr(compiled, "constraint", None)
-        form = self._tree_forms.get((name, getattr(tables, "version", "")))
-        if form is None:
-            return
-        self._tree_bases[name] = (int(version), self._pool.submit(self._read_tree_base, tables, *form))
-        while len(self._tree_bases) > 2:
-            self._tree_bases.pop(next(iter(self._tree_bases)))
-
-    def _read_tree_base(self, tables, fields: dict[str, Any], start_token_id: int):
-        from processors.kinds.tree.catalog_tables import catalog_tables
-        from processors.kinds.tree.item_list import tree_items
-
-        from processors.kinds.tree.catalog import Catalog
-
-        flat, lengths = tree_items(tables)
-        catalog = Catalog.from_flat(start_token_id, tables.end_token_id, flat, lengths, fields)
-        return catalog, catalog_tables(catalog, self.vocab_size)
+        """``compiled`` (None: removed) is what ``name`` serves from ``version`` on (a tree given inline: its items
+        are read for its first PATCH, :mod:`.tree_bases`)."""
+        self.tree_bases.note_installed(name, version, compiled)
 
     def held_base(self, store: ScenarioStore, name: str) -> HeldBase | None:
-        """What this compiler holds of the current version of ``name`` for a PATCH, when it is a tree given inline
-        whose items were read here (waits for the background read while it runs); ``None`` when not: the PATCH
-        then reads the stored body."""
-        entry = self._tree_bases.get(name)
-        if entry is None or entry[0] != store.current_version(name):
-            return None
-        try:
-            catalog, tables = entry[1].result()
-        except Exception:  # noqa: BLE001 - the PATCH then takes the stored body's way
-            logger.exception("scenario %r: reading the items of version %d failed", name, entry[0])
-            return None
-        return HeldBase(entry[0], "tree", (catalog, tables), len(catalog))
+        """What this compiler holds of the current version of ``name`` for a PATCH (a tree given inline: its items,
+        :meth:`InlineTreeBases.held`); ``None`` when nothing: the PATCH then reads the stored body."""
+        return self.tree_bases.held(name, store.current_version(name), logger)
 
     # -- what a kind's PATCH asks of the stored content (processors.kinds.patch.PatchStore) -------------------
 
@@ -423,7 +375,7 @@ class StoredScenarioCompiler:
             else:
                 compiled = self._compile_now(name, scenario)
                 if body.get("type") == "tree" and scenario.tree is not None:
-                    self._note_tree_form(name, compiled, body, getattr(scenario.tree, "start_token_id", None))
+                    self.tree_bases.note_form(name, compiled, body, getattr(scenario.tree, "start_token_id", None))
         except ServiceError as exc:
             sha = content_sha256(body)
             if sha is not None and isinstance(body.get("path"), str):  # name the admin's file, not the local copy
@@ -447,7 +399,7 @@ class StoredScenarioCompiler:
             tree = load_tree(inline.tree, vocab_size=self.vocab_size, strict=bool(scenario.strict))
             self.settings.limits.check_tree_keys(len(tree), "tree.prefix_dict")
             compiled = self._compile_now(name, scenario, (build_tree_tables(tree, self.vocab_size), tree.start_token_id))
-            self._note_tree_form(name, compiled, inline.rest, tree.start_token_id)
+            self.tree_bases.note_form(name, compiled, inline.rest, tree.start_token_id)
         except (ScenarioError, ServiceError, LimitExceeded, ValueError) as exc:
             logger.info("scenario %r: inline tree refused on the split way, parsing the whole body (%s)", name,
                         str(exc)[:200])
@@ -475,6 +427,7 @@ class StoredScenarioCompiler:
         return await self._bounded(self._prepare, name, body)
 
     async def _bounded(self, prepare, name: str, body: Any):
+        self.tree_bases.postpone()  # a write: reads of inline trees' items wait until none comes
         async with self._gate:  # one compile at a time: the tokenizer is shared
             try:
                 return await self.pipeline.run_bounded(prepare, name, body)

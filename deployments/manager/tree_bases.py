@@ -1,0 +1,141 @@
+"""The items of trees given inline, read for their first PATCH: :class:`InlineTreeBases`, part of the manager's
+compiler.
+
+A tree PUT inline (a ``prefix_dict``) is served from tables built from its tree; a PATCH works on items and their
+catalog tables (``processors/kinds/tree/catalog_delta.py``). So that the first PATCH of such a tree is a delta too,
+without parsing and loading the stored body again, its items are read from the served tables
+(``processors/kinds/tree/item_list.py:tree_items``, array passes) and their catalog tables built, on the compiler's
+threads. At 10^6 items that is seconds of CPU: it starts only once no write has come for ``idle_s`` (a PUT that
+follows at once would otherwise share the CPU with it), or at once when a PATCH asks for it (:meth:`held`).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Executor, Future
+from typing import Any, Callable, NamedTuple
+
+__all__ = ["HeldBase", "InlineTreeBases"]
+
+
+class HeldBase(NamedTuple):
+    """The current version of a scenario as the compiler holds it for a PATCH: its number, its kind, the kind's own
+    form of it (a tree's: ``(Catalog, catalog tables)``) and its item count."""
+
+    version: int
+    kind: str
+    base: Any
+    items: int
+
+
+class _Entry:
+    __slots__ = ("version", "args", "future")
+
+    def __init__(self, version: int, args: tuple):
+        self.version = version
+        self.args = args
+        self.future: Future | None = None  # None: not started yet
+
+
+class InlineTreeBases:
+    """Inline trees' fields by (name, tables version), and, once served, their items read for a first PATCH.
+
+    Args:
+        pool: the compiler's threads (lower priority).
+        vocab_size: the served vocabulary (catalog tables are built for it).
+        idle_s: seconds without a write before a read starts by itself.
+    """
+
+    def __init__(self, pool: Executor, vocab_size: Callable[[], int], idle_s: float = 2.0):
+        self._pool = pool
+        self._vocab_size = vocab_size
+        self.idle_s = idle_s
+        self._forms: dict[tuple[str, str], tuple[dict[str, Any], int]] = {}
+        self._bases: dict[str, _Entry] = {}
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        #: reads started by the idle timer, by a PATCH
+        self.stats = {"idle_reads": 0, "patch_reads": 0}
+
+    def note_form(self, name: str, compiled, fields: dict[str, Any], start_token_id: Any) -> None:
+        """A tree given inline was compiled (``fields``: its body's other fields)."""
+        from processors.kinds.tree.catalog import _RESERVED
+
+        tables = getattr(compiled, "constraint", None)
+        if start_token_id is None or not hasattr(tables, "offsets"):
+            return
+        self._forms.pop((name, tables.version), None)
+        self._forms[(name, tables.version)] = ({k: v for k, v in fields.items() if k not in _RESERVED},
+                                               int(start_token_id))
+        while len(self._forms) > 8:
+            self._forms.pop(next(iter(self._forms)))
+
+    def note_installed(self, name: str, version: int, compiled) -> None:
+        """``compiled`` (None: removed) is what ``name`` serves from ``version`` on: a tree given inline is read once
+        the manager is idle (or at its first PATCH)."""
+        tables = getattr(compiled, "constraint", None)
+        form = self._forms.get((name, getattr(tables, "version", "")))
+        with self._lock:
+            self._bases.pop(name, None)
+            if form is not None:
+                self._bases[name] = _Entry(int(version), (tables, *form))
+                while len(self._bases) > 2:
+                    self._bases.pop(next(iter(self._bases)))
+        self.postpone()
+
+    def postpone(self) -> None:
+        """A write came: the reads not started yet wait for ``idle_s`` more."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if any(entry.future is None for entry in self._bases.values()):
+                self._timer = threading.Timer(self.idle_s, self._start_idle)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _start_idle(self) -> None:
+        with self._lock:
+            self._timer = None
+            for entry in self._bases.values():
+                if entry.future is None:
+                    self._start(entry)
+                    self.stats["idle_reads"] += 1
+
+    def _start(self, entry: _Entry) -> None:
+        entry.future = self._pool.submit(self._read, *entry.args)
+
+    def _read(self, tables, fields: dict[str, Any], start_token_id: int):
+        from processors.kinds.tree.catalog import Catalog
+        from processors.kinds.tree.catalog_tables import catalog_tables
+        from processors.kinds.tree.item_list import tree_items
+
+        flat, lengths = tree_items(tables)
+        catalog = Catalog.from_flat(start_token_id, tables.end_token_id, flat, lengths, fields)
+        return catalog, catalog_tables(catalog, self._vocab_size())
+
+    def held(self, name: str, current_version: int | None, log: Any) -> HeldBase | None:
+        """The items of ``name``'s current version when it is a tree given inline (read now if the read has not
+        started; waits for it); ``None`` otherwise, or when the read failed (the PATCH then reads the stored
+        body)."""
+        with self._lock:
+            entry = self._bases.get(name)
+            if entry is None or entry.version != current_version:
+                return None
+            if entry.future is None:
+                self._start(entry)
+                self.stats["patch_reads"] += 1
+            future = entry.future
+        assert future is not None
+        try:
+            catalog, tables = future.result()
+        except Exception:  # noqa: BLE001 - the PATCH then takes the stored body's way
+            log.exception("scenario %r: reading the items of version %d failed", name, entry.version)
+            return None
+        return HeldBase(entry.version, "tree", (catalog, tables), len(catalog))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
