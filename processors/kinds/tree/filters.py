@@ -1,0 +1,189 @@
+"""A request's ``filter`` over item metadata (:mod:`.metadata`), in the vector databases' filter language
+(Pinecone, Chroma): ``{"region": {"$in": ["eu"]}, "stock": {"$gt": 0}}``.
+
+* A field's condition is a value (``$eq`` of it) or an object of operators, all of which must hold: ``$eq $ne $in
+  $nin`` (categorical and numeric fields), ``$gt $gte $lt $lte`` (numeric fields). Fields side by side must all hold
+  (implicit AND); ``$and`` / ``$or`` take a list of filters.
+* A list field (an item's list of strings) matches ``$eq`` / ``$in`` when any of its strings is a value; ``$ne`` /
+  ``$nin`` when none is.
+* An item without the field fails ``$eq $in $gt $gte $lt $lte`` and passes ``$ne $nin``.
+
+:func:`parse_filter` checks a filter against the catalog's fields (a 422 naming the field: an unknown field or
+operator, a value of the wrong kind, bounds on size and depth) into a :class:`Filter`; :meth:`Filter.mask` gives
+the items that pass (a boolean per item, numpy passes over the columns, no Python per item).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from config import ConstraintError
+
+from .metadata import CATEGORICAL, NUMERIC, Column, ItemMetadata
+
+__all__ = ["Filter", "FilterLimits", "parse_filter"]
+
+EQUALITY = ("$eq", "$ne", "$in", "$nin")
+RANGE = ("$gt", "$gte", "$lt", "$lte")
+LOGICAL = ("$and", "$or")
+
+
+@dataclass(frozen=True)
+class FilterLimits:
+    """Bounds of one filter, checked while it is read (a 422 naming the limit)."""
+
+    max_clauses: int = 64
+    max_depth: int = 8
+    max_values: int = 1024  # entries of one $in / $nin
+
+
+def _refused(path: str, message: str, **detail: Any) -> ConstraintError:
+    return ConstraintError(422, f"{path}: {message}", {"field": path, **detail})
+
+
+@dataclass(frozen=True)
+class _Clause:
+    column: Column
+    op: str
+    value: Any  # a scalar, or a tuple for $in / $nin
+
+
+@dataclass(frozen=True)
+class Filter:
+    """A checked filter: ``("and" | "or", parts)`` trees of field clauses."""
+
+    op: str
+    parts: tuple["Filter | _Clause", ...]
+
+    def mask(self, metadata: ItemMetadata) -> np.ndarray:
+        """A boolean per item: ``True`` where the item passes."""
+        return _mask(self, metadata.n)
+
+
+def _mask(node: "Filter | _Clause", n: int) -> np.ndarray:
+    if isinstance(node, _Clause):
+        return _clause_mask(node, n)
+    out: np.ndarray | None = None
+    for part in node.parts:
+        m = _mask(part, n)
+        if out is None:
+            out = m
+        elif node.op == "and":
+            out &= m
+        else:
+            out |= m
+    return out if out is not None else np.ones(n, dtype=bool)
+
+
+def _clause_mask(clause: _Clause, n: int) -> np.ndarray:
+    col, op, value = clause.column, clause.op, clause.value
+    if col.kind == NUMERIC:
+        x = col.numbers
+        assert x is not None
+        if op == "$eq":
+            return x == value
+        if op == "$ne":
+            return ~(x == value)  # missing (NaN) passes
+        if op == "$in":
+            return np.isin(x, np.asarray(value, dtype=np.float64))
+        if op == "$nin":
+            return ~np.isin(x, np.asarray(value, dtype=np.float64))
+        return {"$gt": np.greater, "$gte": np.greater_equal, "$lt": np.less, "$lte": np.less_equal}[op](x, value)
+    wanted = [c for c in (col.code(v) for v in (value if op in ("$in", "$nin") else (value,))) if c >= 0]
+    assert col.codes is not None
+    if not col.is_list:
+        hit = np.isin(col.codes, wanted) if len(wanted) != 1 else col.codes == wanted[0]
+    else:
+        entries = np.isin(col.codes, wanted)
+        hit = np.zeros(n, dtype=bool)
+        hit[col.rows()[entries]] = True
+    return hit if op in ("$eq", "$in") else ~hit
+
+
+class _Reader:
+    def __init__(self, metadata: ItemMetadata, limits: FilterLimits, root: str):
+        self.metadata, self.limits, self.root = metadata, limits, root
+        self.clauses = 0
+
+    def read(self, value: Any, path: str, depth: int) -> Filter:
+        if depth > self.limits.max_depth:
+            raise _refused(path, f"nested deeper than the limit max_filter_depth={self.limits.max_depth}",
+                           limit_name="max_filter_depth", limit=self.limits.max_depth)
+        if not isinstance(value, dict):
+            raise _refused(path, f"expected an object, got {type(value).__name__}")
+        parts: list[Filter | _Clause] = []
+        for key, sub in value.items():
+            where = f"{path}.{key}"
+            if key in LOGICAL:
+                if not isinstance(sub, list) or not sub:
+                    raise _refused(where, "expected a non-empty list of filters")
+                if len(sub) > self.limits.max_clauses:
+                    raise self._too_many(where)
+                parts.append(Filter(key[1:], tuple(self.read(f, f"{where}[{i}]", depth + 1)
+                                                   for i, f in enumerate(sub))))
+            elif isinstance(key, str) and key.startswith("$"):
+                raise _refused(where, f"unknown operator {key!r} at this level (fields, $and, $or)")
+            else:
+                parts.extend(self.field(key, sub, where))
+        if not parts:
+            raise _refused(path, "an empty filter (name a field, $and or $or)")
+        return Filter("and", tuple(parts))
+
+    def _too_many(self, where: str) -> ConstraintError:
+        return _refused(where, f"over the limit max_filter_clauses={self.limits.max_clauses}",
+                        limit_name="max_filter_clauses", limit=self.limits.max_clauses)
+
+    def field(self, name: str, condition: Any, where: str) -> list[_Clause]:
+        column = self.metadata.columns.get(name)
+        if column is None:
+            known = ", ".join(sorted(self.metadata.columns)) or "none"
+            raise _refused(where, f"unknown metadata field {name!r} (the catalog's fields: {known})", name=name)
+        ops = condition if isinstance(condition, dict) else {"$eq": condition}
+        if not ops:
+            raise _refused(where, "an empty condition")
+        out = []
+        for op, value in ops.items():
+            self.clauses += 1
+            if self.clauses > self.limits.max_clauses:
+                raise self._too_many(where)
+            out.append(_Clause(column, op, self.value(column, op, value, f"{where}.{op}" if op != "$eq" or
+                                                      isinstance(condition, dict) else where)))
+        return out
+
+    def value(self, column: Column, op: str, value: Any, where: str) -> Any:
+        if op not in EQUALITY + RANGE:
+            raise _refused(where, f"unknown operator {op!r} (one of {', '.join(EQUALITY + RANGE)})")
+        if op in RANGE and column.kind != NUMERIC:
+            raise _refused(where, f"{op} compares numbers; field {column.name!r} is {column.kind}", name=column.name)
+        if op in ("$in", "$nin"):
+            if not isinstance(value, list) or not value:
+                raise _refused(where, "expected a non-empty list of values")
+            if len(value) > self.limits.max_values:
+                raise _refused(where, f"{len(value)} values, over the limit max_filter_values={self.limits.max_values}",
+                               limit_name="max_filter_values", limit=self.limits.max_values)
+            return tuple(self.scalar(column, v, where) for v in value)
+        return self.scalar(column, value, where)
+
+    def scalar(self, column: Column, value: Any, where: str) -> Any:
+        if column.kind == NUMERIC:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise _refused(where, f"field {column.name!r} is numeric: compare it with a finite number, got "
+                                      f"{type(value).__name__}", name=column.name)
+            return float(value)
+        assert column.kind == CATEGORICAL
+        if not isinstance(value, (str, bool)):
+            raise _refused(where, f"field {column.name!r} is categorical: compare it with a string or a boolean, got "
+                                  f"{type(value).__name__}", name=column.name)
+        return value
+
+
+def parse_filter(value: Any, metadata: ItemMetadata | None, limits: FilterLimits = FilterLimits(),
+                 path: str = "filter") -> Filter:
+    """A request's ``filter`` checked against the catalog's metadata (a 422 naming the field on anything wrong)."""
+    if metadata is None or not metadata.columns:
+        raise _refused(path, "the scenario's items carry no metadata to filter on")
+    return _Reader(metadata, limits, path).read(value, path, 1)

@@ -1,0 +1,181 @@
+"""Item metadata and request filters (``processors/kinds/tree/metadata.py``, ``filters.py``): random catalogs'
+metadata and random filters against a brute-force evaluation of every item written from the filter language's rules
+(not from the code under test), and every refusal a 422 naming the field."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from config import ConstraintError
+from processors.kinds.tree.filters import FilterLimits, parse_filter
+from processors.kinds.tree.metadata import ItemMetadata, MetadataLimits
+
+REGIONS = ["eu", "us", "apac", "latam"]
+TAGS = ["new", "sale", "gift", "eco", "bulk"]
+
+
+def _random_item(rng: random.Random) -> dict | None:
+    if rng.random() < 0.1:
+        return None
+    obj: dict = {}
+    if rng.random() < 0.9:
+        obj["region"] = rng.choice(REGIONS)
+    if rng.random() < 0.8:
+        obj["stock"] = rng.randint(0, 5)
+    if rng.random() < 0.8:
+        obj["price"] = round(rng.uniform(0, 100), 1)
+    if rng.random() < 0.7:
+        obj["tags"] = rng.sample(TAGS, rng.randint(0, 3))
+    if rng.random() < 0.5:
+        obj["active"] = rng.random() < 0.5
+    return obj
+
+
+def _random_condition(rng: random.Random, field: str):
+    if field == "region":
+        op = rng.choice(["$eq", "$ne", "$in", "$nin", None])
+        if op is None:
+            return rng.choice(REGIONS + ["mars"])
+        return {op: rng.sample(REGIONS + ["mars"], rng.randint(1, 3)) if op in ("$in", "$nin")
+                else rng.choice(REGIONS + ["mars"])}
+    if field == "tags":
+        op = rng.choice(["$eq", "$ne", "$in", "$nin"])
+        return {op: rng.sample(TAGS, rng.randint(1, 2)) if op in ("$in", "$nin") else rng.choice(TAGS)}
+    if field == "active":
+        return rng.choice([True, False, {"$ne": True}])
+    ops = rng.sample(["$gt", "$gte", "$lt", "$lte", "$eq", "$ne", "$in", "$nin"], rng.randint(1, 2))
+    out = {}
+    for op in ops:
+        if op in ("$in", "$nin"):
+            out[op] = [rng.randint(0, 5) for _ in range(rng.randint(1, 3))]
+        else:
+            out[op] = rng.randint(0, 5) if field == "stock" else round(rng.uniform(0, 100), 1)
+    return out
+
+
+def _random_filter(rng: random.Random, depth: int = 0) -> dict:
+    out: dict = {}
+    for field in rng.sample(["region", "stock", "price", "tags", "active"], rng.randint(1, 3)):
+        out[field] = _random_condition(rng, field)
+    if depth < 2 and rng.random() < 0.4:
+        out[rng.choice(["$and", "$or"])] = [_random_filter(rng, depth + 1) for _ in range(rng.randint(1, 3))]
+    return out
+
+
+def _passes(item: dict | None, flt: dict) -> bool:
+    """The filter language's rules, item by item."""
+    item = item or {}
+    for key, cond in flt.items():
+        if key == "$and":
+            ok = all(_passes(item, f) for f in cond)
+        elif key == "$or":
+            ok = any(_passes(item, f) for f in cond)
+        else:
+            ok = all(_holds(item, key, op, value)
+                     for op, value in (cond.items() if isinstance(cond, dict) else [("$eq", cond)]))
+        if not ok:
+            return False
+    return True
+
+
+def _holds(item: dict, field: str, op: str, value) -> bool:
+    if field not in item:
+        return op in ("$ne", "$nin")
+    have = item[field]
+    values = have if isinstance(have, list) else [have]
+
+    def same(a, b):
+        return type(a) is type(b) and a == b if isinstance(a, bool) or isinstance(b, bool) else a == b
+
+    if op == "$eq":
+        return any(same(v, value) for v in values)
+    if op == "$ne":
+        return not any(same(v, value) for v in values)
+    if op == "$in":
+        return any(same(v, w) for v in values for w in value)
+    if op == "$nin":
+        return not any(same(v, w) for v in values for w in value)
+    return {"$gt": have > value, "$gte": have >= value, "$lt": have < value, "$lte": have <= value}[op]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_mask_is_the_brute_force_evaluation(seed):
+    rng = random.Random(seed)
+    items = [_random_item(rng) for _ in range(rng.randint(1, 300))]
+    metadata = ItemMetadata.from_objects(items)
+    for _ in range(10):
+        flt = _random_filter(rng)
+        try:
+            parsed = parse_filter(flt, metadata)
+        except ConstraintError as exc:  # a field no item has in this small catalog
+            assert "unknown metadata field" in exc.message, exc.message
+            continue
+        expected = np.array([_passes(item, flt) for item in items])
+        assert np.array_equal(parsed.mask(metadata), expected), flt
+
+
+def test_summary_gives_kinds_counts_and_ranges():
+    metadata = ItemMetadata.from_objects([{"region": "eu", "stock": 3, "tags": ["a", "b"]},
+                                          {"region": "eu", "stock": 0.5}, None, {"region": "us", "tags": []}])
+    summary = metadata.summary()
+    assert summary["region"] == {"kind": "categorical", "list": False, "items": 3, "distinct_values": 2,
+                                 "values": {"eu": 2, "us": 1}}
+    assert summary["stock"] == {"kind": "numeric", "items": 2, "min": 0.5, "max": 3}
+    assert summary["tags"]["list"] is True and summary["tags"]["items"] == 1
+
+
+@pytest.mark.parametrize("flt, field, words", [
+    ({"colour": "red"}, "filter.colour", "unknown metadata field 'colour'"),
+    ({"region": {"$like": "e%"}}, "filter.region.$like", "unknown operator '$like'"),
+    ({"$not": {"region": "eu"}}, "filter.$not", "unknown operator '$not'"),
+    ({"region": {"$gt": "eu"}}, "filter.region.$gt", "compares numbers"),
+    ({"stock": "many"}, "filter.stock", "numeric"),
+    ({"stock": {"$in": ["1"]}}, "filter.stock.$in", "numeric"),
+    ({"stock": {"$gt": float("nan")}}, "filter.stock.$gt", "finite"),
+    ({"region": {"$in": []}}, "filter.region.$in", "non-empty list"),
+    ({"region": 3}, "filter.region", "categorical"),
+    ({"$or": []}, "filter.$or", "non-empty list"),
+    ({}, "filter", "empty filter"),
+    ([], "filter", "expected an object"),
+])
+def test_a_bad_filter_is_a_422_naming_the_field(flt, field, words):
+    metadata = ItemMetadata.from_objects([{"region": "eu", "stock": 1}])
+    with pytest.raises(ConstraintError) as info:
+        parse_filter(flt, metadata)
+    assert info.value.status == 422 and info.value.detail["field"] == field and words in info.value.message
+
+
+def test_filter_bounds_come_before_the_work():
+    metadata = ItemMetadata.from_objects([{"region": "eu"}])
+    deep: dict = {"region": "eu"}
+    for _ in range(10_000):
+        deep = {"$and": [deep]}
+    with pytest.raises(ConstraintError, match="max_filter_depth"):
+        parse_filter(deep, metadata)
+    with pytest.raises(ConstraintError, match="max_filter_values"):
+        parse_filter({"region": {"$in": ["x"] * 5000}}, metadata, FilterLimits(max_values=1024))
+    with pytest.raises(ConstraintError, match="max_filter_clauses"):
+        parse_filter({"$or": [{"region": "eu"}] * 100}, metadata)
+    with pytest.raises(ConstraintError, match="no metadata"):
+        parse_filter({"region": "eu"}, ItemMetadata.from_objects([None]))
+
+
+@pytest.mark.parametrize("objects, words", [
+    ([{"a": 1}, {"a": "x"}], "categorical here and numeric"),
+    ([{"a": [1]}], "strings only"),
+    ([{"a": {"b": 1}}], "got dict"),
+    ([{"a": float("inf")}], "finite"),
+    ([{"a": 2 ** 60}], "2^53"),
+    ([{"$a": 1}], "not starting with '$'"),
+    ([{f"f{i}": 1 for i in range(40)}], "max_fields"),
+    ([{"a": "x" * 5000}], "max_item_bytes"),
+    ([{"a": ["x"] * 100}], "max_list_length"),
+    ([{"a": str(i)} for i in range(20)], "max_values_per_field"),
+])
+def test_bad_metadata_is_a_422_naming_the_limit_or_field(objects, words):
+    with pytest.raises(ConstraintError) as info:
+        ItemMetadata.from_objects(objects, MetadataLimits(max_values_per_field=10))
+    assert info.value.status == 422 and words in info.value.message, info.value.message
