@@ -179,3 +179,57 @@ def test_bad_metadata_is_a_422_naming_the_limit_or_field(objects, words):
     with pytest.raises(ConstraintError) as info:
         ItemMetadata.from_objects(objects, MetadataLimits(max_values_per_field=10))
     assert info.value.status == 422 and words in info.value.message, info.value.message
+
+
+# -- what a filter means for the decode step: a boolean per edge ---------------------------------------------------
+
+def _walk_edges(tables, item) -> list[int] | None:
+    """The edges an item takes, its terminal last (an end-token edge, a LEAF edge, or n_edges + state), by
+    single-state lookups (``MaskTables.edge``), not the vectorized walk under test."""
+    state, path = tables.root, []
+    for token in item:
+        if state < 0:
+            return None
+        e = tables.edge(state, token)
+        if e < 0:
+            return None
+        path.append(e)
+        state = int(tables.next_state[e])
+    if state == -1:  # LEAF: the last edge ends the item
+        return path
+    lo, hi = int(tables.offsets[state]), int(tables.offsets[state + 1])
+    if lo == hi:
+        return path + [tables.n_edges + state]
+    e = tables.edge(state, tables.end_token_id)
+    return path + [e] if e >= 0 else None
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_the_edge_mask_allows_exactly_the_edges_of_passing_items(seed):
+    from processors.kinds.tree.catalog import Catalog
+    from processors.kinds.tree.catalog_tables import catalog_tables
+    from processors.kinds.tree.filter_edges import edge_mask, item_terminals
+
+    rng = random.Random(seed)
+    end, start, vocab = 2, 5, 1000
+    alphabet = [[7, 8, 9], list(range(10, 40)), [3, 4]][seed % 3]
+    items: list[tuple[int, ...]] = []
+    for _ in range(rng.choice([1, 5, 60, 400])):
+        item = tuple(rng.choice(alphabet) for _ in range(rng.randint(1, [1, 3, 6][seed % 3 if seed % 4 else 2])))
+        if item not in items:
+            items.append(item)
+    catalog = Catalog.from_items(start, end, items)
+    tables = catalog_tables(catalog, vocab)
+    terminals = item_terminals(tables, catalog.flat, catalog.lengths)
+    walked = [_walk_edges(tables, item) for item in items]
+    assert all(w is not None for w in walked)
+    assert terminals.tolist() == [w[-1] for w in walked]
+    for _ in range(5):
+        passing = np.array([rng.random() < rng.choice([0.0, 0.05, 0.5, 1.0]) for _ in items])
+        expected = np.zeros(tables.n_edges + tables.n_states, dtype=bool)
+        for w, ok in zip(walked, passing):
+            if ok:
+                expected[w] = True
+        assert np.array_equal(edge_mask(tables, terminals, passing), expected)
+    # an item the tables do not hold has no terminal
+    assert item_terminals(tables, np.array([999, 999]), np.array([2])).tolist() == [-1]
