@@ -32,7 +32,7 @@ import numpy as np
 
 from .tables import LEAF, MaskTables, item_metrics
 
-__all__ = ["ItemBook", "ItemRequest", "ItemRules", "item_rules", "min_item_tokens", "resolve_exclude"]
+__all__ = ["DenseBook", "ItemBook", "ItemRequest", "ItemRules", "item_rules", "min_item_tokens", "resolve_exclude"]
 
 
 class ItemBook:
@@ -99,6 +99,45 @@ class ItemBook:
         return arr[idx] == terminals
 
 
+class _Marked:
+    """``x in marked``: a bool array read as a set of indices."""
+
+    __slots__ = ("flags",)
+
+    def __init__(self, flags: np.ndarray):
+        self.flags = flags
+
+    def __contains__(self, index: object) -> bool:
+        return isinstance(index, (int, np.integer)) and 0 <= int(index) < self.flags.size and bool(self.flags[index])
+
+
+class DenseBook:
+    """A fixed set of items left out, as arrays over the whole tables (a request's ``filter``: the items that do not
+    pass): ``counts[s]`` items below state ``s``, ``ends`` their terminals. Read like an :class:`ItemBook` (the item
+    controls treat a filtered-out item as an excluded one), never written: one is shared by every row and request
+    with the same filter. Built by :func:`processors.kinds.tree.filter_edges.passing_counts`."""
+
+    __slots__ = ("counts_array", "ends", "out")
+
+    def __init__(self, counts: np.ndarray, ends: np.ndarray):
+        self.counts_array = counts
+        self.ends = _Marked(ends)
+        self.out = int(counts[0]) if counts.size else 0  # (informational)
+
+    def __bool__(self) -> bool:
+        return True
+
+    def count(self, state: int) -> int:
+        return int(self.counts_array[state]) if state >= 0 else 0
+
+    def lookup(self, states: np.ndarray) -> np.ndarray:
+        return np.where(states >= 0, self.counts_array[np.maximum(states, 0)], 0)
+
+    def ends_taken(self, terminals: np.ndarray) -> np.ndarray:
+        flags = self.ends.flags
+        return flags[np.clip(terminals, 0, flags.size - 1)] & (terminals >= 0) & (terminals < flags.size)
+
+
 @dataclass(frozen=True)
 class ItemRules:
     """A scenario's multi-item settings: up to ``max_items`` items per row, joined by ``separator_token_id`` (or
@@ -118,12 +157,14 @@ class ItemRequest:
     """One request's item controls, shared by its rows: the book of excluded (and, with ``distinct``, taken and
     occupied) items. Build it with :func:`resolve_exclude`; pass the same object to every row of the request."""
 
-    __slots__ = ("book", "distinct", "n_excluded")
+    __slots__ = ("book", "distinct", "n_excluded", "base")
 
-    def __init__(self, book: ItemBook | None = None, distinct: bool = False, n_excluded: int = 0):
+    def __init__(self, book: ItemBook | None = None, distinct: bool = False, n_excluded: int = 0,
+                 base: DenseBook | None = None):
         self.book = book if book is not None else ItemBook()
         self.distinct = bool(distinct)
         self.n_excluded = n_excluded
+        self.base = base  # the items the request's filter leaves out (shared, read only)
 
 
 def _tables_of(constraint) -> MaskTables:

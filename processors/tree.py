@@ -55,7 +55,7 @@ class TreeCursor(Cursor):
         token)."""
         self.remaining = budget
         self.rules = rules or ItemRules()
-        if request is not None and not request.book and not request.distinct:
+        if request is not None and not request.book and not request.distinct and request.base is None:
             request = None
         self.request = request
         if self.rules.max_items > 1 and not (request is not None and request.distinct):
@@ -88,6 +88,8 @@ class TreeCursor(Cursor):
         out = []
         if self.request is not None and self.request.book:
             out.append(self.request.book)
+        if self.request is not None and self.request.base is not None:
+            out.append(self.request.base)  # type: ignore[arg-type]  # read like an ItemBook
         if self.local:
             out.append(self.local)
         return out
@@ -189,6 +191,8 @@ class TreeCursor(Cursor):
         if term is not None:
             local.add_end(term)
         out = [self.request.book] if self.request is not None and self.request.book else []
+        if self.request is not None and self.request.base is not None:
+            out.append(self.request.base)  # type: ignore[arg-type]
         return out + [local]
 
     def _continuation(self, remaining: int | None) -> np.ndarray | None:

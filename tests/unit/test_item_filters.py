@@ -233,3 +233,67 @@ def test_the_edge_mask_allows_exactly_the_edges_of_passing_items(seed):
         assert np.array_equal(edge_mask(tables, terminals, passing), expected)
     # an item the tables do not hold has no terminal
     assert item_terminals(tables, np.array([999, 999]), np.array([2])).tolist() == [-1]
+
+
+def _reachable_items(cursor, end: int, limit: int = 20) -> set[tuple[int, ...]]:
+    """Every item a row bound to the request can complete, by walking all its allowed tokens (copies of the
+    cursor), not the arrays under test."""
+    from processors.masks import ALLOW
+
+    out: set[tuple[int, ...]] = set()
+
+    def walk(c, prefix):
+        step = c.step()
+        assert step.kind == ALLOW
+        for token in step.payload.tolist():
+            if token == end:
+                out.add(tuple(prefix))
+                continue
+            nxt = c.copy()
+            nxt.advance(token)
+            if len(prefix) < limit:
+                walk(nxt, prefix + [token])
+
+    walk(cursor, [])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_rows_under_a_filter_complete_exactly_the_items_that_pass(seed):
+    from processors.items import ItemRequest
+    from processors.kinds.tree.catalog import Catalog
+    from processors.kinds.tree.catalog_tables import catalog_tables
+    from processors.kinds.tree.filter_edges import filter_book, item_terminals
+    from processors.tree import TreeCursor
+
+    rng = random.Random(1000 + seed)
+    end, start = 2, 5
+    alphabet = [[7, 8, 9], list(range(10, 30)), [3, 4]][seed % 3]
+    items: list[tuple[int, ...]] = []
+    for _ in range(rng.choice([3, 30, 120])):
+        item = tuple(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
+        if item not in items:
+            items.append(item)
+    metadata_objects = [_random_item(rng) for _ in items]
+    metadata = ItemMetadata.from_objects(metadata_objects)
+    catalog = Catalog.from_items(start, end, items)
+    tables = catalog_tables(catalog, 1000)
+    terminals = item_terminals(tables, catalog.flat, catalog.lengths)
+    for _ in range(4):
+        flt = _random_filter(rng)
+        try:
+            passing = parse_filter(flt, metadata).mask(metadata)
+        except ConstraintError:
+            continue
+        expected = {item for item, ok in zip(items, passing) if ok}
+        if not expected:
+            continue  # (the service refuses a filter no item passes)
+        book = filter_book(tables, terminals, passing)
+        cursor = TreeCursor(tables).bind(request=ItemRequest(base=book))
+        assert _reachable_items(cursor, end) == expected, flt
+        # under a token budget too: the items that fit the budget (the same row without a filter) and pass
+        budget = rng.randint(1, 4)
+        fits = _reachable_items(TreeCursor(tables).bind(budget=budget), end) & expected
+        if fits:
+            cursor = TreeCursor(tables).bind(request=ItemRequest(base=book), budget=budget)
+            assert _reachable_items(cursor, end) == fits, (flt, budget)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from processors.tables import LEAF, MaskTables
+from processors.items import DenseBook
+from processors.tables import LEAF, MaskTables, item_metrics
 
-__all__ = ["TreeLevels", "edge_mask", "item_terminals"]
+__all__ = ["TreeLevels", "edge_mask", "filter_book", "item_terminals", "passing_counts"]
 
 
 class TreeLevels:
@@ -121,3 +122,34 @@ def edge_mask(tables: MaskTables, terminals: np.ndarray, passing: np.ndarray) ->
         else:
             alive[states] = term_ok[n_edges + states]
     return edge_ok
+
+
+def passing_counts(tables: MaskTables, terminals: np.ndarray, passing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(count per state, bool per terminal)``: how many items that pass lie below each state (the state's own
+    item included), and which terminals end an item that passes (``n_edges + n_states`` entries, as
+    :func:`edge_mask`). The item controls' books count items so (:class:`processors.items.DenseBook`)."""
+    n_edges = tables.n_edges
+    term_ok = np.zeros(n_edges + tables.n_states, dtype=bool)
+    t = terminals[passing]
+    term_ok[t[t >= 0]] = True
+    count = np.zeros(tables.n_states, dtype=np.int64)
+    nxt = tables.next_state
+    for states, edges, starts in reversed(TreeLevels.of(tables).levels):
+        own = term_ok[n_edges + states].astype(np.int64)
+        if edges.size:
+            target = nxt[edges].astype(np.int64)
+            per_edge = term_ok[edges].astype(np.int64)
+            inner = target >= 0
+            per_edge[inner] = count[target[inner]]
+            has = np.diff(np.append(starts, edges.size)) > 0
+            if has.any():
+                own[has] += np.add.reduceat(per_edge, starts[has])
+        count[states] = own
+    return count, term_ok
+
+
+def filter_book(tables: MaskTables, terminals: np.ndarray, passing: np.ndarray) -> DenseBook:
+    """The items a filter leaves out as a :class:`~processors.items.DenseBook` (the item controls then treat them as
+    excluded: ``n``, ``distinct``, the token budget and multi-item rows all count the items that pass)."""
+    count, term_ok = passing_counts(tables, terminals, passing)
+    return DenseBook(item_metrics(tables)[1].astype(np.int64) - count, ~term_ok)
