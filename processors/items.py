@@ -117,12 +117,13 @@ class DenseBook:
     controls treat a filtered-out item as an excluded one), never written: one is shared by every row and request
     with the same filter. Built by :func:`processors.kinds.tree.filter_edges.passing_counts`."""
 
-    __slots__ = ("counts_array", "ends", "out")
+    __slots__ = ("counts_array", "ends", "_padded")
 
     def __init__(self, counts: np.ndarray, ends: np.ndarray):
         self.counts_array = counts
         self.ends = _Marked(ends)
-        self.out = int(counts[0]) if counts.size else 0  # (informational)
+        # two zeros after the states: LEAF (-1) and DONE (-2) targets read them, one gather per lookup
+        self._padded = np.concatenate((counts, np.zeros(2, dtype=counts.dtype)))
 
     def __bool__(self) -> bool:
         return True
@@ -131,11 +132,11 @@ class DenseBook:
         return int(self.counts_array[state]) if state >= 0 else 0
 
     def lookup(self, states: np.ndarray) -> np.ndarray:
-        return np.where(states >= 0, self.counts_array[np.maximum(states, 0)], 0)
+        return self._padded[states]
 
     def ends_taken(self, terminals: np.ndarray) -> np.ndarray:
-        flags = self.ends.flags
-        return flags[np.clip(terminals, 0, flags.size - 1)] & (terminals >= 0) & (terminals < flags.size)
+        """Bool per entry (terminal ids of the tables: edges, or ``n_edges + state``)."""
+        return self.ends.flags[terminals]
 
 
 @dataclass(frozen=True)

@@ -297,3 +297,19 @@ def test_rows_under_a_filter_complete_exactly_the_items_that_pass(seed):
         if fits:
             cursor = TreeCursor(tables).bind(request=ItemRequest(base=book), budget=budget)
             assert _reachable_items(cursor, end) == fits, (flt, budget)
+
+
+def test_columns_given_whole_filter_as_the_same_objects():
+    rng = random.Random(7)
+    objects = [{"region": rng.choice(REGIONS), "stock": rng.randint(0, 5)} if rng.random() < 0.9 else {}
+               for _ in range(500)]
+    regions = list(reversed(REGIONS))  # any order: sorted on the way in
+    codes = [regions.index(o["region"]) if "region" in o else -1 for o in objects]
+    stock = [o.get("stock", float("nan")) for o in objects]
+    whole = ItemMetadata.from_columns(len(objects), {"region": (regions, codes), "stock": stock})
+    one_by_one = ItemMetadata.from_objects(objects)
+    for _ in range(30):
+        flt = {k: v for k, v in _random_filter(rng).items() if k in ("region", "stock")} or {"region": "eu"}
+        assert np.array_equal(parse_filter(flt, whole).mask(whole), parse_filter(flt, one_by_one).mask(one_by_one))
+    with pytest.raises(ConstraintError, match="codes"):
+        ItemMetadata.from_columns(2, {"region": (["eu"], [0, 5])})

@@ -125,6 +125,40 @@ class ItemMetadata:
         return {name: col.summary() for name, col in sorted(self.columns.items())}
 
     @classmethod
+    def from_columns(cls, n: int, columns: dict[str, Any], limits: MetadataLimits = MetadataLimits()
+                     ) -> "ItemMetadata":
+        """Columns given whole (a Parquet file's, a bench's): per field a numeric array (NaN: missing), or
+        ``(values, codes)`` for a categorical one (``codes`` int, ``-1``: missing). Refused like
+        :meth:`from_objects` past the limits."""
+        if len(columns) > limits.max_fields:
+            raise _refused(f"{len(columns)} fields, over the limit max_fields={limits.max_fields}", "max_fields",
+                           limits.max_fields)
+        out: dict[str, Column] = {}
+        for name, data in columns.items():
+            _kind_of(name, "", -1, limits)  # the name's rules
+            if isinstance(data, tuple):
+                values, codes = data
+                if len(values) > limits.max_values_per_field:
+                    raise _refused(f"field {name!r} has over {limits.max_values_per_field} distinct values "
+                                   "(max_values_per_field)", "max_values_per_field", limits.max_values_per_field)
+                codes = np.asarray(codes, dtype=np.int32)
+                if codes.shape != (n,) or (codes.size and (codes.min() < -1 or codes.max() >= len(values))):
+                    raise _refused(f"field {name!r}: {n} codes into its {len(values)} values expected", name=name)
+                ordered = sorted(range(len(values)), key=lambda i: _value_key(values[i]))
+                remap = np.empty(len(values) + 1, dtype=np.int32)
+                remap[np.asarray(ordered, dtype=np.int64)] = np.arange(len(values), dtype=np.int32)
+                remap[-1] = -1
+                sorted_values = tuple(values[i] for i in ordered)
+                out[name] = Column(name, CATEGORICAL, sorted_values, codes=remap[codes],
+                                   _index={_value_key(v): i for i, v in enumerate(sorted_values)})
+            else:
+                numbers = np.asarray(data, dtype=np.float64)
+                if numbers.shape != (n,) or np.isinf(numbers).any():
+                    raise _refused(f"field {name!r}: {n} finite numbers expected", name=name)
+                out[name] = Column(name, NUMERIC, numbers=numbers)
+        return cls(n, out)
+
+    @classmethod
     def from_objects(cls, objects: Sequence[dict[str, Any] | None], limits: MetadataLimits = MetadataLimits()
                      ) -> "ItemMetadata":
         """Columns from one metadata object per item (``None`` or ``{}``: none). Refused (422 naming the item and
