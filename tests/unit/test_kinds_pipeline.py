@@ -63,13 +63,13 @@ def test_registry_names_every_config_model_and_nothing_else():
 
 # what each kind can do, as the engines, the replica and the manager read it (never the kind's name)
 CAPABILITIES = {
-    "tree": {"items": True, "patch": "items", "grammar": False},
-    "labels": {"items": True, "patch": "labels", "grammar": False},
-    "json_schema": {"items": False, "patch": None, "grammar": True},
-    "json": {"items": False, "patch": None, "grammar": True},
-    "regex": {"items": False, "patch": None, "grammar": True},
-    "grammar": {"items": False, "patch": None, "grammar": True},
-    "tools": {"items": False, "patch": None, "grammar": True},
+    "tree": {"items": True, "patch": True, "grammar": False},
+    "labels": {"items": True, "patch": True, "grammar": False},
+    "json_schema": {"items": False, "patch": False, "grammar": True},
+    "json": {"items": False, "patch": False, "grammar": True},
+    "regex": {"items": False, "patch": False, "grammar": True},
+    "grammar": {"items": False, "patch": False, "grammar": True},
+    "tools": {"items": False, "patch": False, "grammar": True},
 }
 
 
