@@ -96,3 +96,33 @@ def test_a_cancelled_wait_takes_no_room():
 def test_capacity_is_checked():
     with pytest.raises(ValueError):
         FairGate(0)
+
+
+def test_a_client_with_no_row_in_goes_into_the_reserve_at_once():
+    async def run():
+        gate = FairGate(4, reserve=1)
+        for _ in range(4):
+            await gate.acquire("burst", 1)
+        queued = [asyncio.ensure_future(gate.acquire("burst", 1)) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert not any(q.done() for q in queued)
+        await asyncio.wait_for(gate.acquire("probe", 1), 1)  # full for the burst, not for a client with none in
+        assert gate.used == 5 and gate.running == {"burst": 4, "probe": 1}
+        second = asyncio.ensure_future(gate.acquire("probe", 1))  # the probe is in now: it waits like anyone
+        late = asyncio.ensure_future(gate.acquire("other", 2))  # two rows do not fit the reserve left (none)
+        await asyncio.sleep(0)
+        assert not second.done() and not late.done()
+        gate.release("probe")  # the probe has no row in again: its next request takes the reserved row
+        await asyncio.sleep(0)
+        assert second.done() and not late.done() and not any(q.done() for q in queued)
+        gate.release("burst")  # under the capacity again: the fairest waiting request's turn (two rows: no room)
+        await asyncio.sleep(0)
+        assert not late.done() and not any(q.done() for q in queued)
+        gate.release("probe")
+        await asyncio.sleep(0)
+        assert late.done() and not any(q.done() for q in queued)  # its turn kept: the burst's queue waits
+        for q in queued + [late]:
+            q.cancel()
+        await asyncio.gather(*queued, late, return_exceptions=True)
+
+    asyncio.run(run())

@@ -169,7 +169,8 @@ class VLLMEngine(Engine):
     Args:
         model_dir: a HuggingFace checkpoint directory (see :func:`model_directory`).
         tokenizer: the replica's tokenizer (the same files): EOS ids and the replica's replay cursors.
-        max_batch_size: vLLM's ``max_num_seqs`` (rows decoded together).
+        max_batch_size: rows one client's requests may have in vLLM together; vLLM's ``max_num_seqs`` is a quarter
+            more, kept for clients with no row in (:mod:`.fair_gate`).
         max_model_len: longest prompt + output, in tokens.
         kv_cache_gb: KV cache size (GiB).
         enforce_eager: run the model eagerly (no torch.compile: a faster start, fewer tokens/s).
@@ -212,7 +213,8 @@ class VLLMEngine(Engine):
         self._files: ScenarioFiles | None = None
         self._active = 0
         self._start_lock = threading.Lock()
-        self._gate = FairGate(max_batch_size)  # rows into vLLM, one client at a time (see .fair_gate)
+        # rows into vLLM, one client at a time, a quarter more kept for clients with none in (see .fair_gate)
+        self._gate = FairGate(max_batch_size, reserve=max(1, max_batch_size // 4))
         self._stats = {
             "requests": 0, "rows": 0, "tokens": 0, "cancelled_jobs": 0, "failed_rows": 0, "fallback_rows": 0,
             "guidance_rows": 0, "failed_jobs": 0, "start_seconds": 0.0,
@@ -250,7 +252,7 @@ class VLLMEngine(Engine):
 
         kwargs: dict[str, Any] = dict(
             model=self.model_dir, tokenizer=self.model_dir, dtype=self.dtype, max_model_len=self.max_model_len,
-            max_num_seqs=self.max_batch_size, kv_cache_memory_bytes=int(self.kv_cache_gb * GIB),
+            max_num_seqs=self._gate.capacity + self._gate.reserve, kv_cache_memory_bytes=int(self.kv_cache_gb * GIB),
             enforce_eager=self.enforce_eager, logits_processors=[FQCN], enable_prefix_caching=True,
             # our processor reads each row's output tokens as they are: no placeholders of async scheduling
             async_scheduling=False, disable_log_stats=True, seed=0,

@@ -8,6 +8,11 @@ are offered the room in turn, the client with the fewest rows in vLLM first (the
 own requests first come first served. A request of several rows (``n``) waits until its rows fit together (or vLLM
 is empty), so it is never starved by one-row requests: the client whose turn it is keeps it.
 
+Rows end only when their outputs do, so a client whose rows fill vLLM would keep another client's request waiting
+for the rest of their outputs (seconds). ``reserve`` more rows are kept for clients with no row in vLLM: such a
+client's request goes in at once while the gate is full (vLLM's ``max_num_seqs`` is ``capacity + reserve``), and the
+busy clients never take those rows.
+
 It runs on the engine's event loop (one thread): no locks.
 """
 
@@ -32,10 +37,11 @@ class _Waiter:
 class FairGate:
     """At most ``capacity`` rows in vLLM, offered to waiting requests one client at a time (see the module docstring)."""
 
-    def __init__(self, capacity: int):
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
+    def __init__(self, capacity: int, reserve: int = 0):
+        if capacity < 1 or reserve < 0:
+            raise ValueError(f"capacity must be >= 1 and reserve >= 0, got {capacity}, {reserve}")
         self.capacity = capacity
+        self.reserve = reserve
         self.used = 0
         self.running: dict[str | None, int] = {}
         self.waiting: list[_Waiter] = []
@@ -51,7 +57,10 @@ class FairGate:
         """Wait until the request's rows may go into vLLM; returns the room taken (release it row by row). A
         cancelled wait takes nothing."""
         width = self.width(rows)
-        if not self.waiting and self._fits(width):
+        idle = not self.running.get(client) and all(w.client != client for w in self.waiting)
+        # a client with nothing in or waiting takes a reserved row at once when the others have filled the capacity
+        into_reserve = idle and self.used >= self.capacity and self.used + width <= self.capacity + self.reserve
+        if (not self.waiting and self._fits(width)) or into_reserve:
             self._take(client, width)
             return width
         waiter = _Waiter(client, width, next(self._seq), asyncio.get_running_loop().create_future())
@@ -78,8 +87,12 @@ class FairGate:
             self.running.pop(client, None)
         self._grant()
 
-    def _fits(self, width: int) -> bool:
-        return self.used + width <= self.capacity or self.used == 0
+    def _fits(self, width: int, reserve: bool = False) -> bool:
+        """Room for ``width`` rows: within the capacity (or vLLM empty), or, with ``reserve`` (a client with no row
+        in vLLM), within the reserve above it."""
+        if self.used + width <= self.capacity or self.used == 0:
+            return True
+        return reserve and self.used + width <= self.capacity + self.reserve
 
     def _take(self, client: str | None, width: int) -> None:
         self.used += width
@@ -99,7 +112,7 @@ class FairGate:
     def _grant(self) -> None:
         while True:
             waiter = self._next()
-            if waiter is None or not self._fits(waiter.width):
+            if waiter is None or not self._fits(waiter.width, not self.running.get(waiter.client)):
                 return
             self.waiting.remove(waiter)
             if waiter.future.done():  # cancelled meanwhile
