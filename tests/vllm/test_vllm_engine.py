@@ -208,9 +208,10 @@ def test_cancel_ends_the_request_and_others_go_on(engine, tokenizer, compiled):
 
 
 def test_one_clients_burst_does_not_queue_another_clients_request_behind_it(engine, tokenizer):
-    """vLLM's scheduler serves arrival order; the engine keeps the queue itself and offers the room of each row
-    that ends one client at a time, so another client's request starts at the first free row, not after the whole
-    burst (before the gate: after every request of the burst had started)."""
+    """vLLM's scheduler serves arrival order; the engine keeps the queue itself (one client's rows fill at most
+    ``max_batch_size`` of vLLM's batch, the rest of the burst waits) and keeps a reserve of rows for clients with
+    none in, so another client's request starts at once, not after the whole burst (before the gate: after every
+    request of the burst had started)."""
     prompt = _prompt(tokenizer, None, "Count from 1 to 100, separated by commas.")
     burst = [Collector() for _ in range(engine.max_batch_size + 8)]
     waited = engine.stats()["waited_requests"]
@@ -226,7 +227,7 @@ def test_one_clients_burst_does_not_queue_another_clients_request_behind_it(engi
     probe_start = probe.times[0][0]
     started_before = sum(1 for col in burst if col.times[0][0] < probe_start)
     assert started_before <= engine.max_batch_size, started_before
-    assert engine.stats()["waited_requests"] - waited >= 9  # the burst's last 8 and the probe waited for room
+    assert engine.stats()["waited_requests"] - waited >= 8  # the burst's last 8 waited for room
     assert engine.active_rows == 0 and engine.stats()["waiting_requests"] == 0
 
 
