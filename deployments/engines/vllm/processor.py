@@ -35,6 +35,7 @@ token budget (``max_tokens``) and a scenario's multi-item rules bind every tree 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
@@ -49,7 +50,7 @@ from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 from processors import RowCursor, apply_steps
 from processors.base import as_ids
 from processors.lanes import advance_rows, lane_of, mask_rows
-from processors.mask_budget import MaskBudget
+from processors.mask_budget import SETTING, MaskBudget
 from processors.masks import ALLOW, FREE, MaskBuffer, Step, mask_padded_vocab
 
 from .handoff import BUDGET_ENV, EXTRA_KEY, OWNER_ENV, load_compiled
@@ -276,7 +277,7 @@ class ChainLogitsProcessor(LogitsProcessor):
             if late:
                 self.stats["late_rows"] += len(late)
                 logger.warning("%d row(s) ended: grammar mask over %g ms (%s)", len(late), self.budget.budget_ms,
-                               "mask_step_budget_ms")
+                               SETTING)
 
     def _break(self, row: _Row) -> None:
         """The row's cursor raised: from now on it may emit only its end token."""
@@ -433,7 +434,7 @@ def _budget_ms() -> float:
         value = float(os.environ.get(BUDGET_ENV, "200"))
     except ValueError:
         value = 200.0
-    return value if value >= 0 and value == value and value != float("inf") else 200.0
+    return value if value >= 0 and math.isfinite(value) else 200.0
 
 
 _watching = False
