@@ -124,7 +124,17 @@ def test_scenario_version_per_replica(serve_app, traffic):
         replicas = {t["replica"] for t, v in s.get("ray_cs_scenario_version", []) if t.get("scenario") == LABELS and v == version}
         return len(replicas) >= 2
 
-    samples = wait_for(serve_app.metrics_url, served_everywhere, f"{LABELS} version {version} on both replicas")
+    # what the replicas acknowledged to the manager (the fact), before what Ray exported (the metric)
+    deadline = time.monotonic() + EXPORT_DEADLINE_S
+    while True:
+        acked = requests.get(f"{serve_app.url}/healthz", timeout=10).json().get("replicas") or {}
+        serving = {rid for rid, r in acked.items() if r.get("versions", {}).get(LABELS) == version}
+        if len(serving) >= 2:
+            break
+        assert time.monotonic() < deadline, f"{LABELS} version {version} not acknowledged by two replicas: {acked}"
+        time.sleep(1.0)
+    samples = wait_for(serve_app.metrics_url, served_everywhere,
+                       f"{LABELS} version {version} on both replicas (acknowledged by {sorted(serving)})")
     for tags, value in samples["ray_cs_scenario_version"]:
         assert tags["deployment"] == "ModelReplica" and value >= 0, tags
 
