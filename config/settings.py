@@ -59,6 +59,11 @@ class Limits(BaseModel):
     max_exclude_items: int = Field(
         default=10_000, ge=0, description="Most items in a request's exclude list (tree and labels scenarios)."
     )
+    max_filter_clauses: int = Field(
+        default=64, ge=1, description="Most field conditions in a request's filter (tree catalogs with item "
+                                      "metadata), all its $and / $or branches together.")
+    max_filter_depth: int = Field(default=8, ge=1, description="Deepest nesting of $and / $or in a request's filter.")
+    max_filter_values: int = Field(default=1024, ge=1, description="Most values in one $in / $nin of a request's filter.")
     max_schema_bytes: int = Field(default=256 * 1024, ge=16, description="Largest JSON schema, serialized.")
     max_schema_depth: int = Field(default=32, ge=1, description="Deepest nesting of a JSON schema.")
     max_tools: int = Field(

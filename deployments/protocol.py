@@ -19,6 +19,7 @@ __all__ = [
     "Output",
     "ServiceError",
     "Usage",
+    "check_filter_size",
     "check_request_limits",
     "unwrap_service_error",
 ]
@@ -60,6 +61,7 @@ def check_request_limits(
     seed: int | None = None,
     exclude: list | None = None,
     rename: dict[str, str] | None = None,
+    item_filter: Any = None,
 ) -> None:
     """422 naming the field when a request asks for more than ``limits`` (a ``config.Limits``) allows.
 
@@ -89,6 +91,8 @@ def check_request_limits(
             )
     if seed is not None and seed > MAX_SEED:
         raise ServiceError(422, f"seed: {seed} is above the largest seed, {MAX_SEED} (2**63 - 1)", {"field": "seed"})
+    if item_filter is not None:
+        check_filter_size(item_filter, limits)
     if exclude is not None:
         if len(exclude) > limits.max_exclude_items:
             raise ServiceError(
@@ -103,6 +107,36 @@ def check_request_limits(
                          "longer than the most tokens a request may generate can never be produced",
                     {"field": f"exclude[{i}]", "limit_name": "max_new_tokens", "limit": longest},
                 )
+
+
+def check_filter_size(value: Any, limits) -> None:
+    """A request's ``filter`` bounded by its shape before it goes to a replica (which reads it against the
+    catalog's fields: ``processors/kinds/tree/filters.py``): nesting past ``max_filter_depth`` levels of ``$and`` /
+    ``$or`` or more JSON values than ``max_filter_clauses`` conditions of ``max_filter_values`` values could hold
+    is a 422 naming the limit. One pass with a stack, stopped at the bound (never recursion)."""
+    if not isinstance(value, dict):
+        raise ServiceError(422, f"filter: expected a JSON object of field conditions, got {type(value).__name__}",
+                           {"field": "filter"})
+    max_levels = 2 * limits.max_filter_depth + 2  # each $and / $or level is a list and an object; a field's operators
+    max_nodes = limits.max_filter_clauses * (limits.max_filter_values + 8)
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    nodes = 0
+    while stack:
+        node, level = stack.pop()
+        nodes += 1
+        if nodes > max_nodes:
+            raise ServiceError(422, f"filter: more than {max_nodes} JSON values, over what max_filter_clauses="
+                                    f"{limits.max_filter_clauses} conditions of max_filter_values="
+                                    f"{limits.max_filter_values} values hold", {"field": "filter",
+                                    "limit_name": "max_filter_clauses", "limit": limits.max_filter_clauses})
+        if level > max_levels:
+            raise ServiceError(422, f"filter: nested deeper than max_filter_depth={limits.max_filter_depth} levels "
+                                    "of $and / $or", {"field": "filter", "limit_name": "max_filter_depth",
+                                                      "limit": limits.max_filter_depth})
+        if isinstance(node, dict):
+            stack.extend((child, level + 1) for child in node.values())
+        elif isinstance(node, list):
+            stack.extend((child, level + 1) for child in node)
 
 
 def unwrap_service_error(exc: BaseException) -> ServiceError | None:
@@ -180,6 +214,15 @@ class GenerateRequest(_Strict):
     distinct: bool = Field(
         default=False, strict=True,
         description="tree and labels scenarios: the n outputs (or returned beams) are different items.",
+    )
+    filter: dict[str, Any] | None = Field(
+        default=None,
+        description="tree catalogs with item metadata: only items whose metadata pass this filter are produced, in "
+                    "the vector databases' filter language: {\"region\": {\"$in\": [\"eu\"]}, \"stock\": {\"$gt\": "
+                    "0}} ($eq $ne $in $nin $gt $gte $lt $lte $and $or; fields side by side must all hold). A field "
+                    "the catalog does not have, an unknown operator or a value of the wrong kind is a 422 naming the "
+                    "field; a filter no item passes is a 422 saying so. Bounded by max_filter_clauses, "
+                    "max_filter_depth and max_filter_values.",
     )
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]] | None = Field(
         default=None, max_length=MAX_STOP_STRINGS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 
-__all__ = ["items_of", "product_tree"]
+__all__ = ["filter_passes", "items_of", "product_tree"]
 
 
 def product_tree(root: int, codes: list[int], depth: int, eos: int) -> dict:
@@ -35,3 +35,40 @@ def items_of(tokens: list[int], eos: int, sep: int | None, width: int = 3) -> li
         else:
             cur.append(t)
     return parts + [tuple(cur)]
+
+
+def filter_passes(item: dict | None, flt: dict) -> bool:
+    """Whether an item's metadata (``None``: none) passes ``flt``, by the filter language's rules as documented
+    (``processors/kinds/tree/filters.py``), written apart from the code under test."""
+    item = item or {}
+    for key, cond in flt.items():
+        if key == "$and":
+            ok = all(filter_passes(item, f) for f in cond)
+        elif key == "$or":
+            ok = any(filter_passes(item, f) for f in cond)
+        else:
+            ok = all(_holds(item, key, op, value)
+                     for op, value in (cond.items() if isinstance(cond, dict) else [("$eq", cond)]))
+        if not ok:
+            return False
+    return True
+
+
+def _holds(item: dict, field: str, op: str, value) -> bool:
+    if field not in item:
+        return op in ("$ne", "$nin")
+    have = item[field]
+    values = have if isinstance(have, list) else [have]
+
+    def same(a, b):
+        return type(a) is type(b) and a == b if isinstance(a, bool) or isinstance(b, bool) else a == b
+
+    if op == "$eq":
+        return any(same(v, value) for v in values)
+    if op == "$ne":
+        return not any(same(v, value) for v in values)
+    if op == "$in":
+        return any(same(v, w) for v in values for w in value)
+    if op == "$nin":
+        return not any(same(v, w) for v in values for w in value)
+    return {"$gt": have > value, "$gte": have >= value, "$lt": have < value, "$lte": have <= value}[op]

@@ -180,6 +180,8 @@ class Engine(ABC):
     #: the engine fills :attr:`FinishedEvent.logprobs` when :attr:`EngineRequest.logprobs` asks (else the replica
     #: computes them with its own model)
     reports_logprobs: bool = False
+    #: an engine whose rows honour a request's item ``filter`` (its :class:`~processors.items.ItemRequest`'s ``base``)
+    item_filters: bool = False
     #: called after every decode step with (step seconds, constraint-chain seconds), from the engine's thread
     on_step: Callable[[float, float], None] | None = None
 

@@ -76,7 +76,7 @@ class Ingress(ReplicaCalls, Streams, HealthCheck):
         event loop, with the rest of a request's preparation."""
         check_request_limits(
             self.limits, max_new_tokens=request.max_new_tokens, n=request.n, num_beams=request.num_beams,
-            seed=request.seed, exclude=request.exclude, rename=rename,
+            seed=request.seed, exclude=request.exclude, rename=rename, item_filter=request.filter,
         )
         check_tool_fields(self.limits, request.tools, request.messages)
 

@@ -371,7 +371,7 @@ class StoredScenarioCompiler:
                 if tables is None:
                     tables = catalog_tables(catalog, self.vocab_size)
                     self.remember_tables(sha, tables)
-                compiled = self._compile_now(name, scenario, (tables, catalog.start_token_id))
+                compiled = self._compile_now(name, scenario, (tables, catalog.start_token_id, catalog))
             else:
                 compiled = self._compile_now(name, scenario)
                 if body.get("type") == "tree" and scenario.tree is not None:

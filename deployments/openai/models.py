@@ -67,7 +67,7 @@ NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 #: request fields of the native API that may ride in an OpenAI body (the ``extra_body`` of the openai client)
 #: when the native request knows them: the item controls (exclude, distinct, ...)
-PASSTHROUGH_FIELDS = ("exclude", "distinct", "max_items", "separator_token_id", "fixed_width")
+PASSTHROUGH_FIELDS = ("exclude", "distinct", "filter", "max_items", "separator_token_id", "fixed_width")
 
 
 class _OpenAIBody(BaseModel):

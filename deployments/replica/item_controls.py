@@ -1,4 +1,4 @@
-"""Admission of a request's item controls (``exclude``, ``distinct``) and of its token budget for the scenarios
+"""Admission of a request's item controls (``exclude``, ``distinct``, ``filter``) and of its token budget for the scenarios
 whose kind has items (``capabilities.items``; the kind names their tables and any refusal): the checks that turn
 bad input into a 4xx naming the field, and the shared :class:`processors.items.ItemRequest` the engine hands to
 the request's rows. Rules: ``docs/design.md``,
@@ -7,10 +7,13 @@ the request's rows. Rules: ``docs/design.md``,
 
 from __future__ import annotations
 
+import numpy as np
+
 from processors.items import ItemRequest, min_item_tokens, resolve_exclude
 from processors.tables import item_metrics
 
 from ..protocol import ServiceError
+from ..scenario_errors import refused_as_service_error
 
 __all__ = ["admit_item_controls"]
 
@@ -22,9 +25,10 @@ def admit_item_controls(req, compiled, max_new_tokens: int, limits) -> ItemReque
     Raises :class:`ServiceError` (422) naming the field."""
     exclude = req.exclude
     distinct = bool(req.distinct)
+    item_filter = getattr(req, "filter", None)
     if compiled is None or not compiled.capabilities.items:
-        if exclude is not None or distinct:
-            field = "exclude" if exclude is not None else "distinct"
+        if exclude is not None or distinct or item_filter is not None:
+            field = "exclude" if exclude is not None else "distinct" if distinct else "filter"
             name = compiled.kind if compiled is not None else None
             raise ServiceError(422, f"{field}: only tree and labels scenarios have items (this request is "
                                     f"{'unconstrained' if name is None else name!r})", {"field": field})
@@ -42,17 +46,27 @@ def admit_item_controls(req, compiled, max_new_tokens: int, limits) -> ItemReque
             {"field": "max_new_tokens", "minimum": need},
         )
     tables = kind.item_tables(constraint)
+    resolved = None
+    if item_filter is not None:  # resolved once per filter and version (cached with the version's filter index)
+        with refused_as_service_error():
+            resolved = kind.item_filter(constraint, item_filter, limits)
+        if resolved.passing == 0:
+            raise ServiceError(422, "filter: no item of this scenario passes the filter", {"field": "filter",
+                                                                                          "available": 0})
     # beams end on different sequences: with one item per output they need n different items, the same rule
     # as distinct (a 422 naming n and what is available, never fewer outputs than asked)
     single_item = int(compiled.settings.get("max_items", 1) or 1) <= 1
     beams_need_items = req.num_beams > 1 and req.n > 1 and single_item
+    total = resolved.passing if resolved is not None else (
+        int(item_metrics(tables)[1][tables.root]) if tables.root >= 0 else 0)
     if beams_need_items and not exclude:
-        if tables.root >= 0 and (count := int(item_metrics(tables)[1][tables.root])) < req.n:
-            raise ServiceError(422, f"n: the scenario has {count} item(s), fewer than the n={req.n} different "
-                                    "outputs beam search returns", {"field": "n", "available": count})
-    if not exclude and not distinct:
+        if tables.root >= 0 and total < req.n:
+            passing = " passing the filter" if resolved is not None else ""
+            raise ServiceError(422, f"n: the scenario has {total} item(s){passing}, fewer than the n={req.n} "
+                                    "different outputs beam search returns", {"field": "n", "available": total})
+    if not exclude and not distinct and resolved is None:
         return None
-    field = "exclude" if exclude else "distinct"
+    field = "exclude" if exclude else "distinct" if distinct else "filter"
     refusal = kind.item_controls_refusal(constraint)
     if refusal is not None:
         raise ServiceError(422, f"{field}: {refusal}", {"field": field})
@@ -67,11 +81,18 @@ def admit_item_controls(req, compiled, max_new_tokens: int, limits) -> ItemReque
         items = resolve_exclude(constraint, exclude, distinct=sampled_distinct)
     except ValueError as exc:
         raise ServiceError(422, str(exc), {"field": "exclude"}) from None
+    excluded = items.n_excluded
+    if resolved is not None:
+        items.base = resolved.book
+        if items.book.ends:  # excluded items the filter leaves out already are not counted twice
+            ends = np.fromiter(items.book.ends, dtype=np.int64, count=len(items.book.ends))
+            excluded = int((~resolved.book.ends_taken(ends)).sum())
     if tables.root >= 0:
-        free = int(item_metrics(tables)[1][tables.root]) - items.n_excluded
+        free = total - excluded
         wanted = req.n if distinct or beams_need_items else 1
         if free < wanted:
-            field = "n" if (distinct or beams_need_items) and free >= 1 else "exclude"
-            raise ServiceError(422, f"{field}: the scenario has {free} item(s) left after exclude, fewer than the "
+            field = "n" if (distinct or beams_need_items) and free >= 1 else "exclude" if exclude else "filter"
+            after = " and ".join(x for x, on in (("the filter", resolved is not None), ("exclude", bool(exclude))) if on)
+            raise ServiceError(422, f"{field}: the scenario has {free} item(s) left after {after}, fewer than the "
                                     f"{wanted} asked for", {"field": field, "available": free})
-    return items if (items.book or items.distinct) else None
+    return items if (items.book or items.distinct or items.base is not None) else None

@@ -114,7 +114,8 @@ class RequestHandler:
                 req = GenerateRequest.model_validate(request)
             except Exception as exc:
                 raise ServiceError(422, f"invalid request: {exc}") from None
-            check_request_limits(limits, n=req.n, num_beams=req.num_beams, seed=req.seed, exclude=req.exclude)
+            check_request_limits(limits, n=req.n, num_beams=req.num_beams, seed=req.seed, exclude=req.exclude,
+                                 item_filter=req.filter)
         if req.messages is not None and not req.messages:
             raise ServiceError(422, "messages: give at least one message", {"field": "messages"})
         name, version, compiled = await self._resolve_scenario(req)
@@ -127,7 +128,12 @@ class RequestHandler:
         # off the event loop: rendering and tokenizing are linear but slow (the replica keeps answering pings)
         prompt_ids = await asyncio.to_thread(self._prompt_ids, req, compiled)
         max_new, sampling = self._job_params(req, compiled, checked)
-        items = admit_item_controls(req, compiled, max_new, limits)  # exclude, distinct, budget
+        if req.filter is not None and not self.engine.item_filters:
+            raise ServiceError(422, "filter: not served by this replica's engine yet (engine: transformers serves "
+                                    "it)", {"field": "filter"})
+        # exclude, distinct, budget; a filter resolved (once per filter and version) off the event loop
+        items = (admit_item_controls(req, compiled, max_new, limits) if req.filter is None else
+                 await asyncio.to_thread(admit_item_controls, req, compiled, max_new, limits))
         engine_request = EngineRequest(prompt_ids=prompt_ids, compiled=compiled, max_new_tokens=max_new,
                                        sampling=sampling, n=req.n, num_beams=req.num_beams, items=items,
                                        logprobs=req.logprobs if self.engine.reports_logprobs else None,

@@ -142,6 +142,15 @@ class ConstraintKind(ABC):
         ``capabilities.items``): their count bounds ``n`` and ``exclude``."""
         raise ValueError(f"scenario type {self.type_name!r} has no items")
 
+    def item_filter(self, constraint: Any, value: Any, limits: Any) -> Any:
+        """A request's ``filter`` over the items' metadata resolved for ``constraint``: an object with ``book`` (a
+        :class:`~processors.items.DenseBook` of the items that do not pass) and ``passing`` (how many do). Raises
+        :class:`~config.ConstraintError` (422 naming the field); kinds without item metadata refuse."""
+        from config import ConstraintError
+
+        raise ConstraintError(422, f"filter: scenario type {self.type_name!r} has no item metadata to filter on",
+                              {"field": "filter"})
+
     def item_controls_refusal(self, constraint: Any) -> str | None:
         """Why a request's ``exclude`` / ``distinct`` cannot apply to ``constraint`` (the end of a 422 naming the
         field), or None when they can."""

@@ -13,6 +13,8 @@ from config import ConstraintError
 from processors.kinds.tree.filters import FilterLimits, parse_filter
 from processors.kinds.tree.metadata import ItemMetadata, MetadataLimits
 
+from item_checks import filter_passes as _passes
+
 REGIONS = ["eu", "us", "apac", "latam"]
 TAGS = ["new", "sale", "gift", "eco", "bulk"]
 
@@ -63,42 +65,6 @@ def _random_filter(rng: random.Random, depth: int = 0) -> dict:
     if depth < 2 and rng.random() < 0.4:
         out[rng.choice(["$and", "$or"])] = [_random_filter(rng, depth + 1) for _ in range(rng.randint(1, 3))]
     return out
-
-
-def _passes(item: dict | None, flt: dict) -> bool:
-    """The filter language's rules, item by item."""
-    item = item or {}
-    for key, cond in flt.items():
-        if key == "$and":
-            ok = all(_passes(item, f) for f in cond)
-        elif key == "$or":
-            ok = any(_passes(item, f) for f in cond)
-        else:
-            ok = all(_holds(item, key, op, value)
-                     for op, value in (cond.items() if isinstance(cond, dict) else [("$eq", cond)]))
-        if not ok:
-            return False
-    return True
-
-
-def _holds(item: dict, field: str, op: str, value) -> bool:
-    if field not in item:
-        return op in ("$ne", "$nin")
-    have = item[field]
-    values = have if isinstance(have, list) else [have]
-
-    def same(a, b):
-        return type(a) is type(b) and a == b if isinstance(a, bool) or isinstance(b, bool) else a == b
-
-    if op == "$eq":
-        return any(same(v, value) for v in values)
-    if op == "$ne":
-        return not any(same(v, value) for v in values)
-    if op == "$in":
-        return any(same(v, w) for v in values for w in value)
-    if op == "$nin":
-        return not any(same(v, w) for v in values for w in value)
-    return {"$gt": have > value, "$gte": have >= value, "$lt": have < value, "$lte": have <= value}[op]
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -117,6 +117,7 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
     """
 
     name = "transformers"
+    item_filters = True  # rows read a filter's book like an exclude list (processors/tree.py)
 
     def __init__(
         self, model, tokenizer, *, max_batch_size: int = 16, eos_token_ids: tuple[int, ...] | None = None,

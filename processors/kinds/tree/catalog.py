@@ -14,7 +14,10 @@ The first line is the header: ``start_token_id`` (the root, appended to the prom
 of the tree scenario (``description``, ``max_new_tokens``, ``append_start_token``, ...). Each further line is one
 item: the token ids after the root, without the end token (non-empty, ids in the vocabulary, never the end token,
 no item twice). Blank lines are skipped. An item may be a prefix of another (``[12]`` and ``[12, 41]``): after
-``12`` the row may end or go on.
+``12`` the row may end or go on. An item may carry metadata, what a request's ``filter`` reads
+(:mod:`processors.kinds.tree.metadata`, :mod:`processors.kinds.tree.filters`): its line is then the object
+``{"ids": [12, 40, 7], "metadata": {"region": ["eu"], "stock": 3}}`` (bare arrays and objects may be mixed; an item
+without metadata has every field missing).
 
 The manager parses it once (:func:`parse_catalog`), stores the canonical catalog (the header's two ids, then the
 items in order, ``[a,b,c]`` per line) as tree content under its SHA-256, and compiles the tree it spells straight
@@ -40,8 +43,8 @@ from config import ConstraintError
 from processors.kinds.tree.catalog_tables import _row_order as _row_order  # re-exported (tests)
 from processors.kinds.tree.catalog_tables import catalog_tables, tree_file_bytes
 
-__all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "catalog_body", "check_items", "items_from_tree", "catalog_tables",
-           "parse_catalog", "tree_file_bytes"]
+__all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "canonical_meta", "catalog_body", "check_items", "items_from_tree",
+           "catalog_tables", "parse_catalog", "split_item", "tree_file_bytes"]
 
 #: request content types read as a catalog (the first is the one documented)
 CATALOG_CONTENT_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
@@ -58,10 +61,14 @@ class Catalog:
     and the number of ids per item) for the tree build. :attr:`items` gives tuples (small catalogs, tests)."""
 
     def __init__(self, start_token_id: int, end_token_id: int, lines: list[bytes], flat: np.ndarray,
-                 lengths: np.ndarray, options: dict[str, Any] | None = None):
+                 lengths: np.ndarray, options: dict[str, Any] | None = None, meta: list[bytes | None] | None = None):
         self.start_token_id, self.end_token_id = int(start_token_id), int(end_token_id)
         self.lines, self.flat, self.lengths = lines, flat, lengths
         self.options = dict(options or {})
+        # per item, its metadata object's canonical JSON (None: none); None when no item has metadata. ``lines``
+        # stay the bare ids (an item's identity, what a PATCH looks up); the stored line joins both (stored_line)
+        self.meta = meta
+        self._metadata: Any = None
         # the canonical bytes once made (content), and where each item's line ends in them (line_ends): a PATCH
         # makes its result's bytes from its base's by cutting and appending lines (catalog_delta.spliced_content)
         self._content: bytes | None = None
@@ -94,6 +101,30 @@ class Catalog:
         flat = self.flat.tolist()
         return [tuple(flat[offsets[i]:offsets[i + 1]]) for i in range(len(self.lines))]
 
+    def stored_line(self, i: int) -> bytes:
+        """Item ``i``'s line in :meth:`content`: its ids, or ``{"ids":[...],"metadata":{...}}`` with metadata."""
+        meta = self.meta[i] if self.meta is not None else None
+        return self.lines[i] if meta is None else b'{"ids":' + self.lines[i] + b',"metadata":' + meta + b"}"
+
+    def stored_lines(self) -> list[bytes]:
+        if self.meta is None:
+            return self.lines
+        return [line if meta is None else b'{"ids":' + line + b',"metadata":' + meta + b"}"
+                for line, meta in zip(self.lines, self.meta)]
+
+    def metadata(self, limits: Any = None):
+        """The items' metadata by column (:class:`~processors.kinds.tree.metadata.ItemMetadata`), or None when no
+        item has any; built once (a 422 naming the limit past ``limits``, a
+        :class:`~processors.kinds.tree.metadata.MetadataLimits`)."""
+        if self.meta is None:
+            return None
+        if self._metadata is None:
+            from .metadata import ItemMetadata, MetadataLimits
+
+            objects = [None if m is None else json.loads(m) for m in self.meta]
+            self._metadata = ItemMetadata.from_objects(objects, limits or MetadataLimits())
+        return self._metadata
+
     def header(self) -> bytes:
         """The first line of :meth:`content`, without its newline."""
         return json.dumps({"format": "cs-items", "start_token_id": self.start_token_id,
@@ -102,7 +133,7 @@ class Catalog:
     def content(self) -> bytes:
         """The canonical bytes (stored under their SHA-256): header with the two ids, one item per line (made once)."""
         if self._content is None:
-            self._content = self.header() + b"\n" + b"\n".join(self.lines) + (b"\n" if self.lines else b"")
+            self._content = self.header() + b"\n" + b"\n".join(self.stored_lines()) + (b"\n" if self.lines else b"")
         return self._content
 
     def line_ends(self) -> np.ndarray:
@@ -301,11 +332,15 @@ def _slow_catalog(body: bytes, first_line: int, start: int, end: int, options: d
     if max_items is not None and len(texts) > max_items:
         raise _too_many(len(texts), max_items)
     items = []
+    metas: list[Any] = []
     for n, line in zip(numbers, texts):
         try:
-            items.append(json.loads(line))
+            value = json.loads(line)
         except (ValueError, RecursionError) as exc:
             raise _bad(f"items: line {n}: not a JSON value: {exc}", "items", line=n) from None
+        ids, meta = split_item(value, f"line {n}", "items")
+        items.append(ids)
+        metas.append(meta)
     if not items:
         raise _bad("items: the catalog has no items (one JSON array of token ids per line after the header)", "items")
     tuples = check_items(items, end_token_id=end, vocab_size=vocab_size, where="items", numbers=numbers,
@@ -315,7 +350,36 @@ def _slow_catalog(body: bytes, first_line: int, start: int, end: int, options: d
         if item in seen:
             raise _bad(f"items: line {n}: item {list(item)} repeats line {seen[item]}", "items", line=n)
         seen[item] = n
-    return Catalog.from_items(start, end, tuples, options)
+    catalog = Catalog.from_items(start, end, tuples, options)
+    if any(m is not None for m in metas):
+        from .metadata import ItemMetadata, MetadataLimits
+
+        # checked first (a 422 naming the item and the limit: kinds, non-finite numbers, sizes), kept for the compile
+        metadata = ItemMetadata.from_objects(metas, MetadataLimits())
+        catalog.meta = [None if m is None else canonical_meta(m) for m in metas]
+        catalog._metadata = metadata
+    return catalog
+
+
+def split_item(value: Any, where: str, field_name: str) -> tuple[Any, dict[str, Any] | None]:
+    """``(ids, metadata)`` of one catalog item: a bare array of ids, or ``{"ids": [...], "metadata": {...}}``
+    (a 422 naming ``where`` for another object)."""
+    if not isinstance(value, dict):
+        return value, None
+    extra = sorted(set(value) - {"ids", "metadata"})
+    if "ids" not in value or extra:
+        raise _bad(f"{field_name}: {where}: an item with metadata is {{\"ids\": [...], \"metadata\": {{...}}}}"
+                   + (f"; unknown keys {extra}" if extra else "; ids is missing"), field_name)
+    meta = value.get("metadata")
+    if meta is not None and not isinstance(meta, dict):
+        raise _bad(f"{field_name}: {where}: metadata must be an object, got {type(meta).__name__}", field_name)
+    return value["ids"], meta or None
+
+
+def canonical_meta(meta: dict[str, Any]) -> bytes:
+    """The stored form of one item's metadata (keys sorted, compact, UTF-8)."""
+    return json.dumps(meta, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False).encode("utf-8")
 
 
 def items_from_tree(tree: Any) -> list[tuple[int, ...]]:

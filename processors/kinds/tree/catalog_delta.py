@@ -15,7 +15,7 @@ import numpy as np
 from config import ConstraintError
 
 from ..patch import DeltaReport, PatchResult, check_disjoint, check_unique, refused
-from .catalog import _RESERVED, Catalog, _line, catalog_body, check_items, items_from_tree
+from .catalog import _RESERVED, Catalog, _line, canonical_meta, catalog_body, check_items, items_from_tree, split_item
 
 __all__ = ["apply_tree_delta", "patch_stored_tree"]
 
@@ -85,6 +85,9 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
     than ``max_item_tokens`` is a 422 naming ``add[i]`` and ``max_item_tokens`` (removes are not bounded)."""
     if max_items is not None and len(add) - len(remove) > max_items:
         raise _too_many_after_patch(len(add) - len(remove), max_items)
+    split = [split_item(value, f"add[{i}]", "add") for i, value in enumerate(add)]
+    add = [ids for ids, _ in split]
+    add_meta = {i: meta for i, (_, meta) in enumerate(split) if meta is not None}
     adds = check_items(add, end_token_id=catalog.end_token_id, vocab_size=vocab_size, where="add",
                        max_item_tokens=max_item_tokens)
     removes = check_items(remove, end_token_id=catalog.end_token_id, vocab_size=vocab_size, where="remove")
@@ -101,11 +104,13 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
         else:
             report.not_present.append(list(item))
     new_items = []
-    for item in adds:
+    new_meta: list[bytes | None] = []
+    for i, item in enumerate(adds):
         if _line(item) in present:
             report.already_present.append(list(item))
         else:
             new_items.append(item)
+            new_meta.append(canonical_meta(add_meta[i]) if i in add_meta else None)
     report.removed, report.added = len(rows), len(new_items)
     rows.sort()
     lines, flat, lengths = catalog.lines, catalog.flat, catalog.lengths
@@ -117,9 +122,19 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
         flat, lengths = np.concatenate((flat, extra.flat)), np.concatenate((lengths, extra.lengths))
     if max_items is not None and len(lines) > max_items:
         raise _too_many_after_patch(len(lines), max_items)
-    result = Catalog(catalog.start_token_id, catalog.end_token_id, lines, flat, lengths, catalog.options)
+    meta = None
+    if catalog.meta is not None or any(m is not None for m in new_meta):  # the metadata cut and appended alike
+        base_meta = catalog.meta if catalog.meta is not None else [None] * len(catalog)
+        if rows:
+            gone = set(rows)
+            base_meta = [m for i, m in enumerate(base_meta) if i not in gone]
+        meta = base_meta + new_meta
+    result = Catalog(catalog.start_token_id, catalog.end_token_id, lines, flat, lengths, catalog.options, meta)
+    if meta is not None:
+        result.metadata()  # checked now: a 422 naming the item and the limit, before anything is stored
     if catalog._content is not None:  # its bytes from the base's (else made from the lines when asked for)
-        result._content, result._ends = _spliced_content(catalog, rows, extra.lines if extra else [])
+        added_lines = [result.stored_line(len(lines) - len(new_items) + k) for k in range(len(new_items))]
+        result._content, result._ends = _spliced_content(catalog, rows, added_lines)
     return result, report
 
 
@@ -181,7 +196,8 @@ def _patch(name: str, body: Any, add: list[Any], remove: list[Any], store: Any, 
         raise refused(f"remove: the PATCH would leave scenario {name!r} without items; DELETE it instead", "remove",
                       name=name)
     content = catalog.content()
-    if base_sha is not None:  # no local copy either: the catalog stays parsed in memory, the store rebuilds the bytes
+    with_meta = catalog.meta is not None or base.meta is not None
+    if base_sha is not None and not with_meta:  # no local copy either: the catalog stays parsed in memory, the store rebuilds the bytes
         sha, new = hashlib.sha256(content).hexdigest(), False
         added, removed = report.applied(add, remove)
         stored: Any = store.content_delta(base_sha, [_line(item) for item in removed], [_line(item) for item in added],
@@ -197,10 +213,11 @@ def _patch(name: str, body: Any, add: list[Any], remove: list[Any], store: Any, 
     if base_tables is not None and (len(add) + len(remove)) * store.patch_states_per_item <= base_tables.n_states:
         from .delta import patch_tables
 
-        tables = patch_tables(base_tables, add, remove)
+        tables = patch_tables(base_tables, [split_item(v, "", "add")[0] for v in add], remove)
         if tables is not None:  # (None: the base's tables cannot tell their items; the compile builds them in full)
             store.remember_tables(sha, tables, patched=True)
             patched = True
     report.timings = {"items": t1 - t0, "bytes": t2 - t1, "tables": time.perf_counter() - t2}
+    # (with metadata, replicas take the new version whole: its metadata and filter index come with it)
     return PatchResult(catalog_body(catalog, content, sha), stored, report, sha if new else None,
-                       replica_delta=patched)
+                       replica_delta=patched and not with_meta)

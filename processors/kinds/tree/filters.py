@@ -25,7 +25,7 @@ from config import ConstraintError
 
 from .metadata import CATEGORICAL, NUMERIC, Column, ItemMetadata
 
-__all__ = ["Filter", "FilterLimits", "parse_filter"]
+__all__ = ["Filter", "FilterLimits", "filter_limits", "parse_filter"]
 
 EQUALITY = ("$eq", "$ne", "$in", "$nin")
 RANGE = ("$gt", "$gte", "$lt", "$lte")
@@ -39,6 +39,15 @@ class FilterLimits:
     max_clauses: int = 64
     max_depth: int = 8
     max_values: int = 1024  # entries of one $in / $nin
+
+
+def filter_limits(limits: Any) -> FilterLimits:
+    """The service's bounds of a filter (``limits.max_filter_clauses``, ``limits.max_filter_depth``,
+    ``limits.max_filter_values`` when set), else the defaults."""
+    default = FilterLimits()
+    return FilterLimits(int(getattr(limits, "max_filter_clauses", default.max_clauses)),
+                        int(getattr(limits, "max_filter_depth", default.max_depth)),
+                        int(getattr(limits, "max_filter_values", default.max_values)))
 
 
 def _refused(path: str, message: str, **detail: Any) -> ConstraintError:

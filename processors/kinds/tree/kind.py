@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from processors.kinds.tree.file import load_tree
@@ -11,6 +13,8 @@ from ...registry import register
 from ...tables import DONE, MaskTables, build_tree_tables, item_metrics
 from ...tree import TreeCursor
 from ..base import Capabilities, CompileResult, ConstraintKind
+from .filters import filter_limits
+from .item_filter import ItemFilterIndex
 from .spec import TreeScenario
 
 
@@ -60,11 +64,21 @@ class TreeKind(ConstraintKind):
         """``prebuilt``: ``(tables, start_token_id)``, the tables of the tree the scenario names, built by the caller
         (the config manager, from a catalog's items or an inline tree's split body: the tables its tree file would
         give); the rest of the compile (item metrics, the multi-item checks) runs as for any tree."""
-        tables, start_token_id = prebuilt
+        tables, start_token_id, *catalog = prebuilt
         item_metrics(tables)  # min_remaining / item_count, computed once here and shipped with the tables
         if scenario.max_items > 1:
             check_multi_item(tables, scenario.separator_token_id)
+        index = ItemFilterIndex.build(tables, catalog[0]) if catalog else None
+        if index is not None:  # a catalog with item metadata: its filter index travels with (a copy of) the tables
+            tables = copy.copy(tables)
+            object.__setattr__(tables, "item_filters", index)
         return CompileResult(tables, int(start_token_id) if scenario.append_start_token else None)
+
+    def item_filter(self, constraint, value, limits):
+        index = getattr(constraint, "item_filters", None)
+        if index is None:
+            return super().item_filter(constraint, value, limits)
+        return index.resolve(constraint, value, filter_limits(limits))
 
     def check_compiled(self, scenario, constraint, limits) -> None:
         # an inline tree was counted before compiling (TreeScenario.check_limits); a file only now

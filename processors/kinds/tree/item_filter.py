@@ -1,0 +1,88 @@
+"""A catalog version's item metadata joined to its tables: what a request's ``filter`` resolves against.
+
+Built once per compiled version (the config manager's compile, :meth:`ItemFilterIndex.build`): the metadata by
+column (:mod:`.metadata`) and each item's terminal in the tables (:func:`.filter_edges.item_terminals`). It travels
+with the compiled tables to the replicas. A request's filter is checked (:func:`.filters.parse_filter`, a 422 naming
+the field), evaluated over the columns (numpy passes) and turned into a :class:`~processors.items.DenseBook` of the
+items that do not pass (:func:`.filter_edges.filter_book`): the item controls then treat those as excluded, so
+``n``, ``distinct``, beams, multi-item rows and the token budget all count only items that pass. The resolved book
+is cached per filter (its canonical JSON) for this version: a repeated filter costs a dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from config import ConstraintError
+
+from .filter_edges import filter_book, item_terminals
+from .filters import FilterLimits, parse_filter
+from .metadata import ItemMetadata
+
+__all__ = ["ItemFilterIndex", "ResolvedFilter"]
+
+#: resolved filters kept per version (each holds two arrays over the tables' states and terminals)
+CACHED_FILTERS = 32
+
+
+class ResolvedFilter:
+    """A filter resolved for one version: the book of items left out and how many items pass."""
+
+    __slots__ = ("book", "passing")
+
+    def __init__(self, book, passing: int):
+        self.book, self.passing = book, passing
+
+
+class ItemFilterIndex:
+    """The metadata of a compiled catalog's items and their terminals (see the module docstring)."""
+
+    def __init__(self, metadata: ItemMetadata, terminals: np.ndarray):
+        self.metadata = metadata
+        self.terminals = terminals
+        self._cache: OrderedDict[str, ResolvedFilter] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:  # the cache and its lock stay where they were made
+        return {"metadata": self.metadata, "terminals": self.terminals}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["metadata"], state["terminals"])
+
+    @classmethod
+    def build(cls, tables, catalog, limits=None) -> "ItemFilterIndex | None":
+        """The index of ``catalog`` (a :class:`~processors.kinds.tree.catalog.Catalog`) over its ``tables``; None when
+        no item carries metadata."""
+        metadata = catalog.metadata(limits)
+        if metadata is None:
+            return None
+        terminals = item_terminals(tables, catalog.flat, catalog.lengths)
+        terminals.setflags(write=False)
+        return cls(metadata, terminals)
+
+    def resolve(self, tables, value: Any, limits: FilterLimits = FilterLimits(), field: str = "filter"
+                ) -> ResolvedFilter:
+        """``value`` (a request's filter) resolved over ``tables`` (the ones this index was built on); a
+        :class:`~config.ConstraintError` (422) naming the field on a bad filter."""
+        try:
+            key = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ConstraintError(422, f"{field}: not a JSON filter: {exc}", {"field": field}) from None
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        parsed = parse_filter(value, self.metadata, limits, field)
+        passing = parsed.mask(self.metadata)
+        resolved = ResolvedFilter(filter_book(tables, self.terminals, passing), int(passing.sum()))
+        with self._lock:
+            self._cache[key] = resolved
+            while len(self._cache) > CACHED_FILTERS:
+                self._cache.popitem(last=False)
+        return resolved
