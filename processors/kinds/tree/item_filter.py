@@ -52,7 +52,9 @@ class ItemFilterIndex:
         return {"metadata": self.metadata, "terminals": self.terminals}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["metadata"], state["terminals"])
+        self.metadata, self.terminals = state["metadata"], state["terminals"]
+        self._cache = OrderedDict()
+        self._lock = threading.Lock()
 
     @classmethod
     def build(cls, tables, catalog, limits=None) -> "ItemFilterIndex | None":
