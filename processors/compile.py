@@ -139,7 +139,7 @@ def compile_scenario(scenario, tokenizer, *, model_config=None, grammar_worker=N
         think = compile_think(scenario.think.max_thinking_tokens, scenario.think.begin, scenario.think.end, info)
     settings = {
         k: getattr(scenario, k)
-        for k in ("max_new_tokens", "temperature", "top_p", "top_k", "system_prompt")
+        for k in ("max_new_tokens", "temperature", "top_p", "top_k", "system_prompt", "filter")
         if getattr(scenario, k, None) is not None
     }
     if getattr(scenario, "max_items", 1) > 1:  # multi-item tree rows (processors.items.item_rules)

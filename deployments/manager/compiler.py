@@ -167,6 +167,7 @@ class StoredScenarioCompiler:
                     raise ServiceError(422, f"invalid scenario: content_format: only 'items' (a catalog), got {fmt!r}",
                                        {"name": name, "field": "content_format"})
                 body.pop("items", None)  # the item count, for display
+                body.pop("metadata", None)  # the metadata fields' summary, for display
         try:
             # limits first (before anything walks the body), then validation; the manager's bodies come from JSON
             # (an HTTP body or Redis), so they are not serialized again to check that they are JSON

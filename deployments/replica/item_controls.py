@@ -46,11 +46,10 @@ def admit_item_controls(req, compiled, max_new_tokens: int, limits) -> ItemReque
             {"field": "max_new_tokens", "minimum": need},
         )
     tables = kind.item_tables(constraint)
-    resolved = None
-    if item_filter is not None:  # resolved once per filter and version (cached with the version's filter index)
-        with refused_as_service_error():
-            resolved = kind.item_filter(constraint, item_filter, limits)
-        if resolved.passing == 0:
+    # the request's filter and the scenario's own, resolved once per filter and version (cached with the version)
+    with refused_as_service_error():
+        resolved = kind.item_filter(constraint, item_filter, limits)
+    if resolved is not None and resolved.passing == 0:
             raise ServiceError(422, "filter: no item of this scenario passes the filter", {"field": "filter",
                                                                                           "available": 0})
     # beams end on different sequences: with one item per output they need n different items, the same rule

@@ -128,12 +128,14 @@ class RequestHandler:
         # off the event loop: rendering and tokenizing are linear but slow (the replica keeps answering pings)
         prompt_ids = await asyncio.to_thread(self._prompt_ids, req, compiled)
         max_new, sampling = self._job_params(req, compiled, checked)
-        if req.filter is not None and not self.engine.item_filters:
+        # exclude, distinct, budget; a filter (the request's, the scenario's) resolved once per filter and version,
+        # off the event loop
+        filtered = req.filter is not None or (compiled is not None and "filter" in compiled.settings)
+        if filtered and not self.engine.item_filters:
             raise ServiceError(422, "filter: not served by this replica's engine yet (engine: transformers serves "
                                     "it)", {"field": "filter"})
-        # exclude, distinct, budget; a filter resolved (once per filter and version) off the event loop
-        items = (admit_item_controls(req, compiled, max_new, limits) if req.filter is None else
-                 await asyncio.to_thread(admit_item_controls, req, compiled, max_new, limits))
+        items = (await asyncio.to_thread(admit_item_controls, req, compiled, max_new, limits) if filtered else
+                 admit_item_controls(req, compiled, max_new, limits))
         engine_request = EngineRequest(prompt_ids=prompt_ids, compiled=compiled, max_new_tokens=max_new,
                                        sampling=sampling, n=req.n, num_beams=req.num_beams, items=items,
                                        logprobs=req.logprobs if self.engine.reports_logprobs else None,

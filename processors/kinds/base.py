@@ -145,9 +145,12 @@ class ConstraintKind(ABC):
     def item_filter(self, constraint: Any, value: Any, limits: Any) -> Any:
         """A request's ``filter`` over the items' metadata resolved for ``constraint``: an object with ``book`` (a
         :class:`~processors.items.DenseBook` of the items that do not pass) and ``passing`` (how many do). Raises
-        :class:`~config.ConstraintError` (422 naming the field); kinds without item metadata refuse."""
+        :class:`~config.ConstraintError` (422 naming the field); kinds without item metadata refuse. ``None`` when
+        ``value`` is None and the scenario has no filter of its own."""
         from config import ConstraintError
 
+        if value is None:
+            return None
         raise ConstraintError(422, f"filter: scenario type {self.type_name!r} has no item metadata to filter on",
                               {"field": "filter"})
 

@@ -191,3 +191,39 @@ def test_huge_and_deep_filters_are_refused_before_the_work_while_others_are_serv
         thread.join(timeout=180)
     assert probe_codes and set(probe_codes) == {200}, probe_codes
     print(f"probe during huge filters: {len(probe_times)} requests, max {max(probe_times):.3f} s")
+
+
+def test_a_stored_default_filter_is_narrowed_never_widened(serve_app, tokenizer):
+    name = f"flt-{uuid.uuid4().hex[:8]}"
+    items = _items()
+    default = {"stock": {"$gte": 3}}
+    head = {"start_token_id": chat_root_token_id(tokenizer), "end_token_id": tokenizer.eos_token_id,
+            "max_new_tokens": 8, "filter": default}
+    data = "\n".join([json.dumps(head)] + [json.dumps({"ids": list(k), "metadata": v}) for k, v in items.items()])
+    put = lambda body: requests.put(f"{serve_app.url}/admin/scenarios/{name}", data=body.encode(), timeout=240,  # noqa: E731
+                                    headers={**serve_app.admin, "Content-Type": "application/x-ndjson"})
+    r = put(data + "\n")
+    assert r.status_code == 200, r.text
+    got = requests.get(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=30).json()
+    assert got["scenario"]["filter"] == default
+    summary = got["scenario"]["metadata"]
+    assert summary["region"]["kind"] == "categorical" and summary["region"]["values"] == {"eu": 20, "us": 20, "apac": 20}
+    assert summary["stock"]["kind"] == "numeric" and (summary["stock"]["min"], summary["stock"]["max"]) == (0, 6)
+    eos = tokenizer.eos_token_id
+    for request_filter in (None, {"region": "us"}, {"stock": {"$lt": 10}}):  # the last would widen: it cannot
+        expected = _passing(items, default) & _passing(items, request_filter or {})
+        body = {"scenario": name, "prompt": "Item:", "n": 3, "distinct": True, "temperature": 1.5, "seed": 5}
+        if request_filter is not None:
+            body["filter"] = request_filter
+        r = serve_app.generate(body)
+        assert r.status_code == 200, r.text
+        for out in r.json()["outputs"]:
+            assert _item_of(out, eos) in expected, (request_filter, out)
+    r = serve_app.generate({"scenario": name, "prompt": "Item:", "filter": {"stock": {"$lt": 3}}})
+    assert r.status_code == 422 and "no item" in r.text, r.text  # the request and the default exclude each other
+    # a default filter naming a field the catalog lacks: a 422 naming filter, nothing stored
+    bad = data.replace('"filter": {"stock"', '"filter": {"weight"', 1)
+    r = put(bad + "\n")
+    assert r.status_code == 422 and "filter" in r.text and "weight" in r.text, r.text
+    assert requests.get(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=30).json()[
+        "version"] == 1

@@ -49,7 +49,7 @@ __all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "canonical_meta", "catalog_body",
 #: request content types read as a catalog (the first is the one documented)
 CATALOG_CONTENT_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
 CATALOG_PATH = "catalog"  # the ``path`` of a stored catalog body (where its content came from: an upload)
-_RESERVED = frozenset({"type", "tree", "path", "content_sha256", "content_format", "items"})
+_RESERVED = frozenset({"type", "tree", "path", "content_sha256", "content_format", "items", "metadata"})
 _SHOWN = 20  # bad lines named in one error
 
 
@@ -111,6 +111,14 @@ class Catalog:
             return self.lines
         return [line if meta is None else b'{"ids":' + line + b',"metadata":' + meta + b"}"
                 for line, meta in zip(self.lines, self.meta)]
+
+    def metadata_digest(self) -> str:
+        """SHA-256 of the items' metadata in order (what versions a compiled catalog with its metadata)."""
+        digest = hashlib.sha256()
+        for meta in self.meta or ():
+            digest.update(b"-" if meta is None else meta)
+            digest.update(b"\n")
+        return digest.hexdigest()
 
     def metadata(self, limits: Any = None):
         """The items' metadata by column (:class:`~processors.kinds.tree.metadata.ItemMetadata`), or None when no
@@ -407,6 +415,10 @@ def items_from_tree(tree: Any) -> list[tuple[int, ...]]:
 
 def catalog_body(catalog: Catalog, content: bytes, sha: str | None = None) -> dict[str, Any]:
     """The stored tree body of a catalog whose canonical bytes are ``content`` (``sha``: their SHA-256, if known)."""
-    return {"type": "tree", **catalog.options, "path": CATALOG_PATH,
+    body = {"type": "tree", **catalog.options, "path": CATALOG_PATH,
             "content_sha256": sha or hashlib.sha256(content).hexdigest(), "content_format": "items",
             "items": len(catalog)}
+    metadata = catalog.metadata()
+    if metadata is not None:  # for display (GET): each field's kind, item count and values or range
+        body["metadata"] = metadata.summary()
+    return body

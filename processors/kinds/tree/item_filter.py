@@ -42,35 +42,57 @@ class ResolvedFilter:
 class ItemFilterIndex:
     """The metadata of a compiled catalog's items and their terminals (see the module docstring)."""
 
-    def __init__(self, metadata: ItemMetadata, terminals: np.ndarray):
+    def __init__(self, metadata: ItemMetadata, terminals: np.ndarray, default: dict[str, Any] | None = None):
         self.metadata = metadata
         self.terminals = terminals
+        self.default = default  # the scenario's own filter: every request's filter is ANDed with it
         self._cache: OrderedDict[str, ResolvedFilter] = OrderedDict()
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:  # the cache and its lock stay where they were made
-        return {"metadata": self.metadata, "terminals": self.terminals}
+        return {"metadata": self.metadata, "terminals": self.terminals, "default": self.default}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.metadata, self.terminals = state["metadata"], state["terminals"]
+        self.metadata, self.terminals, self.default = state["metadata"], state["terminals"], state["default"]
         self._cache = OrderedDict()
         self._lock = threading.Lock()
 
     @classmethod
-    def build(cls, tables, catalog, limits=None) -> "ItemFilterIndex | None":
+    def build(cls, tables, catalog, default: dict[str, Any] | None = None) -> "ItemFilterIndex | None":
         """The index of ``catalog`` (a :class:`~processors.kinds.tree.catalog.Catalog`) over its ``tables``; None when
-        no item carries metadata."""
-        metadata = catalog.metadata(limits)
+        no item carries metadata. ``default``: the scenario's filter, checked here (a
+        :class:`~config.ConstraintError` naming ``filter`` when it names what the catalog lacks or passes no item)."""
+        metadata = catalog.metadata()
         if metadata is None:
+            if default is not None:
+                raise ConstraintError(422, "filter: the catalog's items carry no metadata to filter on",
+                                      {"field": "filter"})
             return None
         terminals = item_terminals(tables, catalog.flat, catalog.lengths)
         terminals.setflags(write=False)
-        return cls(metadata, terminals)
+        index = cls(metadata, terminals)
+        if default is not None:
+            if not parse_filter(default, metadata).mask(metadata).any():
+                raise ConstraintError(422, "filter: no item of the catalog passes the scenario's filter",
+                                      {"field": "filter"})
+            index.default = default
+        return index
+
+    def effective(self, value: Any, limits: FilterLimits) -> tuple[Any, FilterLimits]:
+        """A request's filter joined with the scenario's (both must hold); the bounds widened by the default's
+        share, so that a request may use all of its own."""
+        if self.default is None:
+            return value, limits
+        if value is None:
+            return self.default, FilterLimits(limits.max_clauses * 2, limits.max_depth + 1, limits.max_values)
+        return {"$and": [self.default, value]}, FilterLimits(limits.max_clauses * 2, limits.max_depth + 1,
+                                                             limits.max_values)
 
     def resolve(self, tables, value: Any, limits: FilterLimits = FilterLimits(), field: str = "filter"
                 ) -> ResolvedFilter:
-        """``value`` (a request's filter) resolved over ``tables`` (the ones this index was built on); a
-        :class:`~config.ConstraintError` (422) naming the field on a bad filter."""
+        """``value`` (a request's filter, joined with the scenario's: :meth:`effective`) resolved over ``tables``
+        (the ones this index was built on); a :class:`~config.ConstraintError` (422) naming the field on a bad
+        filter."""
         try:
             key = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as exc:

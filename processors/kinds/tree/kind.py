@@ -7,10 +7,11 @@ import copy
 import numpy as np
 
 from processors.kinds.tree.file import load_tree
+from config import ConstraintError, ScenarioError
 from config.settings import LimitExceeded
 
 from ...registry import register
-from ...tables import DONE, MaskTables, build_tree_tables, item_metrics
+from ...tables import DONE, MaskTables, build_tree_tables, content_hash, item_metrics
 from ...tree import TreeCursor
 from ..base import Capabilities, CompileResult, ConstraintKind
 from .filters import filter_limits
@@ -68,17 +69,31 @@ class TreeKind(ConstraintKind):
         item_metrics(tables)  # min_remaining / item_count, computed once here and shipped with the tables
         if scenario.max_items > 1:
             check_multi_item(tables, scenario.separator_token_id)
-        index = ItemFilterIndex.build(tables, catalog[0]) if catalog else None
+        default = getattr(scenario, "filter", None)
+        if catalog:
+            try:
+                index = ItemFilterIndex.build(tables, catalog[0], default)
+            except ConstraintError as exc:  # the scenario's own filter: an invalid body, naming the field
+                raise ScenarioError("invalid", exc.message, field="filter") from None
+        elif default is not None:
+            raise ScenarioError("invalid", "filter: only a catalog whose items carry metadata has a filter (upload "
+                                           "it as NDJSON with {\"ids\", \"metadata\"} lines)", field="filter")
+        else:
+            index = None
         if index is not None:  # a catalog with item metadata: its filter index travels with (a copy of) the tables
             tables = copy.copy(tables)
             object.__setattr__(tables, "item_filters", index)
+            # versioned with the metadata: the same items with other metadata are another version
+            object.__setattr__(tables, "version", content_hash("tables+metadata", tables.version,
+                                                               catalog[0].metadata_digest()))
         return CompileResult(tables, int(start_token_id) if scenario.append_start_token else None)
 
     def item_filter(self, constraint, value, limits):
         index = getattr(constraint, "item_filters", None)
         if index is None:
             return super().item_filter(constraint, value, limits)
-        return index.resolve(constraint, value, filter_limits(limits))
+        value, bounds = index.effective(value, filter_limits(limits))
+        return None if value is None else index.resolve(constraint, value, bounds)
 
     def check_compiled(self, scenario, constraint, limits) -> None:
         # an inline tree was counted before compiling (TreeScenario.check_limits); a file only now

@@ -107,6 +107,13 @@ class TreeScenario(ScenarioBase):
                     "(the fixed-width form: every item must end where nothing but the end token follows).",
     )
 
+    filter: dict[str, Any] | None = Field(
+        default=None,
+        description="A catalog with item metadata: the default filter of its requests (the vector databases' filter "
+                    "language, as a request's filter). A request's own filter narrows it (both must hold), never "
+                    "widens it. Checked against the catalog's fields at the PUT.",
+    )
+
     union_order: ClassVar[int] = 10
     constraint_field: ClassVar[str | None] = "tree"
 
