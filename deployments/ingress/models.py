@@ -103,6 +103,7 @@ class ScenarioPatchOut(BaseModel):
     removed: int | None = None
     already_present: list[Any] | None = Field(default=None, description="Adds that were there already (no-ops).")
     not_present: list[Any] | None = Field(default=None, description="Removes that were not there (no-ops).")
+    updated: int | None = Field(default=None, description="Items whose metadata the PATCH's update replaced.")
 
 
 class ScenarioOut(BaseModel):

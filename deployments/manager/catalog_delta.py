@@ -17,7 +17,7 @@ __all__ = ["apply_delta"]
 
 @refused_as_service_error()
 def apply_delta(compiler: Any, name: str, body: dict[str, Any] | None, add: list[Any], remove: list[Any],
-                prepared: tuple[str, Any] | None = None) -> PatchResult:
+                prepared: tuple[str, Any] | None = None, update: list[Any] | None = None) -> PatchResult:
     """A PATCH's delta applied to a stored body (worker thread). ``compiler``: the manager's
     :class:`~deployments.manager.compiler.StoredScenarioCompiler` (the kind's ``PatchStore``). ``prepared``:
     ``(type, what the compiler holds of the current version)`` when it has read it already
@@ -26,11 +26,11 @@ def apply_delta(compiler: Any, name: str, body: dict[str, Any] | None, add: list
 
     if prepared is not None:
         kind_name, held = prepared
-        return registry.get(kind_name).apply_patch(name, body, add, remove, compiler, held)
+        return registry.get(kind_name).apply_patch(name, body, add, remove, compiler, held, update=update)
     assert body is not None
     type_name = body.get("type")
     kind = registry.get(type_name) if type_name in registry.names() else None
     if kind is None or not kind.capabilities.patch:
         raise ServiceError(409, f"scenario {name!r} is a {type_name} scenario: PATCH adds and removes items (of a "
                                 "tree or labels); PUT the whole scenario instead", {"name": name, "type": type_name})
-    return kind.apply_patch(name, body, add, remove, compiler)
+    return kind.apply_patch(name, body, add, remove, compiler, update=update)

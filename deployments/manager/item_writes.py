@@ -12,7 +12,7 @@ from deployments.json_body import parse_json_body
 from deployments.protocol import ServiceError
 from deployments.scenario_errors import refused_as_service_error
 from deployments.storage.store import BaseChanged, request_fingerprint
-from processors.kinds.patch import parse_delta
+from processors.kinds.patch import delta_updates, parse_delta
 from processors.kinds.tree.catalog import catalog_body, parse_catalog
 
 from .catalog_delta import apply_delta
@@ -59,15 +59,17 @@ def patch_write(manager: Any, name: str, delta: Any, idempotency_key: str | None
     """The write of ``ConfigManager.patch`` (what it does and answers: there)."""
     add: list[Any] = []
     remove: list[Any] = []
+    update: list[Any] = []
     base: int | None = None
 
     async def request() -> None:
-        nonlocal delta, add, remove, base, base_version
+        nonlocal delta, add, remove, update, base, base_version
         if isinstance(delta, (bytes, bytearray)):
             delta = await asyncio.to_thread(parse_json_body, bytes(delta), manager.settings.limits,
                                       scenario=False)
         with refused_as_service_error():
             add, remove, body_base = parse_delta(delta)
+            update = delta_updates(delta)
         if base_version is not None:
             base_version = as_version(base_version)
             if body_base is not None and body_base != base_version:
@@ -76,7 +78,8 @@ def patch_write(manager: Any, name: str, delta: Any, idempotency_key: str | None
         base = base_version if base_version is not None else body_base
 
     def fingerprint() -> str:
-        return body_fingerprint("patch", name, {"add": add, "remove": remove, "base_version": base})
+        return body_fingerprint("patch", name, {"add": add, "remove": remove, "base_version": base,
+                                                **({"update": update} if update else {})})
 
     async def draft(fp: str | None) -> Draft:
         held = await asyncio.to_thread(manager.compiler.held_base, manager.store, name)  # HeldBase or None
@@ -91,7 +94,7 @@ def patch_write(manager: Any, name: str, delta: Any, idempotency_key: str | None
             check_write_memory(manager.settings, PATCH_BYTES_PER_ITEM * items, f"a PATCH of {items:,} items",
                                name=name)
         result = await asyncio.to_thread(apply_delta, manager.compiler, name, stored, add, remove,
-                                         held and (held.kind, held.base))
+                                         held and (held.kind, held.base), update)
         body, content, report, new_sha = result.body, result.stored, result.report, result.new_sha
         # the answer besides name and version: kept with the Idempotency-Key, a retry gets it exactly
         answer = {"base_version": current, **report.to_json(), "changed": report.changed}

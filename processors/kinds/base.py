@@ -178,8 +178,8 @@ class ConstraintKind(ABC):
         return None
 
     def apply_patch(self, name: str, body: dict[str, Any] | None, add: list[Any], remove: list[Any],
-                    store: Any, prepared: Any = None) -> Any:
-        """A PATCH's ``add`` / ``remove`` applied to the stored ``body`` of scenario ``name`` (a kind with
+                    store: Any, prepared: Any = None, update: list[Any] | None = None) -> Any:
+        """A PATCH's ``add`` / ``remove`` (and ``update``: items whose metadata it replaces) applied to the stored ``body`` of scenario ``name`` (a kind with
         ``capabilities.patch``; on a worker thread): a :class:`processors.kinds.patch.PatchResult`. ``store``: a
         :class:`processors.kinds.patch.PatchStore`; ``prepared``: what the store already holds of the current
         version, in the kind's own form (``body`` may then be None). Refusals are ``ConstraintError``."""

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, Protocol
 
 from config import ConstraintError
 
-__all__ = ["DeltaReport", "PatchResult", "PatchStore", "check_disjoint", "check_unique", "parse_delta", "refused"]
+__all__ = ["DeltaReport", "PatchResult", "PatchStore", "check_disjoint", "check_unique", "delta_updates", "parse_delta", "refused"]
 
 
 def refused(message: str, field_name: str, **detail: Any) -> ConstraintError:
@@ -65,13 +65,14 @@ class DeltaReport:
 
     added: int = 0
     removed: int = 0
+    updated: int = 0  # items whose metadata a PATCH's ``update`` replaced (a tree catalog's)
     already_present: list[Any] = field(default_factory=list)
     not_present: list[Any] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per step of a tree PATCH (the manager's log)
 
     @property
     def changed(self) -> bool:
-        return bool(self.added or self.removed)
+        return bool(self.added or self.removed or self.updated)
 
     def applied(self, add: list[Any], remove: list[Any]) -> tuple[list[Any], list[Any]]:
         """``(added, removed)``: the items of ``add`` and ``remove`` this PATCH applied (the no-ops left out)."""
@@ -81,28 +82,38 @@ class DeltaReport:
                 [item for item in remove if tuple(item) not in absent])
 
     def to_json(self) -> dict[str, Any]:
-        return {"added": self.added, "removed": self.removed, "already_present": self.already_present,
-                "not_present": self.not_present}
+        out = {"added": self.added, "removed": self.removed, "already_present": self.already_present,
+               "not_present": self.not_present}
+        if self.updated:
+            out["updated"] = self.updated
+        return out
 
 
 def parse_delta(body: Any) -> tuple[list[Any], list[Any], int | None]:
-    """``(add, remove, base_version)`` of a PATCH body ``{"add": [...], "remove": [...], "base_version": n}``
-    (422 naming the field for anything else; at least one of add/remove)."""
+    """``(add, remove, base_version)`` of a PATCH body ``{"add": [...], "remove": [...], "update": [...],
+    "base_version": n}`` (422 naming the field for anything else; at least one of add/remove/update; the
+    ``update`` list: :func:`delta_updates`)."""
     if not isinstance(body, dict):
         raise refused("body: expected a JSON object {\"add\": [...], \"remove\": [...]}", "body")
-    unknown = sorted(set(body) - {"add", "remove", "base_version"})
+    unknown = sorted(set(body) - {"add", "remove", "update", "base_version"})
     if unknown:
-        raise refused(f"{unknown[0]}: unknown field (a PATCH body has add, remove and base_version)", unknown[0])
-    add, remove = body.get("add", []), body.get("remove", [])
-    for what, value in (("add", add), ("remove", remove)):
+        raise refused(f"{unknown[0]}: unknown field (a PATCH body has add, remove, update and base_version)",
+                      unknown[0])
+    add, remove, update = body.get("add", []), body.get("remove", []), body.get("update", [])
+    for what, value in (("add", add), ("remove", remove), ("update", update)):
         if not isinstance(value, list):
             raise refused(f"{what}: expected a JSON array, got {type(value).__name__}", what)
-    if not add and not remove:
-        raise refused("add: a PATCH needs at least one item to add or remove", "add")
+    if not add and not remove and not update:
+        raise refused("add: a PATCH needs at least one item to add, remove or update", "add")
     base = body.get("base_version")
     if base is not None and (type(base) is not int or base < 1):
         raise refused(f"base_version: expected a version number (an integer from 1), got {base!r}", "base_version")
     return add, remove, base
+
+
+def delta_updates(body: Any) -> list[Any]:
+    """The ``update`` list of a PATCH body that :func:`parse_delta` accepted (items whose metadata it replaces)."""
+    return list(body.get("update", [])) if isinstance(body, dict) else []
 
 
 def check_unique(values: list[Any], what: str) -> None:

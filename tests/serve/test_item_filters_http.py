@@ -227,3 +227,55 @@ def test_a_stored_default_filter_is_narrowed_never_widened(serve_app, tokenizer)
     assert r.status_code == 422 and "filter" in r.text and "weight" in r.text, r.text
     assert requests.get(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=30).json()[
         "version"] == 1
+
+
+def test_metadata_updates_during_a_stream_of_filtered_requests(serve_app, tokenizer):
+    """Each PATCH moves items in and out of the EU by updating their metadata while a client keeps asking for EU
+    items: every answer holds only items in the EU at the version it reports."""
+    name = f"flt-{uuid.uuid4().hex[:8]}"
+    items = _items()
+    r = requests.put(f"{serve_app.url}/admin/scenarios/{name}", data=_ndjson(tokenizer, items), timeout=240,
+                     headers={**serve_app.admin, "Content-Type": "application/x-ndjson"})
+    assert r.status_code == 200, r.text
+    at_version = {r.json()["version"]: {k: dict(v) for k, v in items.items()}}
+    answers: list[tuple[int, list[tuple[int, ...]]]] = []
+    failures: list[str] = []
+    stop = threading.Event()
+    eos = tokenizer.eos_token_id
+
+    def client():
+        seed = 0
+        while not stop.is_set():
+            seed += 1
+            r = serve_app.generate({"scenario": name, "prompt": "Item:", "filter": {"region": "eu"}, "n": 2,
+                                    "distinct": True, "temperature": 1.5, "seed": seed})
+            if r.status_code != 200:
+                failures.append(r.text)
+                continue
+            answers.append((r.json()["version"], [_item_of(out, eos) for out in r.json()["outputs"]]))
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    try:
+        current = {k: dict(v) for k, v in items.items()}
+        keys = sorted(items)
+        for round_ in range(4):
+            moved = keys[round_ * 10:(round_ + 1) * 10]  # ten items a round change region
+            update = []
+            for ids in moved:
+                meta = dict(current[ids], region="us" if current[ids]["region"] == "eu" else "eu")
+                current[ids] = meta
+                update.append({"ids": list(ids), "metadata": meta})
+            r = requests.patch(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=240,
+                               json={"update": update})
+            assert r.status_code == 200 and r.json()["updated"] == 10 and r.json()["added"] == 0, r.text
+            at_version[r.json()["version"]] = {k: dict(v) for k, v in current.items()}
+            time.sleep(1.0)
+    finally:
+        stop.set()
+        thread.join(timeout=240)
+    assert not failures, failures[:3]
+    assert len({v for v, _ in answers}) >= 2, answers  # the stream saw more than one version
+    for version, got in answers:
+        allowed = _passing(at_version[version], {"region": "eu"})
+        assert set(got) <= allowed, (version, got)

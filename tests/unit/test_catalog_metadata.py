@@ -106,3 +106,65 @@ def test_a_catalog_without_metadata_refuses_a_filter():
     with pytest.raises(ConstraintError) as err:
         kind.item_filter(tables, {"region": "eu"}, FilterLimits())
     assert err.value.status == 422 and err.value.detail["field"] == "filter"
+
+
+def test_a_scenario_filter_is_narrowed_by_the_request_and_checked_at_compile():
+    from config import ScenarioError
+
+    items = {(11,): {"region": "eu", "stock": 1}, (12,): {"region": "us", "stock": 0}, (13,): {"region": "eu", "stock": 0},
+             (14, 15): {"region": "eu", "stock": 4}}
+    catalog = parse_catalog(_ndjson(items), vocab_size=VOCAB)
+    kind = kind_for_type("tree")
+
+    def compiled(default):
+        scenario = kind.config_model.model_validate({"type": "tree", "path": "catalog", "filter": default})
+        return kind.compile_prebuilt(scenario, None, (catalog_tables(catalog, VOCAB), START, catalog)).constraint
+
+    tables = compiled({"stock": {"$gt": 0}})
+    for request, expected in [(None, {(11,), (14, 15)}), ({"region": "eu"}, {(11,), (14, 15)}),
+                              ({"stock": {"$lt": 2}}, {(11,)}), ({"region": {"$ne": "eu"}}, set())]:
+        resolved = kind.item_filter(tables, request, FilterLimits())
+        assert resolved.passing == len(expected), request
+        if expected:
+            cursor = TreeCursor(tables).bind(request=ItemRequest(base=resolved.book))
+            assert _reachable_items(cursor, END) == expected, request
+    # a request's bad field is named as the request sent it, not inside the joined filter
+    with pytest.raises(ConstraintError) as err:
+        kind.item_filter(tables, {"colour": "red"}, FilterLimits())
+    assert err.value.detail["field"] == "filter.colour"
+    for default, words in [({"weight": {"$gt": 1}}, "weight"), ({"stock": {"$gt": 9}}, "no item")]:
+        with pytest.raises(ScenarioError) as bad:
+            compiled(default)
+        assert bad.value.detail["field"] == "filter" and words in str(bad.value), str(bad.value)
+    assert kind.item_filter(compiled(None), None, FilterLimits()) is None  # nothing to resolve
+
+
+def test_update_replaces_metadata_keeps_the_tables_and_stores_as_a_line_delta():
+    from deployments.storage.content import apply_line_delta, line_delta
+
+    items = {(11,): {"region": "eu"}, (12, 13): {"region": "us"}, (14,): None, (15,): {"region": "eu"}}
+    base = parse_catalog(_ndjson(items), vocab_size=VOCAB)
+    base.content()
+    updated, report = apply_tree_delta(base, [{"ids": [16], "metadata": {"region": "us"}}], [[15]], vocab_size=VOCAB,
+                                       update=[{"ids": [11], "metadata": {"region": "us"}},
+                                               {"ids": [14], "metadata": {"region": "eu"}},
+                                               {"ids": [12, 13], "metadata": {"region": "us"}}])  # (unchanged)
+    assert (report.added, report.removed, report.updated) == (1, 1, 2)
+    now = {(11,): {"region": "us"}, (12, 13): {"region": "us"}, (14,): {"region": "eu"}, (16,): {"region": "us"}}
+    kind, tables = _compiled(updated)
+    for flt in ({"region": "eu"}, {"region": "us"}):
+        resolved = kind.item_filter(tables, flt, FilterLimits())
+        expected = {ids for ids, meta in now.items() if _passes(meta, flt)}
+        assert _reachable_items(TreeCursor(tables).bind(request=ItemRequest(base=resolved.book)), END) == expected
+    # what Redis keeps: the base's content and the line delta rebuild this version's bytes exactly
+    cut, appended = updated.line_delta
+    assert apply_line_delta(base.content(), line_delta(cut, appended)) == updated.content()
+    # an update alone: the same items, so the same tables (structure untouched)
+    only, report = apply_tree_delta(base, [], [], vocab_size=VOCAB, update=[{"ids": [14], "metadata": {"x": 1}}])
+    assert report.updated == 1 and report.changed and not report.added and not report.removed
+    assert catalog_tables(only, VOCAB).version == catalog_tables(base, VOCAB).version
+    for bad, words in [([{"ids": [99], "metadata": {}}], "not an item"), ([[11]], "update[0]"),
+                       ([{"ids": [11], "metadata": {"region": 3}}], "region")]:
+        with pytest.raises(ConstraintError) as err:
+            apply_tree_delta(base, [], [], vocab_size=VOCAB, update=bad)
+        assert err.value.status == 422 and words in err.value.message, err.value.message

@@ -34,8 +34,11 @@ class LabelsKind(ConstraintKind):
     def answer_form(self, constraint, bare):
         return constraint.for_prompt(bare)
 
-    def apply_patch(self, name, body, add, remove, store, prepared=None):
-        from ..patch import PatchResult
+    def apply_patch(self, name, body, add, remove, store, prepared=None, update=None):
+        from ..patch import PatchResult, refused
+
+        if update:
+            raise refused("update: labels carry no metadata; add and remove labels instead", "update")
         from .delta import apply_labels_delta
 
         new_body, report = apply_labels_delta(body, add, remove)

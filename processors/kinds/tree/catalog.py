@@ -69,6 +69,8 @@ class Catalog:
         # stay the bare ids (an item's identity, what a PATCH looks up); the stored line joins both (stored_line)
         self.meta = meta
         self._metadata: Any = None
+        # a PATCH's result: (stored lines cut from its base, stored lines appended), its content's line delta
+        self.line_delta: tuple[list[bytes], list[bytes]] = ([], [])
         # the canonical bytes once made (content), and where each item's line ends in them (line_ends): a PATCH
         # makes its result's bytes from its base's by cutting and appending lines (catalog_delta.spliced_content)
         self._content: bytes | None = None

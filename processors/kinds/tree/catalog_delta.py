@@ -78,7 +78,8 @@ def _cut_rows(catalog: Catalog, rows: list[int], extra: Catalog | None) -> tuple
 
 
 def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, vocab_size: int,
-                     max_items: int | None = None, max_item_tokens: int | None = None) -> tuple[Catalog, DeltaReport]:
+                     max_items: int | None = None, max_item_tokens: int | None = None,
+                     update: list[Any] | None = None) -> tuple[Catalog, DeltaReport]:
     """``catalog`` with the items ``add`` appended and ``remove`` taken out (order kept). A result of more than
     ``max_items`` items is a 422 naming ``max_tree_keys``, as a PUT of that catalog is; when the sizes alone show it
     (the result has at least ``len(add) - len(remove)`` items), before the items are checked. An added item longer
@@ -94,7 +95,8 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
     check_unique(adds, "add")
     check_unique(removes, "remove")
     check_disjoint(adds, removes)
-    present = _rows_of(catalog, adds + removes)  # {line: row} of those the catalog holds
+    updates = _updates(update or [], catalog, vocab_size, set(adds) | set(removes))
+    present = _rows_of(catalog, adds + removes + [ids for ids, _ in updates])  # {line: row} the catalog holds
     report = DeltaReport()
     rows: list[int] = []
     for item in removes:
@@ -112,6 +114,23 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
             new_items.append(item)
             new_meta.append(canonical_meta(add_meta[i]) if i in add_meta else None)
     report.removed, report.added = len(rows), len(new_items)
+    # an update: the item's row cut and appended again with its new metadata (the stored lines stay a line delta)
+    meta_of_row: dict[int, bytes | None] = {}
+    for i, (ids, meta) in enumerate(updates):
+        row = present.get(_line(ids))
+        if row is None:
+            raise refused(f"update[{i}]: {list(ids)} is not an item of the catalog (add it instead)", "update")
+        old = catalog.meta[row] if catalog.meta is not None else None
+        if old != meta:
+            meta_of_row[row] = meta
+    report.updated = len(meta_of_row)
+    moved = sorted(meta_of_row)
+    if moved:
+        rows = rows + moved
+        ends = np.cumsum(catalog.lengths)
+        flat = catalog.flat
+        new_items = new_items + [tuple(flat[ends[row] - catalog.lengths[row]:ends[row]].tolist()) for row in moved]
+        new_meta = new_meta + [meta_of_row[row] for row in moved]
     rows.sort()
     lines, flat, lengths = catalog.lines, catalog.flat, catalog.lengths
     extra = Catalog.from_items(0, 0, new_items) if new_items else None
@@ -123,7 +142,7 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
     if max_items is not None and len(lines) > max_items:
         raise _too_many_after_patch(len(lines), max_items)
     meta = None
-    if catalog.meta is not None or any(m is not None for m in new_meta):  # the metadata cut and appended alike
+    if catalog.meta is not None or any(m is not None for m in new_meta) or moved:  # the metadata cut and appended alike
         base_meta = catalog.meta if catalog.meta is not None else [None] * len(catalog)
         if rows:
             gone = set(rows)
@@ -132,10 +151,31 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
     result = Catalog(catalog.start_token_id, catalog.end_token_id, lines, flat, lengths, catalog.options, meta)
     if meta is not None:
         result.metadata()  # checked now: a 422 naming the item and the limit, before anything is stored
+    added_lines = [result.stored_line(len(lines) - len(new_items) + k) for k in range(len(new_items))]
+    # the stored lines cut and appended: the content's line delta (what Redis keeps of this version)
+    result.line_delta = ([catalog.stored_line(row) for row in rows], added_lines)
     if catalog._content is not None:  # its bytes from the base's (else made from the lines when asked for)
-        added_lines = [result.stored_line(len(lines) - len(new_items) + k) for k in range(len(new_items))]
         result._content, result._ends = _spliced_content(catalog, rows, added_lines)
     return result, report
+
+
+def _updates(update: list[Any], catalog: Catalog, vocab_size: int, elsewhere: set[tuple[int, ...]]
+             ) -> list[tuple[tuple[int, ...], bytes | None]]:
+    """``update`` entries as ``(ids, canonical metadata)``: each ``{"ids": [...], "metadata": {...}}`` (metadata
+    ``null`` or ``{}``: none), an item once, in neither ``add`` nor ``remove`` (422 naming ``update[i]``)."""
+    out: list[tuple[tuple[int, ...], bytes | None]] = []
+    seen: set[tuple[int, ...]] = set()
+    for i, value in enumerate(update):
+        if not isinstance(value, dict):
+            raise refused(f"update[{i}]: an update is {{\"ids\": [...], \"metadata\": {{...}}}}, got "
+                          f"{type(value).__name__}", "update")
+        ids, meta = split_item(value, f"update[{i}]", "update")
+        (item,) = check_items([ids], end_token_id=catalog.end_token_id, vocab_size=vocab_size, where="update")
+        if item in seen or item in elsewhere:
+            raise refused(f"update[{i}]: {list(item)} is given twice (update, add or remove)", "update")
+        seen.add(item)
+        out.append((item, None if meta is None else canonical_meta(meta)))
+    return out
 
 
 def _spliced_content(base: Catalog, rows: list[int], added: list[bytes]) -> tuple[bytes, np.ndarray]:
@@ -158,7 +198,7 @@ def _spliced_content(base: Catalog, rows: list[int], added: list[bytes]) -> tupl
 
 
 def patch_stored_tree(name: str, body: dict[str, Any] | None, add: list[Any], remove: list[Any], store: Any,
-                      prepared: tuple[Catalog, Any] | None = None) -> PatchResult:
+                      prepared: tuple[Catalog, Any] | None = None, update: list[Any] | None = None) -> PatchResult:
     """A PATCH of a stored tree body (worker thread; :meth:`processors.kinds.base.ConstraintKind.apply_patch`).
     ``store``: a :class:`~processors.kinds.patch.PatchStore`; ``prepared``: ``(items, catalog tables)`` of the
     current version when it is a tree given inline that the store has read already (``body`` is not needed then).
@@ -167,20 +207,21 @@ def patch_stored_tree(name: str, body: dict[str, Any] | None, add: list[Any], re
     from .file import load_tree
 
     if prepared is not None:
-        return _patch(name, body, add, remove, store, *prepared)
+        return _patch(name, body, add, remove, store, *prepared, update=update)
     assert body is not None
     sha = body.get("content_sha256")
     if body.get("content_format") == "items" and isinstance(sha, str):  # a stored catalog
-        return _patch(name, body, add, remove, store, store.catalog(name, sha), store.catalog_tables(sha), base_sha=sha)
+        return _patch(name, body, add, remove, store, store.catalog(name, sha), store.catalog_tables(sha), base_sha=sha,
+                      update=update)
     scenario = store.validate(name, body)
     tree = load_tree(scenario.tree if scenario.tree is not None else scenario.path, vocab_size=store.vocab_size)
     options = {k: v for k, v in body.items() if k not in _RESERVED}
     base = Catalog.from_items(int(tree.start_token_id), int(tree.end_token_id), items_from_tree(tree), options)
-    return _patch(name, body, add, remove, store, base, None)
+    return _patch(name, body, add, remove, store, base, None, update=update)
 
 
 def _patch(name: str, body: Any, add: list[Any], remove: list[Any], store: Any, base: Catalog, base_tables: Any,
-           base_sha: str | None = None) -> PatchResult:
+           base_sha: str | None = None, update: list[Any] | None = None) -> PatchResult:
     """:func:`patch_stored_tree` once the base's items (``base``) and, when built lately, its catalog tables
     (``base_tables``) are known. ``base_sha``: the base is stored catalog content under this hash; the result is then
     stored as the delta of it (no whole catalog written, here or in Redis, unless the store compacts the chain),
@@ -188,7 +229,8 @@ def _patch(name: str, body: Any, add: list[Any], remove: list[Any], store: Any, 
     t0 = time.perf_counter()
     limits = store.limits
     catalog, report = apply_tree_delta(base, add, remove, vocab_size=store.vocab_size,
-                                       max_items=limits.max_tree_keys, max_item_tokens=limits.max_item_tokens)
+                                       max_items=limits.max_tree_keys, max_item_tokens=limits.max_item_tokens,
+                                       update=update)
     t1 = time.perf_counter()
     if not report.changed:
         return PatchResult(body, None, report, None)
@@ -197,11 +239,10 @@ def _patch(name: str, body: Any, add: list[Any], remove: list[Any], store: Any, 
                       name=name)
     content = catalog.content()
     with_meta = catalog.meta is not None or base.meta is not None
-    if base_sha is not None and not with_meta:  # no local copy either: the catalog stays parsed in memory, the store rebuilds the bytes
+    if base_sha is not None:  # no local copy either: the catalog stays parsed in memory, the store rebuilds the bytes
         sha, new = hashlib.sha256(content).hexdigest(), False
-        added, removed = report.applied(add, remove)
-        stored: Any = store.content_delta(base_sha, [_line(item) for item in removed], [_line(item) for item in added],
-                                          lambda: content)
+        cut, appended = catalog.line_delta
+        stored: Any = store.content_delta(base_sha, cut, appended, lambda: content)
     else:
         (sha, new), stored = store.keep_content(content), content
     store.remember_catalog(sha, catalog)
@@ -210,7 +251,9 @@ def _patch(name: str, body: Any, add: list[Any], remove: list[Any], store: Any, 
     # catalog: its Python work per touched path then costs more than a full compile's array passes. (Not on another
     # thread beside the bytes above: measured, the two together took longer than one after the other.)
     patched = False
-    if base_tables is not None and (len(add) + len(remove)) * store.patch_states_per_item <= base_tables.n_states:
+    if base_tables is not None and not (report.added or report.removed):  # only metadata changed: the same tables
+        store.remember_tables(sha, base_tables)
+    elif base_tables is not None and (len(add) + len(remove)) * store.patch_states_per_item <= base_tables.n_states:
         from .delta import patch_tables
 
         tables = patch_tables(base_tables, [split_item(v, "", "add")[0] for v in add], remove)

@@ -78,21 +78,13 @@ class ItemFilterIndex:
             index.default = default
         return index
 
-    def effective(self, value: Any, limits: FilterLimits) -> tuple[Any, FilterLimits]:
-        """A request's filter joined with the scenario's (both must hold); the bounds widened by the default's
-        share, so that a request may use all of its own."""
-        if self.default is None:
-            return value, limits
-        if value is None:
-            return self.default, FilterLimits(limits.max_clauses * 2, limits.max_depth + 1, limits.max_values)
-        return {"$and": [self.default, value]}, FilterLimits(limits.max_clauses * 2, limits.max_depth + 1,
-                                                             limits.max_values)
-
     def resolve(self, tables, value: Any, limits: FilterLimits = FilterLimits(), field: str = "filter"
-                ) -> ResolvedFilter:
-        """``value`` (a request's filter, joined with the scenario's: :meth:`effective`) resolved over ``tables``
-        (the ones this index was built on); a :class:`~config.ConstraintError` (422) naming the field on a bad
-        filter."""
+                ) -> ResolvedFilter | None:
+        """``value`` (a request's filter; None: none) resolved over ``tables`` (the ones this index was built on),
+        joined with the scenario's own filter (both must hold; a request narrows it, never widens it). None when
+        neither is given. A :class:`~config.ConstraintError` (422) naming the request's field on a bad filter."""
+        if value is None and self.default is None:
+            return None
         try:
             key = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as exc:
@@ -102,8 +94,11 @@ class ItemFilterIndex:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        parsed = parse_filter(value, self.metadata, limits, field)
-        passing = parsed.mask(self.metadata)
+        passing = None if value is None else parse_filter(value, self.metadata, limits, field).mask(self.metadata)
+        if self.default is not None:
+            own = parse_filter(self.default, self.metadata).mask(self.metadata)
+            passing = own if passing is None else passing & own
+        assert passing is not None
         resolved = ResolvedFilter(filter_book(tables, self.terminals, passing), int(passing.sum()))
         with self._lock:
             self._cache[key] = resolved

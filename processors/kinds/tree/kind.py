@@ -92,8 +92,7 @@ class TreeKind(ConstraintKind):
         index = getattr(constraint, "item_filters", None)
         if index is None:
             return super().item_filter(constraint, value, limits)
-        value, bounds = index.effective(value, filter_limits(limits))
-        return None if value is None else index.resolve(constraint, value, bounds)
+        return index.resolve(constraint, value, filter_limits(limits))
 
     def check_compiled(self, scenario, constraint, limits) -> None:
         # an inline tree was counted before compiling (TreeScenario.check_limits); a file only now
@@ -111,11 +110,11 @@ class TreeKind(ConstraintKind):
     def item_tables(self, constraint) -> MaskTables:
         return constraint
 
-    def apply_patch(self, name, body, add, remove, store, prepared=None):
+    def apply_patch(self, name, body, add, remove, store, prepared=None, update=None):
         """Items of any tree form added and removed; the result is stored as a catalog (``catalog_delta.py``)."""
         from .catalog_delta import patch_stored_tree
 
-        return patch_stored_tree(name, body, add, remove, store, prepared)
+        return patch_stored_tree(name, body, add, remove, store, prepared, update or [])
 
 
 register(TreeKind())
