@@ -116,13 +116,13 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
     report.removed, report.added = len(rows), len(new_items)
     # an update: the item's row cut and appended again with its new metadata (the stored lines stay a line delta)
     meta_of_row: dict[int, bytes | None] = {}
-    for i, (ids, meta) in enumerate(updates):
+    for i, (ids, wanted) in enumerate(updates):
         row = present.get(_line(ids))
         if row is None:
             raise refused(f"update[{i}]: {list(ids)} is not an item of the catalog (add it instead)", "update")
         old = catalog.meta[row] if catalog.meta is not None else None
-        if old != meta:
-            meta_of_row[row] = meta
+        if old != wanted:
+            meta_of_row[row] = wanted
     report.updated = len(meta_of_row)
     moved = sorted(meta_of_row)
     if moved:
