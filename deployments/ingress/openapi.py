@@ -14,16 +14,23 @@ from processors.kinds.tree.catalog import CATALOG_CONTENT_TYPES
 def _scenario_openapi_extra() -> dict[str, Any]:
     schema = ScenarioAdapter.json_schema(ref_template="#/components/schemas/{model}")
     catalog = {"type": "string", "description": "A catalog: a header line {\"start_token_id\": ..., \"end_token_id\": "
-               "...} then one JSON array of token ids (after the root, without the end token) per line."}
+               "...} then one item per line: a JSON array of token ids (after the root, without the end token), or "
+               "{\"ids\": [...], \"metadata\": {...}}."}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema},
                                                            CATALOG_CONTENT_TYPES[0]: {"schema": catalog}}}}
 
 
 def _patch_openapi_extra() -> dict[str, Any]:
-    item = {"oneOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}, {"type": "string"}]}
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+    item = {"oneOf": [ids, {"type": "string"}]}
+    with_metadata = {"type": "object", "required": ["ids"], "additionalProperties": False,
+                     "properties": {"ids": ids, "metadata": {"type": "object"}}}
     schema = {"type": "object", "additionalProperties": False, "properties": {
-        "add": {"type": "array", "items": item, "description": "Tree items (token ids after the root) or labels."},
+        "add": {"type": "array", "items": {"oneOf": [ids, {"type": "string"}, with_metadata]},
+                "description": "Tree items (token ids after the root, or {ids, metadata}) or labels."},
         "remove": {"type": "array", "items": item},
+        "update": {"type": "array", "items": with_metadata,
+                   "description": "Tree catalog items whose metadata is replaced (the items stay)."},
         "base_version": {"type": "integer", "minimum": 1, "description": "409 unless this version is current."}}}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
