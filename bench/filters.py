@@ -13,6 +13,10 @@ pass about 50%, 1% and 0.01% of the items:
   along a random path; the per-row path that item controls take), with the filter's book against without a filter:
   ``step_ratio`` against the same per-row path with an ``exclude`` book that leaves nothing out (what a request
   with item controls costs today), ``step_ratio_vs_bare`` against rows with no item controls at all;
+* **lane**: the vector lane's step as the engine runs it for a batch of ``--rows`` sampled rows (``mask_rows`` on a
+  logits batch + ``advance_rows``; filtered rows read the filter's edge mask), filtered against unfiltered
+  (``lane_step_ratio``); **beam plan**: the beam step's table work for 256 beams (``plan_tree_beams``), filtered
+  against unfiltered (``beam_plan_ratio``);
 * **per-rule scenario** (today's alternative): the tables of only the items that pass, compiled (``catalog_tables``),
   their time and bytes: what a ``PUT`` of one scenario per rule costs, for each rule.
 
@@ -100,6 +104,64 @@ def step_seconds(tables, ids: np.ndarray, rows: int, steps: int, request_of, see
     return time.perf_counter() - t0
 
 
+def lane_seconds(tables, ids: np.ndarray, rows: int, steps: int, request_of, seed: int = 2) -> float:
+    """Seconds of the vector lane's step (``mask_rows`` on a ``rows x vocab`` logits batch + ``advance_rows``) for
+    ``rows`` sampled rows walking random items (a row restarts when its item ends), ``steps`` steps: what the
+    engine runs per decode step for a batch of tree rows (``request_of()``: each row's item controls)."""
+    import torch
+
+    from processors import CompiledScenario, RowCursor
+    from processors.lanes import advance_rows, mask_rows
+
+    compiled = CompiledScenario(kind="tree", constraint=tables, think=None, eos_token_ids=(END,), vocab_size=VOCAB)
+    rng = np.random.default_rng(seed)
+    picks = ids[rng.integers(0, ids.shape[0], size=rows * (steps // DEPTH + 2))]
+
+    def row():
+        return RowCursor(compiled, None, eos_token_ids=(END,), max_new_tokens=64, items=request_of())
+
+    cursors = [row() for _ in range(rows)]
+    paths = [list(picks[i]) + [END] for i in range(rows)]
+    positions = [0] * rows
+    next_pick = rows
+    scores = torch.zeros(rows, VOCAB)
+    spent = 0.0
+    for _ in range(steps):
+        tokens = [int(paths[r][positions[r]]) for r in range(rows)]
+        t0 = time.perf_counter()
+        mask_rows(scores, cursors)
+        advance_rows(cursors, tokens)
+        spent += time.perf_counter() - t0
+        for r in range(rows):
+            positions[r] += 1
+            if tokens[r] == END:
+                cursors[r] = row()
+                paths[r], positions[r] = list(picks[next_pick % len(picks)]) + [END], 0
+                next_pick += 1
+    return spent
+
+
+def beam_plan_seconds(tables, ids: np.ndarray, beams: int, request, repeats: int = 20, seed: int = 3) -> float:
+    """Seconds of the beam step's table work (``plan_tree_beams``: every beam's allowed children at once) for
+    ``beams`` beams at each depth of random items' paths, ``repeats`` times per depth."""
+    from processors import CompiledScenario, RowCursor
+    from processors.kinds.tree.beams import plan_tree_beams
+    from processors.lanes import advance_rows
+
+    compiled = CompiledScenario(kind="tree", constraint=tables, think=None, eos_token_ids=(END,), vocab_size=VOCAB)
+    rng = np.random.default_rng(seed)
+    picks = ids[rng.integers(0, ids.shape[0], size=beams)]
+    cursors = [RowCursor(compiled, None, eos_token_ids=(END,), max_new_tokens=64, items=request) for _ in range(beams)]
+    spent = 0.0
+    for depth in range(DEPTH):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            assert plan_tree_beams(cursors) is not None
+        spent += time.perf_counter() - t0
+        advance_rows(cursors, [int(p[depth]) for p in picks])
+    return spent
+
+
 def run_size(n: int, codebook: int, rows: int, steps: int) -> dict:
     from processors.items import ItemBook, ItemRequest
     from processors.kinds.tree.catalog_tables import catalog_tables
@@ -132,8 +194,11 @@ def run_size(n: int, codebook: int, rows: int, steps: int) -> dict:
 
     base = step_seconds(tables, ids, rows, steps, plain_request)
     bare = step_seconds(tables, ids, rows, steps, lambda: None)
+    lane_bare = lane_seconds(tables, ids, rows, steps, lambda: None)
+    beams_bare = beam_plan_seconds(tables, ids, 256, None)
     out = {"items": int(ids.shape[0]), "compile_all_s": round(compile_all, 2), "terminals_once_ms": ms(terminals_s),
            "levels_once_ms": ms(levels_s), "step_exclude_path_ms": ms(base / steps), "step_bare_ms": ms(bare / steps),
+           "lane_step_bare_ms": ms(lane_bare / steps), "beam_plan_256_bare_ms": ms(beams_bare / (DEPTH * 20)),
            "filters": {}}
     for name, flt in FILTERS.items():
         t0 = time.perf_counter()
@@ -143,12 +208,17 @@ def run_size(n: int, codebook: int, rows: int, steps: int) -> dict:
         t2 = time.perf_counter()
         share = float(passing.mean())
         filtered = step_seconds(tables, ids[passing], rows, steps, lambda: ItemRequest(base=book))
+        book.edge_ok(tables)  # once per resolved filter (the replica's resolve), not per step
+        lane = lane_seconds(tables, ids[passing], rows, steps, lambda: ItemRequest(base=book))
+        beams = beam_plan_seconds(tables, ids[passing], 256, ItemRequest(base=book))
         t3 = time.perf_counter()
         own = catalog_tables(_Items(ids[passing]), VOCAB)
         rule_s = time.perf_counter() - t3
         row = {"passing": round(share, 6), "mask_ms": ms(t1 - t0), "book_ms": ms(t2 - t1),
                "resolve_ms": ms(t2 - t0), "step_ms": ms(filtered / steps), "step_ratio": ratio(filtered, base),
                "step_ratio_vs_bare": ratio(filtered, bare),
+               "lane_step_ms": ms(lane / steps), "lane_step_ratio": ratio(lane, lane_bare),
+               "beam_plan_256_ms": ms(beams / (DEPTH * 20)), "beam_plan_ratio": ratio(beams, beams_bare),
                "per_rule_compile_s": round(rule_s, 3), "per_rule_table_mb": round(own.nbytes / 2**20, 1),
                "book_mb": round(book.counts_array.nbytes / 2**20 + book.ends.flags.nbytes / 2**20, 1)}
         out["filters"][name] = row

@@ -23,11 +23,11 @@ import torch
 
 from .masks import Step, apply_steps
 
-__all__ = ["LANE_BUDGET", "LANE_OFF", "LANE_PLAIN", "Cursor", "CursorLogitsProcessor", "expand_per_row"]
+__all__ = ["LANE_BUDGET", "LANE_FILTER", "LANE_OFF", "LANE_PLAIN", "Cursor", "CursorLogitsProcessor", "expand_per_row"]
 
 # the vector lane a row takes (:mod:`processors.lanes`, :meth:`Cursor.vector_lane`): its own step and advance, the
-# lane, the lane with a token budget
-LANE_OFF, LANE_PLAIN, LANE_BUDGET = 0, 1, 2
+# lane, the lane with a token budget, the lane under a request's filter (and maybe a budget)
+LANE_OFF, LANE_PLAIN, LANE_BUDGET, LANE_FILTER = 0, 1, 2, 3
 
 
 class Cursor(ABC):
@@ -71,9 +71,10 @@ class Cursor(ABC):
     # -- capabilities the engines ask for (safe defaults: none) ----------------------------------------------
     def vector_lane(self) -> int:
         """The vector lane (:mod:`processors.lanes`) this bound cursor's row takes, asked once when its row is built:
-        :data:`LANE_OFF` (its own :meth:`step` and :meth:`advance`), :data:`LANE_PLAIN` or :data:`LANE_BUDGET`
-        (with a token budget). A cursor in a lane walks a :class:`~processors.tables.MaskTables` and exposes what
-        the lane reads and writes: ``tables``, ``state``, ``remaining``, ``path`` and ``last_edge``."""
+        :data:`LANE_OFF` (its own :meth:`step` and :meth:`advance`), :data:`LANE_PLAIN`, :data:`LANE_BUDGET`
+        (with a token budget) or :data:`LANE_FILTER` (a request's filter, ``request.base``, and maybe a budget). A
+        cursor in a lane walks a :class:`~processors.tables.MaskTables` and exposes what the lane reads and writes:
+        ``tables``, ``state``, ``remaining``, ``path``, ``last_edge`` (and ``request`` in the filter lane)."""
         return LANE_OFF
 
     def item_position(self) -> object | None:

@@ -117,13 +117,28 @@ class DenseBook:
     controls treat a filtered-out item as an excluded one), never written: one is shared by every row and request
     with the same filter. Built by :func:`processors.kinds.tree.filter_edges.passing_counts`."""
 
-    __slots__ = ("counts_array", "ends", "_padded")
+    __slots__ = ("counts_array", "ends", "_padded", "_edge_ok")
 
     def __init__(self, counts: np.ndarray, ends: np.ndarray):
         self.counts_array = counts
         self.ends = _Marked(ends)
         # two zeros after the states: LEAF (-1) and DONE (-2) targets read them, one gather per lookup
         self._padded = np.concatenate((counts, np.zeros(2, dtype=counts.dtype)))
+        self._edge_ok: tuple[int, np.ndarray] | None = None
+
+    def edge_ok(self, tables: MaskTables) -> np.ndarray:
+        """``bool`` per edge of ``tables`` (the ones this book was built on): a row may take the edge (a free item
+        lies below its target, or the item it ends is not left out): what the cursor's own step computes for one
+        state (``TreeCursor._filter``), for every edge at once; made once per book (the vector lane's gather)."""
+        if self._edge_ok is None or self._edge_ok[0] != id(tables):
+            nxt = tables.next_state.astype(np.int64)
+            inner = nxt >= 0
+            item_count = item_metrics(tables)[1]
+            ok = ~self.ends.flags[:tables.n_edges].copy()
+            target = nxt[inner]
+            ok[inner] = item_count[target] - self.counts_array[target] >= 1
+            self._edge_ok = (id(tables), ok)
+        return self._edge_ok[1]
 
     def __bool__(self) -> bool:
         return True

@@ -34,15 +34,16 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .base import LANE_BUDGET, LANE_OFF, LANE_PLAIN, Cursor
+from .base import LANE_BUDGET, LANE_FILTER, LANE_OFF, LANE_PLAIN, Cursor
 from .masks import FREE, MaskBatch, MaskBuffer, Step, apply_steps
-from .tables import DONE, MaskTables
+from .tables import DONE, MaskTables, item_metrics
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["advance_rows", "lane_code", "lane_of", "mask_rows"]
 
-OFF, PLAIN, BUDGET = LANE_OFF, LANE_PLAIN, LANE_BUDGET  # lane codes: per-row path, vector lane, with a token budget
+# lane codes: per-row path, vector lane, with a token budget, under a request's filter (and maybe a budget)
+OFF, PLAIN, BUDGET, FILTER = LANE_OFF, LANE_PLAIN, LANE_BUDGET, LANE_FILTER
 
 _constraint = attrgetter("constraint")
 _done = attrgetter("done")
@@ -50,6 +51,7 @@ _state = attrgetter("state")
 _remaining = attrgetter("remaining")
 _generated = attrgetter("generated")
 _lane_code = attrgetter("_lane_code")
+_request = attrgetter("request")
 
 
 def lane_of(row) -> int:
@@ -98,6 +100,13 @@ def _split(rows: Sequence) -> tuple[np.ndarray, list[int]]:
         codes = np.fromiter(map(_lane_code, rows), dtype=np.int8, count=n)
     except AttributeError:  # some row is not a RowCursor
         codes = np.fromiter(map(lane_of, rows), dtype=np.int8, count=n)
+    if (codes == FILTER).any():
+        # a filtered row whose token budget could bind this step takes its own path: which items fit is then a
+        # question about the items that pass, which the cursor answers (TreeCursor._filter)
+        for i in np.flatnonzero(codes == FILTER).tolist():
+            c = rows[i].constraint
+            if c.remaining is not None and c.remaining <= item_metrics(c.tables)[3]:
+                codes[i] = OFF
     if n and codes.all():
         return np.arange(n, dtype=np.int64), []
     return np.flatnonzero(codes).astype(np.int64), np.flatnonzero(codes == 0).tolist()
@@ -200,6 +209,24 @@ def _lane_masks(batch: MaskBatch, lane_rows: list, lane: np.ndarray, width: int)
         edge = np.arange(int(ends[-1]) if ends.size else 0, dtype=np.int64) + np.repeat(lo + lens - ends, lens)
         ids = tables.tokens[edge]
         row_base = np.repeat(rows_g * width, lens)
+        c_g = codes if pos is None else codes[pos]
+        if (c_g == FILTER).any():
+            # a filtered row: only the edges toward an item that passes (one gather of its filter's edge mask)
+            keep = np.ones(ids.size, dtype=bool)
+            rows_of_edge = np.repeat(np.arange(rows_g.size), lens)
+            g_cons = cons if pos is None else [cons[k] for k in pos.tolist()]
+            books: dict[int, tuple] = {}
+            for k in np.flatnonzero(c_g == FILTER).tolist():
+                base = g_cons[k].request.base
+                books.setdefault(id(base), (base, []))[1].append(k)
+            for base, members in books.values():
+                sel = np.isin(rows_of_edge, members)
+                keep[sel] = base.edge_ok(tables)[edge[sel]]
+            if not keep.all():
+                ids, row_base, edge = ids[keep], row_base[keep], edge[keep]
+                kept = np.bincount(rows_of_edge[keep], minlength=rows_g.size)
+                ended = ended | (live & (kept == 0))
+                lens = np.bincount(rows_of_edge[keep], minlength=rows_g.size)
         if budget is not None:
             left = budget[pos] if pos is not None else budget
             tight = left <= _max_min_remaining(tables)
@@ -282,6 +309,11 @@ def _lane_advance(lane_rows: list, lane: np.ndarray, toks: np.ndarray) -> list[i
                 tables, lane_rows[int(pos[0])], states[pos], toks[pos], done[pos])
     codes = np.fromiter(map(_lane_code, lane_rows), dtype=np.int8, count=m)
     budget = codes == BUDGET
+    tracked = budget.copy()  # rows whose cursor keeps its path and last edge (budget and filter rows)
+    if (codes == FILTER).any():
+        tracked |= codes == FILTER
+        for k in np.flatnonzero(codes == FILTER).tolist():
+            budget[k] = cons[k].remaining is not None
     left = None
     if budget.any():
         left = np.full(m, _INT64_MAX, dtype=np.int64)
@@ -305,8 +337,12 @@ def _lane_advance(lane_rows: list, lane: np.ndarray, toks: np.ndarray) -> list[i
                 bl = np.flatnonzero(b)
                 b_cons = [g_cons[k] for k in bl.tolist()]
                 list(map(setattr, b_cons, repeat("remaining"), (left[go][bl] - 1).tolist()))
-                list(map(setattr, b_cons, repeat("last_edge"), edges[go][bl].tolist()))
-                list(map(list.append, map(_path, b_cons), new_state[go][bl].tolist()))
+        t = tracked[go]
+        if t.any():
+            tl = np.flatnonzero(t)
+            t_cons = [g_cons[k] for k in tl.tolist()]
+            list(map(setattr, t_cons, repeat("last_edge"), edges[go][tl].tolist()))
+            list(map(list.append, map(_path, t_cons), new_state[go][tl].tolist()))
     return lane[~simple].tolist()
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import LANE_BUDGET, LANE_OFF, LANE_PLAIN, Cursor, CursorLogitsProcessor, as_ids
+from .base import LANE_BUDGET, LANE_FILTER, LANE_OFF, LANE_PLAIN, Cursor, CursorLogitsProcessor, as_ids
 from .items import ItemBook, ItemRequest, ItemRules, terminal_of
 from .masks import ALLOW, Step
 from .tables import DONE, LEAF, MaskTables, item_metrics
@@ -334,11 +334,17 @@ class TreeCursor(Cursor):
 
     def vector_lane(self) -> int:
         """The plain lane without item controls; the budget lane with a token budget only (no ``exclude``,
-        ``distinct`` or multi-item rules); else its own path."""
+        ``distinct`` or multi-item rules); the filter lane with a request's filter only (and maybe a budget: the
+        lane leaves a row whose budget could bind to this cursor); else its own path."""
         if self._plain:
             return LANE_PLAIN
-        if self.request is None and self.local is None and self.rules.max_items <= 1 and self.remaining is not None:
+        if self.local is not None or self.rules.max_items > 1:
+            return LANE_OFF
+        req = self.request
+        if req is None and self.remaining is not None:
             return LANE_BUDGET
+        if req is not None and req.base is not None and not req.book and not req.distinct:
+            return LANE_FILTER  # a filter only (beams of a distinct request share no book: they take it too)
         return LANE_OFF
 
     def item_position(self) -> int | None:

@@ -169,3 +169,43 @@ def test_tree_ranked_beams_equal_the_masked_path(model, tokenizer, tree, monkeyp
         assert (ranked > 0) == tree_ranked, ranked
     assert results[0] == results[1]
     assert all(len(set(items)) == len(items) for items in results[0])
+
+
+def test_filtered_beams_ranked_from_the_tables_equal_the_masked_path(model, tokenizer, tree, monkeypatch):
+    """Beams under a request's filter (the items left out as an ``ItemRequest.base``, as a ``filter`` on a catalog
+    with metadata resolves to): ranked from the tables with the filter's edge mask against the masked path; every
+    item passes the filter."""
+    import numpy as np
+
+    from deployments.engines.transformers import engine as engine_module
+    from deployments.engines.transformers import wide as wide_module
+    from processors.items import ItemRequest
+    from processors.kinds.tree.catalog import Catalog
+    from processors.kinds.tree.filter_edges import filter_book, item_terminals
+
+    eos = tokenizer.eos_token_id
+    items = sorted(CATALOG)
+    allowed = {item for item in items if item[0] in CODES[:3] and item[2] not in CODES[2:5]}
+    catalog = Catalog.from_items(ROOT, eos, items)
+    tables = tree.constraint
+    book = filter_book(tables, item_terminals(tables, catalog.flat, catalog.lengths),
+                       np.array([item in allowed for item in items]))
+    prompt = _prompt(tokenizer, 20)
+    results = []
+    for tree_ranked in (True, False):
+        if not tree_ranked:
+            monkeypatch.setattr(engine_module, "plan_tree_beams", lambda cursors: None)
+            monkeypatch.setattr(wide_module, "plan_tree_beams", lambda cursors: None)
+        engine = DecodeEngine(model, tokenizer, prefix_cache_tokens=0).start()
+        try:
+            c = EventCollector()
+            engine.submit(EngineRequest(prompt_ids=prompt, compiled=tree, max_new_tokens=8, n=16, num_beams=16,
+                                        sampling=SamplingParams(temperature=0), items=ItemRequest(base=book)), c)
+            got = _items(c.wait(120), eos)
+            ranked = engine.stats()["tree_ranked_steps"]
+        finally:
+            engine.stop()
+        assert (ranked > 0) == tree_ranked, ranked
+        assert set(got) <= allowed and len(set(got)) == 16, got
+        results.append(got)
+    assert results[0] == results[1]

@@ -158,3 +158,67 @@ def test_vector_lane_with_token_budgets_equals_per_row_path(scenarios, seed):
             tokens.append(int(rng.integers(0, V)) if u < 0.06 else int(allowed[int(rng.integers(0, allowed.numel()))]))
         assert advance_rows(vec, tokens, vectorized=True) == advance_rows(ref, tokens, vectorized=False) == {}
         assert [state(r) for r in vec] == [state(r) for r in ref], f"step {step}: states differ"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_vector_lane_with_filters_equals_per_row_path(scenarios, seed):
+    """Rows under a request's filter (``ItemRequest.base``: random items of a random tree left out), some with a
+    token budget, some with none, beside plain rows: the lane (code FILTER; a row whose budget could bind goes to
+    its own path for that step) gives the per-row path's masks, states, budgets and paths at every step, and a row
+    only ever finishes an item that passes."""
+    from processors import RowCursor
+    from processors.items import ItemRequest
+    from processors.kinds.tree.filter_edges import filter_book
+    from processors.lanes import FILTER, advance_rows, mask_rows
+
+    rng = np.random.default_rng(300 + seed)
+    compiled = random_tree(10 + seed, n_keys=200)
+    tables = compiled.constraint
+    # the items and their terminals, from a walk of the tables (not the code under test)
+    items: list[tuple[tuple[int, ...], int]] = []
+    stack = [(tables.root, ())]
+    while stack:
+        state, path = stack.pop()
+        lo, hi = int(tables.offsets[state]), int(tables.offsets[state + 1])
+        for e in range(lo, hi):
+            tok, nxt = int(tables.tokens[e]), int(tables.next_state[e])
+            if nxt >= 0:
+                stack.append((nxt, path + (tok,)))
+            elif tok == E:
+                items.append((path, e))
+            else:
+                items.append((path + (tok,), e))
+    passing = rng.random(len(items)) < 0.3
+    passing[int(rng.integers(0, len(items)))] = True
+    terminals = np.array([term for _, term in items], dtype=np.int64)
+    book = filter_book(tables, terminals, passing)
+    allowed_items = {path for (path, _), ok in zip(items, passing) if ok}
+    n = int(rng.integers(4, 16))
+    specs = [(compiled, [None, 3, 12][int(rng.integers(0, 3))], bool(rng.random() < 0.7)) for _ in range(n)]
+    vec = [RowCursor(c, TOK, eos_token_ids=(E_EOS,), max_new_tokens=k,
+                     items=ItemRequest(base=book) if f else None) for c, k, f in specs]
+    ref = [r.copy() for r in vec]
+    assert any(lane_of(r) == FILTER for r in vec)
+
+    def state(r):
+        c = r.constraint
+        return row_state(r) + (c.remaining, c.last_edge, list(c.path))
+
+    outs: list[list[int]] = [[] for _ in range(n)]
+    for step in range(12):
+        raw = torch.randn(n, V, generator=torch.Generator().manual_seed(seed * 10 + step))
+        a, b = raw.clone(), raw.clone()
+        assert mask_rows(a, vec, vectorized=True) == mask_rows(b, ref, vectorized=False) == {}
+        assert torch.equal(a, b), f"step {step}: masked logits differ"
+        tokens = [int(torch.isfinite(a[r]).nonzero().flatten()[int(rng.integers(0, int(torch.isfinite(a[r]).sum())))])
+                  for r in range(n)]
+        for r in range(n):
+            if not vec[r].done:
+                outs[r].append(tokens[r])
+        assert advance_rows(vec, tokens, vectorized=True) == advance_rows(ref, tokens, vectorized=False) == {}
+        assert [state(r) for r in vec] == [state(r) for r in ref], f"step {step}: states differ"
+    finished = [tuple(t for t in outs[r] if t != E) for r in range(n)
+                if specs[r][2] and vec[r].done and outs[r] and outs[r][-1] == E]
+    assert finished, "no filtered row finished an item"
+    for out in finished:
+        assert out in allowed_items, out

@@ -26,7 +26,7 @@ from operator import attrgetter
 import numpy as np
 import torch
 
-from processors.lanes import BUDGET, PLAIN, lane_of
+from processors.lanes import BUDGET, FILTER, PLAIN, lane_of
 from processors.tables import DONE, item_metrics
 
 __all__ = ["plan_tree_beams", "row_logsumexp", "tree_beam_candidates"]
@@ -49,7 +49,7 @@ class TreeBeamPlan:
 def plan_tree_beams(cursors: list) -> TreeBeamPlan | None:
     """The children of each row when all ``cursors`` (one beam request's rows) take the plain tree path and sit on a
     state with children; ``None`` otherwise (the request takes the masked path)."""
-    if not cursors or any(lane_of(c) not in (PLAIN, BUDGET) for c in cursors):
+    if not cursors or any(lane_of(c) not in (PLAIN, BUDGET, FILTER) for c in cursors):
         return None
     if any(map(_done, cursors)):
         return None
@@ -68,6 +68,19 @@ def plan_tree_beams(cursors: list) -> TreeBeamPlan | None:
     ends = np.cumsum(lens)
     edge = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(lo + lens - ends, lens)
     row = np.repeat(np.arange(states.size, dtype=np.int64), lens)
+    bases = {id(c.request.base): c.request.base for c in cons if c.request is not None and c.request.base is not None}
+    if bases:  # a request's filter: only edges toward an item that passes (its rows share one book)
+        if len(bases) != 1 or any(c.request is None for c in cons):
+            return None
+        deep = item_metrics(tables)[3]
+        if any(c.remaining is not None and c.remaining <= deep for c in cons):
+            return None  # the budget could bind: which passing items fit, the cursors answer (masked path)
+        ok = next(iter(bases.values())).edge_ok(tables)[edge]
+        if not ok.all():
+            if np.bincount(row[ok], minlength=states.size).min() == 0:
+                return None
+            edge, row = edge[ok], row[ok]
+        return TreeBeamPlan(row, tables.tokens[edge].astype(np.int64))
     budget = [c.remaining for c in cons if c.remaining is not None]
     if budget:
         if len(budget) != len(cons):
