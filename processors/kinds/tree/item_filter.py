@@ -99,7 +99,9 @@ class ItemFilterIndex:
             own = parse_filter(self.default, self.metadata).mask(self.metadata)
             passing = own if passing is None else passing & own
         assert passing is not None
-        resolved = ResolvedFilter(filter_book(tables, self.terminals, passing), int(passing.sum()))
+        book = filter_book(tables, self.terminals, passing)
+        book.edge_ok(tables)  # what the vector lane and the beam step read, made here (off the event loop) once
+        resolved = ResolvedFilter(book, int(passing.sum()))
         with self._lock:
             self._cache[key] = resolved
             while len(self._cache) > CACHED_FILTERS:
