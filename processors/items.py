@@ -173,14 +173,15 @@ class ItemRequest:
     """One request's item controls, shared by its rows: the book of excluded (and, with ``distinct``, taken and
     occupied) items. Build it with :func:`resolve_exclude`; pass the same object to every row of the request."""
 
-    __slots__ = ("book", "distinct", "n_excluded", "base")
+    __slots__ = ("book", "distinct", "n_excluded", "base", "filter")
 
     def __init__(self, book: ItemBook | None = None, distinct: bool = False, n_excluded: int = 0,
-                 base: DenseBook | None = None):
+                 base: DenseBook | None = None, filter: Any = None):  # noqa: A002 - the request's field name
         self.book = book if book is not None else ItemBook()
         self.distinct = bool(distinct)
         self.n_excluded = n_excluded
         self.base = base  # the items the request's filter leaves out (shared, read only)
+        self.filter = filter  # the request's own filter as sent (None: the scenario's alone), to resolve elsewhere
 
 
 def _tables_of(constraint) -> MaskTables:

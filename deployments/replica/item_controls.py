@@ -82,7 +82,7 @@ def admit_item_controls(req, compiled, max_new_tokens: int, limits) -> ItemReque
         raise ServiceError(422, str(exc), {"field": "exclude"}) from None
     excluded = items.n_excluded
     if resolved is not None:
-        items.base = resolved.book
+        items.base, items.filter = resolved.book, item_filter
         if items.book.ends:  # excluded items the filter leaves out already are not counted twice
             ends = np.fromiter(items.book.ends, dtype=np.int64, count=len(items.book.ends))
             excluded = int((~resolved.book.ends_taken(ends)).sum())

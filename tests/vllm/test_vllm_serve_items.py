@@ -222,3 +222,36 @@ def test_logprobs_of_a_distinct_request(app, eos):
         assert [item["token_id"] for item in out["logprobs"]] == out["token_ids"][:-1], out
         for item in out["logprobs"]:
             assert item["logprob"] <= 1e-6 and all(a["token_id"] in CODES for a in item["top"]), item
+
+
+def test_filters_over_item_metadata(app, eos, client):
+    """A catalog with item metadata (a default filter in its header) and request filters on engine vllm: the filter
+    is resolved again in vLLM's worker on its copy of the version; every output passes the request's filter and the
+    scenario's (checked with the filter language's rules, item_checks.filter_passes), under greedy, sampling with
+    n and distinct, and as an OpenAI extra field; a bad filter is a 422 naming its field."""
+    from item_checks import filter_passes
+
+    meta = {item: {"region": ["eu", "us", "apac"][i % 3], "stock": i % 5} for i, item in enumerate(CATALOG)}
+    head = {"start_token_id": ROOT, "end_token_id": eos, "max_new_tokens": 8, "append_start_token": True,
+            "filter": {"stock": {"$gt": 0}}}
+    lines = [json.dumps(head)] + [json.dumps({"ids": list(k), "metadata": v}) for k, v in meta.items()]
+    r = requests.put(f"{app.url}/admin/scenarios/vi-meta", data=("\n".join(lines) + "\n").encode(), timeout=300,
+                     headers={**app.admin, "Content-Type": "application/x-ndjson"})
+    assert r.status_code == 200, r.text
+
+    def passing(flt):
+        return {k for k, v in meta.items() if filter_passes(v, head["filter"]) and filter_passes(v, flt or {})}
+
+    for flt, extra in [(None, {}), ({"region": "eu"}, {}), ({"region": {"$in": ["us", "apac"]}, "stock": {"$lte": 2}},
+                                                           {"n": 4, "distinct": True, "temperature": 1.2, "seed": 4})]:
+        body = {"scenario": "vi-meta", "prompt": PROMPT, **extra}
+        if flt is not None:
+            body["filter"] = flt
+        items = single_items(generate(app, body), eos)
+        assert set(items) <= passing(flt), (flt, items)
+        assert len(set(items)) == len(items)
+    resp = client.completions.create(model="default", prompt=PROMPT, max_tokens=8, n=3, temperature=1.2, seed=2,
+                                     extra_body={"scenario": "vi-meta", "distinct": True, "filter": {"region": "apac"}})
+    assert len(resp.choices) == 3 and len({c.text for c in resp.choices}) == 3
+    r = app.generate({"scenario": "vi-meta", "prompt": PROMPT, "filter": {"colour": "red"}})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "filter.colour", r.text

@@ -186,6 +186,7 @@ class VLLMEngine(Engine):
 
     name = "vllm"
     reports_logprobs = True
+    item_filters = True  # resolved again in the worker, on its copy of the version (.params.resolve_filter)
 
     def __init__(
         self, model_dir: str, tokenizer, *, max_batch_size: int = 16, max_model_len: int = 4096,

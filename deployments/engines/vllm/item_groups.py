@@ -70,13 +70,14 @@ class ItemGroups:
     def __len__(self) -> int:
         return len(self.groups)
 
-    def join(self, extra: dict) -> tuple[str, ItemRequest]:
-        """A row of the group ``extra["group"]`` enters the batch: the group's shared :class:`ItemRequest`."""
+    def join(self, extra: dict, compiled=None) -> tuple[str, ItemRequest]:
+        """A row of the group ``extra["group"]`` enters the batch: the group's shared :class:`ItemRequest`
+        (``compiled``: the version its rows decode, which resolves a filter)."""
         self.expire()
         key = str(extra["group"])
         group = self.groups.get(key)
         if group is None:
-            group = self.groups[key] = _Group(item_request_of(extra), max(int(extra.get("rows", 1)), 1))
+            group = self.groups[key] = _Group(item_request_of(extra, compiled), max(int(extra.get("rows", 1)), 1))
             self.stats["groups"] += 1
         group.live += 1
         group.idle_since = None

@@ -14,7 +14,7 @@ import json
 
 from processors.items import ItemBook, ItemRequest
 
-__all__ = ["guidance_params", "item_extra", "item_request_of"]
+__all__ = ["guidance_params", "item_extra", "item_request_of", "resolve_filter"]
 
 
 def _token_logprobs(token_ids, entries, top: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
@@ -62,20 +62,43 @@ def guidance_params(grammar: str | None, params_cls):
 
 def item_extra(items: ItemRequest, group: str, rows: int) -> dict:
     """The request's item controls for its rows' ``extra_args``: the group (our request, shared by its ``rows``
-    vLLM requests), ``distinct``, and the book of excluded items as lists (msgpack carries them to the worker)."""
+    vLLM requests), ``distinct``, the book of excluded items as lists (msgpack carries them to the worker), and a
+    filter as the request gave it (``{"value": ...}``; the worker resolves it on its copy of the version:
+    :func:`resolve_filter`)."""
     book = items.book
-    return {
+    out = {
         "group": group, "rows": int(rows), "distinct": bool(items.distinct), "n_excluded": int(items.n_excluded),
         "states": [int(s) for s in book.counts], "counts": [int(c) for c in book.counts.values()],
         "ends": sorted(int(e) for e in book.ends),
     }
+    if items.base is not None:  # a filter: sent as the request gave it, resolved again in the worker (cached there)
+        out["filter"] = {"value": items.filter}
+    return out
 
 
-def item_request_of(extra: dict) -> ItemRequest:
-    """A fresh :class:`ItemRequest` from :func:`item_extra`'s data (each worker builds its own, once per group)."""
+def item_request_of(extra: dict, compiled=None) -> ItemRequest:
+    """A fresh :class:`ItemRequest` from :func:`item_extra`'s data (each worker builds its own, once per group);
+    ``compiled``: the version the rows decode, which resolves a filter (:func:`resolve_filter`)."""
     book = ItemBook()
     for state, count in zip(extra.get("states", ()), extra.get("counts", ())):
         book.add(int(state), int(count))
     for end in extra.get("ends", ()):
         book.add_end(int(end))
-    return ItemRequest(book, bool(extra.get("distinct")), int(extra.get("n_excluded", 0)))
+    request = ItemRequest(book, bool(extra.get("distinct")), int(extra.get("n_excluded", 0)))
+    if extra.get("filter") is not None and compiled is not None:
+        request.filter = extra["filter"].get("value")
+        request.base = resolve_filter(compiled, request.filter)
+    return request
+
+
+def resolve_filter(compiled, value):
+    """The book of the items ``value`` (a request's filter, ANDed with the scenario's own) leaves out, resolved on
+    this process's copy of the compiled version (its filter index caches it per filter). The replica checked the
+    filter against the same version and the service's bounds before the request came here."""
+    from processors.kinds.tree.filters import FilterLimits
+
+    unbounded = FilterLimits(max_clauses=1 << 30, max_depth=1 << 30, max_values=1 << 30)
+    resolved = compiled.constraint_kind.item_filter(compiled.constraint, value, unbounded)
+    if resolved is None:
+        raise ValueError("a filtered request's scenario has no filter index in the worker")
+    return resolved.book

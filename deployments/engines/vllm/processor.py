@@ -342,8 +342,8 @@ class ChainLogitsProcessor(LogitsProcessor):
         if "key" in extra:
             compiled = self._scenario(extra["key"], extra["path"])
             tokenizer = self._load_tokenizer() if _needs_tokenizer(compiled) else None
-            if extra.get("items") is not None:  # exclude / distinct: the book its request's rows share
-                group, items = self.groups.join(extra["items"])
+            if extra.get("items") is not None:  # exclude / distinct / filter: the book its request's rows share
+                group, items = self.groups.join(extra["items"], compiled)
             try:
                 # a request that comes back after a preemption brings the tokens it already has: _row_step
                 # replays them; the token budget and multi-item rules bind every tree and label row
