@@ -41,6 +41,9 @@ COVERED = {
     "max_n": ["test_n_and_num_beams"],
     "max_num_beams": ["test_n_and_num_beams"],
     "max_exclude_items": ["test_exclude_items"],  # more in tests/integration/test_item_controls.py
+    "max_filter_clauses": ["test_filter_limits"],  # more in tests/unit/test_item_filters.py
+    "max_filter_depth": ["test_filter_limits"],  # more in tests/serve/test_item_filters_http.py
+    "max_filter_values": ["test_filter_limits"],
     "max_tree_keys": ["test_tree_keys_inline_and_path"],
     "max_item_tokens": ["test_item_tokens_catalog_and_patch"],  # more in tests/unit/test_catalog_unit.py
     "max_labels": ["test_labels_live", "test_labels_in_process"],
@@ -97,7 +100,7 @@ def live(serve_app):
     """The shared app with a cheap labels scenario (generation stops after the label)."""
     serve_app.put("sec-lim-labels", LABELS)
     yield serve_app
-    for name in ("sec-lim-labels", "sec-lim-s", "sec-lim-r", "sec-lim-g"):
+    for name in ("sec-lim-labels", "sec-lim-s", "sec-lim-r", "sec-lim-g", "sec-lim-f"):
         requests.delete(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=60)
 
 
@@ -151,6 +154,39 @@ def test_exclude_items(live):
     r = _post(live, "/v1/generate", {**base, "exclude": ["yes"] * limit, "n": 3, "temperature": 2.0})
     assert r.status_code == 200, r.text
     assert [o["text"].strip() for o in r.json()["outputs"]] == ["no"] * 3
+
+
+def test_filter_limits(live, tokenizer):
+    """A catalog with item metadata: filters past each bound are a 422 naming it; at the bound they are served."""
+    import json
+
+    root, eos = 2000, tokenizer.eos_token_id
+    lines = [json.dumps({"start_token_id": root, "end_token_id": eos, "max_new_tokens": 4})]
+    lines += [json.dumps({"ids": [1000 + i], "metadata": {"region": f"r{i % 4}", "stock": i}}) for i in range(8)]
+    r = requests.put(f"{live.url}/admin/scenarios/sec-lim-f", data=("\n".join(lines) + "\n").encode(),
+                     headers={**live.admin, "Content-Type": "application/x-ndjson"}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    base = {"scenario": "sec-lim-f", "prompt": "Item:"}
+
+    def nested(levels: int) -> dict:
+        out: dict = {"region": "r1"}
+        for _ in range(levels):
+            out = {"$and": [out]}
+        return out
+
+    depth = DEFAULTS.max_filter_depth
+    assert _post(live, "/v1/generate", {**base, "filter": nested(depth - 1)}).status_code == 200
+    _refused(_post(live, "/v1/generate", {**base, "filter": nested(depth)}), 422, "max_filter_depth", "filter")
+    _refused(_post(live, "/v1/generate", {**base, "filter": nested(depth + 2)}), 422, "max_filter_depth", "filter")
+    clauses = DEFAULTS.max_filter_clauses
+    ok = {"$or": [{"stock": i} for i in range(clauses)]}
+    assert _post(live, "/v1/generate", {**base, "filter": ok}).status_code == 200
+    _refused(_post(live, "/v1/generate", {**base, "filter": {"$or": [{"stock": i} for i in range(clauses + 1)]}}),
+             422, "max_filter_clauses", "filter")
+    values = DEFAULTS.max_filter_values
+    assert _post(live, "/v1/generate", {**base, "filter": {"stock": {"$in": list(range(values))}}}).status_code == 200
+    _refused(_post(live, "/v1/generate", {**base, "filter": {"stock": {"$in": list(range(values + 1))}}}), 422,
+             "max_filter_values", "filter")
 
 
 def test_prompt_tokens(live, tokenizer):
