@@ -103,7 +103,9 @@ class ScenarioPatchOut(BaseModel):
     removed: int | None = None
     already_present: list[Any] | None = Field(default=None, description="Adds that were there already (no-ops).")
     not_present: list[Any] | None = Field(default=None, description="Removes that were not there (no-ops).")
-    updated: int | None = Field(default=None, description="Items whose metadata the PATCH's update replaced.")
+    updated: int | None = Field(default=None, exclude_if=lambda value: value is None,
+                                description="Items whose metadata the PATCH's update replaced (only when it had an "
+                                            "update).")
 
 
 class ScenarioOut(BaseModel):
