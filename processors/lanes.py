@@ -224,9 +224,8 @@ def _lane_masks(batch: MaskBatch, lane_rows: list, lane: np.ndarray, width: int)
                 keep[sel] = base.edge_ok(tables)[edge[sel]]
             if not keep.all():
                 ids, row_base, edge = ids[keep], row_base[keep], edge[keep]
-                kept = np.bincount(rows_of_edge[keep], minlength=rows_g.size)
-                ended = ended | (live & (kept == 0))
-                lens = np.bincount(rows_of_edge[keep], minlength=rows_g.size)
+                lens = np.bincount(rows_of_edge[keep], minlength=rows_g.size)  # edges each row keeps
+                ended = ended | (live & (lens == 0))
         if budget is not None:
             left = budget[pos] if pos is not None else budget
             tight = left <= _max_min_remaining(tables)

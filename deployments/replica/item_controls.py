@@ -50,8 +50,8 @@ def admit_item_controls(req, compiled, max_new_tokens: int, limits) -> ItemReque
     with refused_as_service_error():
         resolved = kind.item_filter(constraint, item_filter, limits)
     if resolved is not None and resolved.passing == 0:
-            raise ServiceError(422, "filter: no item of this scenario passes the filter", {"field": "filter",
-                                                                                          "available": 0})
+        raise ServiceError(422, "filter: no item of this scenario passes the filter", {"field": "filter",
+                                                                                      "available": 0})
     # beams end on different sequences: with one item per output they need n different items, the same rule
     # as distinct (a 422 naming n and what is available, never fewer outputs than asked)
     single_item = int(compiled.settings.get("max_items", 1) or 1) <= 1

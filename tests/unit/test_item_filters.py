@@ -174,7 +174,7 @@ def _walk_edges(tables, item) -> list[int] | None:
 def test_the_edge_mask_allows_exactly_the_edges_of_passing_items(seed):
     from processors.kinds.tree.catalog import Catalog
     from processors.kinds.tree.catalog_tables import catalog_tables
-    from processors.kinds.tree.filter_edges import edge_mask, item_terminals
+    from processors.kinds.tree.filter_edges import edge_mask, filter_book, item_terminals
 
     rng = random.Random(seed)
     end, start, vocab = 2, 5, 1000
@@ -197,6 +197,8 @@ def test_the_edge_mask_allows_exactly_the_edges_of_passing_items(seed):
             if ok:
                 expected[w] = True
         assert np.array_equal(edge_mask(tables, terminals, passing), expected)
+        # the same edges from the request's book (what the vector lane and the beam step read)
+        assert np.array_equal(filter_book(tables, terminals, passing).edge_ok(tables), expected[:tables.n_edges])
     # an item the tables do not hold has no terminal
     assert item_terminals(tables, np.array([999, 999]), np.array([2])).tolist() == [-1]
 

@@ -75,12 +75,7 @@ def plan_tree_beams(cursors: list) -> TreeBeamPlan | None:
         deep = item_metrics(tables)[3]
         if any(c.remaining is not None and c.remaining <= deep for c in cons):
             return None  # the budget could bind: which passing items fit, the cursors answer (masked path)
-        ok = next(iter(bases.values())).edge_ok(tables)[edge]
-        if not ok.all():
-            if np.bincount(row[ok], minlength=states.size).min() == 0:
-                return None
-            edge, row = edge[ok], row[ok]
-        return TreeBeamPlan(row, tables.tokens[edge].astype(np.int64))
+        return _plan(tables, edge, row, next(iter(bases.values())).edge_ok(tables)[edge], states.size)
     budget = [c.remaining for c in cons if c.remaining is not None]
     if budget:
         if len(budget) != len(cons):
@@ -90,11 +85,17 @@ def plan_tree_beams(cursors: list) -> TreeBeamPlan | None:
         left = np.asarray(budget, dtype=np.int64)
         nxt = tables.next_state[edge].astype(np.int64)
         need = np.where(nxt >= 0, item_metrics(tables)[0][np.maximum(nxt, 0)], np.where(nxt == DONE, 0, 1))
-        ok = need <= left[row]
-        if not ok.all():
-            if np.bincount(row[ok], minlength=states.size).min() == 0:
-                return None  # a row left with nothing but its end token: the masked path decides it
-            edge, row = edge[ok], row[ok]
+        return _plan(tables, edge, row, need <= left[row], states.size)
+    return TreeBeamPlan(row, tables.tokens[edge].astype(np.int64))
+
+
+def _plan(tables, edge: np.ndarray, row: np.ndarray, ok: np.ndarray, rows: int) -> TreeBeamPlan | None:
+    """The plan of the edges ``ok`` keeps; ``None`` when a row is left with none (nothing but its end token: the
+    masked path decides it)."""
+    if not ok.all():
+        if np.bincount(row[ok], minlength=rows).min() == 0:
+            return None
+        edge, row = edge[ok], row[ok]
     return TreeBeamPlan(row, tables.tokens[edge].astype(np.int64))
 
 

@@ -105,14 +105,10 @@ class Catalog:
 
     def stored_line(self, i: int) -> bytes:
         """Item ``i``'s line in :meth:`content`: its ids, or ``{"ids":[...],"metadata":{...}}`` with metadata."""
-        meta = self.meta[i] if self.meta is not None else None
-        return self.lines[i] if meta is None else b'{"ids":' + self.lines[i] + b',"metadata":' + meta + b"}"
+        return _stored(self.lines[i], self.meta[i] if self.meta is not None else None)
 
     def stored_lines(self) -> list[bytes]:
-        if self.meta is None:
-            return self.lines
-        return [line if meta is None else b'{"ids":' + line + b',"metadata":' + meta + b"}"
-                for line, meta in zip(self.lines, self.meta)]
+        return self.lines if self.meta is None else list(map(_stored, self.lines, self.meta))
 
     def metadata_digest(self) -> str:
         """SHA-256 of the items' metadata in order (what versions a compiled catalog with its metadata)."""
@@ -152,6 +148,11 @@ class Catalog:
             newlines = np.flatnonzero(np.frombuffer(self.content(), dtype=np.uint8) == 10)
             self._ends = newlines[1:] + 1  # (the first newline ends the header)
         return self._ends
+
+
+def _stored(line: bytes, meta: bytes | None) -> bytes:
+    """An item's line in the stored content: its ids, or ``{"ids":[...],"metadata":{...}}`` with metadata."""
+    return line if meta is None else b'{"ids":' + line + b',"metadata":' + meta + b"}"
 
 
 def _line(item: Any) -> bytes:

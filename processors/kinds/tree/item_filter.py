@@ -46,6 +46,7 @@ class ItemFilterIndex:
         self.metadata = metadata
         self.terminals = terminals
         self.default = default  # the scenario's own filter: every request's filter is ANDed with it
+        self._default_mask: np.ndarray | None = None  # the items it passes, evaluated once in each process
         self._cache: OrderedDict[str, ResolvedFilter] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -54,6 +55,7 @@ class ItemFilterIndex:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.metadata, self.terminals, self.default = state["metadata"], state["terminals"], state["default"]
+        self._default_mask = None
         self._cache = OrderedDict()
         self._lock = threading.Lock()
 
@@ -70,13 +72,18 @@ class ItemFilterIndex:
             return None
         terminals = item_terminals(tables, catalog.flat, catalog.lengths)
         terminals.setflags(write=False)
-        index = cls(metadata, terminals)
-        if default is not None:
-            if not parse_filter(default, metadata).mask(metadata).any():
-                raise ConstraintError(422, "filter: no item of the catalog passes the scenario's filter",
-                                      {"field": "filter"})
-            index.default = default
+        index = cls(metadata, terminals, default)
+        if default is not None and not index.default_mask().any():
+            raise ConstraintError(422, "filter: no item of the catalog passes the scenario's filter",
+                                  {"field": "filter"})
         return index
+
+    def default_mask(self) -> np.ndarray:
+        """The items the scenario's own filter passes (it has one), evaluated once in this process."""
+        if self._default_mask is None:
+            assert self.default is not None
+            self._default_mask = parse_filter(self.default, self.metadata).mask(self.metadata)
+        return self._default_mask
 
     def resolve(self, tables, value: Any, limits: FilterLimits = FilterLimits(), field: str = "filter"
                 ) -> ResolvedFilter | None:
@@ -94,11 +101,12 @@ class ItemFilterIndex:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        passing = None if value is None else parse_filter(value, self.metadata, limits, field).mask(self.metadata)
-        if self.default is not None:
-            own = parse_filter(self.default, self.metadata).mask(self.metadata)
-            passing = own if passing is None else passing & own
-        assert passing is not None
+        if value is None:
+            passing = self.default_mask()
+        else:
+            passing = parse_filter(value, self.metadata, limits, field).mask(self.metadata)
+            if self.default is not None:
+                passing = passing & self.default_mask()
         book = filter_book(tables, self.terminals, passing)
         book.edge_ok(tables)  # what the vector lane and the beam step read, made here (off the event loop) once
         resolved = ResolvedFilter(book, int(passing.sum()))
