@@ -12,7 +12,7 @@ after each PUT to check that both replicas report it. After the PUTs of a size, 
 (500 removed, 500 added: token-id paths after the root) are timed the same way, and one generation checks that the
 answer is a path of the last version. With ``--exact-too`` each timed inline PUT is preceded by a PUT of the same
 tree in a body that the manager parses whole (an escaped character in its description keeps it off the split way of
-``deployments/manager/inline_tree.py``): the two ways of reading a large inline tree compared in one run.
+``processors/kinds/tree/inline.py``): the two ways of reading a large inline tree compared in one run.
 
 Memory: after the first PUT of a size and after the last one, the resident set (RSS), proportional
 (PSS) and unique (USS) memory of every model replica process (``/proc/<pid>/smaps_rollup``), against the same

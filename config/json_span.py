@@ -1,5 +1,5 @@
 """Where a top-level field's object value lies in a JSON body, found with array passes (the config manager cuts a
-large inline tree out of its PUT body this way: ``deployments/manager/inline_tree.py``)."""
+large inline tree out of its PUT body this way: ``processors/kinds/tree/inline.py``)."""
 
 from __future__ import annotations
 

@@ -7,30 +7,29 @@ on the compiler's own threads, one at a time, bounded by ``limits.compile_timeou
 ``_compile_now`` (400: ``processors.pipeline.ScenarioCompiler.compile_now``: grammars in its bounded worker
 process, each kind's limits on the compiled form). ``_compile_now`` is the one place that calls the processors.
 
-It also pins tree files: a tree given as a ``path`` is read once, at the PUT, into a local copy named by its
-SHA-256 (:meth:`StoredScenarioCompiler.pin_tree_file`); a stored body carrying ``content_sha256`` compiles that
-content (the local copy, fetched from Redis when this host has none), never the file.
+A kind that keeps stored content (a tree's file pinned to its SHA-256 at the PUT, a catalog's items and tables,
+a large inline tree read its own way) does so in its package (:meth:`processors.kinds.base.ConstraintKind.stored_content`,
+the tree's :class:`processors.kinds.tree.stored.TreeContent`); the compiler lends it a
+:class:`~processors.kinds.patch.ContentHost` (its data directory, the store's bytes, its threads) and asks it by the
+body's type, naming no kind.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
 import logging
 import os
 import re
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from config import ScenarioError, ServerSettings
+from config import ConstraintError, ScenarioError, ServerSettings
+from config.settings import LimitExceeded
 from deployments.protocol import ServiceError
-from deployments.scenario_errors import scenario_service_error
+from deployments.scenario_errors import refused_as_service_error, scenario_service_error
 from deployments.storage.store import ScenarioStore, content_sha256
-
-from .tree_bases import HeldBase, InlineTreeBases
+from processors.kinds.patch import ContentHost
 
 logger = logging.getLogger(__name__)
 
@@ -73,34 +72,14 @@ def compile_warnings(compiled) -> list[str]:
 
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-# The path a split inline tree compiles under: only a name for its prebuilt tables (never opened, never stored).
-INLINE_TREE_PATH = "(inline tree)"
 
 
-def _file_sha256(path: str) -> str | None:
-    """SHA-256 (hex) of a file's bytes, read in chunks; None when it cannot be read."""
-    digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
-    except OSError:
-        return None
-    return digest.hexdigest()
+def _content_delta(base_sha: str, removed_lines: list[bytes], added_lines: list[bytes], content):
+    """The stored form of content that is ``base_sha``'s with lines removed and appended
+    (:class:`~deployments.storage.content.ContentDelta`; ``content`` gives the whole bytes)."""
+    from deployments.storage.content import ContentDelta, line_delta
 
-
-def _write_atomic(directory: str, path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in ``directory``: readers see all of it or nothing."""
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".incoming-")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    return ContentDelta(base_sha, line_delta(removed_lines, added_lines), content)
 
 
 class StoredScenarioCompiler:
@@ -128,14 +107,24 @@ class StoredScenarioCompiler:
         from processors import ScenarioCompiler
 
         self.pipeline = ScenarioCompiler(tokenizer, settings.limits, executor=self._pool)
-        self._catalogs: dict[str, Any] = {}  # sha -> parsed Catalog, the newest few
-        self._tables: dict[str, Any] = {}  # sha -> a catalog's tables (catalog_tables' form), the newest two
-        self.tables_patched = 0  # PATCHes whose tables were updated from their base's (not compiled in full)
-        # a PATCH of more items than the base's states / this compiles the new items in full: faster there (about
-        # 6 touched paths an item, each ~50 states' worth of a full compile; docs/benchmarks.md, catalog PATCH)
-        self.patch_states_per_item = 300
-        # trees given inline: their items read for a first PATCH, once no write comes (see .tree_bases)
-        self.tree_bases = InlineTreeBases(self._pool, lambda: self.vocab_size)
+        host = ContentHost(
+            data_dir=settings.data_dir, resolve_path=settings.resolve_tree_path, fetch=store.content,
+            content_key=store.content_key, vocab_size=lambda: self.vocab_size, limits=lambda: self.settings.limits,
+            pool=self._pool, validate=self.validate, content_delta=_content_delta, parse_body=self._parse_body)
+        from processors import registry
+
+        # each kind's stored content, by type (the tree's: processors/kinds/tree/stored.py); kinds without: none
+        self.contents: dict[str, Any] = {}
+        self._upload_type: str | None = None  # the kind an upload is of (ConstraintKind.upload_format)
+        self._formats: dict[str, str] = {}  # content_format -> the kind whose upload format it is
+        for type_name in registry.names():
+            kind = registry.get(type_name)
+            content = kind.stored_content(host)
+            if content is not None:
+                self.contents[type_name] = content
+                if kind.upload_format is not None:
+                    self._upload_type = type_name
+                    self._formats[kind.upload_format] = type_name
         self.new_loop()
 
     def new_loop(self) -> None:
@@ -143,15 +132,25 @@ class StoredScenarioCompiler:
         self._gate = asyncio.Lock()
 
     def close(self) -> None:
-        self.tree_bases.close()
+        for content in self.contents.values():
+            content.close()
         self.pipeline.close()
+
+    def _parse_body(self, raw: bytes) -> Any:
+        from deployments.json_body import parse_json_body
+
+        return parse_json_body(raw, self.settings.limits, scenario=True)
+
+    def _content_of(self, body: Any) -> Any | None:
+        """The stored content of the kind of ``body`` (a dict with ``type``), or None."""
+        return self.contents.get(body.get("type")) if isinstance(body, dict) else None
 
     # ------------------------------------------------------------------ validate
 
     def validate(self, name: str, body: Any):
-        """The scenario of ``body`` (422 when invalid). A tree stored with the content of its file
-        (``content_sha256``) gets ``path`` pointing at that content (see :meth:`content_file`), never
-        at the file it was read from."""
+        """The scenario of ``body`` (422 when invalid). A body stored with its content (``content_sha256``) gets
+        ``path`` pointing at that content (its kind's stored content binds it), never at the file it was read
+        from."""
         if not isinstance(body, dict):
             raise ServiceError(422, f"a scenario body must be a JSON object, got {type(body).__name__}")
         sha = fmt = None
@@ -161,11 +160,12 @@ class StoredScenarioCompiler:
             if not isinstance(sha, str) or not _SHA256_HEX.fullmatch(sha):
                 raise ServiceError(422, "invalid scenario: content_sha256: expected 64 lowercase hex digits",
                                    {"name": name, "field": "content_sha256"})
-            if "content_format" in body:  # a catalog (processors/kinds/tree/catalog.py): items, not a tree file
+            if "content_format" in body:  # an upload (a catalog: processors/kinds/tree/catalog.py), not a file
                 fmt = body.pop("content_format")
-                if fmt != "items":
-                    raise ServiceError(422, f"invalid scenario: content_format: only 'items' (a catalog), got {fmt!r}",
-                                       {"name": name, "field": "content_format"})
+                if self._formats.get(fmt) != body.get("type"):
+                    known = " or ".join(repr(f) for f in self._formats)
+                    raise ServiceError(422, f"invalid scenario: content_format: only {known} (an upload's format), got "
+                                            f"{fmt!r}", {"name": name, "field": "content_format"})
                 body.pop("items", None)  # the item count, for display
                 body.pop("metadata", None)  # the metadata fields' summary, for display
         try:
@@ -174,184 +174,92 @@ class StoredScenarioCompiler:
             scenario = self.pipeline.parse(body, from_json=True)
         except ScenarioError as exc:
             raise scenario_service_error(exc, "scenario", name=name) from None
-        if sha is not None:
-            if scenario.type != "tree" or scenario.path is None:
-                raise ServiceError(422, "invalid scenario: content_sha256: only a tree given by path has stored "
+        content = self.contents.get(scenario.type)
+        if content is None:
+            if sha is not None:
+                raise ServiceError(422, f"invalid scenario: content_sha256: a {scenario.type} scenario has no stored "
                                         "content", {"name": name, "field": "content_sha256"})
-            # The content stored at the PUT; the path is only where it was read from (it may be gone). A catalog's
-            # path names its local copy, not fetched here: _prepare compiles its tables from the parsed items
-            # (catalog_tables), which :meth:`catalog` keeps in memory or reads (a PATCH's from Redis: a delta chain).
-            if fmt == "items":
-                return scenario.model_copy(update={"path": os.path.join(self._content_dir, f"{sha}.json")})
-            return scenario.model_copy(update={"path": self.content_file(name, sha)})
-        if scenario.type == "tree" and scenario.path is not None:
-            # An admin names a file on the manager's host: only files under the tree directory.
-            scenario = scenario.model_copy(update={"path": self._tree_path(name, scenario.path)})
-        return scenario
+            return scenario
+        with refused_as_service_error():
+            return content.bind(name, scenario, sha, fmt)
 
-    def _tree_path(self, name: str, path: str) -> str:
-        try:
-            return self.settings.resolve_tree_path(path)
-        except ValueError as exc:
-            raise ServiceError(422, f"invalid scenario: path: {exc}", {"name": name, "field": "path"}) from None
+    # ------------------------------------------------------------------ stored content
 
-    # ------------------------------------------------------------------ tree content
+    def pin_content(self, name: str, body: Any) -> Any:
+        """The body to store for ``body``: its kind pins what it reads from outside the body (a tree file: read
+        ONCE, into a local copy named by its SHA-256; the body then carries ``content_sha256``). Runs in a worker
+        thread."""
+        content = self._content_of(body)
+        if content is None:
+            return body
+        with refused_as_service_error():
+            return content.pin(name, body)
 
-    @property
-    def _content_dir(self) -> str:
-        """Local copies of stored tree content, one file per SHA-256 (Redis keeps the originals)."""
-        return os.path.join(self.settings.data_dir, "tree-content")
-
-    def pin_tree_file(self, name: str, body: Any) -> Any:
-        """For a tree given by ``path`` (and no ``content_sha256`` yet): read the file ONCE, into a local copy
-        named by its SHA-256, and return the body to store: ``path`` resolved (where the content came from)
-        plus ``content_sha256``. Every compile of that version, now and after any restart, reads the copy
-        (or the bytes stored in Redis), never the file again. Any other body is returned as it is.
-        Runs in a worker thread; the file is streamed (a tree file may be tens of MB)."""
-        if not (isinstance(body, dict) and body.get("type") == "tree" and isinstance(body.get("path"), str)
-                and body["path"].strip() and "content_sha256" not in body and body.get("tree") is None):
-            return body  # validation reports anything wrong with it
-        source = self._tree_path(name, body["path"])
-        os.makedirs(self._content_dir, exist_ok=True)
-        digest = hashlib.sha256()
-        fd, tmp = tempfile.mkstemp(dir=self._content_dir, prefix=".incoming-")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                try:
-                    with open(source, "rb") as handle:
-                        for chunk in iter(lambda: handle.read(1 << 20), b""):
-                            digest.update(chunk)
-                            out.write(chunk)
-                except OSError as exc:
-                    raise ServiceError(400, f"scenario {name!r} does not compile for the served tokenizer: tree file "
-                                            f"{source}: {exc.strerror or exc}", {"name": name, "field": "path"}) from None
-            sha = digest.hexdigest()
-            os.replace(tmp, os.path.join(self._content_dir, f"{sha}.json"))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        return {**body, "path": source, "content_sha256": sha}
-
-    def content_file(self, name: str, sha: str) -> str:
-        """The local copy of the tree content ``sha`` (checked against its hash), fetched from Redis when
-        this host has none. 422 when Redis has no such content either."""
-        local = os.path.join(self._content_dir, f"{sha}.json")
-        if _file_sha256(local) == sha:
-            return local
-        data = self.store.content(sha)
-        if data is None:
-            raise ServiceError(422, f"content_sha256: no tree content {sha} is stored; leave content_sha256 out to "
-                                    "store the file named by path", {"name": name, "field": "content_sha256"})
-        if hashlib.sha256(data).hexdigest() != sha:
-            raise ServiceError(500, f"stored tree content {self.store.content_key(sha)} does not match its hash",
-                               {"name": name})
-        _write_atomic(self._content_dir, local, data)
-        return local
+    def split_body(self, raw: bytes) -> tuple[str, Any] | None:
+        """A large PUT body a kind reads its own way (a tree given inline: split at its braces), as ``(type, split)``
+        for :meth:`compile_split`; None: parse it whole."""
+        for type_name, content in self.contents.items():
+            split = content.split(raw)
+            if split is not None:
+                return type_name, split
+        return None
 
     @property
     def vocab_size(self) -> int:
         return int(self.pipeline.info.vocab_size)
 
-    def catalog(self, name: str, sha: str):
-        """The stored catalog ``sha`` parsed (:class:`~processors.kinds.tree.catalog.Catalog`); the last few are
-        kept in memory, so a PATCH does not parse its base again."""
-        from processors.kinds.tree.catalog import parse_catalog
+    def upload(self, data: bytes) -> tuple[dict[str, Any], bytes, str | None]:
+        """An upload in a kind's content format (a catalog): ``(body to store, content, sha of a new local copy)``
+        (422 when refused)."""
+        if self._upload_type is None:
+            raise ServiceError(415, "no scenario type takes an upload")
+        with refused_as_service_error():
+            return self.contents[self._upload_type].upload(data)
 
-        from deployments.scenario_errors import refused_as_service_error
-
-        cached = self._catalogs.get(sha)
-        if cached is None:
-            with open(self.content_file(name, sha), "rb") as handle:
-                data = handle.read()
-            # a stored catalog may hold the empty item (a patched tree whose root allows the end token)
-            with refused_as_service_error():
-                cached = parse_catalog(data, vocab_size=self.vocab_size, allow_empty=True)
-            head = cached.header()
-            if data.startswith(head + b"\n") and len(data) == len(head) + 1 + sum(map(len, cached.lines)) + len(cached):
-                cached._content = data  # its canonical bytes as they are (a PATCH splices its result's from them)
-            self.remember_catalog(sha, cached)
-        return cached
-
-    def remember_catalog(self, sha: str, catalog) -> None:
-        self._catalogs[sha] = catalog
-        while len(self._catalogs) > 4:
-            self._catalogs.pop(next(iter(self._catalogs)))
-
-    def catalog_tables(self, sha: str):
-        """The tables of catalog ``sha`` when built here lately (a PATCH updates them: processors/kinds/tree/delta.py)."""
-        return self._tables.get(sha)
-
-    def remember_tables(self, sha: str, tables, patched: bool = False) -> None:
-        """Keep the tables of catalog ``sha`` (the newest two: a large catalog's tables are large). ``patched``:
-        a PATCH updated them from its base's (counted in ``tables_patched``)."""
-        self._tables.pop(sha, None)
-        self._tables[sha] = tables
-        while len(self._tables) > 2:
-            self._tables.pop(next(iter(self._tables)))
-        if patched:
-            self.tables_patched += 1
-
-    def note_installed(self, name: str, version: int, compiled) -> None:
-        """``compiled`` (None: removed) is what ``name`` serves from ``version`` on (a tree given inline: its items
-        are read for its first PATCH, :mod:`.tree_bases`)."""
-        self.tree_bases.note_installed(name, version, compiled)
-
-    def held_base(self, store: ScenarioStore, name: str) -> HeldBase | None:
-        """What this compiler holds of the current version of ``name`` for a PATCH (a tree given inline: its items,
-        :meth:`InlineTreeBases.held`); ``None`` when nothing: the PATCH then reads the stored body."""
-        return self.tree_bases.held(name, store.current_version(name), logger)
-
-    # -- what a kind's PATCH asks of the stored content (processors.kinds.patch.PatchStore) -------------------
+    def patch_store(self, type_name: str) -> Any:
+        """What a PATCH of a ``type_name`` scenario works with (:class:`processors.kinds.patch.PatchStore`): its
+        kind's stored content, or this compiler (validate, limits, vocabulary) for a kind without."""
+        return self.contents.get(type_name, self)
 
     @property
     def limits(self):
         return self.settings.limits
 
-    def content_delta(self, base_sha: str, removed_lines: list[bytes], added_lines: list[bytes], content):
-        """The stored form of catalog content that is ``base_sha``'s with lines removed and appended
-        (:class:`~deployments.storage.content.ContentDelta`; ``content`` gives the whole bytes)."""
-        from deployments.storage.content import ContentDelta, line_delta
+    def note_installed(self, name: str, version: int, compiled) -> None:
+        """``compiled`` (None: removed) is what ``name`` serves from ``version`` on (a tree given inline: its items
+        are read for its first PATCH)."""
+        for content in self.contents.values():
+            content.installed(name, version, compiled)
 
-        return ContentDelta(base_sha, line_delta(removed_lines, added_lines), content)
-
-    def keep_content(self, data: bytes) -> tuple[str, bool]:
-        """Keep ``data`` (a catalog upload, canonical) as a local copy under its SHA-256: the hash, and whether the
-        copy is new (no copy was there): a write refused before anything was stored gives a new copy back with
-        :meth:`discard_content`."""
-        sha = hashlib.sha256(data).hexdigest()
-        local = os.path.join(self._content_dir, f"{sha}.json")
-        if _file_sha256(local) == sha:
-            return sha, False
-        _write_atomic(self._content_dir, local, data)
-        return sha, True
+    def held_base(self, store: ScenarioStore, name: str):
+        """What a kind's stored content holds of the current version of ``name`` for a PATCH (a
+        :class:`~processors.kinds.tree.inline_bases.HeldBase`: a tree given inline, its items); ``None`` when
+        nothing: the PATCH then reads the stored body."""
+        version = store.current_version(name)
+        for content in self.contents.values():
+            held = content.held(name, version, logger)
+            if held is not None:
+                return held
+        return None
 
     def discard_content(self, sha: str) -> None:
-        """Remove the local copy of content ``sha`` that a refused write made (and forget its parsed catalog).
-        Only for a copy :meth:`keep_content` called new: stored versions keep theirs (and Redis has the bytes)."""
-        self._catalogs.pop(sha, None)
-        self._tables.pop(sha, None)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(self._content_dir, f"{sha}.json"))
+        """Remove the local copy of content ``sha`` that a refused write made."""
+        for content in self.contents.values():
+            content.discard_content(sha)
 
     def stored_content(self, body: Any) -> bytes | None:
-        """The bytes of the local copy a pinned tree body refers to (to store them with the version)."""
+        """The bytes of the local copy a pinned body refers to (to store them with the version)."""
         sha = content_sha256(body)
-        if sha is None:
+        content = self._content_of(body)
+        if sha is None or content is None:
             return None
-        local = os.path.join(self._content_dir, f"{sha}.json")
-        try:
-            with open(local, "rb") as handle:
-                data = handle.read()
-        except OSError:
-            return None  # the store then requires the content to be in Redis already
-        return data if hashlib.sha256(data).hexdigest() == sha else None
+        return content.stored_bytes(sha)
 
     # ------------------------------------------------------------------ compile
 
     def _compile_now(self, name: str, scenario, prebuilt: Any = None):
         """The compile itself and the limits of its result (400 / 422): the one call into ``processors``
-        (``prebuilt``: a tree's tables built here, see ``processors.compile.compile_scenario``)."""
+        (``prebuilt``: what a kind's stored content built, see ``processors.compile.compile_scenario``)."""
         try:
             return self.pipeline.compile_now(scenario, prebuilt=prebuilt)
         except ScenarioError as exc:
@@ -360,25 +268,17 @@ class StoredScenarioCompiler:
     def _prepare(self, name: str, body: Any):
         """Validate (422) and compile (400) a body; runs in a worker thread (a large tree takes a while)."""
         scenario = self.validate(name, body)
+        content = self.contents.get(scenario.type)
+        sha = content_sha256(body)
         try:
-            sha = content_sha256(body)
-            if sha is not None and body.get("content_format") == "items":
-                # a catalog: its tables straight from the parsed items (kept in memory after a PUT or PATCH), equal
-                # to those of the tree file they spell, without writing and parsing that file
-                from processors.kinds.tree.catalog_tables import catalog_tables
-
-                catalog = self.catalog(name, sha)
-                tables = self._tables.get(sha)  # a PATCH's, updated from its base's along the changed paths
-                if tables is None:
-                    tables = catalog_tables(catalog, self.vocab_size)
-                    self.remember_tables(sha, tables)
-                compiled = self._compile_now(name, scenario, (tables, catalog.start_token_id, catalog))
-            else:
-                compiled = self._compile_now(name, scenario)
-                if body.get("type") == "tree" and scenario.tree is not None:
-                    self.tree_bases.note_form(name, compiled, body, getattr(scenario.tree, "start_token_id", None))
+            prebuilt = None
+            if content is not None:
+                with refused_as_service_error():
+                    prebuilt = content.prebuilt(name, body, sha)
+            compiled = self._compile_now(name, scenario, prebuilt)
+            if content is not None:
+                content.compiled(name, compiled, body, scenario)
         except ServiceError as exc:
-            sha = content_sha256(body)
             if sha is not None and isinstance(body.get("path"), str):  # name the admin's file, not the local copy
                 exc.message = exc.message.replace(scenario.path, f"{body['path']} (stored content {sha[:12]})")
             raise
@@ -386,23 +286,20 @@ class StoredScenarioCompiler:
             logger.warning("scenario %r: %s", name, message)
         return compiled
 
-    def _prepare_inline(self, name: str, inline):
-        """:meth:`_prepare` for a body split by :func:`~deployments.manager.inline_tree.split_inline_tree`: the
-        other fields through the scenario model, the tree's text through the tree loader (its numpy scan), the
-        tables from that one load. ``None`` when anything is refused here: the exact way then decides, and names
-        the problem as for any inline tree (a tree counted by its keys, as there)."""
-        from processors.kinds.tree.file import load_tree
-        from config.settings import LimitExceeded
-        from processors.tables import build_tree_tables
+    def _prepare_split(self, name: str, split: tuple[str, Any]):
+        """:meth:`_prepare` for a body split by :meth:`split_body`: its kind compiles it from the split (a tree:
+        the other fields through the scenario model, the tree's text through the tree loader's scan, the tables
+        from that one load). ``None`` when anything is refused here: the exact way then decides, and names the
+        problem as for any such body."""
+        type_name, parts = split
+
+        def parse(fields: dict[str, Any]) -> Any:
+            return self.pipeline.parse(fields, from_json=True)
 
         try:
-            scenario = self.pipeline.parse({**inline.rest, "tree": None, "path": INLINE_TREE_PATH}, from_json=True)
-            tree = load_tree(inline.tree, vocab_size=self.vocab_size, strict=bool(scenario.strict))
-            self.settings.limits.check_tree_keys(len(tree), "tree.prefix_dict")
-            compiled = self._compile_now(name, scenario, (build_tree_tables(tree, self.vocab_size), tree.start_token_id))
-            self.tree_bases.note_form(name, compiled, inline.rest, tree.start_token_id)
-        except (ScenarioError, ServiceError, LimitExceeded, ValueError) as exc:
-            logger.info("scenario %r: inline tree refused on the split way, parsing the whole body (%s)", name,
+            compiled = self.contents[type_name].compile_split(name, parts, parse, self._compile_now)
+        except (ScenarioError, ServiceError, ConstraintError, LimitExceeded, ValueError) as exc:
+            logger.info("scenario %r: body refused on the split way, parsing the whole body (%s)", name,
                         str(exc)[:200])
             return None
         for message in compile_warnings(compiled):
@@ -411,10 +308,10 @@ class StoredScenarioCompiler:
 
     # ------------------------------------------------------------------ entry points
 
-    async def compile_inline(self, name: str, inline):
-        """Compile a split inline-tree body (:meth:`_prepare_inline`) off the event loop, bounded as
-        :meth:`compile`; ``None`` when the whole body must be parsed and compiled the exact way."""
-        return await self._bounded(self._prepare_inline, name, inline)
+    async def compile_split(self, name: str, split: tuple[str, Any]):
+        """Compile a split body (:meth:`_prepare_split`) off the event loop, bounded as :meth:`compile`; ``None``
+        when the whole body must be parsed and compiled the exact way."""
+        return await self._bounded(self._prepare_split, name, split)
 
     def compile_blocking(self, name: str, body: Any):
         """:meth:`compile` for a caller without an event loop (the manager's start)."""
@@ -428,7 +325,8 @@ class StoredScenarioCompiler:
         return await self._bounded(self._prepare, name, body)
 
     async def _bounded(self, prepare, name: str, body: Any):
-        self.tree_bases.postpone()  # a write: reads of inline trees' items wait until none comes
+        for content in self.contents.values():
+            content.postpone()  # a write: background reads of stored content wait until none comes
         async with self._gate:  # one compile at a time: the tokenizer is shared
             try:
                 return await self.pipeline.run_bounded(prepare, name, body)

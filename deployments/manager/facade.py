@@ -40,7 +40,6 @@ from deployments.storage.store import validate_name
 
 from deployments.json_body import parse_json_body
 from .compiler import StoredScenarioCompiler, compile_warnings, lower_manager_priority
-from .inline_tree import split_inline_tree
 from .item_writes import patch_write, put_items_write
 from .memory_guard import PEAK_PER_BODY_BYTE, check_write_memory
 from .reconciler import StoreReconciler
@@ -153,29 +152,30 @@ class ConfigManager:
                 raw = bytes(body)
                 check_write_memory(self.settings, PEAK_PER_BODY_BYTE * len(raw), f"a PUT of {len(raw):,} bytes",
                                    name=name)
-                # a large inline tree: its text goes to the tree loader, not through JSON objects and pydantic
-                inline = await asyncio.to_thread(split_inline_tree, raw, self.settings.limits)
+                # a large body a kind reads its own way (an inline tree: its text to the tree loader, not through
+                # JSON objects and pydantic)
+                inline = await asyncio.to_thread(self.compiler.split_body, raw)
                 if inline is None:
                     body = await asyncio.to_thread(parse_json_body, raw, self.settings.limits, scenario=True)
 
         def fingerprint() -> str:
-            return body_fingerprint("put", name, body if inline is None else inline.fingerprint_body())
+            return body_fingerprint("put", name, body if inline is None else inline[1].fingerprint_body())
 
         async def draft(_fingerprint: str | None) -> Draft:
             nonlocal body
             if inline is not None:
                 # the body's compression for the store runs beside the compile (zlib releases the GIL)
-                packing = asyncio.ensure_future(asyncio.to_thread(pack_body, inline.json))
+                packing = asyncio.ensure_future(asyncio.to_thread(pack_body, inline[1].json))
                 try:
-                    compiled = await self.compiler.compile_inline(name, inline)
+                    compiled = await self.compiler.compile_split(name, inline)
                 finally:
                     packed = await packing
                 if compiled is not None:  # stored as the client sent it (a GET gives back its tree)
-                    return Draft(body=inline.rest, compiled=compiled, body_json=inline.json, packed=packed,
-                                 note=", inline tree split")
+                    return Draft(body=inline[1].rest, compiled=compiled, body_json=inline[1].json, packed=packed,
+                                 note=", body split")
                 # refused on the split way: the whole body, parsed and compiled the exact way, names the problem
                 body = await asyncio.to_thread(parse_json_body, raw, self.settings.limits, scenario=True)
-            stored = await asyncio.to_thread(self.compiler.pin_tree_file, name, body)
+            stored = await asyncio.to_thread(self.compiler.pin_content, name, body)
             return Draft(body=stored, load_content=True)
 
         def store(d: Draft, fp: str | None):

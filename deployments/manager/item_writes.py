@@ -13,7 +13,6 @@ from deployments.protocol import ServiceError
 from deployments.scenario_errors import refused_as_service_error
 from deployments.storage.store import BaseChanged, request_fingerprint
 from processors.kinds.patch import delta_updates, parse_delta
-from processors.kinds.tree.catalog import catalog_body, parse_catalog
 
 from .catalog_delta import apply_delta
 from .memory_guard import PATCH_BYTES_PER_ITEM, PEAK_PER_BODY_BYTE, check_write_memory
@@ -32,15 +31,8 @@ def put_items_write(manager: Any, name: str, data: bytes, idempotency_key: str |
     def prepare() -> Draft:
         check_write_memory(manager.settings, PEAK_PER_BODY_BYTE * len(data),
                            f"a catalog upload of {len(data):,} bytes", name=name)
-        with refused_as_service_error():
-            catalog = parse_catalog(data, vocab_size=manager.compiler.vocab_size,
-                                    max_items=manager.settings.limits.max_tree_keys,
-                                    max_item_tokens=manager.settings.limits.max_item_tokens)
-        content = catalog.content()
-        sha, new = manager.compiler.keep_content(content)
-        manager.compiler.remember_catalog(sha, catalog)
-        return Draft(body=catalog_body(catalog, content), content=content, new_content=sha if new else None,
-                     lookup_first=True)
+        body, content, new_sha = manager.compiler.upload(data)
+        return Draft(body=body, content=content, new_content=new_sha, lookup_first=True)
 
     async def draft(_fingerprint: str | None) -> Draft:
         return await asyncio.to_thread(prepare)

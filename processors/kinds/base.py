@@ -92,6 +92,10 @@ class ConstraintKind(ABC):
     compiled_type: ClassVar[type]
     needs_tokenizer: ClassVar[bool] = False
     capabilities: ClassVar[Capabilities] = Capabilities()
+    #: the name of the content format a whole version may be uploaded in (``content_format`` of its stored body; the
+    #: tree's ``"items"``: a catalog's NDJSON, ``PUT /admin/scenarios/{name}`` with ``Content-Type:
+    #: application/x-ndjson``), read by its stored content's ``upload`` (:meth:`stored_content`); None: no upload
+    upload_format: ClassVar[str | None] = None
 
     @property
     def type_name(self) -> str:
@@ -184,6 +188,18 @@ class ConstraintKind(ABC):
         :class:`processors.kinds.patch.PatchStore`; ``prepared``: what the store already holds of the current
         version, in the kind's own form (``body`` may then be None). Refusals are ``ConstraintError``."""
         raise ValueError(f"scenario type {self.type_name!r} has no PATCH")
+
+    def stored_content(self, host: Any) -> Any | None:
+        """What this kind keeps of its scenarios' content on the config manager (``host``: a
+        :class:`processors.kinds.patch.ContentHost`), or None (the default: a body is all there is). The manager's
+        compiler asks it, for a body of this kind: ``bind(name, scenario, sha, content_format)`` (the validated
+        scenario pointing at what it compiles), ``pin(name, body)`` (the body to store, its content pinned),
+        ``prebuilt(name, body, sha)`` (what the compile starts from), ``compiled(name, compiled, fields, scenario)``,
+        ``stored_bytes(sha)``, ``discard_content(sha)``, ``split(raw)`` / ``compile_split(...)`` (a large PUT body
+        read its own way), ``upload(data)`` (a kind with an :attr:`upload_format`),
+        ``installed``, ``held``, ``postpone``, ``close``; it is the kind's
+        :class:`~processors.kinds.patch.PatchStore` too (the tree's: :class:`processors.kinds.tree.stored.TreeContent`)."""
+        return None
 
     def llguidance_grammar(self, constraint: Any) -> str | None:
         """The llguidance grammar (its JSON text) that ``constraint`` enforces, for an engine that can hand it to its

@@ -1,17 +1,19 @@
 """The PATCH body every patchable kind takes (``{"add": [...], "remove": [...], "base_version": n}``), the report
 of what a PATCH did, what a kind's PATCH gives back (:class:`PatchResult`) and what it may ask of the stored content
-around it (:class:`PatchStore`, the config manager's side). Each kind applies its delta in its package
+around it (:class:`PatchStore`, the config manager's side), and what the manager lends a kind that keeps stored content
+(:class:`ContentHost`, :meth:`processors.kinds.base.ConstraintKind.stored_content`). Each kind applies its delta in its package
 (:meth:`processors.kinds.base.ConstraintKind.apply_patch`: ``tree/catalog_delta.py``, ``labels/delta.py``)."""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 from config import ConstraintError
 
-__all__ = ["DeltaReport", "PatchResult", "PatchStore", "check_disjoint", "check_unique", "delta_updates", "parse_delta", "refused"]
+__all__ = ["ContentHost", "DeltaReport", "PatchResult", "PatchStore", "check_disjoint", "check_unique", "delta_updates", "parse_delta", "refused"]
 
 
 def refused(message: str, field_name: str, **detail: Any) -> ConstraintError:
@@ -44,6 +46,36 @@ class PatchStore(Protocol):
         """The stored form of content that is ``base_sha``'s with lines removed and appended (``content``: a
         callable giving the whole bytes when the store needs them)."""
         ...
+
+
+@dataclass(frozen=True)
+class ContentHost:
+    """What the config manager lends the stored content of a kind (:meth:`ConstraintKind.stored_content
+    <processors.kinds.base.ConstraintKind.stored_content>`).
+
+    Attributes:
+        data_dir: the manager's data directory (local copies of stored content go under it).
+        resolve_path: an admin's file path -> the file under the tree directory; ``ValueError`` when outside it.
+        fetch: a content's bytes by SHA-256 from the scenario store (None: not stored).
+        content_key: the store's key of a content (named in errors).
+        vocab_size: the served vocabulary's size (known once the tokenizer is loaded).
+        limits: the manager's :class:`config.Limits` (read at each use).
+        pool: the compiler's threads (lower priority), for work the kind starts in the background.
+        validate: a scenario body -> its validated scenario (the manager's ``validate``; refusals as the manager answers them).
+        content_delta: :meth:`PatchStore.content_delta`.
+        parse_body: a PUT body's bytes -> its strict JSON parse within the limits (raises when refused).
+    """
+
+    data_dir: str
+    resolve_path: Callable[[str], str]
+    fetch: Callable[[str], bytes | None]
+    content_key: Callable[[str], str]
+    vocab_size: Callable[[], int]
+    limits: Callable[[], Any]
+    pool: Executor
+    validate: Callable[[str, Any], Any]
+    content_delta: Callable[..., Any]
+    parse_body: Callable[[bytes], Any]
 
 
 class PatchResult(NamedTuple):

@@ -40,7 +40,7 @@ def delta_manager(tokenizer, data_dir, client):
     """A manager that updates tables for any delta size (these catalogs are small: by default a delta of more items
     than states / 300 compiles in full, faster there; test_a_large_delta_on_a_small_catalog_compiles_in_full)."""
     manager = make_manager(tokenizer, data_dir, client=client)
-    manager.compiler.patch_states_per_item = 0
+    manager.compiler.contents["tree"].patch_states_per_item = 0
     return manager
 
 
@@ -80,7 +80,7 @@ def test_a_chain_of_patches_a_restart_inside_it_and_a_rollback_into_it(tokenizer
         history[(await manager.put_items("cat", catalog_text(sorted(items))))["version"]] = set(items)
         for _ in range(4):
             await patch_some(manager, r0, r1)
-        assert manager.compiler.tables_patched == 4  # every PATCH updated its base's tables
+        assert manager.compiler.contents["tree"].tables_patched == 4  # every PATCH updated its base's tables
 
     run(manager, body)
     restarted = delta_manager(tokenizer, data_dir, client)  # restart in the middle of the chain
@@ -149,7 +149,7 @@ def test_a_patch_of_an_inline_tree_then_of_its_catalog(tokenizer, data_dir, clie
         assert_full_compile(served(r0, "t")[1], first, vocab)
         await manager.patch("t", {"add": [[10, 11, 13, 14]], "remove": [[20]]})
         assert_full_compile(served(r1, "t")[1], (first - {(20,)}) | {(10, 11, 13, 14)}, vocab)
-        assert manager.compiler.tables_patched == 2  # the first from the tree's items, the second from the first's
+        assert manager.compiler.contents["tree"].tables_patched == 2  # the first from the tree's items, the second from the first's
         assert (await manager.get("t", 1))["scenario"]["tree"] == tree  # the inline body is kept as it was
 
     run(manager, body)
@@ -180,7 +180,7 @@ def test_a_large_inline_tree_body_its_first_patch_and_a_restart(tokenizer, data_
             for replica in (r0, r1):
                 assert served(replica, "big")[0] == result["version"]
                 assert_full_compile(served(replica, "big")[1], items, vocab)
-        assert manager.compiler.tables_patched == 2
+        assert manager.compiler.contents["tree"].tables_patched == 2
         stored = (await manager.get("big"))["scenario"]
         assert stored["items"] == len(items) and stored["max_new_tokens"] == 6
         assert json.loads(raw)["max_new_tokens"] == 6
@@ -210,7 +210,7 @@ def test_a_large_delta_on_a_small_catalog_compiles_in_full(tokenizer, data_dir, 
         if small:
             await manager.patch("cat", {"add": small})
         await manager.patch("cat", {"add": large})
-        assert manager.compiler.tables_patched == (1 if small else 0)
+        assert manager.compiler.contents["tree"].tables_patched == (1 if small else 0)
         assert_full_compile(served(r1, "cat")[1], items | {tuple(i) for i in small + large}, vocab)
 
     run(manager, body)

@@ -1,5 +1,5 @@
 """Large inline trees at the config manager (real Redis, real tokenizer, replicas speaking the real protocol): a PUT
-body of over 1 MiB is split at its tree's braces (deployments/manager/inline_tree.py) and the tree read by the tree
+body of over 1 MiB is split at its tree's braces (processors/kinds/tree/inline.py) and the tree read by the tree
 loader's scan. What a client sees must not change: the served tables are those the exact way (the whole body
 parsed, pydantic, the loader) compiles, the warnings and every refusal are the same, a GET gives back the tree as
 sent, a retry with an Idempotency-Key replays, and a restart compiles the stored body to the same tables."""
@@ -12,11 +12,10 @@ import pytest
 from test_catalog_manager import run
 from test_manager import make_manager
 
-import deployments.manager.facade as facade
 from deployments.manager.compiler import compile_warnings
-from deployments.manager.inline_tree import INLINE_TREE_MIN_BYTES, split_inline_tree
 from deployments.protocol import ServiceError
 from deployments.storage.redis_server import connect_redis
+from processors.kinds.tree.inline import INLINE_TREE_MIN_BYTES
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +45,7 @@ def test_large_inline_tree_is_served_as_the_exact_way_compiles_it(tokenizer, dat
     body = {"type": "tree", "tree": tree, "temperature": 0.0, "description": "catalog", "max_items": 1}
     raw = encode(body, indent=1)
     manager = make_manager(tokenizer, data_dir, client=connect_redis(None, data_dir))
-    assert split_inline_tree(raw, manager.settings.limits) is not None  # this body takes the split way
+    assert manager.compiler.split_body(raw) is not None  # this body takes the split way
 
     async def scenario(r0, r1):
         answer = await manager.put("big", raw, "key-1")
@@ -108,7 +107,7 @@ def test_refusals_are_those_of_the_exact_way(tokenizer, data_dir, monkeypatch, c
 
     async def scenario(r0):
         split = await attempt()
-        monkeypatch.setattr(facade, "split_inline_tree", lambda *args, **kw: None)  # the whole body, parsed
+        monkeypatch.setattr(manager.compiler, "split_body", lambda *args, **kw: None)  # the whole body, parsed
         exact = await attempt()
         assert split == exact and split[0] in (400, 422), (split, exact)
         with pytest.raises(ServiceError) as err:  # nothing stored

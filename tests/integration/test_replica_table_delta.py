@@ -58,7 +58,7 @@ def test_a_replica_applies_patches_to_its_tables_and_serves_them(model, tokenize
     rnd = random.Random(3)
     items = first_items(rnd, 40)
     manager = make_manager(tokenizer, data_dir, client=connect_redis(None, data_dir))
-    manager.compiler.patch_states_per_item = 0  # small catalog: update its tables for any delta size
+    manager.compiler.contents["tree"].patch_states_per_item = 0  # small catalog: update its tables for any delta size
     replica = ModelReplica(ServerSettings(replica_table_delta="always"), None, model=model, tokenizer=tokenizer)
     replica._manager = manager
     vocab = manager.compiler.vocab_size

@@ -1,4 +1,4 @@
-"""The manager's read of a served inline tree's items for its first PATCH (``deployments/manager/tree_bases.py``):
+"""The manager's read of a served inline tree's items for its first PATCH (``processors/kinds/tree/inline_bases.py``):
 it waits while writes keep coming, starts by itself once none has come for ``idle_s``, starts at once when a PATCH
 asks first, and gives the tree's exact items. Real tokenizer, a real compiled tree, real threads."""
 
@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from deployments.examples import build_phrase_tree, chat_root_token_id
-from deployments.manager.tree_bases import InlineTreeBases
+from processors.kinds.tree.inline_bases import InlineTreeBases
 from processors import compile_scenario
 from processors.scenarios import load_scenario
 

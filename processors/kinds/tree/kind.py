@@ -52,6 +52,12 @@ class TreeKind(ConstraintKind):
     config_model = TreeScenario
     compiled_type = MaskTables
     capabilities = Capabilities(items=True, patch=True)
+    upload_format = "items"  # a catalog (.catalog)
+
+    def stored_content(self, host):
+        from .stored import TreeContent
+
+        return TreeContent(host)
 
     def compile(self, scenario, info, *, worker=None) -> CompileResult:
         strict = bool(scenario.strict)

@@ -11,18 +11,20 @@ client sent, so a GET gives back the tree it was given.
 
 Only a split that is certain is taken (no backslash anywhere, one top-level ``tree`` object, the rest a valid
 scenario object); anything else, and any refusal on this way, goes the exact way
-(:meth:`deployments.manager.compiler.StoredScenarioCompiler.compile`), which names the problem as for any
+(the config manager's compile of the whole body), which names the problem as for any
 inline tree.
+
+Part of the tree kind's stored content (:class:`.stored.TreeContent`): the config manager hands a large PUT body to
+its kinds' content (:meth:`~processors.kinds.base.ConstraintKind.stored_content`) before parsing it.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from config.json_span import object_field_span
-from deployments.protocol import ServiceError
 
 __all__ = ["INLINE_TREE_MIN_BYTES", "InlineTree", "split_inline_tree"]
 
@@ -50,13 +52,13 @@ class InlineTree:
         return {**self.rest, "tree": {"sha256": hashlib.sha256(self.tree).hexdigest()}}
 
 
-def split_inline_tree(raw: bytes, limits: Any, *, min_bytes: int = INLINE_TREE_MIN_BYTES) -> InlineTree | None:
+def split_inline_tree(raw: bytes, parse_body: Callable[[bytes], dict[str, Any]], *,
+                      min_bytes: int = INLINE_TREE_MIN_BYTES) -> InlineTree | None:
     """``raw`` (a PUT body) as an :class:`InlineTree`, or ``None`` when it is to be parsed whole: smaller than
-    ``min_bytes``, no single top-level ``tree`` object found cheaply, the rest not a valid JSON object within
-    ``limits`` (:func:`deployments.json_body.parse_json_body`), not a tree scenario, or a body that also
-    names a ``path`` or stored content (the exact way refuses those, naming the field)."""
-    from deployments.json_body import parse_json_body
-
+    ``min_bytes``, no single top-level ``tree`` object found cheaply, the rest not a valid JSON object
+    (``parse_body``: the strict parse of a scenario body within the limits; any exception refuses), not a tree
+    scenario, or a body that also names a ``path`` or stored content (the exact way refuses those, naming the
+    field)."""
     if len(raw) < min_bytes:
         return None
     span = object_field_span(raw, "tree")
@@ -64,9 +66,9 @@ def split_inline_tree(raw: bytes, limits: Any, *, min_bytes: int = INLINE_TREE_M
         return None
     start, end = span
     try:
-        rest = parse_json_body(raw[:start] + b"null" + raw[end:], limits, scenario=True)
+        rest = parse_body(raw[:start] + b"null" + raw[end:])
         raw.decode("utf-8")  # the tree's text is checked by its scan; the store keeps the whole body as UTF-8
-    except (ServiceError, UnicodeDecodeError):
+    except Exception:  # noqa: BLE001 - any refusal: the exact way parses the whole body and names it
         return None
     if (rest.get("type") != "tree" or "tree" not in rest or rest["tree"] is not None
             or any(field in rest for field in ("path", "content_sha256", "content_format"))):

@@ -1,5 +1,5 @@
-"""The items of trees given inline, read for their first PATCH: :class:`InlineTreeBases`, part of the manager's
-compiler.
+"""The items of trees given inline, read for their first PATCH: :class:`InlineTreeBases`, part of the tree kind's
+stored content on the config manager (:class:`.stored.TreeContent`).
 
 A tree PUT inline (a ``prefix_dict``) is served from tables built from its tree; a PATCH works on items and their
 catalog tables (``processors/kinds/tree/catalog_delta.py``). So that the first PATCH of such a tree is a delta too,
@@ -59,9 +59,9 @@ class InlineTreeBases:
 
     def note_form(self, name: str, compiled, fields: dict[str, Any], start_token_id: Any) -> None:
         """A tree given inline was compiled (``fields``: its body's other fields)."""
-        from processors.kinds.tree.catalog import _RESERVED
+        from .catalog import _RESERVED
 
-        tables = getattr(compiled, "constraint", None)
+        tables: Any = getattr(compiled, "constraint", None)
         if start_token_id is None or not hasattr(tables, "offsets"):
             return
         self._forms.pop((name, tables.version), None)
@@ -106,9 +106,9 @@ class InlineTreeBases:
         entry.future = self._pool.submit(self._read, *entry.args)
 
     def _read(self, tables, fields: dict[str, Any], start_token_id: int):
-        from processors.kinds.tree.catalog import Catalog
-        from processors.kinds.tree.catalog_tables import catalog_tables
-        from processors.kinds.tree.item_list import tree_items
+        from .catalog import Catalog
+        from .catalog_tables import catalog_tables
+        from .item_list import tree_items
 
         flat, lengths = tree_items(tables)
         catalog = Catalog.from_flat(start_token_id, tables.end_token_id, flat, lengths, fields)

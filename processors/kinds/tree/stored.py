@@ -1,0 +1,311 @@
+"""The tree kind's stored content on the config manager: :class:`TreeContent`, what
+:meth:`TreeKind.stored_content <processors.kinds.tree.kind.TreeKind.stored_content>` gives the manager's compiler.
+
+A tree's tokens must not change under a version, so a tree given by ``path`` is read once, at its PUT, into a local
+copy named by its SHA-256 (:meth:`TreeContent.pin`); the stored body then carries ``content_sha256`` and every
+compile of that version, now and after any restart, reads the copy, fetched from the store when this host has none
+(:meth:`TreeContent.content_file`), never the file again. A catalog (``content_format: items``,
+:mod:`.catalog`) is stored content too: its parsed items and their tables are kept in memory for the next PATCH
+(the newest few), and its tables are compiled straight from the items (:meth:`TreeContent.prebuilt`). A large tree
+given inline is split out of its PUT body (:mod:`.inline`) and its items read for a first PATCH once the manager
+is idle (:mod:`.inline_bases`).
+
+Refusals are :class:`config.ConstraintError` with their status (422 invalid, 400 does not compile, 500 a stored
+copy that does not match its hash); the manager answers them as they are. Methods run on the compiler's threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import tempfile
+from typing import Any
+
+from config import ConstraintError
+
+from ..patch import ContentHost
+from .inline import InlineTree, split_inline_tree
+from .inline_bases import HeldBase, InlineTreeBases
+
+__all__ = ["INLINE_TREE_PATH", "TreeContent"]
+
+# The path a split inline tree compiles under: only a name for its prebuilt tables (never opened, never stored).
+INLINE_TREE_PATH = "(inline tree)"
+
+
+def _file_sha256(path: str) -> str | None:
+    """SHA-256 (hex) of a file's bytes, read in chunks; None when it cannot be read."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def _write_atomic(directory: str, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in ``directory``: readers see all of it or nothing."""
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".incoming-")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class TreeContent:
+    """Tree files pinned to their content, stored catalogs parsed and their tables, trees given inline; the
+    :class:`~processors.kinds.patch.PatchStore` a tree's PATCH works with.
+
+    Args:
+        host: what the manager lends (:class:`~processors.kinds.patch.ContentHost`: its data directory, the
+            store's bytes, the served vocabulary, its compile threads, ...).
+    """
+
+    def __init__(self, host: ContentHost):
+        self.host = host
+        self.content_dir = os.path.join(host.data_dir, "tree-content")  # one file per SHA-256 (the store keeps the originals)
+        self._catalogs: dict[str, Any] = {}  # sha -> parsed Catalog, the newest few
+        self._tables: dict[str, Any] = {}  # sha -> a catalog's tables (catalog_tables' form), the newest two
+        self.tables_patched = 0  # PATCHes whose tables were updated from their base's (not compiled in full)
+        # a PATCH of more items than the base's states / this compiles the new items in full: faster there (about
+        # 6 touched paths an item, each ~50 states' worth of a full compile; docs/benchmarks.md, catalog PATCH)
+        self.patch_states_per_item = 300
+        # trees given inline: their items read for a first PATCH, once no write comes (see .inline_bases)
+        self.bases = InlineTreeBases(host.pool, host.vocab_size)
+
+    # -- what a PATCH asks of the store (processors.kinds.patch.PatchStore) ------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.host.vocab_size()
+
+    @property
+    def limits(self) -> Any:
+        return self.host.limits()
+
+    def validate(self, name: str, body: dict[str, Any]) -> Any:
+        return self.host.validate(name, body)
+
+    def content_delta(self, base_sha: str, removed_lines: list[bytes], added_lines: list[bytes], content: Any) -> Any:
+        return self.host.content_delta(base_sha, removed_lines, added_lines, content)
+
+    # -- a body's path and stored content ----------------------------------------------------------------------
+
+    def resolve_path(self, name: str, path: str) -> str:
+        """An admin names a file on the manager's host: only files under the tree directory (422 otherwise)."""
+        try:
+            return self.host.resolve_path(path)
+        except ValueError as exc:
+            raise ConstraintError(422, f"invalid scenario: path: {exc}", {"name": name, "field": "path"}) from None
+
+    def bind(self, name: str, scenario: Any, sha: str | None, content_format: str | None) -> Any:
+        """``scenario`` (validated) with its ``path`` pointing at what it compiles: the stored content ``sha`` when
+        the body carried ``content_sha256`` (a catalog's local copy is not fetched here: :meth:`prebuilt` compiles
+        its tables from the parsed items), else the admin's file confined to the tree directory."""
+        if sha is None:
+            if scenario.path is None:
+                return scenario
+            return scenario.model_copy(update={"path": self.resolve_path(name, scenario.path)})
+        if scenario.path is None:
+            raise ConstraintError(422, "invalid scenario: content_sha256: only a tree given by path has stored content",
+                                  {"name": name, "field": "content_sha256"})
+        # The content stored at the PUT; the path is only where it was read from (it may be gone).
+        if content_format == "items":
+            return scenario.model_copy(update={"path": os.path.join(self.content_dir, f"{sha}.json")})
+        return scenario.model_copy(update={"path": self.content_file(name, sha)})
+
+    def pin(self, name: str, body: Any) -> Any:
+        """For a tree given by ``path`` (and no ``content_sha256`` yet): read the file ONCE, into a local copy
+        named by its SHA-256, and return the body to store: ``path`` resolved (where the content came from)
+        plus ``content_sha256``. Any other body is returned as it is. The file is streamed (a tree file may be
+        tens of MB)."""
+        if not (isinstance(body, dict) and isinstance(body.get("path"), str) and body["path"].strip()
+                and "content_sha256" not in body and body.get("tree") is None):
+            return body  # validation reports anything wrong with it
+        source = self.resolve_path(name, body["path"])
+        os.makedirs(self.content_dir, exist_ok=True)
+        digest = hashlib.sha256()
+        fd, tmp = tempfile.mkstemp(dir=self.content_dir, prefix=".incoming-")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                try:
+                    with open(source, "rb") as handle:
+                        for chunk in iter(lambda: handle.read(1 << 20), b""):
+                            digest.update(chunk)
+                            out.write(chunk)
+                except OSError as exc:
+                    raise ConstraintError(400, f"scenario {name!r} does not compile for the served tokenizer: tree "
+                                               f"file {source}: {exc.strerror or exc}",
+                                          {"name": name, "field": "path"}) from None
+            sha = digest.hexdigest()
+            os.replace(tmp, os.path.join(self.content_dir, f"{sha}.json"))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return {**body, "path": source, "content_sha256": sha}
+
+    def content_file(self, name: str, sha: str) -> str:
+        """The local copy of the tree content ``sha`` (checked against its hash), fetched from the store when
+        this host has none. 422 when the store has no such content either."""
+        local = os.path.join(self.content_dir, f"{sha}.json")
+        if _file_sha256(local) == sha:
+            return local
+        data = self.host.fetch(sha)
+        if data is None:
+            raise ConstraintError(422, f"content_sha256: no tree content {sha} is stored; leave content_sha256 out "
+                                       "to store the file named by path", {"name": name, "field": "content_sha256"})
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise ConstraintError(500, f"stored tree content {self.host.content_key(sha)} does not match its hash",
+                                  {"name": name})
+        _write_atomic(self.content_dir, local, data)
+        return local
+
+    def stored_bytes(self, sha: str) -> bytes | None:
+        """The bytes of the local copy of content ``sha`` (to store them with the version); None when there is
+        none (the store then requires the content to be there already)."""
+        local = os.path.join(self.content_dir, f"{sha}.json")
+        try:
+            with open(local, "rb") as handle:
+                data = handle.read()
+        except OSError:
+            return None
+        return data if hashlib.sha256(data).hexdigest() == sha else None
+
+    def keep_content(self, data: bytes) -> tuple[str, bool]:
+        """Keep ``data`` (a catalog upload, canonical) as a local copy under its SHA-256: the hash, and whether the
+        copy is new (no copy was there): a write refused before anything was stored gives a new copy back with
+        :meth:`discard_content`."""
+        sha = hashlib.sha256(data).hexdigest()
+        local = os.path.join(self.content_dir, f"{sha}.json")
+        if _file_sha256(local) == sha:
+            return sha, False
+        _write_atomic(self.content_dir, local, data)
+        return sha, True
+
+    def discard_content(self, sha: str) -> None:
+        """Remove the local copy of content ``sha`` that a refused write made (and forget its parsed catalog).
+        Only for a copy :meth:`keep_content` called new: stored versions keep theirs (and the store has the bytes)."""
+        self._catalogs.pop(sha, None)
+        self._tables.pop(sha, None)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.content_dir, f"{sha}.json"))
+
+    # -- catalogs ----------------------------------------------------------------------------------------------
+
+    def upload(self, data: bytes) -> tuple[dict[str, Any], bytes, str | None]:
+        """A catalog upload (the items format, :mod:`.catalog`), parsed and validated once: the body to store (it
+        names its content), the canonical content, and its SHA-256 when its local copy is new (a refused write
+        discards it). The parsed catalog is kept for the next PATCH."""
+        from .catalog import catalog_body, parse_catalog
+
+        limits = self.limits
+        catalog = parse_catalog(data, vocab_size=self.vocab_size, max_items=limits.max_tree_keys,
+                                max_item_tokens=limits.max_item_tokens)
+        content = catalog.content()
+        sha, new = self.keep_content(content)
+        self.remember_catalog(sha, catalog)
+        return catalog_body(catalog, content), content, sha if new else None
+
+    def catalog(self, name: str, sha: str):
+        """The stored catalog ``sha`` parsed (:class:`~processors.kinds.tree.catalog.Catalog`); the last few are
+        kept in memory, so a PATCH does not parse its base again."""
+        from .catalog import parse_catalog
+
+        cached = self._catalogs.get(sha)
+        if cached is None:
+            with open(self.content_file(name, sha), "rb") as handle:
+                data = handle.read()
+            # a stored catalog may hold the empty item (a patched tree whose root allows the end token)
+            cached = parse_catalog(data, vocab_size=self.vocab_size, allow_empty=True)
+            head = cached.header()
+            if data.startswith(head + b"\n") and len(data) == len(head) + 1 + sum(map(len, cached.lines)) + len(cached):
+                cached._content = data  # its canonical bytes as they are (a PATCH splices its result's from them)
+            self.remember_catalog(sha, cached)
+        return cached
+
+    def remember_catalog(self, sha: str, catalog) -> None:
+        self._catalogs[sha] = catalog
+        while len(self._catalogs) > 4:
+            self._catalogs.pop(next(iter(self._catalogs)))
+
+    def catalog_tables(self, sha: str):
+        """The tables of catalog ``sha`` when built here lately (a PATCH updates them: :mod:`.delta`)."""
+        return self._tables.get(sha)
+
+    def remember_tables(self, sha: str, tables, patched: bool = False) -> None:
+        """Keep the tables of catalog ``sha`` (the newest two: a large catalog's tables are large). ``patched``:
+        a PATCH updated them from its base's (counted in ``tables_patched``)."""
+        self._tables.pop(sha, None)
+        self._tables[sha] = tables
+        while len(self._tables) > 2:
+            self._tables.pop(next(iter(self._tables)))
+        if patched:
+            self.tables_patched += 1
+
+    # -- compiles ----------------------------------------------------------------------------------------------
+
+    def prebuilt(self, name: str, body: dict[str, Any], sha: str | None) -> Any:
+        """What the compile of ``body`` starts from instead of reading a file: a catalog's tables straight from its
+        parsed items (kept in memory after a PUT or PATCH; equal to those of the tree file they spell), as
+        ``(tables, start token, catalog)``. None: the kind compiles the scenario itself."""
+        if sha is None or body.get("content_format") != "items":
+            return None
+        from .catalog_tables import catalog_tables
+
+        catalog = self.catalog(name, sha)
+        tables = self._tables.get(sha)  # a PATCH's, updated from its base's along the changed paths
+        if tables is None:
+            tables = catalog_tables(catalog, self.vocab_size)
+            self.remember_tables(sha, tables)
+        return tables, catalog.start_token_id, catalog
+
+    def compiled(self, name: str, compiled: Any, fields: dict[str, Any], scenario: Any) -> None:
+        """A body was compiled: a tree given inline is remembered for its first PATCH (:mod:`.inline_bases`)."""
+        if scenario.tree is not None:
+            self.bases.note_form(name, compiled, fields, getattr(scenario.tree, "start_token_id", None))
+
+    def split(self, raw: bytes) -> InlineTree | None:
+        """A large PUT body with an inline tree, split at the tree's braces (:mod:`.inline`); None: parse it whole."""
+        return split_inline_tree(raw, self.host.parse_body)
+
+    def compile_split(self, name: str, inline: InlineTree, parse: Any, compile_now: Any) -> Any:
+        """Compile a split body (:meth:`split`): its other fields through ``parse`` (the scenario model; the tree
+        left out, its path :data:`INLINE_TREE_PATH`, a name only), its tree's text through the tree loader's scan,
+        the tables from that one load (``compile_now(name, scenario, prebuilt)``). Raises on anything refused: the
+        exact way then parses the whole body and names the problem as for any inline tree."""
+        from ...tables import build_tree_tables
+        from .file import load_tree
+
+        scenario = parse({**inline.rest, "tree": None, "path": INLINE_TREE_PATH})
+        tree = load_tree(inline.tree, vocab_size=self.vocab_size, strict=bool(scenario.strict))
+        self.limits.check_tree_keys(len(tree), "tree.prefix_dict")
+        compiled = compile_now(name, scenario, (build_tree_tables(tree, self.vocab_size), tree.start_token_id))
+        self.bases.note_form(name, compiled, inline.rest, tree.start_token_id)
+        return compiled
+
+    # -- the current version, for a PATCH -----------------------------------------------------------------------
+
+    def installed(self, name: str, version: int, compiled: Any) -> None:
+        """``compiled`` (None: removed) is what ``name`` serves from ``version`` on."""
+        self.bases.note_installed(name, version, compiled)
+
+    def held(self, name: str, current_version: int | None, log: Any) -> HeldBase | None:
+        """The items of ``name``'s current version when it is a tree given inline (:meth:`InlineTreeBases.held`)."""
+        return self.bases.held(name, current_version, log)
+
+    def postpone(self) -> None:
+        """A write came: reads of inline trees' items wait until none comes."""
+        self.bases.postpone()
+
+    def close(self) -> None:
+        self.bases.close()
+
