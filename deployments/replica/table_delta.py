@@ -3,7 +3,8 @@ version's whole tables from the object store.
 
 The config manager publishes a patched version with the delta it was made by (``deployments/manager/served.py``:
 ``{"base", "add", "remove", "tables"}``). A replica serving ``base`` updates its own tables along the changed paths
-(:func:`processors.kinds.tree.delta.patch_tables`, the manager's own step) and keeps the result only when its ``version``
+(its kind's :meth:`~processors.kinds.base.ConstraintKind.patch_compiled`: the tree's
+:func:`processors.kinds.tree.delta.patch_tables`, the manager's own step) and keeps the result only when its ``version``
 (the content hash of the arrays) is the announced ``tables``: then it holds the very tables a fetch would give. Any
 other case (no delta, another version served, a hash that differs, an error) fetches the whole tables as before.
 
@@ -45,10 +46,11 @@ def delta_wanted(mode: str, ref: Any) -> bool:
 def apply_table_delta(compiled: Any, delta: dict[str, Any]) -> Any | None:
     """``compiled`` (the replica's ``CompiledScenario`` of ``delta["base"]``) with its tree tables updated by the
     delta's items, or None when that does not give the announced tables (the caller then fetches them)."""
-    from processors.kinds.tree.delta import patch_tables
-
+    kind = compiled.constraint_kind
+    if kind is None:
+        return None
     try:
-        tables = patch_tables(compiled.constraint, delta["add"], delta["remove"])
+        tables = kind.patch_compiled(compiled.constraint, delta["add"], delta["remove"])
     except Exception:  # noqa: BLE001 - any failure here only means a fetch
         logger.warning("applying a catalog delta to the served tables failed; fetching them", exc_info=True)
         return None

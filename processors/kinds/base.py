@@ -201,6 +201,13 @@ class ConstraintKind(ABC):
         :class:`~processors.kinds.patch.PatchStore` too (the tree's: :class:`processors.kinds.tree.stored.TreeContent`)."""
         return None
 
+    def patch_compiled(self, constraint: Any, add: list[Any], remove: list[Any]) -> Any | None:
+        """``constraint`` (a served version's) updated by a PATCH's applied ``add`` / ``remove`` items, as the config
+        manager's PATCH updated its own copy (a replica serving the base applies the published delta instead of
+        fetching the new version: ``deployments/replica/table_delta.py``); None when the kind cannot (the replica
+        then fetches it). Raises on a failure (the replica fetches too)."""
+        return None
+
     def llguidance_grammar(self, constraint: Any) -> str | None:
         """The llguidance grammar (its JSON text) that ``constraint`` enforces, for an engine that can hand it to its
         own guidance backend (vLLM's, ``vllm_grammar: guidance``); None: the engine masks the rows itself."""

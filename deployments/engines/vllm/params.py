@@ -95,9 +95,10 @@ def resolve_filter(compiled, value):
     """The book of the items ``value`` (a request's filter, ANDed with the scenario's own) leaves out, resolved on
     this process's copy of the compiled version (its filter index caches it per filter). The replica checked the
     filter against the same version and the service's bounds before the request came here."""
-    from processors.kinds.tree.filters import FilterLimits
+    from types import SimpleNamespace
 
-    unbounded = FilterLimits(max_clauses=1 << 30, max_depth=1 << 30, max_values=1 << 30)
+    # the filter's bounds were checked by the replica: none here (the settings' names, read by the kind)
+    unbounded = SimpleNamespace(max_filter_clauses=1 << 30, max_filter_depth=1 << 30, max_filter_values=1 << 30)
     resolved = compiled.constraint_kind.item_filter(compiled.constraint, value, unbounded)
     if resolved is None:
         raise ValueError("a filtered request's scenario has no filter index in the worker")

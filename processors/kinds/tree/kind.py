@@ -110,6 +110,11 @@ class TreeKind(ConstraintKind):
             raise LimitExceeded(exc.field, f"{exc.what} in tree file {scenario.path}", exc.limit_name,
                                 exc.limit) from None
 
+    def patch_compiled(self, constraint, add, remove):
+        from .delta import patch_tables
+
+        return patch_tables(constraint, add, remove)
+
     def cursor(self, constraint, info) -> TreeCursor:
         return TreeCursor(constraint)
 
