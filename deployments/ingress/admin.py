@@ -20,6 +20,7 @@ from deployments.ingress.models import (
 from deployments.ingress.openapi import _patch_openapi_extra, _scenario_openapi_extra
 from deployments.json_body import ParsedJSONRoute
 from processors.kinds.tree.catalog import CATALOG_CONTENT_TYPES
+from processors.kinds.tree.parquet import PARQUET_CONTENT_TYPES
 from deployments.protocol import ServiceError
 from deployments.storage.store import validate_name
 from deployments.storage.content import validate_idempotency_key
@@ -125,11 +126,16 @@ def mount_admin(app: FastAPI, ingress: Ingress) -> Any:
     async def put_scenario(request: Request, name: ScenarioName, idempotency_key: IdempotencyKey = None):
         """Create or replace a scenario; returns once every live replica serves the new version. A JSON body is a
         scenario; a ``Content-Type: application/x-ndjson`` body is a catalog (a tree given as its items: a header
-        line, then one JSON array of token ids per line; see the README). The body goes to the config manager as
+        line, then one JSON array of token ids per line; see the README), an ``application/vnd.apache.parquet``
+        body the same catalog as a Parquet file (an ``ids`` column, metadata columns, the header in the file's
+        metadata under ``catalog``). The body goes to the config manager as
         bytes, which parses and validates it once."""
         raw = await request.body()
-        if _content_type(request) in CATALOG_CONTENT_TYPES:
-            result = await ingress.call(ingress.manager.put_items, *idempotent((name, raw), idempotency_key))
+        content_type = _content_type(request)
+        if content_type in CATALOG_CONTENT_TYPES or content_type in PARQUET_CONTENT_TYPES:
+            key = checked_key(idempotency_key) if idempotency_key is not None else None
+            upload_format = "parquet" if content_type in PARQUET_CONTENT_TYPES else "ndjson"
+            result = await ingress.call(ingress.manager.put_items, name, raw, key, upload_format)
         else:
             result = await ingress.call(ingress.manager.put, *idempotent((name, raw), idempotency_key))
         return write_answer(result)

@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from processors.scenarios import ScenarioAdapter
 from processors.kinds.tree.catalog import CATALOG_CONTENT_TYPES
+from processors.kinds.tree.parquet import PARQUET_CONTENT_TYPES
 
 
 def _scenario_openapi_extra() -> dict[str, Any]:
@@ -16,8 +17,12 @@ def _scenario_openapi_extra() -> dict[str, Any]:
     catalog = {"type": "string", "description": "A catalog: a header line {\"start_token_id\": ..., \"end_token_id\": "
                "...} then one item per line: a JSON array of token ids (after the root, without the end token), or "
                "{\"ids\": [...], \"metadata\": {...}}."}
+    parquet = {"type": "string", "format": "binary",
+               "description": "The catalog as a Parquet file: an `ids` column (a list of integers per item), any other "
+                              "column an item metadata field, the header as JSON in the file's metadata under `catalog`."}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema},
-                                                           CATALOG_CONTENT_TYPES[0]: {"schema": catalog}}}}
+                                                           CATALOG_CONTENT_TYPES[0]: {"schema": catalog},
+                                                           PARQUET_CONTENT_TYPES[0]: {"schema": parquet}}}}
 
 
 def _patch_openapi_extra() -> dict[str, Any]:

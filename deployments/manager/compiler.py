@@ -208,13 +208,13 @@ class StoredScenarioCompiler:
     def vocab_size(self) -> int:
         return int(self.pipeline.info.vocab_size)
 
-    def upload(self, data: bytes) -> tuple[dict[str, Any], bytes, str | None]:
-        """An upload in a kind's content format (a catalog): ``(body to store, content, sha of a new local copy)``
-        (422 when refused)."""
+    def upload(self, data: bytes, upload_format: str = "ndjson") -> tuple[dict[str, Any], bytes, str | None]:
+        """An upload in a kind's content format (a catalog, as NDJSON or ``upload_format`` ``"parquet"``): ``(body
+        to store, content, sha of a new local copy)`` (422 when refused)."""
         if self._upload_type is None:
             raise ServiceError(415, "no scenario type takes an upload")
         with refused_as_service_error():
-            return self.contents[self._upload_type].upload(data)
+            return self.contents[self._upload_type].upload(data, upload_format)
 
     def patch_store(self, type_name: str) -> Any:
         """What a PATCH of a ``type_name`` scenario works with (:class:`processors.kinds.patch.PatchStore`): its

@@ -189,12 +189,14 @@ class ConfigManager:
         return await self._writes.run(Write("put", name, draft, store, fingerprint=fingerprint, request=request,
                                             finish=finish, idempotency_key=idempotency_key))
 
-    async def put_items(self, name: str, data: bytes, idempotency_key: str | None = None) -> dict[str, Any]:
+    async def put_items(self, name: str, data: bytes, idempotency_key: str | None = None,
+                        upload_format: str = "ndjson") -> dict[str, Any]:
         """Store a catalog (the items format of :mod:`processors.kinds.tree.catalog`: a header line, then one JSON
-        array of token ids per line) as a new version of tree scenario ``name``, like :meth:`put`. The bytes are
+        array of token ids per line; ``upload_format`` ``"parquet"``: a Parquet file, :mod:`processors.kinds.tree.parquet`)
+        as a new version of tree scenario ``name``, like :meth:`put`. The bytes are
         parsed and validated once, here; the canonical catalog is stored as tree content (chunked) and the stored
         body names it (``content_sha256``, ``content_format: items``). Returns ``{"name", "version", "items"}``."""
-        return await self._writes.run(put_items_write(self, name, data, idempotency_key))
+        return await self._writes.run(put_items_write(self, name, data, idempotency_key, upload_format))
 
     async def patch(self, name: str, delta: Any, idempotency_key: str | None = None,
                     base_version: int | None = None) -> dict[str, Any]:

@@ -23,7 +23,8 @@ __all__ = ["PATCH_ATTEMPTS", "patch_write", "put_items_write"]
 PATCH_ATTEMPTS = 5  # a PATCH without a base version re-applies its delta this often when writes race it
 
 
-def put_items_write(manager: Any, name: str, data: bytes, idempotency_key: str | None) -> Write:
+def put_items_write(manager: Any, name: str, data: bytes, idempotency_key: str | None,
+                    upload_format: str = "ndjson") -> Write:
     """The write of ``ConfigManager.put_items`` (what it does and answers: there)."""
     def fingerprint() -> str:
         return request_fingerprint("put_items", name, hashlib.sha256(bytes(data)).hexdigest())
@@ -31,7 +32,7 @@ def put_items_write(manager: Any, name: str, data: bytes, idempotency_key: str |
     def prepare() -> Draft:
         check_write_memory(manager.settings, PEAK_PER_BODY_BYTE * len(data),
                            f"a catalog upload of {len(data):,} bytes", name=name)
-        body, content, new_sha = manager.compiler.upload(data)
+        body, content, new_sha = manager.compiler.upload(data, upload_format)
         return Draft(body=body, content=content, new_content=new_sha, lookup_first=True)
 
     async def draft(_fingerprint: str | None) -> Draft:

@@ -279,3 +279,38 @@ def test_metadata_updates_during_a_stream_of_filtered_requests(serve_app, tokeni
     for version, got in answers:
         allowed = _passing(at_version[version], {"region": "eu"})
         assert set(got) <= allowed, (version, got)
+
+
+def test_a_parquet_catalog_serves_as_its_ndjson(serve_app, tokenizer, catalog):
+    """The same items as a Parquet file (an ``ids`` column, metadata columns, the header in the file's metadata): the
+    same stored catalog as the NDJSON upload (its GET summary), filtered outputs pass; a broken file is a 422."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ndjson_name, items = catalog
+    head = json.loads(_ndjson(tokenizer, items).split(b"\n", 1)[0])
+    table = pa.table({"ids": pa.array([list(ids) for ids in items], pa.list_(pa.int32())),
+                      "region": [meta["region"] for meta in items.values()],
+                      "stock": [meta["stock"] for meta in items.values()],
+                      "tags": pa.array([meta["tags"] for meta in items.values()], pa.list_(pa.string()))})
+    out = io.BytesIO()
+    pq.write_table(table.replace_schema_metadata({"catalog": json.dumps(head)}), out)
+    name = f"flt-{uuid.uuid4().hex[:8]}"
+    r = requests.put(f"{serve_app.url}/admin/scenarios/{name}", data=out.getvalue(), timeout=240,
+                     headers={**serve_app.admin, "Content-Type": "application/vnd.apache.parquet"})
+    assert r.status_code == 200 and r.json()["items"] == len(items), r.text
+    mine = requests.get(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=30).json()
+    theirs = requests.get(f"{serve_app.url}/admin/scenarios/{ndjson_name}", headers=serve_app.admin, timeout=30).json()
+    assert mine["scenario"]["metadata"] == theirs["scenario"]["metadata"]
+    assert mine["scenario"]["content_sha256"] == theirs["scenario"]["content_sha256"]  # the very same catalog
+    flt = FILTERS[1]
+    r = serve_app.generate({"scenario": name, "prompt": "Item:", "filter": flt, "n": 3, "distinct": True,
+                            "temperature": 1.5})
+    assert r.status_code == 200, r.text
+    for out_ in r.json()["outputs"]:
+        assert _item_of(out_, tokenizer.eos_token_id) in _passing(items, flt), out_
+    r = requests.put(f"{serve_app.url}/admin/scenarios/{name}", data=b"PAR1" + b"\0" * 64, timeout=60,
+                     headers={**serve_app.admin, "Content-Type": "application/vnd.apache.parquet"})
+    assert r.status_code == 422 and "not a Parquet file" in r.text, r.text

@@ -201,13 +201,20 @@ class TreeContent:
 
     # -- catalogs ----------------------------------------------------------------------------------------------
 
-    def upload(self, data: bytes) -> tuple[dict[str, Any], bytes, str | None]:
-        """A catalog upload (the items format, :mod:`.catalog`), parsed and validated once: the body to store (it
-        names its content), the canonical content, and its SHA-256 when its local copy is new (a refused write
-        discards it). The parsed catalog is kept for the next PATCH."""
+    def upload(self, data: bytes, upload_format: str = "ndjson") -> tuple[dict[str, Any], bytes, str | None]:
+        """A catalog upload (the items format, :mod:`.catalog`; ``upload_format`` ``"parquet"``: a Parquet file,
+        :mod:`.parquet`), parsed and validated once: the body to store (it names its content), the canonical
+        content, and its SHA-256 when its local copy is new (a refused write discards it). The parsed catalog is
+        kept for the next PATCH."""
         from .catalog import catalog_body, parse_catalog
 
         limits = self.limits
+        if upload_format == "parquet":
+            from .parquet import parquet_catalog
+
+            data = parquet_catalog(data, max_items=limits.max_tree_keys)
+        elif upload_format != "ndjson":
+            raise ConstraintError(415, f"no catalog format {upload_format!r} (ndjson or parquet)", {"field": "body"})
         catalog = parse_catalog(data, vocab_size=self.vocab_size, max_items=limits.max_tree_keys,
                                 max_item_tokens=limits.max_item_tokens)
         content = catalog.content()

@@ -1,0 +1,126 @@
+"""Catalogs uploaded as Parquet, the file a data pipeline already writes: a column ``ids`` (a list of integers per
+row: an item's token ids after the root, without the end token) and any other columns as the items' metadata (a
+string, boolean, integer or float column, or a list of strings; a null leaves the field out for that item). The
+catalog's header (the scenario fields of the NDJSON format's first line: ``start_token_id``, ``end_token_id``, a
+default ``filter``, ...) is a JSON object in the file's key-value metadata under ``catalog``::
+
+    table = pa.table({"ids": ids, "region": regions, "stock": stock})
+    table = table.replace_schema_metadata({"catalog": json.dumps({"start_token_id": 2000, "end_token_id": 2})})
+    pq.write_table(table, "catalog.parquet")
+
+:func:`parquet_catalog` turns such a file into the catalog's NDJSON form (:mod:`.catalog`), which is then parsed,
+checked and stored like any upload: one format on the inside, one set of rules and limits. The row count and the
+columns' types are checked from the file's footer before any column is read.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from config import ConstraintError
+
+__all__ = ["HEADER_KEY", "PARQUET_CONTENT_TYPES", "parquet_catalog"]
+
+#: request content types read as a Parquet catalog (the first is the registered one)
+PARQUET_CONTENT_TYPES = ("application/vnd.apache.parquet", "application/x-parquet")
+#: the key of the file's key-value metadata that holds the catalog's header (a JSON object)
+HEADER_KEY = "catalog"
+IDS = "ids"
+
+
+def _refused(message: str, field: str = "body", **detail: Any) -> ConstraintError:
+    return ConstraintError(422, f"{field}: {message}", {"field": field, **detail})
+
+
+def _kind(pa: Any, column: str, typ: Any) -> str:
+    """The metadata kind of a column's Arrow type: ``str``, ``bool``, ``int``, ``float`` or ``list`` (of strings)."""
+    if pa.types.is_null(typ):  # every row null: no item has the field
+        return "null"
+    if pa.types.is_string(typ) or pa.types.is_large_string(typ):
+        return "str"
+    if pa.types.is_boolean(typ):
+        return "bool"
+    if pa.types.is_integer(typ):
+        return "int"
+    if pa.types.is_floating(typ):
+        return "float"
+    if (pa.types.is_list(typ) or pa.types.is_large_list(typ)) and (
+            pa.types.is_string(typ.value_type) or pa.types.is_large_string(typ.value_type)):
+        return "list"
+    raise _refused(f"column {column!r} has type {typ}; metadata columns are strings, booleans, integers, floats or "
+                   "lists of strings", field=f"parquet.{column}")
+
+
+def parquet_catalog(data: bytes, *, max_items: int) -> bytes:
+    """The NDJSON catalog (:mod:`.catalog`) a Parquet upload spells. 422 naming the problem: not a Parquet file, no
+    header, no ``ids`` column or one that is not a list of integers, a null ``ids``, a column of another type, more
+    rows than ``max_items``; 415 when pyarrow is not installed where the catalog is read."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:  # pragma: no cover - a dependency of the package
+        raise ConstraintError(415, "a Parquet catalog needs pyarrow on the config manager; upload NDJSON instead",
+                              {"field": "body"}) from None
+    try:
+        source = pq.ParquetFile(pa.BufferReader(data))
+        schema = source.schema_arrow
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds for a bad file
+        raise _refused(f"not a Parquet file ({str(exc)[:200]})") from None
+    rows = source.metadata.num_rows
+    if rows > max_items:
+        raise _refused(f"{rows:,} rows, over the limit max_tree_keys={max_items:,}", limit_name="max_tree_keys",
+                       limit=max_items)
+    raw_header = (schema.metadata or {}).get(HEADER_KEY.encode())
+    if raw_header is None:
+        raise _refused(f"the file's key-value metadata has no {HEADER_KEY!r} entry (the catalog's header: a JSON "
+                       "object with start_token_id, end_token_id, ...)", field=f"parquet.{HEADER_KEY}")
+    try:
+        header = json.loads(raw_header)
+    except ValueError as exc:
+        raise _refused(f"not JSON: {exc}", field=f"parquet.{HEADER_KEY}") from None
+    if not isinstance(header, dict):
+        raise _refused("must be a JSON object", field=f"parquet.{HEADER_KEY}")
+    if IDS not in schema.names:
+        raise _refused(f"no {IDS!r} column (each row's token ids, a list of integers)", field=f"parquet.{IDS}")
+    ids_type = schema.field(IDS).type
+    if not ((pa.types.is_list(ids_type) or pa.types.is_large_list(ids_type) or pa.types.is_fixed_size_list(ids_type))
+            and pa.types.is_integer(ids_type.value_type)):
+        raise _refused(f"must be a list of integers, got {ids_type}", field=f"parquet.{IDS}")
+    kinds = {name: _kind(pa, name, schema.field(name).type) for name in schema.names if name != IDS}
+    try:
+        table = source.read()
+    except Exception as exc:  # noqa: BLE001
+        raise _refused(f"the file cannot be read ({str(exc)[:200]})") from None
+    ids = table.column(IDS).combine_chunks()
+    if ids.null_count:
+        first = int(np.flatnonzero(ids.is_null().to_numpy(zero_copy_only=False))[0])
+        raise _refused(f"row {first}: null ids", field=f"parquet.{IDS}", row=first)
+    if pa.types.is_fixed_size_list(ids_type):
+        width = ids_type.list_size
+        offsets = np.arange(0, (len(ids) + 1) * width, width, dtype=np.int64)
+        values = ids.flatten().to_numpy(zero_copy_only=False)
+    else:
+        offsets = ids.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+        values = ids.values.to_numpy(zero_copy_only=False)
+        offsets -= offsets[0]
+        values = values[int(ids.offsets[0].as_py()):]
+    if values.size and (values.min() < 0 or values.max() >= 1 << 31):
+        raise _refused("token ids must be non-negative 32-bit integers", field=f"parquet.{IDS}")
+    flat = values.astype(np.int64).tolist()
+    bounds = offsets.tolist()
+    columns = {name: table.column(name).to_pylist() for name in kinds}
+    lines = [json.dumps(header, separators=(",", ":"), allow_nan=False)]
+    for row in range(len(ids)):
+        item = flat[bounds[row]:bounds[row + 1]]
+        meta = {name: values_[row] for name, values_ in columns.items() if values_[row] is not None}
+        if meta:
+            try:
+                lines.append(json.dumps({"ids": item, "metadata": meta}, separators=(",", ":"), allow_nan=False))
+            except ValueError:
+                raise _refused(f"row {row}: a float that is not finite", field="parquet", row=row) from None
+        else:
+            lines.append("[" + ",".join(map(str, item)) + "]")
+    return ("\n".join(lines) + "\n").encode()
