@@ -6,7 +6,7 @@ Commands map one to one onto routes (see the README's "Using the service"):
 ``list``                           ``GET /v1/scenarios`` (public: no token needed)
 ``get NAME [--version N]``         ``GET /admin/scenarios/NAME[?version=N]``
 ``put NAME FILE|-``                ``PUT /admin/scenarios/NAME`` with the file streamed as the body
-``put NAME --items CATALOG``       the same with a catalog (``Content-Type: application/x-ndjson``)
+``put NAME --items CATALOG``       the same with a catalog (``application/x-ndjson``, or a Parquet file)
 ``patch NAME --add F --remove F``  ``PATCH /admin/scenarios/NAME`` ``{"add": [...], "remove": [...]}``
 ``delete NAME``                    ``DELETE /admin/scenarios/NAME``
 ``versions NAME``                  ``GET /admin/scenarios/NAME/versions``
@@ -48,11 +48,11 @@ from cli.admin_client import (  # noqa: F401  (EXIT_CODES and CliError are this 
     UPLOAD_CHUNK_BYTES,
     AdminClient,
     CliError,
+    read_body,
     scenario_path,
 )
 
 __all__ = ["EXIT_CODES", "CliError", "main"]
-
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
@@ -105,23 +105,11 @@ def cmd_get(client: AdminClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _read_body(source: str) -> tuple[Any, int, Any]:
-    """``(content for httpx, size in bytes, file to close or None)`` for FILE or ``-`` (stdin)."""
-    if source == "-":
-        data = sys.stdin.buffer.read()
-        return data, len(data), None
-    try:
-        handle = open(source, "rb")
-        size = os.fstat(handle.fileno()).st_size
-    except OSError as exc:
-        raise CliError(f"cannot read {source}: {exc.strerror or exc}", EXIT_USAGE) from None
-    return handle, size, handle
-
-
 # ``put --tree``: a bare tree file (what ``cs-tree build`` writes) sent as the body of a tree scenario,
 # wrapped on the fly so that a large file is still streamed, never loaded.
 TREE_BODY_HEAD, TREE_BODY_TAIL = b'{"type": "tree", "tree": ', b"}"
 CATALOG_CONTENT_TYPE = "application/x-ndjson"  # ``put --items``: the body is a catalog
+PARQUET_CONTENT_TYPE = "application/vnd.apache.parquet"  # ``put --items``: a file that starts with Parquet's magic
 
 
 def _chunks(content: Any, size: int, progress: Any, wrap: tuple[bytes, bytes] = (b"", b"")) -> Iterator[bytes]:
@@ -150,7 +138,11 @@ def cmd_put(client: AdminClient, args: argparse.Namespace) -> int:
         raise CliError("put: --tree and --items are different formats; give one", EXIT_USAGE)
     source = args.items if args.items is not None else args.file
     content_type = CATALOG_CONTENT_TYPE if args.items is not None else "application/json"
-    content, size, handle = _read_body(source)
+    content, size, handle = read_body(source)
+    if args.items is not None and (content[:4] if handle is None else handle.read(4)) == b"PAR1":  # Parquet's magic
+        content_type = PARQUET_CONTENT_TYPE
+    if handle is not None:
+        handle.seek(0)
     try:
         if size == 0:
             expected = "a catalog (header line, then one JSON array per line)" if args.items else "a scenario JSON object"
@@ -409,8 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     put.add_argument("name", metavar="NAME")
     put.add_argument("file", metavar="FILE", nargs="?", help="scenario JSON file, or - for stdin")
     put.add_argument("--items", metavar="CATALOG",
-                     help="instead of FILE: a catalog (tree items: a header line {\"start_token_id\": ..., "
-                          "\"end_token_id\": ...}, then one JSON array of token ids per line), or - for stdin")
+                     help="instead of FILE: a catalog (a header line {\"start_token_id\": ..., \"end_token_id\": ...}, "
+                          "then one JSON array of token ids per line; or a Parquet file), or - for stdin")
     put.add_argument("--tree", action="store_true",
                      help="FILE is a bare tree file (what cs-tree build writes): store it as a tree scenario")
     put.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

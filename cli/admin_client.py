@@ -7,6 +7,7 @@ progress, and turns every failure into a :class:`CliError` carrying an exit code
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import uuid
@@ -15,7 +16,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
 
-__all__ = ["AdminClient", "CliError", "EXIT_CODES", "scenario_path"]
+__all__ = ["AdminClient", "CliError", "EXIT_CODES", "read_body", "scenario_path"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT_S = 120.0  # a PUT waits for compilation (server limit 60 s) and every replica's ack
@@ -227,3 +228,16 @@ def scenario_path(name: str, suffix: str = "") -> str:
 
 
 # --------------------------------------------------------------------------------------------- output
+
+
+def read_body(source: str) -> tuple[Any, int, Any]:
+    """``(content for httpx, size in bytes, file to close or None)`` for FILE or ``-`` (stdin)."""
+    if source == "-":
+        data = sys.stdin.buffer.read()
+        return data, len(data), None
+    try:
+        handle = open(source, "rb")
+        size = os.fstat(handle.fileno()).st_size
+    except OSError as exc:
+        raise CliError(f"cannot read {source}: {exc.strerror or exc}", EXIT_USAGE) from None
+    return handle, size, handle

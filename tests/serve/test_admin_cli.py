@@ -272,3 +272,29 @@ def test_put_tree_stores_a_bare_tree_file_as_a_tree_scenario(serve_app, tokenize
         assert is_tree_path(tree, json.loads(answer)["outputs"][0]["token_ids"])
     finally:
         _cleanup(serve_app, name)
+
+
+def test_put_items_sends_a_parquet_file_as_parquet(serve_app, tokenizer, tmp_path):
+    """``put --items`` reads a Parquet file's magic bytes and sends it as Parquet: the same catalog as its NDJSON."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from deployments.examples import chat_root_token_id
+
+    header = {"start_token_id": chat_root_token_id(tokenizer), "end_token_id": tokenizer.eos_token_id}
+    items = [[1000, 2000], [1000, 2001], [1001, 2000]]
+    path = tmp_path / "catalog.parquet"
+    pq.write_table(pa.table({"ids": pa.array(items, pa.list_(pa.int32())), "region": ["eu", "us", "eu"]})
+                   .replace_schema_metadata({"catalog": json.dumps(header)}), path)
+    ndjson = tmp_path / "catalog.ndjson"
+    ndjson.write_text("\n".join([json.dumps(header)] + [json.dumps({"ids": ids, "metadata": {"region": region}})
+                                                        for ids, region in zip(items, ["eu", "us", "eu"])]) + "\n")
+    names = _unique(), _unique()
+    try:
+        for name, source in zip(names, (path, ndjson)):
+            assert _ok(cli("put", name, "--items", str(source), url=serve_app.url)).stdout.startswith(f"stored {name}")
+        stored = [json.loads(_ok(cli("--json", "get", name, url=serve_app.url)).stdout)["scenario"] for name in names]
+        assert stored[0]["content_sha256"] == stored[1]["content_sha256"] and stored[0]["items"] == 3
+    finally:
+        for name in names:
+            _cleanup(serve_app, name)
