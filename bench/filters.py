@@ -145,7 +145,7 @@ def beam_plan_seconds(tables, ids: np.ndarray, beams: int, request, repeats: int
     """Seconds of the beam step's table work (``plan_tree_beams``: every beam's allowed children at once) for
     ``beams`` beams at each depth of random items' paths, ``repeats`` times per depth."""
     from processors import CompiledScenario, RowCursor
-    from processors.kinds.tree.beams import plan_tree_beams
+    from processors.lane_beams import plan_tree_beams
     from processors.lanes import advance_rows
 
     compiled = CompiledScenario(kind="tree", constraint=tables, think=None, eos_token_ids=(END,), vocab_size=VOCAB)

@@ -68,7 +68,7 @@ from .kv_cache import release_memory
 from .prefix_cache import PrefixCache
 from ..sampling import sample_rows
 from .shared_kv import SharedGroup, StepContext, install
-from processors.kinds.tree.beams import plan_tree_beams, row_logsumexp, tree_beam_candidates
+from processors.lane_beams import plan_tree_beams, row_logsumexp, tree_beam_candidates
 from .grammar_rows import GrammarRowsMixin
 from .rows import RowsMixin
 from .wide import WideMixin

@@ -13,7 +13,7 @@ from processors import apply_steps
 
 from .jobs import Row
 from .shared_kv import SharedGroup
-from processors.kinds.tree.beams import plan_tree_beams, row_logsumexp, tree_beam_candidates
+from processors.lane_beams import plan_tree_beams, row_logsumexp, tree_beam_candidates
 
 __all__ = ["WideMixin"]
 

@@ -1,4 +1,6 @@
-"""Ranking the beams of a tree request straight from its tables: the candidates are the allowed children only.
+"""The vector lane's beam step: ranking the beams of a request on a tree's (or a label trie's) tables straight from
+them, the candidates the allowed children only. It serves any kind whose rows take the vector lane
+(:meth:`processors.base.Cursor.vector_lane`, :mod:`processors.lanes`); the engines import it, never a kind.
 
 A beam request of ``B`` rows over a plain tree (no item controls, no think block: the rows of the vector lane,
 :mod:`processors.lanes`) needs, per step, the ``2B`` best ``(row, child)`` pairs by ``row score + log p(child)``,
