@@ -119,12 +119,13 @@ class DenseBook:
 
     __slots__ = ("counts_array", "ends", "_padded", "_edge_ok")
 
-    def __init__(self, counts: np.ndarray, ends: np.ndarray):
+    def __init__(self, counts: np.ndarray, ends: np.ndarray, edge_ok: tuple[MaskTables, np.ndarray] | None = None):
         self.counts_array = counts
         self.ends = _Marked(ends)
         # two zeros after the states: LEAF (-1) and DONE (-2) targets read them, one gather per lookup
         self._padded = np.concatenate((counts, np.zeros(2, dtype=counts.dtype)))
-        self._edge_ok: tuple[int, np.ndarray] | None = None
+        # (tables, the edge mask over them) when its builder had it already (else made at the first edge_ok)
+        self._edge_ok: tuple[int, np.ndarray] | None = None if edge_ok is None else (id(edge_ok[0]), edge_ok[1])
 
     def edge_ok(self, tables: MaskTables) -> np.ndarray:
         """``bool`` per edge of ``tables`` (the ones this book was built on): a row may take the edge (a free item

@@ -4,10 +4,13 @@ A filter (:mod:`.filters`) passes some of the catalog's items. A row may take an
 lies below it (or the edge ends such an item): :func:`edge_mask` gives that ``bool`` per edge, so a step's work is
 one gather per row (``edge_ok[offsets[s]:offsets[s+1]]``), whatever the catalog's size or the filter's clauses.
 
-It is computed with array passes, bottom-up over the tree's levels: each item's *terminal* (the edge that ends it,
-or ``n_edges + state`` for an item that ends in a state without edges) is marked when the item passes; an edge into
-a state is allowed when any edge out of that state is, or an item ends in it. The levels and the items' terminals
-depend on the tables alone and are computed once per tables (:class:`TreeLevels`, :func:`item_terminals`).
+Each item's *terminal* (the edge that ends it, or ``n_edges + state`` for an item that ends in a state without edges)
+is computed once per version (:func:`item_terminals`). A resolve then walks up from the terminals of the items that
+pass only (:func:`passing_counts`: one gather per level of the tree over those items, through each state's parent
+edge, :class:`TreeParents`, made once per tables): the states and edges on their paths are the ones that stay
+open, and the count per state is one ``bincount``. Its cost follows the items that pass, not the catalog; the rest
+is a few passes over the states. :func:`edge_mask` is the same per-edge answer computed top-down over the tree's
+levels (:class:`TreeLevels`), the reference the tests tie it to.
 """
 
 from __future__ import annotations
@@ -17,7 +20,29 @@ import numpy as np
 from processors.items import DenseBook
 from processors.tables import LEAF, MaskTables, item_metrics
 
-__all__ = ["TreeLevels", "edge_mask", "filter_book", "item_terminals", "passing_counts"]
+__all__ = ["TreeLevels", "TreeParents", "edge_mask", "filter_book", "item_terminals", "passing_counts"]
+
+
+class TreeParents:
+    """Each edge's source state and each state's parent edge (the edge that leads into it; ``-1`` for the root and
+    states no edge leads to): what a walk from the items' terminals up to the root reads."""
+
+    def __init__(self, tables: MaskTables):
+        counts = np.diff(tables.offsets)
+        self.edge_source = np.repeat(np.arange(tables.n_states, dtype=np.int64), counts)
+        self.parent_edge = np.full(tables.n_states, -1, dtype=np.int64)
+        nxt = tables.next_state.astype(np.int64)
+        inner = np.flatnonzero(nxt >= 0)
+        self.parent_edge[nxt[inner]] = inner
+
+    @classmethod
+    def of(cls, tables: MaskTables) -> "TreeParents":
+        """The parents of ``tables``, computed once and kept on them (tables are immutable)."""
+        cached = tables.__dict__.get("_filter_parents")
+        if cached is None:
+            cached = cls(tables)
+            object.__setattr__(tables, "_filter_parents", cached)
+        return cached
 
 
 class TreeLevels:
@@ -124,32 +149,37 @@ def edge_mask(tables: MaskTables, terminals: np.ndarray, passing: np.ndarray) ->
     return edge_ok
 
 
-def passing_counts(tables: MaskTables, terminals: np.ndarray, passing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(count per state, bool per terminal)``: how many items that pass lie below each state (the state's own
-    item included), and which terminals end an item that passes (``n_edges + n_states`` entries, as
-    :func:`edge_mask`). The item controls' books count items so (:class:`processors.items.DenseBook`)."""
+def passing_counts(tables: MaskTables, terminals: np.ndarray, passing: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(count per state, bool per terminal, bool per edge)``: how many items that pass lie below each state (the
+    state's own item included), which terminals end an item that passes (``n_edges + n_states`` entries, as
+    :func:`edge_mask`), and which edges lie on the way to (or end) such an item (:func:`edge_mask`'s answer). The
+    item controls' books count items so (:class:`processors.items.DenseBook`). A walk up from the passing items'
+    terminals: its cost follows those items (and their depth), plus a few passes over the states."""
     n_edges = tables.n_edges
     term_ok = np.zeros(n_edges + tables.n_states, dtype=bool)
     t = terminals[passing]
-    term_ok[t[t >= 0]] = True
-    count = np.zeros(tables.n_states, dtype=np.int64)
-    nxt = tables.next_state
-    for states, edges, starts in reversed(TreeLevels.of(tables).levels):
-        own = term_ok[n_edges + states].astype(np.int64)
-        if edges.size:
-            target = nxt[edges].astype(np.int64)
-            per_edge = term_ok[edges].astype(np.int64)
-            inner = target >= 0
-            per_edge[inner] = count[target[inner]]
-            has = np.diff(np.append(starts, edges.size)) > 0
-            if has.any():
-                own[has] += np.add.reduceat(per_edge, starts[has])
-        count[states] = own
-    return count, term_ok
+    t = t[t >= 0]
+    term_ok[t] = True
+    edge_ok = term_ok[:n_edges].copy()  # a terminal edge is open when its item passes; the others below
+    parents = TreeParents.of(tables)
+    on_edge = t < n_edges
+    state = np.empty(t.size, dtype=np.int64)  # the state each item's terminal hangs from
+    state[on_edge] = parents.edge_source[t[on_edge]]
+    state[~on_edge] = t[~on_edge] - n_edges
+    path_states = [state]
+    while state.size:
+        up = parents.parent_edge[state]
+        up = up[up >= 0]
+        edge_ok[up] = True
+        state = parents.edge_source[up]
+        path_states.append(state)
+    count = np.bincount(np.concatenate(path_states), minlength=tables.n_states).astype(np.int64)
+    return count, term_ok, edge_ok
 
 
 def filter_book(tables: MaskTables, terminals: np.ndarray, passing: np.ndarray) -> DenseBook:
     """The items a filter leaves out as a :class:`~processors.items.DenseBook` (the item controls then treat them as
     excluded: ``n``, ``distinct``, the token budget and multi-item rows all count the items that pass)."""
-    count, term_ok = passing_counts(tables, terminals, passing)
-    return DenseBook(item_metrics(tables)[1].astype(np.int64) - count, ~term_ok)
+    count, term_ok, edge_ok = passing_counts(tables, terminals, passing)
+    return DenseBook(item_metrics(tables)[1].astype(np.int64) - count, ~term_ok, (tables, edge_ok))
