@@ -168,3 +168,86 @@ def test_update_replaces_metadata_keeps_the_tables_and_stores_as_a_line_delta():
         with pytest.raises(ConstraintError) as err:
             apply_tree_delta(base, [], [], vocab_size=VOCAB, update=bad)
         assert err.value.status == 422 and words in err.value.message, err.value.message
+
+
+def _sparse_item(rng: random.Random) -> dict | None:
+    """Metadata whose fields come and go (a field only some items have, a list field given as a single string or an
+    empty list, booleans and strings in one field), so a PATCH can drop a field's last holder or value."""
+    if rng.random() < 0.15:
+        return None
+    obj: dict = {}
+    for name, make in (("region", lambda: rng.choice(["eu", "us", "apac"])),
+                       ("tags", lambda: rng.choice([[], ["a"], ["a", "b"], "b", ["c"]])),
+                       ("flag", lambda: rng.choice([True, False, "maybe"])),
+                       ("rare", lambda: rng.choice(["x", "y"])),
+                       ("n", lambda: rng.choice([rng.randint(-5, 5), rng.uniform(0, 1)]))):
+        if rng.random() < (0.05 if name == "rare" else 0.6):
+            obj[name] = make()
+    return obj
+
+
+def _columns(metadata) -> dict:
+    out = {}
+    for name, col in metadata.columns.items():
+        out[name] = (col.kind, col.values, None if col.codes is None else col.codes.tolist(),
+                     None if col.offsets is None else col.offsets.tolist(),
+                     None if col.numbers is None else [None if x != x else x for x in col.numbers.tolist()],
+                     None if col.listed is None else col.listed.tolist())
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_patch_splices_the_metadata_columns_as_a_full_parse_gives_them(seed):
+    """A PATCH's metadata columns are the base's with rows cut and the new ones appended (no parse of every
+    item): exactly what parsing every item of the result gives, values and fields no row holds any more dropped."""
+    from processors.kinds.tree.metadata import ItemMetadata
+
+    rng = random.Random(seed)
+    items: dict[tuple[int, ...], dict | None] = {}
+    while len(items) < rng.choice([3, 20, 80]):
+        items[tuple(rng.randint(10, 30) for _ in range(rng.randint(1, 3)))] = _sparse_item(rng)
+    base = parse_catalog(_ndjson(items), vocab_size=VOCAB)
+    base.metadata()  # the base's columns, as the compile of its version leaves them
+    for _ in range(3):
+        order = sorted(items)
+        removed = rng.sample(order, k=rng.randint(0, len(order) // 2))
+        kept = [ids for ids in order if ids not in removed]
+        updated = rng.sample(kept, k=rng.randint(0, min(5, len(kept))))
+        fresh = [ids for ids in {tuple(rng.randint(10, 30) for _ in range(3)) for _ in range(6)} if ids not in items]
+        add = [{"ids": list(ids), "metadata": _sparse_item(rng)} for ids in fresh]
+        update = [{"ids": list(ids), "metadata": _sparse_item(rng)} for ids in updated]
+        try:
+            patched, _ = apply_tree_delta(base, add, [list(ids) for ids in removed], vocab_size=VOCAB, update=update)
+        except ConstraintError as err:
+            # refused (a field of two kinds across the result): a full parse of the same objects refuses too
+            objects = {**{k: v for k, v in items.items() if k not in removed},
+                       **{tuple(u["ids"]): u["metadata"] for u in update},
+                       **{tuple(a["ids"]): a["metadata"] for a in add}}
+            with pytest.raises(ConstraintError):
+                ItemMetadata.from_objects(list(objects.values()))
+            assert "metadata" in err.message
+            continue
+        assert patched._metadata is not None  # spliced, not parsed
+        full = ItemMetadata.from_objects([None if m is None else json.loads(m) for m in patched.meta or []]) \
+            if patched.meta is not None else None
+        assert full is not None
+        assert _columns(patched._metadata) == _columns(full)
+        assert patched._metadata.summary() == full.summary()
+        for ids, u in ((tuple(u["ids"]), u["metadata"]) for u in update):
+            items[ids] = u
+        for ids in removed:
+            del items[ids]
+        items.update({tuple(a["ids"]): a["metadata"] for a in add})
+        base = patched
+
+
+def test_a_patch_whose_metadata_changes_a_fields_kind_is_refused():
+    base = parse_catalog(_ndjson({(11,): {"n": 1}, (12,): {"n": 2.5}}), vocab_size=VOCAB)
+    base.metadata()
+    with pytest.raises(ConstraintError) as err:
+        apply_tree_delta(base, [{"ids": [13], "metadata": {"n": "x"}}], [], vocab_size=VOCAB)
+    assert err.value.status == 422 and "'n'" in err.value.message
+    # once the last numeric holder is gone the field may change kind, as a full upload of the result allows
+    only, _ = apply_tree_delta(base, [], [], vocab_size=VOCAB, update=[{"ids": [11], "metadata": {"n": "x"}},
+                                                                        {"ids": [12], "metadata": None}])
+    assert only._metadata.columns["n"].kind == "categorical"

@@ -6,6 +6,7 @@ updated from the base's along the changed paths when the delta is small for the 
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from itertools import compress
 from typing import Any
@@ -16,6 +17,7 @@ from config import ConstraintError
 
 from ..patch import DeltaReport, PatchResult, check_disjoint, check_unique, refused
 from .catalog import _RESERVED, Catalog, _line, canonical_meta, catalog_body, check_items, items_from_tree, split_item
+from .metadata import ItemMetadata
 
 __all__ = ["apply_tree_delta", "patch_stored_tree"]
 
@@ -149,8 +151,15 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
             base_meta = [m for i, m in enumerate(base_meta) if i not in gone]
         meta = base_meta + new_meta
     result = Catalog(catalog.start_token_id, catalog.end_token_id, lines, flat, lengths, catalog.options, meta)
-    if meta is not None:
-        result.metadata()  # checked now: a 422 naming the item and the limit, before anything is stored
+    if meta is not None:  # checked now: a 422 naming the item and the limit, before anything is stored
+        base_columns = catalog._metadata if catalog.meta is not None else ItemMetadata(len(catalog), {})
+        if base_columns is not None:  # the base's columns with the rows cut and appended: the delta's cost only
+            keep = np.ones(len(catalog), dtype=bool)
+            keep[rows] = False
+            added = ItemMetadata.from_objects([None if m is None else json.loads(m) for m in new_meta])
+            result._metadata = base_columns.spliced(keep, added)
+        else:
+            result.metadata()
     added_lines = [result.stored_line(len(lines) - len(new_items) + k) for k in range(len(new_items))]
     # the stored lines cut and appended: the content's line delta (what Redis keeps of this version)
     result.line_delta = ([catalog.stored_line(row) for row in rows], added_lines)

@@ -61,6 +61,7 @@ class Column:
     values: tuple[Any, ...] = ()  # categorical: the distinct values, sorted (booleans first, then strings)
     codes: np.ndarray | None = None
     offsets: np.ndarray | None = None  # categorical lists only
+    listed: np.ndarray | None = None  # categorical lists only: bool per item, the item gave a list (maybe empty)
     numbers: np.ndarray | None = None
     _index: dict[Any, int] = field(default_factory=dict, repr=False)
     _rows: np.ndarray | None = field(default=None, repr=False)
@@ -191,6 +192,105 @@ class ItemMetadata:
         return cls(len(objects), columns)
 
 
+    def spliced(self, keep: np.ndarray, added: "ItemMetadata", limits: MetadataLimits = MetadataLimits()
+                ) -> "ItemMetadata":
+        """The columns of this metadata's rows where ``keep`` (``bool`` per item) followed by ``added``'s rows: what
+        :meth:`from_objects` gives for the same objects in that order (a PATCH's result: rows cut, rows appended),
+        in passes over the arrays instead of a parse of every item. Values no row holds any more are dropped, and
+        fields no row has. Refused like :meth:`from_objects` (a field of two kinds, the limits on fields and
+        values)."""
+        keep = np.asarray(keep, dtype=bool)
+        n_keep = int(keep.sum())
+        out: dict[str, Column] = {}
+        for name in [*self.columns, *(k for k in added.columns if k not in self.columns)]:
+            old, new = self.columns.get(name), added.columns.get(name)
+            if old is not None and new is not None and old.kind != new.kind:
+                if _held(old, keep):
+                    raise _refused(f"field {name!r} is {new.kind} in an added item and {old.kind} in the catalog",
+                                   name=name)
+                old = None  # no row keeps the old kind: the field is the added items' now
+            either = old if old is not None else new
+            assert either is not None
+            column = (_splice_numbers if either.kind == NUMERIC else _splice_categories)(
+                name, old, keep, n_keep, new, added.n)
+            if column is None:
+                continue
+            if len(column.values) > limits.max_values_per_field:
+                raise _refused(f"field {name!r} has over {limits.max_values_per_field} distinct values "
+                               f"(max_values_per_field)", "max_values_per_field", limits.max_values_per_field,
+                               name=name)
+            out[name] = column
+        if len(out) > limits.max_fields:
+            raise _refused(f"{len(out)} fields, over the limit max_fields={limits.max_fields}", "max_fields",
+                           limits.max_fields)
+        return ItemMetadata(n_keep + added.n, out)
+
+
+def _held(column: Column, keep: np.ndarray) -> bool:
+    """Whether a row where ``keep`` still has the field ``column``."""
+    if column.numbers is not None:
+        return bool((~np.isnan(column.numbers[keep])).any())
+    if column.offsets is None:
+        return bool((column.codes[keep] >= 0).any()) if column.codes is not None else False
+    listed = column.listed[keep].any() if column.listed is not None else False
+    return bool(listed or np.diff(column.offsets)[keep].any())
+
+
+def _splice_numbers(name: str, old: Column | None, keep: np.ndarray, n_keep: int, new: Column | None,
+                    n_new: int) -> Column | None:
+    left = old.numbers[keep] if old is not None and old.numbers is not None else np.full(n_keep, np.nan)
+    right = new.numbers if new is not None and new.numbers is not None else np.full(n_new, np.nan)
+    numbers = np.concatenate((left, right))
+    return Column(name, NUMERIC, numbers=numbers) if (~np.isnan(numbers)).any() else None
+
+
+def _entries(column: Column | None, rows: np.ndarray | None, n: int) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """``(codes, lengths, values)`` of a categorical column over its rows where ``rows`` (all when None), as lists
+    (a single value: a list of one; missing: none)."""
+    if column is None or column.codes is None:
+        return np.zeros(0, dtype=np.int32), np.zeros(n, dtype=np.int64), ()
+    if column.offsets is None:
+        codes = column.codes if rows is None else column.codes[rows]
+        return codes[codes >= 0], (codes >= 0).astype(np.int64), column.values
+    lengths = np.diff(column.offsets)
+    codes = column.codes if rows is None else column.codes[np.repeat(rows, lengths)]
+    return codes, lengths if rows is None else lengths[rows], column.values
+
+
+def _splice_categories(name: str, old: Column | None, keep: np.ndarray, n_keep: int, new: Column | None,
+                       n_new: int) -> Column | None:
+    left_codes, left_lengths, left_values = _entries(old, keep, n_keep)
+    right_codes, right_lengths, right_values = _entries(new, None, n_new)
+    used_left = np.unique(left_codes)
+    used_right = np.unique(right_codes)
+    keys = sorted({_value_key(left_values[i]) for i in used_left.tolist()}
+                  | {_value_key(right_values[i]) for i in used_right.tolist()})
+    # rows that gave a list (maybe empty): the field is a list field while one does, and is there while one does
+    listed = np.concatenate((old.listed[keep] if old is not None and old.listed is not None else np.zeros(n_keep, bool),
+                             new.listed if new is not None and new.listed is not None else np.zeros(n_new, bool)))
+    if not keys and not listed.any():
+        return None
+    index = {key: i for i, key in enumerate(keys)}
+    values = tuple(v for _, v in keys)
+
+    def remap(side_values: tuple, used: np.ndarray, codes: np.ndarray) -> np.ndarray:
+        table = np.full(max(len(side_values), 1), -1, dtype=np.int32)
+        for code in used.tolist():
+            table[code] = index[_value_key(side_values[code])]
+        return table[codes]
+
+    codes = np.concatenate((remap(left_values, used_left, left_codes), remap(right_values, used_right, right_codes)))
+    lengths = np.concatenate((left_lengths, right_lengths))
+    if listed.any():
+        offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return Column(name, CATEGORICAL, values, codes=codes.astype(np.int32), offsets=offsets, listed=listed,
+                      _index=index)
+    single = np.full(lengths.size, -1, dtype=np.int32)
+    single[lengths > 0] = codes
+    return Column(name, CATEGORICAL, values, codes=single, _index=index)
+
+
 def _kind_of(name: Any, value: Any, item: int, limits: MetadataLimits) -> tuple[str, bool]:
     if not isinstance(name, str) or not name or name.startswith("$") or len(name) > limits.max_name_length:
         raise _refused(f"item {item}: field name {name!r}: 1-{limits.max_name_length} characters, not starting "
@@ -242,13 +342,16 @@ def _build(name: str, kind: str, is_list: bool, objects: Sequence[dict[str, Any]
                 codes[i] = index[_value_key(obj[name])]
         return Column(name, CATEGORICAL, values, codes=codes, _index=index)
     lengths = np.zeros(n, dtype=np.int64)
+    listed = np.zeros(n, dtype=bool)
     flat: list[int] = []
     for i, obj in enumerate(objects):
         if obj and name in obj:
             value = obj[name]
+            listed[i] = isinstance(value, list)
             entries = value if isinstance(value, list) else [value]
             lengths[i] = len(entries)
             flat.extend(index[_value_key(v)] for v in entries)
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    return Column(name, CATEGORICAL, values, codes=np.asarray(flat, dtype=np.int32), offsets=offsets, _index=index)
+    return Column(name, CATEGORICAL, values, codes=np.asarray(flat, dtype=np.int32), offsets=offsets, listed=listed,
+                  _index=index)
