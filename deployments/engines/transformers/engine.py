@@ -31,10 +31,24 @@ requests together hold at most ``1 - narrow_reserve`` of ``kv_memory_mb`` (:mod:
 Failures stay with their row: a row whose sampling or cursor fails finishes with ``error``; a failed
 prefill fails only its own jobs; only a failed forward of the whole batch fails the jobs in it.
 
-The engine's parts: this module (the loop, preparation, one decode step, sampling, finishing rows),
-:mod:`.admission` (which waiting requests join), :mod:`.batch` (prefill and the key/value layouts, including the
-prompt held once per wide request, :mod:`.shared_kv`), :mod:`.beams` and :mod:`.tree_beams` (beam ranking),
-:mod:`.jobs` (a request's bookkeeping).
+The engine's parts: :class:`DecodeEngine` (this module) owns the loop, the request queue, preparation (a job's rows
+on the prepare pool), the shared counters (``_stats``) and one decode step (masks, sampling, beam ranking, advancing
+rows); it holds four composed parts, each the one owner of its state, built in this order and each given the part it
+reads:
+
+- ``grammar``, :class:`.grammar_rows.GrammarRows`: the step's grammar mask budget and mask buffer (each row's
+  allowed set, masks settled within ``mask_step_budget_ms``, rows that sit out a step);
+- ``beams``, :class:`.beams.BeamSearch` (given ``grammar``): the beam requests' ended hypotheses, their candidates,
+  selection and final events, a wide beam request ranked chunk by chunk (:mod:`.wide`);
+- ``batch``, :class:`.batch.Batch` (given ``beams``): the running batch's rows, padded key/value cache, attention
+  mask, logits and wide requests' groups (prompt held once, :mod:`.shared_kv`), the chunked prefill in progress:
+  prefill, joining, the step's forward (wide rows in chunks), regrouping and trimming;
+- ``admission``, :class:`.admission.Admission` (given ``batch``): the waiting requests and the memory budget
+  (``job_bytes``, ``wide_budget``, ``admission_error``, fair order, admit).
+
+:mod:`.rows` holds the stateless row helpers (sampling row by row, redraw, advance, finish); :mod:`.jobs` a request's
+bookkeeping. The engine's public surface (``job_bytes``, ``admission_error``, ``kv_budget``, ``wide_budget``,
+``active_rows``, ``stats``) reads these parts.
 
 Nothing here imports Ray: the replica knows it only as an :class:`~deployments.engines.protocol.Engine`,
 and tests drive it directly. See ``docs/design.md`` (engine contract).
