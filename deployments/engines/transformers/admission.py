@@ -1,46 +1,81 @@
 """Which waiting requests join the batch: rows of the padded batch (``max_batch_size``) and estimated memory
 (``kv_memory_mb``, of which requests of several rows together take at most ``1 - narrow_reserve``, so one-row requests
-always find the rest); a request that can never fit is refused. Part of :class:`.engine.DecodeEngine`."""
+always find the rest); a request that can never fit is refused.
+
+:class:`Admission` is the engine's part for this: it owns the requests waiting to join (``waiting``, each a
+:class:`.jobs.Pending` whose rows are built or being built) and the memory budget (``kv_budget``, ``narrow_reserve``,
+and the per-token and per-row costs :meth:`Admission.job_bytes` estimates from). It reads what the batch holds through
+the :class:`.batch.Batch` part given to it and hands the admitted requests to it (a prefill, or a prompt read in
+chunks)."""
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
 
-from transformers import DynamicCache
-
 from ..protocol import EngineRequest, ErrorEvent
-from .jobs import Job, Pending, Row
+from .batch import Batch
+from .jobs import Pending, Row
+from .prefix_cache import PrefixCache
+from .rows import cancelled
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AdmissionMixin"]
+__all__ = ["Admission"]
 
 
-class AdmissionMixin:
-    """Admission of the decode engine (see :class:`.engine.DecodeEngine` for the state it reads)."""
+class Admission:
+    """Admission of waiting requests.
+
+    Args:
+        batch: the running batch (what it holds; admitted requests join it).
+        prefix_cache: the prompt-prefix cache (a prompt's uncached rest decides whether it is read in chunks).
+        stats: the engine's counters.
+        kv_budget: bytes of key/value and logits memory all requests may hold together.
+        narrow_reserve: the share of ``kv_budget`` requests of several rows never take.
+        token_bytes: key/value bytes of one token (keys and values, all layers).
+        score_bytes: attention scores and probabilities of one layer, per row and prompt token.
+        vocab_size: the vocabulary (per-row logits).
+        max_batch_size: most rows in the padded batch.
+        prefill_chunk_tokens: prompts longer than this (after a cached prefix) are read in chunks.
+    """
+
+    def __init__(self, batch: Batch, prefix_cache: PrefixCache, stats: dict, *, kv_budget: int, narrow_reserve: float,
+                 token_bytes: int, score_bytes: int, vocab_size: int, max_batch_size: int, prefill_chunk_tokens: int):
+        self.batch = batch
+        self.prefix_cache = prefix_cache
+        self._stats = stats
+        self.kv_budget = kv_budget
+        self.narrow_reserve = narrow_reserve
+        self.token_bytes = token_bytes
+        self.score_bytes = score_bytes
+        self.vocab_size = vocab_size
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._waiting: list[Pending] = []
 
     @property
-    def _narrow_rows(self) -> int:
-        return 0 if self._mask is None else self._mask.shape[0]
+    def waiting(self) -> list[Pending]:
+        """The requests waiting to join, in arrival order (read only: :meth:`enqueue` adds, :meth:`admit` takes)."""
+        return self._waiting
 
-    def _is_group(self, job: Job) -> bool:
-        """Whether ``job`` decodes as a :class:`SharedGroup` (its prompt once) rather than in the padded batch."""
-        return self.shared_prompt and job.width > 1
+    def enqueue(self, p: Pending) -> None:
+        self._waiting.append(p)
 
-    def _padded_width(self, job: Job) -> int:
-        """Rows ``job`` takes in the padded batch (bounded by ``max_batch_size``)."""
-        return 0 if self._is_group(job) else job.width
+    def ready(self) -> bool:
+        """Whether a waiting request has its rows built."""
+        return any(p.ready() for p in self._waiting)
 
     def job_bytes(self, request: EngineRequest) -> int:
         """Estimated memory of a request while it decodes: key/value cache (its prompt once, each row's generated
         tokens), per-row logits and their working copies, and the attention scores of its rows over the prompt."""
         width = request.num_beams if request.num_beams > 1 else request.n
         prompt = len(request.prompt_ids)
-        copies = 1 if self.shared_prompt else width
-        kv = (copies * prompt + width * request.max_new_tokens) * self._token_bytes
+        shared = self.batch.shared_prompt
+        copies = 1 if shared else width
+        kv = (copies * prompt + width * request.max_new_tokens) * self.token_bytes
         logits = width * self.vocab_size * 4 * 4  # logits, log-probabilities, masked copy, ranking
-        scores = width * prompt * self._score_bytes if width > 1 and self.shared_prompt else 0
+        scores = width * prompt * self.score_bytes if width > 1 and shared else 0
         return kv + logits + scores
 
     @property
@@ -62,17 +97,10 @@ class AdmissionMixin:
                 f"{len(request.prompt_ids)} tokens, {rows} rows x {request.max_new_tokens} new tokens), more than "
                 f"{where}; lower num_beams, n or max_new_tokens")
 
-    def _jobs_in_use(self) -> list[Job]:
-        jobs = {id(r.job): r.job for r in self._rows}
-        jobs.update((id(g.job), g.job) for g in self._groups)
-        if self._chunking is not None:
-            jobs[id(self._chunking.job)] = self._chunking.job
-        return list(jobs.values())
+    def bytes_in_use(self) -> int:
+        return sum(self.job_bytes(j.request) for j in self.batch.jobs_in_use())
 
-    def _bytes_in_use(self) -> int:
-        return sum(self.job_bytes(j.request) for j in self._jobs_in_use())
-
-    def _fair_order(self) -> list[Pending]:
+    def fair_order(self) -> list[Pending]:
         """The waiting requests in the order they are offered room: one request of each client in turn (round robin),
         the clients with fewer rows running first, each client's own requests first come first served. One
         client's burst (up to its ``max_inflight_rows_per_client`` at the ingress) then fills the room only while
@@ -86,28 +114,31 @@ class AdmissionMixin:
         if len(queues) < 2:
             return self._waiting
         running: dict[str | None, int] = {}
-        for job in self._jobs_in_use():
+        for job in self.batch.jobs_in_use():
             running[job.request.client] = running.get(job.request.client, 0) + job.width
         turns = sorted(queues.values(), key=lambda q: running.get(q[0].job.request.client, 0))  # stable
         return [q[i] for i in range(max(map(len, turns))) for q in turns if i < len(q)]
 
-    def _admit(self) -> None:
-        room = self.max_batch_size - self._narrow_rows - (self._padded_width(self._chunking.job) if self._chunking else 0)
+    def admit(self) -> None:
+        """Offer the waiting requests room in :meth:`fair_order`: those that fit join the batch (one prefill), one
+        whose uncached prompt is longer than ``prefill_chunk_tokens`` starts its chunked prefill, the rest wait."""
+        batch = self.batch
+        room = self.max_batch_size - batch.narrow_rows - (batch.padded_width(batch.chunking.job) if batch.chunking else 0)
         memory = wide = 0
         if self._waiting:
-            for j in self._jobs_in_use():
+            for j in batch.jobs_in_use():
                 need = self.job_bytes(j.request)
                 memory += need
                 wide += need if j.width > 1 else 0
         admitted: list[tuple[Pending, list[Row]]] = []
         keep: list[Pending] = []
-        empty = not self._rows and not self._groups and self._chunking is None
-        for p in self._fair_order():
+        empty = batch.idle
+        for p in self.fair_order():
             job = p.job
             if job.cancelled.is_set():
                 if isinstance(p.rows, Future):
                     p.rows.cancel()
-                self._cancelled(job)
+                cancelled(job, self._stats)
                 continue
             if not p.ready():
                 keep.append(p)
@@ -120,7 +151,7 @@ class AdmissionMixin:
                 job.on_event(ErrorEvent(error))
                 continue
             alone = empty and not admitted
-            fits = (self._padded_width(job) <= room or alone) and (memory + need <= self.kv_budget or alone)
+            fits = (batch.padded_width(job) <= room or alone) and (memory + need <= self.kv_budget or alone)
             # requests of several rows leave narrow_reserve of the memory to one-row requests
             fits = fits and (job.width == 1 or wide + need <= self.wide_budget)
             if not fits:
@@ -134,20 +165,18 @@ class AdmissionMixin:
                 continue
             length, kv = self.prefix_cache.lookup(job.prompt_ids)
             if len(job.prompt_ids) - length > self.prefill_chunk_tokens:
-                if self._chunking is not None:
+                if batch.chunking is not None:
                     keep.append(p)  # one chunked prefill at a time
                     continue
-                p.rows, p.done_tokens, p.reused = rows, length, length
-                p.cache = self._expand_prefix(kv, 1) if kv is not None else DynamicCache()
-                self._chunking = p
-                room -= self._padded_width(job)
+                batch.start_chunking(p, rows, length, kv)
+                room -= batch.padded_width(job)
                 memory += need
                 wide += need if job.width > 1 else 0
                 continue
             admitted.append((p, rows))
-            room -= self._padded_width(job)
+            room -= batch.padded_width(job)
             memory += need
             wide += need if job.width > 1 else 0
         self._waiting = keep
         if admitted:
-            self._prefill(admitted)
+            batch.prefill(admitted)

@@ -1,35 +1,143 @@
 """The batch's key/value rows: prefilling prompts (batched, or one chunk at a time), joining them to the running
 batch in its two layouts (a one-row request in the padded cache, a request of several rows as a
-:class:`.shared_kv.SharedGroup`), following the rows each step (finished rows leave, beams reorder) and trimming
-padding. Part of :class:`.engine.DecodeEngine`."""
+:class:`.shared_kv.SharedGroup`), the forward of each step (the padded rows and the wide requests' rows, these in
+chunks of at most ``wide_step_rows``), following the rows each step (finished rows leave, beams reorder) and trimming
+padding.
+
+:class:`Batch` is the engine's part for this and the one owner of the batch's state:
+
+- ``rows``: the rows the next step samples or ranks, the padded rows first, then each group's rows in the batch;
+- ``cache``, ``mask``: the padded rows' key/value cache and its attention mask (``None`` when there are none);
+- ``logits``: the last forward's logits of ``rows`` (``None`` once a step consumed them);
+- ``groups``: the wide requests (prompt held once): in the batch (their rows in ``rows``), or with their next step
+  being read in chunks (``group.feed``, in the order their chunks are read);
+- ``chunking``: the request whose prompt is being read one chunk at a time (at most one);
+- ``trim_due``: memory to give back to the OS once the engine is idle.
+
+It ranks a wide beam request through the :class:`.beams.BeamSearch` part given to it, and adds to the engine's shared
+``stats``."""
 
 from __future__ import annotations
 
 import logging
+import time
 from bisect import bisect_right
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
 from ..protocol import ErrorEvent
-from .jobs import Beams, Feed, Job, Pending, Row
-from .kv_cache import cache_of
-from .shared_kv import SharedGroup
+from .beams import BeamSearch
+from .jobs import HELD, Feed, Job, Pending, Row
+from .kv_cache import cache_of, release_memory
+from .prefix_cache import PrefixCache
+from .rows import cancelled, finish
+from .shared_kv import SharedGroup, StepContext
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchMixin"]
+__all__ = ["Batch"]
 
 
-class BatchMixin:
-    """Prefill and key/value layout of the decode engine (see :class:`.engine.DecodeEngine` for its state)."""
+class Batch:
+    """Prefill and key/value layout of the running batch.
 
+    Args:
+        model: the HF causal LM (with :func:`.shared_kv.install` applied).
+        beams: the beam-search part (a wide beam request's first step and its chunks are ranked there).
+        prefix_cache: the prompt-prefix cache prefills read and fill.
+        stats: the engine's counters.
+        device, pad_id: the model's device and the padding token of a left-padded prefill.
+        shared_prompt: hold the prompt of a several-row request once (a :class:`.shared_kv.SharedGroup`).
+        prefill_chunk_tokens: a chunked prefill reads this many prompt tokens per chunk.
+        wide_step_rows: the most rows of wide requests read in one forward (0: all).
+    """
+
+    def __init__(self, model, beams: BeamSearch, prefix_cache: PrefixCache, stats: dict, *, device, pad_id: int,
+                 shared_prompt: bool, prefill_chunk_tokens: int, wide_step_rows: int):
+        self.model = model
+        self.beams = beams
+        self.prefix_cache = prefix_cache
+        self._stats = stats
+        self.device = device
+        self.pad_id = pad_id
+        self.shared_prompt = shared_prompt
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.wide_step_rows = wide_step_rows
+        self.rows: list[Row] = []
+        self.groups: list[SharedGroup] = []
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
+        self.chunking: Pending | None = None
+        self.trim_due = False
+
+    # -- what the batch holds ---------------------------------------------------------------------
+    @property
+    def narrow_rows(self) -> int:
+        """Rows of the padded batch (one-row requests)."""
+        return 0 if self.mask is None else self.mask.shape[0]
+
+    @property
+    def active_rows(self) -> int:
+        return len(self.rows) + sum(g.rows for g in self.groups if g.feed is not None)
+
+    @property
+    def decoding(self) -> bool:
+        """Whether a decode step has rows to read (in the batch, or a wide request's chunks)."""
+        return bool(self.rows or self.groups)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing decoding and no prompt being read in chunks."""
+        return not self.rows and not self.groups and self.chunking is None
+
+    def is_group(self, job: Job) -> bool:
+        """Whether ``job`` decodes as a :class:`SharedGroup` (its prompt once) rather than in the padded batch."""
+        return self.shared_prompt and job.width > 1
+
+    def padded_width(self, job: Job) -> int:
+        """Rows ``job`` takes in the padded batch (bounded by ``max_batch_size``)."""
+        return 0 if self.is_group(job) else job.width
+
+    def jobs_in_use(self) -> list[Job]:
+        """The requests holding memory: decoding, or having their prompt read in chunks."""
+        jobs = {id(r.job): r.job for r in self.rows}
+        jobs.update((id(g.job), g.job) for g in self.groups)
+        if self.chunking is not None:
+            jobs[id(self.chunking.job)] = self.chunking.job
+        return list(jobs.values())
+
+    def fail_all(self, message: str) -> None:
+        """A forward of the whole batch failed: every decoding request is told and the batch empties."""
+        jobs = {id(r.job): r.job for r in self.rows}
+        jobs.update((id(g.job), g.job) for g in self.groups)
+        for job in jobs.values():
+            job.on_event(ErrorEvent(message))
+        self.rows, self.cache, self.mask, self.logits = [], None, None, None
+        self.groups = []
+        self.beams.clear()
+
+    def release_if_due(self) -> None:
+        """Give freed memory back to the OS once, after the batch emptied (not while a prompt is read in chunks)."""
+        if self.trim_due and self.chunking is None:
+            self.trim_due = False
+            release_memory()
+
+    def start_chunking(self, p: Pending, rows: list[Row], length: int, kv) -> None:
+        """``p``'s prompt is read one chunk at a time from its cached prefix (``length`` tokens, ``kv``) on."""
+        p.rows, p.done_tokens, p.reused = rows, length, length
+        p.cache = self.expand_prefix(kv, 1) if kv is not None else DynamicCache()
+        self.chunking = p
+
+    # -- prefill and joining ----------------------------------------------------------------------
     @staticmethod
-    def _expand_prefix(prefix_kv, b: int) -> DynamicCache:
+    def expand_prefix(prefix_kv, b: int) -> DynamicCache:
         return cache_of([(k.expand(b, -1, -1, -1).contiguous(), v.expand(b, -1, -1, -1).contiguous()) for k, v in prefix_kv])
 
-    def _prefill(self, admitted: list[tuple[Pending, list[Row]]]) -> None:
+    def prefill(self, admitted: list[tuple[Pending, list[Row]]]) -> None:
         """Prefill new prompts (grouped by their cached prefix), then merge into the running batch."""
         groups: dict[int, tuple[list, list]] = {}
         for p, rows in admitted:
@@ -63,7 +171,7 @@ class BatchMixin:
             rest_mask[i, width - len(r):] = 1
         positions = (plen + rest_mask.cumsum(dim=1) - 1).clamp(min=0)
         mask = torch.cat([torch.ones((b, plen), dtype=torch.long), rest_mask], dim=1)
-        past = self._expand_prefix(prefix_kv, b) if prefix_kv is not None else DynamicCache()
+        past = self.expand_prefix(prefix_kv, b) if prefix_kv is not None else DynamicCache()
         out = self.model(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device), position_ids=positions.to(self.device),
             past_key_values=past, use_cache=True, logits_to_keep=1,
@@ -75,12 +183,12 @@ class BatchMixin:
             self.prefix_cache.store(job.prompt_ids, [
                 (layer.keys[i : i + 1].index_select(2, cols), layer.values[i : i + 1].index_select(2, cols)) for layer in layers
             ])
-        narrow = [i for i, job in enumerate(jobs) if not self._is_group(job)]
+        narrow = [i for i, job in enumerate(jobs) if not self.is_group(job)]
         if narrow:
             self._join([group[i] for i in narrow], [(layer.keys, layer.values) for layer in layers],
                        mask.to(self.device), out.logits[:, -1, :], narrow)
         for i, (job, rows) in enumerate(group):
-            if self._is_group(job):
+            if self.is_group(job):
                 # the prompt once: the cached prefix by reference, the rest copied out of the batched prefill
                 pad = width - len(rests[i])
                 shared = [([prefix_kv[li]] if prefix_kv is not None else [])
@@ -91,14 +199,14 @@ class BatchMixin:
         self._stats["prefill_tokens"] += sum(len(r) for r in rests)
         self._stats["prefix_tokens_reused"] += plen * b
 
-    def _prefill_chunk(self) -> None:
+    def prefill_chunk(self) -> None:
         """Read the next chunk of the prompt being prefilled in chunks; join the batch after the last."""
-        p = self._chunking
+        p = self.chunking
         job = p.job
         if job.cancelled.is_set():
-            self._chunking = None
-            self._trim_due = True
-            self._cancelled(job)
+            self.chunking = None
+            self.trim_due = True
+            cancelled(job, self._stats)
             return
         try:
             start = p.done_tokens
@@ -113,11 +221,11 @@ class BatchMixin:
             self._stats["prefill_chunks"] += 1
             if end < len(job.prompt_ids):
                 return
-            self._chunking = None
-            self._trim_due = True
+            self.chunking = None
+            self.trim_due = True
             layers = p.cache.layers
             self.prefix_cache.store(job.prompt_ids, [(layer.keys, layer.values) for layer in layers])
-            if self._is_group(job):
+            if self.is_group(job):
                 self._join_group(job, p.rows, [[(layer.keys, layer.values)] for layer in layers], out.logits[:, -1, :])
             else:
                 mask = torch.ones((1, end), dtype=torch.long, device=self.device)
@@ -127,7 +235,7 @@ class BatchMixin:
             self._stats["prefix_tokens_reused"] += p.reused
         except Exception as exc:
             logger.exception("chunked prefill failed")
-            self._chunking = None
+            self.chunking = None
             job.on_event(ErrorEvent(f"prefill failed: {type(exc).__name__}: {exc}"))
 
     def _join(self, group: list[tuple[Job, list[Row]]], kv, mask, logits, sel: list[int]) -> None:
@@ -142,22 +250,22 @@ class BatchMixin:
         for job, job_rows in group:
             job.remaining = job.n
             if job.num_beams > 1:
-                self._beams[id(job)] = Beams()
+                self.beams.start(job)
             rows.extend(job_rows)
         sel = [i for (job, _), i in zip(group, sel) for _ in range(job.width)]
         index = torch.tensor(sel, device=self.device)
         logits = logits.float().index_select(0, index.to(logits.device))
         mask = mask.index_select(0, index.to(mask.device))
-        old_rows = self._narrow_rows
+        old_rows = self.narrow_rows
         new_rows = len(sel)
-        old_len = self._mask.shape[1] if old_rows else 0
+        old_len = self.mask.shape[1] if old_rows else 0
         new_len = mask.shape[1]
         total = max(old_len, new_len)
         merged = []
         for li, (k, v) in enumerate(kv):
             pair = []
-            for new, old in ((k, self._cache.layers[li].keys if old_rows else None),
-                             (v, self._cache.layers[li].values if old_rows else None)):
+            for new, old in ((k, self.cache.layers[li].keys if old_rows else None),
+                             (v, self.cache.layers[li].values if old_rows else None)):
                 # room to grow (see GrowingLayer), so the next steps append without copying
                 out = new.new_zeros((old_rows + new_rows, new.shape[1], total + max(64, total // 8), new.shape[3]))
                 if old is not None:
@@ -167,17 +275,17 @@ class BatchMixin:
                 pair.append(out)
             merged.append(tuple(pair))
         if old_rows:
-            self._mask = torch.cat([F.pad(self._mask, (total - old_len, 0)), F.pad(mask, (total - new_len, 0))])
+            self.mask = torch.cat([F.pad(self.mask, (total - old_len, 0)), F.pad(mask, (total - new_len, 0))])
         else:
-            self._mask = mask
-        if self._logits is None:
-            self._logits = logits
+            self.mask = mask
+        if self.logits is None:
+            self.logits = logits
         else:
-            self._logits = torch.cat([self._logits[:old_rows], logits, self._logits[old_rows:]])
-        self._rows = self._rows[:old_rows] + rows + self._rows[old_rows:]
-        for g in self._groups:
+            self.logits = torch.cat([self.logits[:old_rows], logits, self.logits[old_rows:]])
+        self.rows = self.rows[:old_rows] + rows + self.rows[old_rows:]
+        for g in self.groups:
             g.start += len(rows)
-        self._cache = cache_of([(k[:, :, :total], v[:, :, :total]) for k, v in merged], buffers=merged)
+        self.cache = cache_of([(k[:, :, :total], v[:, :, :total]) for k, v in merged], buffers=merged)
 
     def _join_group(self, job: Job, rows: list[Row], shared, logits: torch.Tensor) -> None:
         """A job of several rows joins after the batch's rows: its prompt held once (``shared``, per layer a list of
@@ -187,25 +295,25 @@ class BatchMixin:
         if job.num_beams > 1:
             # its first step: every beam holds the same prompt and only the first may expand (the others score
             # -inf), so that row's candidates are the request's; from then on its steps are read in chunks
-            self._beams[id(job)] = Beams()
+            self.beams.start(job)
             feed = Feed(rows, [])
-            feed.parts.append(self._beam_chunk(rows[:1], logits[:1].float().clone(), 0))
-            self._groups.append(group)
-            self._select_group(group, feed, logits.shape[1])
+            feed.parts.append(self.beams.chunk(rows[:1], logits[:1].float().clone(), 0))
+            self.groups.append(group)
+            self._rank_group(group, feed, logits.shape[1])
             return
-        group.start = len(self._rows)
-        self._groups.append(group)
+        group.start = len(self.rows)
+        self.groups.append(group)
         logits = logits.float().expand(len(rows), -1)
-        self._logits = logits.contiguous() if self._logits is None else torch.cat([self._logits, logits])
-        self._rows = self._rows + rows
+        self.logits = logits.contiguous() if self.logits is None else torch.cat([self.logits, logits])
+        self.rows = self.rows + rows
 
-    def _regroup(self, nxt: list[tuple[int, Row, int]]) -> list[tuple[int, Row, int]]:
+    def regroup(self, nxt: list[tuple[int, Row, int]]) -> list[tuple[int, Row, int]]:
         """Lay the next batch out (padded rows, then each group's rows) and select the caches' rows to match: the
         padded cache's rows, and within each group in the batch (not one whose step is being read in chunks) only
         the generated part (a beam reorder). Returns ``nxt`` in the new row order."""
-        n0 = self._narrow_rows
+        n0 = self.narrow_rows
         narrow = [e for e in nxt if e[0] < n0]
-        ready = sorted((g for g in self._groups if g.feed is None), key=lambda g: g.start)  # groups in the batch
+        ready = sorted((g for g in self.groups if g.feed is None), key=lambda g: g.start)  # groups in the batch
         starts = [g.start for g in ready]
         buckets: list[list[tuple[int, Row, int]]] = [[] for _ in ready]
         for e in nxt:
@@ -215,11 +323,11 @@ class BatchMixin:
         if order != list(range(n0)):
             if order:
                 idx = torch.tensor(order, device=self.device)
-                self._cache.batch_select_indices(idx)
-                self._mask = self._mask.index_select(0, idx)
+                self.cache.batch_select_indices(idx)
+                self.mask = self.mask.index_select(0, idx)
                 self._trim()
             else:
-                self._cache, self._mask = None, None
+                self.cache, self.mask = None, None
         kept = []
         for g, bucket in zip(ready, buckets):
             if bucket:
@@ -228,15 +336,128 @@ class BatchMixin:
         at = len(narrow)
         for g in kept:
             g.start, at = at, at + g.rows
-        self._groups = [g for g in self._groups if g.feed is not None] + kept
+        self.groups = [g for g in self.groups if g.feed is not None] + kept
         return narrow + [e for bucket in buckets for e in bucket]
 
     def _trim(self) -> None:
         """Drop leading columns that are padding in every remaining row."""
-        live = self._mask.any(dim=0).nonzero()
+        live = self.mask.any(dim=0).nonzero()
         first = int(live[0]) if live.numel() else 0
         if first > 0:
-            self._mask = self._mask[:, first:]
-            for layer in self._cache.layers:
+            self.mask = self.mask[:, first:]
+            for layer in self.cache.layers:
                 layer.keys = layer.keys[:, :, first:, :]
                 layer.values = layer.values[:, :, first:, :]
+
+    # -- one step's forward -----------------------------------------------------------------------
+    def forward(self, nxt: list[tuple[int, Row, int]], start_masks: Callable[[Iterable], None]) -> None:
+        """The forward of one engine step: the rows chosen this step (``nxt``, as ``(source row, row, token)``) that
+        are one-row requests' rows all, the wide requests' rows (those chosen now and those whose step is being read
+        already) in chunks of at most ``wide_step_rows`` rows (:meth:`wide_chunks`). ``start_masks`` gets the
+        padded rows' cursors right before the model runs (their next grammar masks compute meanwhile)."""
+        if nxt:
+            nxt = self.regroup(nxt)
+        else:
+            self.cache, self.mask = None, None
+            self.groups = [g for g in self.groups if g.feed is not None]
+        n = self.narrow_rows
+        for g in [g for g in self.groups if g.feed is None]:  # chosen now: their next step starts
+            picked = nxt[g.start : g.start + g.rows]
+            g.feed = Feed([row for _, row, _ in picked], [token for _, _, token in picked])
+            self.groups.remove(g)
+            self.groups.append(g)
+        self.rows = [row for _, row, _ in nxt[:n]]
+        chunks = self.wide_chunks()
+        self._stats["steps"] += 1
+        self._stats["rows_decoded"] += n + sum(end - first for _, first, end in chunks)
+        self.logits = None
+        if not n and not chunks:
+            self.rows, self.cache, self.mask = [], None, None
+            if not self.groups:
+                self.trim_due = True
+            return
+        positions, tokens = [], [token for _, _, token in nxt[:n]]
+        held = [k for k, token in enumerate(tokens) if token == HELD]
+        if self.mask is not None:
+            positions.append(self.mask.sum(dim=1))
+            ones = torch.ones((self.mask.shape[0], 1), dtype=self.mask.dtype, device=self.device)
+            if held:  # rows sitting out the step: a column no query ever reads, any token in it
+                ones[held] = 0
+                tokens = [0 if token == HELD else token for token in tokens]
+            self.mask = torch.cat([self.mask, ones], dim=1)
+        for g, first, end in chunks:
+            positions.append(torch.full((end - first,), g.prompt_len + g.generated, dtype=torch.long, device=self.device))
+            tokens.extend(g.feed.tokens[first:end])
+        # the one-row rows' next grammar masks compute while the model runs (processors.mask_budget)
+        start_masks(row.cursor for row in self.rows)
+        step = StepContext(self.cache.layers if self.mask is not None else None, self.mask, chunks)
+        t_fwd = time.perf_counter()
+        out = self.model(
+            input_ids=torch.tensor(tokens, device=self.device)[:, None],
+            position_ids=torch.cat(positions)[:, None], use_cache=False, cs_step=step,
+        )
+        logits = out.logits[:, -1, :].float()
+        self._stats["forward_seconds"] += time.perf_counter() - t_fwd
+        if n:
+            self.logits = logits[:n]
+            for k in held:  # the logits it sat out with
+                row = self.rows[k]
+                self.logits[k] = row.held
+                row.held = None
+        at = n
+        for g, first, end in chunks:
+            self.read_chunk(g, first, end, logits[at : at + end - first])
+            at += end - first
+
+    # -- wide requests' steps in chunks -----------------------------------------------------------
+    def wide_chunks(self) -> list[tuple[SharedGroup, int, int]]:
+        """The wide requests' rows this forward reads, as ``(group, first row, end)``: at most ``wide_step_rows``
+        rows (0: all), the groups in their queue's order. A cancelled request whose step is being read leaves now."""
+        budget = self.wide_step_rows or float("inf")
+        chunks = []
+        for g in list(self.groups):
+            feed = g.feed
+            if g.job.cancelled.is_set():
+                self.groups.remove(g)
+                if g.job.num_beams > 1:
+                    self.beams.cancel(g.job)
+                else:
+                    for row in feed.rows:
+                        finish(row, "error", "cancelled", self._stats)
+                continue
+            if budget <= 0:
+                continue
+            take = int(min(g.rows - feed.done, budget))
+            chunks.append((g, feed.done, feed.done + take))
+            budget -= take
+        return chunks
+
+    def read_chunk(self, g: SharedGroup, first: int, end: int, logits: torch.Tensor) -> None:
+        """Keep what rows ``first .. end - 1`` of a wide request gave (a beam request: their best candidates right
+        away); once all its rows were read, a beam request is ranked and goes on (:meth:`_rank_group`), a sampled
+        one joins the batch to be sampled at the next step."""
+        feed = g.feed
+        feed.done = end
+        if g.job.num_beams > 1:
+            feed.parts.append(self.beams.chunk(feed.rows[first:end], logits, first))
+        else:
+            feed.parts.append(logits)
+        if end < g.rows:
+            return
+        g.commit()
+        g.feed = None
+        if g.job.num_beams > 1:
+            self._rank_group(g, feed, logits.shape[1])
+            return
+        g.start = len(self.rows)
+        self.rows = self.rows + feed.rows
+        logits = feed.parts[0] if len(feed.parts) == 1 else torch.cat(feed.parts)
+        self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
+
+    def _rank_group(self, group: SharedGroup, feed: Feed, vocab: int) -> None:
+        """A wide beam request's step is read: it leaves the queue of wide requests, and, ranked
+        (:meth:`.beams.BeamSearch.rank_group`), takes its next step at the end of the queue unless it ended."""
+        if group in self.groups:
+            self.groups.remove(group)
+        if self.beams.rank_group(group, feed, vocab):
+            self.groups.append(group)

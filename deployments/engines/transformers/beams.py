@@ -1,7 +1,13 @@
 """Beam search inside the batch: a request's candidates ranked over all its rows (summed log-probabilities of the
-masked distribution; tree requests straight from their tables, :mod:`.tree_beams`), ended candidates kept with a
-length-normalized score, the surviving beams' cursors copied and advanced together. Part of
-:class:`.engine.DecodeEngine`."""
+masked distribution; tree requests straight from their tables, :mod:`processors.kinds.tree.beams`), ended candidates
+kept with a length-normalized score, the surviving beams' cursors copied and advanced together.
+
+:class:`BeamSearch` is the engine's part for this: it owns the ended hypotheses of every beam request in the engine
+(``Beams`` by job); it ranks a beam request of the padded batch (:meth:`BeamSearch.candidates`,
+:meth:`BeamSearch.select`) and a wide beam request chunk by chunk (:meth:`BeamSearch.chunk`, the ranking in
+:mod:`.wide`; :meth:`BeamSearch.rank_group` once the last chunk is in). It reads the rows' masks through the
+:class:`.grammar_rows.GrammarRows` part and touches no key/value state but a wide request's own rows
+(:meth:`.shared_kv.SharedGroup.select`); the batch part keeps the groups' order."""
 
 from __future__ import annotations
 
@@ -12,17 +18,50 @@ import torch
 from processors.lanes import advance_rows
 
 from ..protocol import DoneEvent, FinishedEvent, TokenEvent
+from .grammar_rows import GrammarRows
 from .jobs import Beams, Feed, Job, Row
+from .rows import cancelled
+from .shared_kv import SharedGroup
+from .wide import rank_chunk
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BeamMixin"]
+__all__ = ["BeamSearch"]
 
 
-class BeamMixin:
-    """Beam ranking and selection of the decode engine (see :class:`.engine.DecodeEngine` for its state)."""
+class BeamSearch:
+    """Beam ranking and selection.
 
-    def _beam_candidates(self, rows: list[Row], idxs: list[int], logprobs: torch.Tensor, failed: dict[int, str]):
+    Args:
+        grammar: the rows' masks (a wide request's chunk is masked there).
+        stats: the engine's counters (``tree_ranked_steps``, ``cancelled_jobs``).
+        vector_lane: mask a chunk's lane rows with array operations (:mod:`processors.lanes`).
+        vocab_size: the tokenizer's vocabulary (the model's logits may be padded past it).
+        device: where a wide request's generated keys/values are gathered.
+    """
+
+    def __init__(self, grammar: GrammarRows, *, stats: dict, vector_lane: bool, vocab_size: int, device):
+        self.grammar = grammar
+        self.stats = stats
+        self.vector_lane = vector_lane
+        self.vocab_size = vocab_size
+        self.device = device
+        self._beams: dict[int, Beams] = {}
+
+    def start(self, job: Job) -> None:
+        """A beam request joins the batch: no ended hypotheses yet."""
+        self._beams[id(job)] = Beams()
+
+    def cancel(self, job: Job) -> None:
+        """A beam request was cancelled: its hypotheses are dropped and it is told."""
+        self._beams.pop(id(job), None)
+        cancelled(job, self.stats)
+
+    def clear(self) -> None:
+        self._beams.clear()
+
+    @staticmethod
+    def candidates(rows: list[Row], idxs: list[int], logprobs: torch.Tensor, failed: dict[int, str]):
         """One beam request's best ``2 * num_beams`` candidates as (scores, flat ids), on the device."""
         for k, i in enumerate(idxs):
             if i in failed:  # a beam whose cursor failed is dropped; its request goes on with the others
@@ -32,7 +71,11 @@ class BeamMixin:
         top_scores, top_ids = torch.topk(flat, min(2 * rows[idxs[0]].job.num_beams, flat.numel()))
         return top_scores.double(), top_ids.double()
 
-    def _beam_select(self, rows: list[Row], idxs: list[int], top_scores: list[float], top_ids: list[int], vocab: int):
+    def chunk(self, rows: list[Row], logits: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best ``2B`` candidates of rows ``first ..`` of a wide beam request (:func:`.wide.rank_chunk`)."""
+        return rank_chunk(self, rows, logits, first)
+
+    def select(self, rows: list[Row], idxs: list[int], top_scores: list[float], top_ids: list[int], vocab: int):
         """Rank one beam request's candidates; returns the rows that go on as ``(source, row, token)``."""
         job = rows[idxs[0]].job
         beams = self._beams[id(job)]
@@ -58,7 +101,7 @@ class BeamMixin:
             picked = []  # no live beam can still beat the ended ones
         if not picked:
             self._beams.pop(id(job), None)
-            self._emit_beams(job, beams)
+            self.emit(job, beams)
             return []
         # cursors: the first beam taken from a row keeps its cursor, later ones get copies (made before
         # anything advances)
@@ -74,21 +117,19 @@ class BeamMixin:
                for slot, ((src, token, score), cursor) in enumerate(zip(picked, cursors)) if slot not in failed]
         if not out:
             self._beams.pop(id(job), None)
-            self._emit_beams(job, beams)
+            self.emit(job, beams)
         return out
 
-    def _select_group(self, group, feed: Feed, vocab: int) -> None:
+    def rank_group(self, group: SharedGroup, feed: Feed, vocab: int) -> bool:
         """Rank a wide beam request once every row of its step was read (``feed.parts``: each chunk's best
         candidates, flat ids over the group's rows): the best ``2B`` of all chunks are the request's best ``2B``.
-        The surviving beams' generated keys/values are gathered and their next step starts (at the end of the
-        queue of wide requests); the request leaves the engine when it ended."""
+        The surviving beams' generated keys/values are gathered and their next step set (``group.feed``). Returns
+        whether the request goes on (the caller queues it at the end of the wide requests); ``False`` when it
+        ended or was cancelled."""
         job = group.job
-        if group in self._groups:
-            self._groups.remove(group)
         if job.cancelled.is_set():
-            self._beams.pop(id(job), None)
-            self._cancelled(job)
-            return
+            self.cancel(job)
+            return False
         scores = torch.cat([s for s, _ in feed.parts])
         flat = torch.cat([f for _, f in feed.parts])
         if len(feed.parts) > 1:
@@ -96,13 +137,15 @@ class BeamMixin:
             flat = flat[pos]
         host = torch.cat([scores, flat]).tolist()
         k = scores.numel()
-        nxt = self._beam_select(feed.rows, list(range(len(feed.rows))), host[:k], [int(f) for f in host[k:]], vocab)
-        if nxt:
-            group.select([src for src, _, _ in nxt], self.device)
-            group.feed = Feed([row for _, row, _ in nxt], [token for _, _, token in nxt])
-            self._groups.append(group)
+        nxt = self.select(feed.rows, list(range(len(feed.rows))), host[:k], [int(f) for f in host[k:]], vocab)
+        if not nxt:
+            return False
+        group.select([src for src, _, _ in nxt], self.device)
+        group.feed = Feed([row for _, row, _ in nxt], [token for _, _, token in nxt])
+        return True
 
-    def _emit_beams(self, job: Job, beams: Beams) -> None:
+    @staticmethod
+    def emit(job: Job, beams: Beams) -> None:
         for index, (_, tokens, reason) in enumerate(beams.hyps[: job.n]):
             for t in tokens:
                 job.on_event(TokenEvent(index, t))

@@ -31,10 +31,24 @@ requests together hold at most ``1 - narrow_reserve`` of ``kv_memory_mb`` (:mod:
 Failures stay with their row: a row whose sampling or cursor fails finishes with ``error``; a failed
 prefill fails only its own jobs; only a failed forward of the whole batch fails the jobs in it.
 
-The engine's parts: this module (the loop, preparation, one decode step, sampling, finishing rows),
-:mod:`.admission` (which waiting requests join), :mod:`.batch` (prefill and the key/value layouts, including the
-prompt held once per wide request, :mod:`.shared_kv`), :mod:`.beams` and :mod:`.tree_beams` (beam ranking),
-:mod:`.jobs` (a request's bookkeeping).
+The engine's parts: :class:`DecodeEngine` (this module) owns the loop, the request queue, preparation (a job's rows
+on the prepare pool), the shared counters (``_stats``) and one decode step (masks, sampling, beam ranking, advancing
+rows); it holds four composed parts, each the one owner of its state, built in this order and each given the part it
+reads:
+
+- ``grammar``, :class:`.grammar_rows.GrammarRows`: the step's grammar mask budget and mask buffer (each row's
+  allowed set, masks settled within ``mask_step_budget_ms``, rows that sit out a step);
+- ``beams``, :class:`.beams.BeamSearch` (given ``grammar``): the beam requests' ended hypotheses, their candidates,
+  selection and final events, a wide beam request ranked chunk by chunk (:mod:`.wide`);
+- ``batch``, :class:`.batch.Batch` (given ``beams``): the running batch's rows, padded key/value cache, attention
+  mask, logits and wide requests' groups (prompt held once, :mod:`.shared_kv`), the chunked prefill in progress:
+  prefill, joining, the step's forward (wide rows in chunks), regrouping and trimming;
+- ``admission``, :class:`.admission.Admission` (given ``batch``): the waiting requests and the memory budget
+  (``job_bytes``, ``wide_budget``, ``admission_error``, fair order, admit).
+
+:mod:`.rows` holds the stateless row helpers (sampling row by row, redraw, advance, finish); :mod:`.jobs` a request's
+bookkeeping. The engine's public surface (``job_bytes``, ``admission_error``, ``kv_budget``, ``wide_budget``,
+``active_rows``, ``stats``) reads these parts.
 
 Nothing here imports Ray: the replica knows it only as an :class:`~deployments.engines.protocol.Engine`,
 and tests drive it directly. See ``docs/design.md`` (engine contract).
@@ -50,35 +64,31 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
-from transformers import DynamicCache
-
 from processors import RowCursor, apply_steps
 from processors.lanes import mask_rows
 from processors.mask_budget import MaskBudget
-from processors.masks import MaskBuffer, mask_padded_vocab
+from processors.masks import mask_padded_vocab
 
 from ..protocol import (
     Engine, EngineEvent, EngineRequest, ErrorEvent,
 )
-from .admission import AdmissionMixin
-from .batch import BatchMixin
-from .beams import BeamMixin
-from .jobs import HELD, UNMASKED, Beams, Feed, Job, Pending, Row
-from .kv_cache import release_memory
+from .admission import Admission
+from .batch import Batch
+from .beams import BeamSearch
+from .grammar_rows import GrammarRows
+from .jobs import UNMASKED, Job, Pending, Row
 from .prefix_cache import PrefixCache
+from .rows import advance_lane, advance_sampled, fail_row, finish, redraw, sample_each
 from ..sampling import sample_rows
-from .shared_kv import SharedGroup, StepContext, install
+from .shared_kv import SharedGroup, install
 from processors.lane_beams import plan_tree_beams, row_logsumexp, tree_beam_candidates
-from .grammar_rows import GrammarRowsMixin
-from .rows import RowsMixin
-from .wide import WideMixin
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DecodeEngine", "Job"]
 
 
-class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, GrammarRowsMixin, Engine):
+class DecodeEngine(Engine):
     """Continuous-batching decode loop over ``model`` (see the module docstring).
 
     Args:
@@ -138,16 +148,12 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
             raise ValueError(f"wide_step_rows must be >= 0, got {wide_step_rows}")
         install(model)
         self.model = model
-        self.kv_budget = kv_memory_mb * 2**20
-        self.narrow_reserve = narrow_reserve
         self.wide_step_rows = wide_step_rows
         self.shared_prompt = shared_prompt
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         elem = next(model.parameters()).element_size()
-        self._token_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem  # keys + values, all layers
-        self._score_bytes = cfg.num_attention_heads * 4 * 2  # one layer's scores and probabilities, per row and prompt token
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -157,24 +163,9 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
         self.device = next(model.parameters()).device
         self.vocab_size = len(tokenizer)
         self._queue: queue.Queue[Job] = queue.Queue()
-        self._waiting: list[Pending] = []
-        self._chunking: Pending | None = None
-        self._rows: list[Row] = []  # the padded rows first (their cache: _cache, _mask), then each group's rows
-        # requests of several rows, prompt held once: in the batch (their rows in _rows), or with their step being read
-        # in chunks (group.feed, in the order their chunks are read)
-        self._groups: list[SharedGroup] = []
-        self._beams: dict[int, Beams] = {}
-        self._cache: DynamicCache | None = None
-        self._mask: torch.Tensor | None = None
-        self._logits: torch.Tensor | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._prepare = ThreadPoolExecutor(max_workers=max(1, prepare_threads), thread_name_prefix="cursor-prepare")
-        # grammar masks of a step: in parallel off this thread, each within its budget (processors.mask_budget)
-        self._mask_budget = MaskBudget(mask_step_budget_ms)
-        self._trim_due = False
-        # the per-step mask data: host memory reused from step to step (pinned on a GPU), one copy to the device
-        self._mask_buffer = MaskBuffer(self.device)
         self._chunk_debt = 0.0  # seconds of decoding owed to the running rows after the last prefill chunk
         self.prefix_cache = PrefixCache(max_tokens=prefix_cache_tokens)
         self._stats = {
@@ -184,6 +175,18 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
             "tree_ranked_steps": 0,  # beam steps of one request ranked from its tree's tables (tree_beams)
             "torch_threads": 0,  # intra-op threads torch uses on the engine thread (set when it starts)
         }
+        # the parts, each the one owner of its state (module docstring); the counters above are shared
+        self.grammar = GrammarRows(mask_step_budget_ms, self.device, self._stats)
+        self.beams = BeamSearch(self.grammar, stats=self._stats, vector_lane=vector_lane, vocab_size=self.vocab_size,
+                                device=self.device)
+        self.batch = Batch(model, self.beams, self.prefix_cache, self._stats, device=self.device, pad_id=self.pad_id,
+                           shared_prompt=shared_prompt, prefill_chunk_tokens=prefill_chunk_tokens,
+                           wide_step_rows=wide_step_rows)
+        self.admission = Admission(
+            self.batch, self.prefix_cache, self._stats, kv_budget=kv_memory_mb * 2**20, narrow_reserve=narrow_reserve,
+            token_bytes=2 * cfg.num_hidden_layers * kv_heads * head_dim * elem,  # keys + values, all layers
+            score_bytes=cfg.num_attention_heads * 4 * 2,  # one layer's scores and probabilities, per row and prompt token
+            vocab_size=self.vocab_size, max_batch_size=max_batch_size, prefill_chunk_tokens=prefill_chunk_tokens)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "DecodeEngine":
@@ -198,7 +201,7 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
             self._thread.join(timeout)
             self._thread = None
         self._prepare.shutdown(wait=False, cancel_futures=True)
-        self._mask_budget.close()
+        self.grammar.close()
 
     def submit(self, request: EngineRequest, on_event: Callable[[EngineEvent], None]) -> Job:
         """Queue a request; its events arrive through ``on_event`` from the engine thread."""
@@ -213,7 +216,47 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
 
     @property
     def active_rows(self) -> int:
-        return len(self._rows) + sum(g.rows for g in self._groups if g.feed is not None)
+        return self.batch.active_rows
+
+    # -- admission (the Admission part) ---------------------------------------------------------
+    @property
+    def kv_budget(self) -> int:
+        """Bytes of key/value and logits memory (``kv_memory_mb``)."""
+        return self.admission.kv_budget
+
+    @property
+    def narrow_reserve(self) -> float:
+        return self.admission.narrow_reserve
+
+    @property
+    def wide_budget(self) -> int:
+        """Bytes requests of several rows may hold together (:attr:`.admission.Admission.wide_budget`)."""
+        return self.admission.wide_budget
+
+    def job_bytes(self, request: EngineRequest) -> int:
+        """Estimated memory of a request while it decodes (:meth:`.admission.Admission.job_bytes`)."""
+        return self.admission.job_bytes(request)
+
+    def admission_error(self, request: EngineRequest) -> str | None:
+        """Why ``request`` can never be admitted, or ``None`` (:meth:`.admission.Admission.admission_error`)."""
+        return self.admission.admission_error(request)
+
+    # read access to the parts' state, for tests and diagnostics
+    @property
+    def _groups(self) -> list[SharedGroup]:
+        return self.batch.groups
+
+    @property
+    def _rows(self) -> list[Row]:
+        return self.batch.rows
+
+    @property
+    def _waiting(self) -> list[Pending]:
+        return self.admission.waiting
+
+    @property
+    def _mask_budget(self) -> MaskBudget:
+        return self.grammar.mask_budget
 
     # -- loop -----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -221,11 +264,12 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
         self._stats["torch_threads"] = torch.get_num_threads()
         while not self._stop.is_set():
             try:
-                idle = not self._rows and not self._groups and self._chunking is None
-                ready = any(p.ready() for p in self._waiting)
+                batch, admission = self.batch, self.admission
+                idle = batch.idle
+                ready = admission.ready()
                 try:
                     if idle and not ready:
-                        job = self._queue.get(timeout=0.01 if self._waiting else 0.1)
+                        job = self._queue.get(timeout=0.01 if admission.waiting else 0.1)
                     else:
                         job = self._queue.get_nowait()
                     self._accept(job)
@@ -233,33 +277,26 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
                         self._accept(self._queue.get_nowait())
                 except queue.Empty:
                     pass
-                self._admit()
+                admission.admit()
                 # A long prompt is read in chunks, each followed by decode steps of the running rows lasting at
                 # least as long as the chunk did: prefill takes at most half of the engine's time while others
                 # decode, so their steps slow down at most 2x and the prompt still moves at half speed.
-                if self._chunking is not None and (self._chunk_debt <= 0 or not (self._rows or self._groups)):
+                if batch.chunking is not None and (self._chunk_debt <= 0 or not batch.decoding):
                     t0 = time.perf_counter()
-                    self._prefill_chunk()
+                    batch.prefill_chunk()
                     self._chunk_debt = time.perf_counter() - t0
-                if self._rows or self._groups:
+                if batch.decoding:
                     t0 = time.perf_counter()
                     self._step()
                     self._chunk_debt -= time.perf_counter() - t0
-                elif self._trim_due and self._chunking is None:
-                    self._trim_due = False
-                    release_memory()
+                else:
+                    batch.release_if_due()
             except Exception as exc:  # a failed forward must not kill the replica
                 logger.exception("decode step failed; failing the jobs in the batch")
                 self._fail_all(f"decode failed: {type(exc).__name__}: {exc}")
 
     def _fail_all(self, message: str) -> None:
-        jobs = {id(r.job): r.job for r in self._rows}
-        jobs.update((id(g.job), g.job) for g in self._groups)
-        for job in jobs.values():
-            job.on_event(ErrorEvent(message))
-        self._rows, self._cache, self._mask, self._logits = [], None, None, None
-        self._groups = []
-        self._beams.clear()
+        self.batch.fail_all(message)
 
     # -- preparation ----------------------------------------------------------------------------
     def _accept(self, job: Job) -> None:
@@ -275,7 +312,7 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
                 logger.exception("building the rows of a job failed")
                 job.on_event(ErrorEvent(f"cannot start: {type(exc).__name__}: {exc}"))
                 return
-        self._waiting.append(Pending(job, rows))
+        self.admission.enqueue(Pending(job, rows))
 
     def _new_rows(self, job: Job, prime: bool) -> list[Row]:
         """The job's rows: one fresh cursor, copied for the others (same state, independent)."""
@@ -296,19 +333,15 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
             rows.append(Row(job, i, cursor, gen, score=score))
         return rows
 
-    # -- admission ------------------------------------------------------------------------------
-    def _cancelled(self, job: Job) -> None:
-        self._stats["cancelled_jobs"] += 1
-        job.on_event(ErrorEvent("cancelled"))
-
     # -- one decode step ------------------------------------------------------------------------
     def _step(self) -> None:
         t0 = time.perf_counter()
-        if not self._rows:  # only wide requests' chunks to read
+        batch, grammar, beams, stats = self.batch, self.grammar, self.beams, self._stats
+        if not batch.rows:  # only wide requests' chunks to read
             self._forward_step([], t0, 0.0)
             return
-        rows = self._rows
-        logits = self._logits
+        rows = batch.rows
+        logits = batch.logits
         beam_groups: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             if row.job.num_beams > 1:
@@ -323,15 +356,16 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
         beam_at = [i for idxs in beam_groups.values() for i in idxs if i not in skip]
         # beam scores: log-probabilities of the model's distribution, masked (as HF beam search does)
         logprobs = torch.log_softmax(logits[beam_at], dim=-1) if beam_at else None
-        defer = self._deferrable(rows)
+        defer = grammar.deferrable(rows, batch.narrow_rows)
+        alone = not batch.groups  # no wide request to serve while masks compute
         if self.vector_lane:
-            late, waiting = self._settle_masks(rows, skip, defer)
+            late, waiting = grammar.settle_masks(rows, skip, defer, alone=alone)
             failed = mask_rows(logits, [UNMASKED if i in skip or i in waiting else r.cursor
-                                        for i, r in enumerate(rows)], self._mask_buffer)
+                                        for i, r in enumerate(rows)], grammar.mask_buffer)
             failed.update(late)
         else:
-            steps, failed, waiting = self._row_steps(rows, skip, defer)
-            apply_steps(logits, steps, self._mask_buffer)
+            steps, failed, waiting = grammar.row_steps(rows, skip, defer, alone=alone)
+            apply_steps(logits, steps, grammar.mask_buffer)
         mask_padded_vocab(logits, self.vocab_size)
         if beam_at:
             logprobs = logprobs.masked_fill(torch.isneginf(logits[beam_at]), float("-inf"))
@@ -344,11 +378,11 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
             if job.num_beams > 1:
                 continue
             elif job.cancelled.is_set():
-                self._finish(row, "error", "cancelled")
+                finish(row, "error", "cancelled", stats)
             elif i in failed:
-                self._fail_row(row, failed[i])
+                fail_row(row, failed[i], stats)
             elif i in waiting:  # its grammar mask is still computing: it sits out this step
-                nxt.append(self._hold(i, row, logits))
+                nxt.append(grammar.hold(i, row, logits))
             else:
                 sampled.append(i)
         # everything chosen on the device comes back in one transfer: sampled tokens, then each beam
@@ -360,24 +394,23 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
                                          [rows[i].generator for i in sampled]).double())
             except Exception:
                 logger.exception("batched sampling failed; sampling row by row")
-                parts.append(self._sample_each(rows, sampled, logits))
+                parts.append(sample_each(rows, sampled, logits, stats))
         groups = []
         if beam_groups:
             position = {i: k for k, i in enumerate(beam_at)}
             for key, idxs in beam_groups.items():
                 job = rows[idxs[0]].job
                 if job.cancelled.is_set():
-                    self._beams.pop(id(job), None)
-                    self._cancelled(job)
+                    beams.cancel(job)
                     continue
                 if key in tree_ranked:
                     plan, lse = tree_ranked[key]
                     scores = torch.tensor([rows[i].score for i in idxs], dtype=torch.float32)
                     top = tree_beam_candidates(plan, logits, idxs, lse, scores, 2 * job.num_beams)
-                    self._stats["tree_ranked_steps"] += 1
+                    stats["tree_ranked_steps"] += 1
                     groups.append((idxs, top[0].numel(), logits.shape[1]))
                 else:
-                    top = self._beam_candidates(rows, idxs, logprobs[[position[i] for i in idxs]], failed)
+                    top = beams.candidates(rows, idxs, logprobs[[position[i] for i in idxs]], failed)
                     groups.append((idxs, top[0].numel(), logprobs.shape[1]))
                 parts.extend(top)
         host = torch.cat(parts).tolist() if parts else []
@@ -385,7 +418,7 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
         lane_done: dict[int, str | None] = {}  # rows whose cursor the lane advanced already: row -> error or None
         if sampled and self.vector_lane:
             t1 = time.perf_counter()
-            lane_done = self._advance_lane(rows, sampled, host)
+            lane_done = advance_lane(rows, sampled, host)
             t_chain += time.perf_counter() - t1
         if sampled:
             for i, token in zip(sampled, host[: len(sampled)]):
@@ -396,76 +429,23 @@ class DecodeEngine(AdmissionMixin, BatchMixin, BeamMixin, WideMixin, RowsMixin, 
                 token = int(token)
                 items = row.job.request.items
                 if items is not None and items.distinct and not row.cursor.allows(token):
-                    token = self._redraw(i, row, logits)
+                    token = redraw(i, row, logits)
                 if i in lane_done:
-                    nxt.extend(self._advance_sampled(i, row, token, advanced=True, error=lane_done[i]))
+                    nxt.extend(advance_sampled(i, row, token, stats, advanced=True, error=lane_done[i]))
                 else:
-                    nxt.extend(self._advance_sampled(i, row, token))
+                    nxt.extend(advance_sampled(i, row, token, stats))
                 t_chain += time.perf_counter() - t1
             at = len(sampled)
         for idxs, k, vocab in groups:
             scores, flat_ids = host[at : at + k], host[at + k : at + 2 * k]
             at += 2 * k
-            nxt.extend(self._beam_select(rows, idxs, scores, [int(f) for f in flat_ids], vocab))
+            nxt.extend(beams.select(rows, idxs, scores, [int(f) for f in flat_ids], vocab))
         self._forward_step(nxt, t0, t_chain)
 
     def _forward_step(self, nxt: list[tuple[int, Row, int]], t0: float, t_chain: float) -> None:
-        """The forward of one engine step: the rows chosen this step (``nxt``, as ``(source row, row, token)``) that
-        are one-row requests' rows all, the wide requests' rows (those chosen now and those whose step is being read
-        already) in chunks of at most ``wide_step_rows`` rows (:meth:`_wide_chunks`)."""
-        if nxt:
-            nxt = self._regroup(nxt)
-        else:
-            self._cache, self._mask = None, None
-            self._groups = [g for g in self._groups if g.feed is not None]
-        n = self._narrow_rows
-        for g in [g for g in self._groups if g.feed is None]:  # chosen now: their next step starts
-            picked = nxt[g.start : g.start + g.rows]
-            g.feed = Feed([row for _, row, _ in picked], [token for _, _, token in picked])
-            self._groups.remove(g)
-            self._groups.append(g)
-        self._rows = [row for _, row, _ in nxt[:n]]
-        chunks = self._wide_chunks()
-        self._stats["steps"] += 1
-        self._stats["rows_decoded"] += n + sum(end - first for _, first, end in chunks)
-        self._logits = None
-        if not n and not chunks:
-            self._rows, self._cache, self._mask = [], None, None
-            if not self._groups:
-                self._trim_due = True
-        else:
-            positions, tokens = [], [token for _, _, token in nxt[:n]]
-            held = [k for k, token in enumerate(tokens) if token == HELD]
-            if self._mask is not None:
-                positions.append(self._mask.sum(dim=1))
-                ones = torch.ones((self._mask.shape[0], 1), dtype=self._mask.dtype, device=self.device)
-                if held:  # rows sitting out the step: a column no query ever reads, any token in it
-                    ones[held] = 0
-                    tokens = [0 if token == HELD else token for token in tokens]
-                self._mask = torch.cat([self._mask, ones], dim=1)
-            for g, first, end in chunks:
-                positions.append(torch.full((end - first,), g.prompt_len + g.generated, dtype=torch.long, device=self.device))
-                tokens.extend(g.feed.tokens[first:end])
-            # the one-row rows' next grammar masks compute while the model runs (processors.mask_budget)
-            self._mask_budget.start(row.cursor for row in self._rows)
-            step = StepContext(self._cache.layers if self._mask is not None else None, self._mask, chunks)
-            t_fwd = time.perf_counter()
-            out = self.model(
-                input_ids=torch.tensor(tokens, device=self.device)[:, None],
-                position_ids=torch.cat(positions)[:, None], use_cache=False, cs_step=step,
-            )
-            logits = out.logits[:, -1, :].float()
-            self._stats["forward_seconds"] += time.perf_counter() - t_fwd
-            if n:
-                self._logits = logits[:n]
-                for k in held:  # the logits it sat out with
-                    row = self._rows[k]
-                    self._logits[k] = row.held
-                    row.held = None
-            at = n
-            for g, first, end in chunks:
-                self._read_chunk(g, first, end, logits[at : at + end - first])
-                at += end - first
+        """The forward of one engine step (:meth:`.batch.Batch.forward`: the rows chosen this step, ``nxt`` as
+        ``(source row, row, token)``, and the wide requests' rows in chunks), then the step's timings."""
+        self.batch.forward(nxt, self.grammar.mask_budget.start)
         step_seconds = time.perf_counter() - t0
         self._stats["step_seconds"] += step_seconds
         self._stats["chain_seconds"] += t_chain
