@@ -1,5 +1,5 @@
 """Beam search inside the batch: a request's candidates ranked over all its rows (summed log-probabilities of the
-masked distribution; tree requests straight from their tables, :mod:`processors.kinds.tree.beams`), ended candidates
+masked distribution; tree requests straight from their tables, :mod:`processors.lane_beams`), ended candidates
 kept with a length-normalized score, the surviving beams' cursors copied and advanced together.
 
 :class:`BeamSearch` is the engine's part for this: it owns the ended hypotheses of every beam request in the engine
