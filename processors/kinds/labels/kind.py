@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...base import Cursor
-from ...labels import LabelCursor, LabelTables, build_label_tables
+from .trie import LabelCursor, LabelTables, build_label_tables
 from ...registry import register
 from ...tables import item_metrics
 from ...tree import TreeCursor
