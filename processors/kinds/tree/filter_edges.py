@@ -23,6 +23,15 @@ from processors.tables import LEAF, MaskTables, item_metrics
 __all__ = ["TreeLevels", "TreeParents", "edge_mask", "filter_book", "item_terminals", "passing_counts"]
 
 
+def _kept_on(tables: MaskTables, key: str, build):
+    """``build(tables)``, made once and kept on the (immutable, frozen) tables under ``key``."""
+    cached = tables.__dict__.get(key)
+    if cached is None:
+        cached = build(tables)
+        object.__setattr__(tables, key, cached)
+    return cached
+
+
 class TreeParents:
     """Each edge's source state and each state's parent edge (the edge that leads into it; ``-1`` for the root and
     states no edge leads to): what a walk from the items' terminals up to the root reads."""
@@ -38,11 +47,7 @@ class TreeParents:
     @classmethod
     def of(cls, tables: MaskTables) -> "TreeParents":
         """The parents of ``tables``, computed once and kept on them (tables are immutable)."""
-        cached = tables.__dict__.get("_filter_parents")
-        if cached is None:
-            cached = cls(tables)
-            object.__setattr__(tables, "_filter_parents", cached)
-        return cached
+        return _kept_on(tables, "_filter_parents", cls)
 
 
 class TreeLevels:
@@ -69,11 +74,7 @@ class TreeLevels:
     @classmethod
     def of(cls, tables: MaskTables) -> "TreeLevels":
         """The levels of ``tables``, computed once and kept on them (tables are immutable)."""
-        cached = tables.__dict__.get("_filter_levels")
-        if cached is None:
-            cached = cls(tables)
-            object.__setattr__(tables, "_filter_levels", cached)
-        return cached
+        return _kept_on(tables, "_filter_levels", cls)
 
 
 def item_terminals(tables: MaskTables, flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
