@@ -110,13 +110,14 @@ def parquet_catalog(data: bytes, *, max_items: int) -> bytes:
     columns = {name: table.column(name).to_pylist() for name, kind in kinds.items() if kind != "null"}
     if not columns:
         lines += texts
-    for row, text in enumerate(texts if columns else ()):
-        meta = {name: values_[row] for name, values_ in columns.items() if values_[row] is not None}
-        if not meta:
-            lines.append(text)
-            continue
-        try:
-            lines.append(f'{{"ids":{text},"metadata":{json.dumps(meta, separators=(",", ":"), allow_nan=False)}}}')
-        except ValueError:
-            raise _refused(f"row {row}: a float that is not finite", field="parquet", row=row) from None
+    else:
+        for row, text in enumerate(texts):
+            meta = {name: values_[row] for name, values_ in columns.items() if values_[row] is not None}
+            if not meta:
+                lines.append(text)
+                continue
+            try:
+                lines.append(f'{{"ids":{text},"metadata":{json.dumps(meta, separators=(",", ":"), allow_nan=False)}}}')
+            except ValueError:
+                raise _refused(f"row {row}: a float that is not finite", field="parquet", row=row) from None
     return ("\n".join(lines) + "\n").encode()

@@ -81,6 +81,10 @@ class TreeContent:
         # trees given inline: their items read for a first PATCH, once no write comes (see .inline_bases)
         self.bases = InlineTreeBases(host.pool, host.vocab_size)
 
+    def _local(self, sha: str) -> str:
+        """Where the local copy of content ``sha`` is (it may not be there)."""
+        return os.path.join(self.content_dir, f"{sha}.json")
+
     # -- what a PATCH asks of the store (processors.kinds.patch.PatchStore) ------------------------------------
 
     @property
@@ -119,7 +123,7 @@ class TreeContent:
                                   {"name": name, "field": "content_sha256"})
         # The content stored at the PUT; the path is only where it was read from (it may be gone).
         if content_format == "items":
-            return scenario.model_copy(update={"path": os.path.join(self.content_dir, f"{sha}.json")})
+            return scenario.model_copy(update={"path": self._local(sha)})
         return scenario.model_copy(update={"path": self.content_file(name, sha)})
 
     def pin(self, name: str, body: Any) -> Any:
@@ -146,7 +150,7 @@ class TreeContent:
                                                f"file {source}: {exc.strerror or exc}",
                                           {"name": name, "field": "path"}) from None
             sha = digest.hexdigest()
-            os.replace(tmp, os.path.join(self.content_dir, f"{sha}.json"))
+            os.replace(tmp, self._local(sha))
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -156,7 +160,7 @@ class TreeContent:
     def content_file(self, name: str, sha: str) -> str:
         """The local copy of the tree content ``sha`` (checked against its hash), fetched from the store when
         this host has none. 422 when the store has no such content either."""
-        local = os.path.join(self.content_dir, f"{sha}.json")
+        local = self._local(sha)
         if _file_sha256(local) == sha:
             return local
         data = self.host.fetch(sha)
@@ -172,7 +176,7 @@ class TreeContent:
     def stored_bytes(self, sha: str) -> bytes | None:
         """The bytes of the local copy of content ``sha`` (to store them with the version); None when there is
         none (the store then requires the content to be there already)."""
-        local = os.path.join(self.content_dir, f"{sha}.json")
+        local = self._local(sha)
         try:
             with open(local, "rb") as handle:
                 data = handle.read()
@@ -185,7 +189,7 @@ class TreeContent:
         copy is new (no copy was there): a write refused before anything was stored gives a new copy back with
         :meth:`discard_content`."""
         sha = hashlib.sha256(data).hexdigest()
-        local = os.path.join(self.content_dir, f"{sha}.json")
+        local = self._local(sha)
         if _file_sha256(local) == sha:
             return sha, False
         _write_atomic(self.content_dir, local, data)
@@ -197,7 +201,7 @@ class TreeContent:
         self._catalogs.pop(sha, None)
         self._tables.pop(sha, None)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(self.content_dir, f"{sha}.json"))
+            os.unlink(self._local(sha))
 
     # -- catalogs ----------------------------------------------------------------------------------------------
 
