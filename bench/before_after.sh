@@ -12,7 +12,11 @@ run() {  # run NAME SIDE DIR ARGS...
   tail -15 "/tmp/sit_${name}_${side}.log"
 }
 for side in before after; do dir=$BEFORE; [ $side = after ] && dir=$AFTER; run e2e $side "$dir" bench/e2e_overhead.py --repeats 3; done
-for side in before after; do dir=$BEFORE; [ $side = after ] && dir=$AFTER
-  run wide $side "$dir" bench/wide_beams.py --beams 256 --history 1024 --concurrent 0 --hf-max-cost 0 --padded-max-gb 0; done
+# (the after side also without the chunked wide steps of wide_step_rows, which 8db786f's engine did not have: the
+# same work as before, and the fairness setting's own cost)
+WIDE="bench/wide_beams.py --beams 256 --history 1024 --concurrent 0 --hf-max-cost 0"
+run wide before "$BEFORE" $WIDE
+run wide after "$AFTER" $WIDE
+run wide_unchunked after "$AFTER" $WIDE --wide-step-rows 0
 for side in before after; do dir=$BEFORE; [ $side = after ] && dir=$AFTER
   run patch $side "$dir" bench/catalog_patch.py --items 1000000 --rounds 3 --no-in-process; done

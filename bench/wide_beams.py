@@ -130,6 +130,8 @@ def main() -> None:
     ap.add_argument("--hf-max-cost", type=int, default=16384, help="run HF generate where beams x history <= this")
     ap.add_argument("--padded-max-gb", type=float, default=8.0, help="run the padded layout where it fits this")
     ap.add_argument("--kv-memory-mb", type=int, default=4096)
+    ap.add_argument("--wide-step-rows", type=int, default=None,
+                    help="the engine's wide_step_rows (default: the engine's; 0 reads a wide step in one forward)")
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
 
@@ -160,7 +162,8 @@ def main() -> None:
         compiled = compile_scenario(load_scenario({"type": "tree", "path": str(path)}), tokenizer)
     log(f"catalog of {len(items)} items of {args.levels} codes compiled in {time.perf_counter() - t0:.1f} s")
     max_new = args.levels + 1
-    ours = DecodeEngine(model, tokenizer, prefix_cache_tokens=0, kv_memory_mb=args.kv_memory_mb).start()
+    step_rows = {} if args.wide_step_rows is None else {"wide_step_rows": args.wide_step_rows}
+    ours = DecodeEngine(model, tokenizer, prefix_cache_tokens=0, kv_memory_mb=args.kv_memory_mb, **step_rows).start()
     padded = DecodeEngine(model, tokenizer, prefix_cache_tokens=0, shared_prompt=False,
                           kv_memory_mb=int(args.padded_max_gb * 1024)).start()
 

@@ -350,12 +350,13 @@ class ConfigManager:
         self._ensure_started()
         return await self.registry.wait_for_update(replica_id, epoch, timeout_s)
 
-    async def ack(self, replica_id: str, epoch: int, versions: dict[str, int]) -> None:
-        """A replica serves the snapshot of ``epoch`` (``versions``: what it now serves)."""
-        await self.registry.ack(replica_id, epoch, versions)
+    async def ack(self, replica_id: str, epoch: int, versions: dict[str, int], table_deltas: int = 0) -> None:
+        """A replica serves the snapshot of ``epoch`` (``versions``: what it now serves; ``table_deltas``: the
+        catalog PATCHes it applied to its own tables, shown by ``/healthz``)."""
+        await self.registry.ack(replica_id, epoch, versions, table_deltas)
 
     async def replica_versions(self) -> dict[str, dict[str, Any]]:
-        """``{replica_id: {"epoch", "versions", "last_seen"}}`` for the live replicas."""
+        """``{replica_id: {"epoch", "versions", "last_seen", "table_deltas"}}`` for the live replicas."""
         return self.registry.view()
 
     # ------------------------------------------------------------------ health

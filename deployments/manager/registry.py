@@ -45,6 +45,7 @@ class _Replica:
     versions: dict[str, int] = field(default_factory=dict)
     last_seen: float = 0.0  # time.time() of the last call, for display
     seen_mono: float = 0.0  # time.monotonic() of the last call, for liveness
+    table_deltas: int = 0  # catalog PATCHes it applied to its own tables instead of fetching them (as it reported)
 
 
 class ReplicaRegistry:
@@ -107,19 +108,22 @@ class ReplicaRegistry:
                 return None
         return self.snapshot()
 
-    async def ack(self, replica_id: str, epoch: int, versions: dict[str, int]) -> None:
-        """A replica serves the snapshot of ``epoch`` (``versions``: what it now serves)."""
+    async def ack(self, replica_id: str, epoch: int, versions: dict[str, int], table_deltas: int = 0) -> None:
+        """A replica serves the snapshot of ``epoch`` (``versions``: what it now serves; ``table_deltas``: how many
+        catalog PATCHes it has applied to its own tables since it started)."""
         replica = self._touch(str(replica_id))
         if int(epoch) >= replica.epoch:
             replica.epoch = int(epoch)
             replica.versions = {str(k): int(v) for k, v in dict(versions).items()}
+            replica.table_deltas = int(table_deltas)
         self._notify_acks()
 
     def view(self) -> dict[str, dict[str, Any]]:
-        """``{replica_id: {"epoch", "versions", "last_seen"}}`` for the live replicas."""
+        """``{replica_id: {"epoch", "versions", "last_seen", "table_deltas"}}`` for the live replicas."""
         self._prune()
         return {
-            rid: {"epoch": r.epoch, "versions": dict(r.versions), "last_seen": r.last_seen}
+            rid: {"epoch": r.epoch, "versions": dict(r.versions), "last_seen": r.last_seen,
+                  "table_deltas": r.table_deltas}
             for rid, r in sorted(self._replicas.items())
         }
 

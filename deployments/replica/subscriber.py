@@ -98,7 +98,7 @@ class ScenarioSubscriber:
             self._scenarios = new
             self._epoch = int(snapshot.get("epoch", self._epoch))
         self.metrics.set_versions({name: v for name, (v, _) in new.items()})
-        await _ask(self._manager.ack, self.replica_id, self._epoch, self.versions())
+        await _ask(self._manager.ack, self.replica_id, self._epoch, self.versions(), self.table_deltas)
 
     def _poll_loop(self) -> None:
         """Thread: the long poll, on an event loop of its own (the replica's loop serves requests)."""

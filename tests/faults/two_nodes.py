@@ -1,4 +1,6 @@
-"""Run the app on a two-node Ray cluster on this machine, check broadcasts reach both nodes, remove one node.
+"""Run the app on a two-node Ray cluster on this machine, check broadcasts reach both nodes, that the replica on
+the node without the manager applies a catalog PATCH's delta to its own tables (``replica_table_delta: auto``) and
+answers from the new version, then remove that node in the middle of a PATCH and of requests.
 
 Started by ``test_two_nodes.py`` in its own process (a process can join only one Ray cluster, and the test
 session already runs one). Prints one JSON object with what it saw on its last line; exits non-zero on any
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -25,6 +28,7 @@ from helpers import wait_until  # noqa: E402
 
 TOKEN = "two-nodes-token"
 LABELS = ["Sports", "Technology", "Politics"]
+CATALOG_ITEMS = 50_000  # 4-token items: ~190,000 states, enough for a 200-item PATCH to be a table delta
 
 
 def check(condition: bool, message: str) -> None:
@@ -43,6 +47,38 @@ def _forget_cluster(address: str) -> None:
         pass
 
 
+class Catalog:
+    """A catalog scenario's items as the client knows them, its NDJSON upload and its PATCH bodies."""
+
+    def __init__(self, tokenizer, n: int, seed: int = 7):
+        from deployments.examples import chat_root_token_id
+
+        self.rng = random.Random(seed)
+        self.head = {"start_token_id": chat_root_token_id(tokenizer), "end_token_id": tokenizer.eos_token_id,
+                     "max_new_tokens": 8}
+        self.items: set[tuple[int, ...]] = set()
+        while len(self.items) < n:
+            self.items.add(self._new())
+
+    def _new(self) -> tuple[int, ...]:
+        return tuple(self.rng.randrange(1000, 40000) for _ in range(4))
+
+    def ndjson(self) -> bytes:
+        lines = [json.dumps(self.head)] + [json.dumps(list(i)) for i in sorted(self.items)]
+        return ("\n".join(lines) + "\n").encode()
+
+    def delta(self, k: int) -> tuple[dict, set, set]:
+        """A PATCH body adding ``k`` new items and removing ``k``, and the client's items before and after it."""
+        remove = self.rng.sample(sorted(self.items), k)
+        add: set[tuple[int, ...]] = set()
+        while len(add) < k:
+            item = self._new()
+            if item not in self.items:
+                add.add(item)
+        after = (self.items - set(remove)) | add
+        return {"add": [list(i) for i in add], "remove": [list(i) for i in remove]}, set(self.items), after
+
+
 def main() -> None:
     import ray
     from ray import serve
@@ -50,6 +86,7 @@ def main() -> None:
 
     from bench._serve import free_port, serve_actors
     from deployments.app import build_app
+    from deployments.model_loader import load_tokenizer
     from deployments.storage.redis_server import stop_orphaned_servers
 
     data_dir = tempfile.mkdtemp(prefix="cs-two-nodes-")
@@ -107,12 +144,63 @@ def main() -> None:
             before = list(pool.map(ask, range(8)))
         check(all(valid(r) for r in before), f"before removal: {[r.text for r in before if not valid(r)]}")
 
-        # Remove the worker node (its replica dies with it) while requests are in flight.
-        with ThreadPoolExecutor(8) as pool:
+        # A catalog, then a PATCH: the replica on the worker node (the tables are not in its node's object store)
+        # applies the delta to its own tables, the one beside the manager fetches them; both answer from it.
+        tokenizer = load_tokenizer()
+        eos = tokenizer.eos_token_id
+        cat = Catalog(tokenizer, CATALOG_ITEMS)
+        ndjson = {**admin, "Content-Type": "application/x-ndjson"}
+        r = requests.put(f"{url}/admin/scenarios/items", data=cat.ndjson(), headers=ndjson, timeout=240)
+        check(r.status_code == 200 and r.json()["items"] == CATALOG_ITEMS, f"catalog PUT: {r.status_code} {r.text}")
+
+        def ask_item(i: int) -> requests.Response:
+            return requests.post(f"{url}/v1/generate", json={"scenario": "items", "seed": i, "n": 4,
+                                                            "temperature": 2.0, "max_new_tokens": 8,
+                                                            "messages": [{"role": "user", "content": "An item."}]},
+                                 timeout=180)
+
+        def check_items(responses: list[requests.Response], version: int, items: set, what: str) -> None:
+            for r in responses:
+                check(r.status_code == 200, f"{what}: {r.status_code} {r.text}")
+                body = r.json()
+                check(body["version"] == version, f"{what}: answered from v{body['version']}, not v{version}")
+                for out in body["outputs"]:
+                    ids = list(out["token_ids"])
+                    check(out["finish_reason"] == "stop" and ids[-1:] == [eos] and tuple(ids[:-1]) in items,
+                          f"{what}: {ids} is not an item of v{version}")
+
+        body, before_items, after_items = cat.delta(100)
+        r = requests.patch(f"{url}/admin/scenarios/items", json=body, headers=admin, timeout=240)
+        check(r.status_code == 200, f"PATCH: {r.status_code} {r.text}")
+        patched = r.json()["version"]
+        cat.items = after_items
+        health = requests.get(f"{url}/healthz", timeout=30).json()["replicas"]
+        check({info["versions"].get("items") for info in health.values()} == {patched}, f"after PATCH: {health}")
+        applied = sorted(info["table_deltas"] for info in health.values())
+        check(applied == [0, 1], f"table deltas applied per replica (one on each node expected [0, 1]): {applied}")
+        report["delta_applied_on_the_other_node"] = True
+        with ThreadPoolExecutor(4) as pool:
+            check_items(list(pool.map(ask_item, range(8))), patched, cat.items, "after PATCH")
+
+        # Remove the worker node (its replica dies with it) while requests and a PATCH are in flight: the PATCH is
+        # acknowledged by the replica left, which serves it; the answers during the removal are each valid.
+        body, _, after_items = cat.delta(100)
+        with ThreadPoolExecutor(9) as pool:
             futures = [pool.submit(ask, 100 + i) for i in range(8)]
-            time.sleep(1.0)
+            patching = pool.submit(requests.patch, f"{url}/admin/scenarios/items", json=body, headers=admin,
+                                   timeout=240)
+            time.sleep(0.05)
             cluster.remove_node(worker)
             during = [f.result(timeout=240) for f in futures]
+            r = patching.result(timeout=240)
+        check(r.status_code == 200, f"PATCH during the removal: {r.status_code} {r.text}")
+        acked = r.json()["version"]
+        check(acked == patched + 1, f"PATCH during the removal: version {acked}, expected {patched + 1}")
+        cat.items = after_items
+        stored = requests.get(f"{url}/admin/scenarios/items", headers=admin, timeout=30)
+        check(stored.headers.get("etag") == f'"{acked}"', f"stored after the removal: {stored.headers}")
+        check_items([ask_item(300 + i) for i in range(4)], acked, cat.items, "after the removal")
+        report["patch_during_removal_served"] = True
         with ThreadPoolExecutor(8) as pool:
             after = list(pool.map(ask, range(200, 216)))
         bad = [r.text for r in during + after if not valid(r)]
@@ -126,6 +214,8 @@ def main() -> None:
         health = requests.get(f"{url}/healthz", timeout=30).json()
         versions = [info["versions"].get("nodes") for info in health["replicas"].values()]
         check(versions == [r.json()["version"]], f"replicas after removal: {health['replicas']}")
+        items = [info["versions"].get("items") for info in health["replicas"].values()]
+        check(items == [acked], f"the catalog after removal: {health['replicas']}")
         report["replicas_after_removal"] = len(versions)
         report["ok"] = True
     finally:

@@ -79,6 +79,7 @@ def test_a_replica_applies_patches_to_its_tables_and_serves_them(model, tokenize
                 version, compiled = replica._scenarios["cat"]
                 assert version == result["version"]
                 assert replica.table_deltas == k + 1  # applied here, not fetched
+                assert (await manager.replica_versions())[replica.replica_id]["table_deltas"] == k + 1  # /healthz
                 assert_full_compile(compiled.constraint, items, vocab)
                 for got_version, item in await answer_items(replica, "cat", eos, 3):
                     assert got_version == result["version"] and item in items, item
