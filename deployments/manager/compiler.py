@@ -21,7 +21,9 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 from config import ConstraintError, ScenarioError, ServerSettings
@@ -323,6 +325,19 @@ class StoredScenarioCompiler:
     async def compile(self, name: str, body: Any):
         """Validate and compile ``body`` off the event loop, bounded by ``limits.compile_timeout_s``."""
         return await self._bounded(self._prepare, name, body)
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """While a write runs (``WriteFlow.run``): the kinds' background reads of stored content (a tree given inline:
+        the read of its items for a first PATCH) stop, and none starts until no write has run for a while, so they
+        never share the CPU with a write."""
+        for content in self.contents.values():
+            content.write_started()
+        try:
+            yield
+        finally:
+            for content in self.contents.values():
+                content.write_ended()
 
     async def _bounded(self, prepare, name: str, body: Any):
         for content in self.contents.values():

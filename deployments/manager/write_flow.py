@@ -117,6 +117,12 @@ class WriteFlow:
         self.manager = manager
 
     async def run(self, write: Write) -> dict[str, Any]:
+        if write.action == "patch":  # (its draft asks for the read of its own base: not stopped)
+            return await self._run(write)
+        with self.manager.compiler.writing():  # no background read shares the CPU with this write
+            return await self._run(write)
+
+    async def _run(self, write: Write) -> dict[str, Any]:
         m = self.manager
         started = time.monotonic()
         m._ensure_started()

@@ -197,7 +197,8 @@ class ConstraintKind(ABC):
         ``prebuilt(name, body, sha)`` (what the compile starts from), ``compiled(name, compiled, fields, scenario)``,
         ``stored_bytes(sha)``, ``discard_content(sha)``, ``split(raw)`` / ``compile_split(...)`` (a large PUT body
         read its own way), ``upload(data)`` (a kind with an :attr:`upload_format`),
-        ``installed``, ``held``, ``postpone``, ``close``; it is the kind's
+        ``installed``, ``held``, ``postpone``, ``write_started`` / ``write_ended`` (around every write but a PATCH),
+        ``close``; it is the kind's
         :class:`~processors.kinds.patch.PatchStore` too (the tree's: :class:`processors.kinds.tree.stored.TreeContent`)."""
         return None
 

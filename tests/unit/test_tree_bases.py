@@ -42,7 +42,7 @@ def test_the_read_waits_while_writes_come_and_starts_when_none_does(tokenizer, s
         for _ in range(6):  # a write every 0.2 s: never idle for 0.4 s
             time.sleep(0.2)
             bases.postpone()
-        assert bases.stats == {"idle_reads": 0, "patch_reads": 0}
+        assert bases.stats == {"idle_reads": 0, "patch_reads": 0, "stopped": 0}
         deadline = time.monotonic() + 10
         while bases.stats["idle_reads"] == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -63,7 +63,46 @@ def test_a_patch_that_comes_first_starts_the_read_at_once(tokenizer, served):
         bases.note_installed("shop", 1, compiled)
         held = bases.held("shop", 1, log)
         assert held is not None and _items(held.base[0]) == expected
-        assert bases.stats == {"idle_reads": 0, "patch_reads": 1}
+        assert bases.stats == {"idle_reads": 0, "patch_reads": 1, "stopped": 0}
         bases.note_installed("shop", 2, None)  # deleted: nothing held
         assert bases.held("shop", 2, log) is None
+        bases.close()
+
+
+def test_a_write_stops_a_running_idle_read_and_it_starts_again_when_idle(tokenizer):
+    """A read started by the idle timer is stopped by a write (its work dropped), does not start while the write runs,
+    and is read again once idle; a read a PATCH waits for is not stopped by a write. 400,000 random items: the read runs long enough to be caught."""
+    import types
+
+    import numpy as np
+
+    from processors.kinds.tree.catalog import Catalog
+    from processors.kinds.tree.catalog_tables import catalog_tables
+
+    rng = np.random.default_rng(5)
+    rows = np.unique(rng.integers(1000, 40000, size=(400_000, 4)), axis=0)
+    items = [tuple(r) for r in rows.tolist()]
+    tables = catalog_tables(Catalog.from_items(7, 2, items), len(tokenizer))
+    compiled = types.SimpleNamespace(constraint=tables)  # what the bases read: the served tables
+    with ThreadPoolExecutor(2) as pool:
+        bases = InlineTreeBases(pool, lambda: len(tokenizer), idle_s=0.2)
+        bases.note_form("big", compiled, {"type": "tree"}, 7)
+        bases.note_installed("big", 1, compiled)
+        deadline = time.monotonic() + 30
+        while bases.stats["idle_reads"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        bases.write_started()  # a write while it runs: stopped, and none starts while the write runs
+        assert bases.stats["stopped"] == 1
+        time.sleep(1.0)
+        assert bases.stats["idle_reads"] == 1
+        bases.write_ended()
+        while bases.stats["idle_reads"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert bases.stats["idle_reads"] == 2  # read again once idle
+        held = bases.held("big", 1, log)  # a PATCH waits for it (a write meanwhile does not stop it)
+        assert held is not None and held.items == len(items)
+        assert sorted(held.base[0].items) == items
+        assert held.base[1].version == tables.version  # the catalog tables of the same items
+        bases.postpone()
+        assert bases.stats["stopped"] == 1
         bases.close()

@@ -43,8 +43,8 @@ from config import ConstraintError
 from processors.kinds.tree.catalog_tables import _row_order as _row_order  # re-exported (tests)
 from processors.kinds.tree.catalog_tables import catalog_tables, tree_file_bytes
 
-__all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "canonical_meta", "catalog_body", "check_items", "items_from_tree",
-           "catalog_tables", "parse_catalog", "split_item", "tree_file_bytes"]
+__all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "canonical_meta", "catalog_body", "check_items", "id_lines",
+           "items_from_tree", "catalog_tables", "parse_catalog", "split_item", "tree_file_bytes"]
 
 #: request content types read as a catalog (the first is the one documented)
 CATALOG_CONTENT_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
@@ -87,12 +87,8 @@ class Catalog:
     def from_flat(cls, start_token_id: int, end_token_id: int, flat: np.ndarray, lengths: np.ndarray,
                   options: dict[str, Any] | None = None) -> "Catalog":
         """The catalog of the items ``flat`` / ``lengths`` (every item's ids concatenated, each item's length)."""
-        ids, lines, at = np.asarray(flat, dtype=np.int64).tolist(), [], 0
-        for n in np.asarray(lengths).tolist():
-            lines.append(("[" + ",".join(map(str, ids[at:at + n])) + "]").encode("ascii"))
-            at += n
-        return cls(start_token_id, end_token_id, lines, np.asarray(flat, dtype=np.int64),
-                   np.asarray(lengths, dtype=np.int64), options)
+        flat, lengths = np.asarray(flat, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        return cls(start_token_id, end_token_id, id_lines(flat, lengths), flat, lengths, options)
 
     def __len__(self) -> int:
         return len(self.lines)
@@ -157,6 +153,21 @@ def _stored(line: bytes, meta: bytes | None) -> bytes:
 
 def _line(item: Any) -> bytes:
     return ("[" + ",".join(map(str, item)) + "]").encode("ascii")
+
+
+def id_lines(flat: np.ndarray, lengths: np.ndarray) -> list[bytes]:
+    """Each item's line (``_line``) of the items ``flat`` / ``lengths``, made by Arrow's string kernels (4x a Python
+    loop at 10^6 items; 64-bit offsets, so the text of 10^8 items fits)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    lists = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat, type=pa.int64()))
+    text = pa.large_string()
+    joined = pc.binary_join(pc.cast(lists, pa.large_list(text)), pa.scalar(",", text))
+    lines = pc.binary_join_element_wise(pa.scalar("[", text), joined, pa.scalar("]", text), pa.scalar("", text))
+    return pc.cast(lines, pa.large_binary()).to_pylist()
 
 
 def _bad(message: str, field_name: str, **detail: Any) -> ConstraintError:

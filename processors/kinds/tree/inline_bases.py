@@ -5,8 +5,10 @@ A tree PUT inline (a ``prefix_dict``) is served from tables built from its tree;
 catalog tables (``processors/kinds/tree/catalog_delta.py``). So that the first PATCH of such a tree is a delta too,
 without parsing and loading the stored body again, its items are read from the served tables
 (``processors/kinds/tree/item_list.py:tree_items``, array passes) and their catalog tables built, on the compiler's
-threads. At 10^6 items that is seconds of CPU: it starts only once no write has come for ``idle_s`` (a PUT that
-follows at once would otherwise share the CPU with it), or at once when a PATCH asks for it (:meth:`held`).
+threads. At 10^6 items that is about a second of CPU: it starts only once no write has come for ``idle_s``, or at
+once when a PATCH asks for it (:meth:`held`). A write that comes while a read started by the idle timer runs stops it
+(at its next stage or checkpoint, its work dropped) and it starts again once the manager is idle: the next PUT never
+shares the CPU with it. A read a PATCH waits for is never stopped.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ class HeldBase(NamedTuple):
 
 
 class _Entry:
-    __slots__ = ("version", "args", "future")
+    __slots__ = ("version", "args", "future", "stop", "wanted")
 
     def __init__(self, version: int, args: tuple):
         self.version = version
         self.args = args
-        self.future: Future | None = None  # None: not started yet
+        self.future: Future | None = None  # None: not started yet (or stopped by a write)
+        self.stop = threading.Event()  # set: the running read unwinds at its next checkpoint
+        self.wanted = False  # a PATCH waits for the read: it runs to its end
 
 
 class InlineTreeBases:
@@ -54,8 +58,9 @@ class InlineTreeBases:
         self._bases: dict[str, _Entry] = {}
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
-        #: reads started by the idle timer, by a PATCH
-        self.stats = {"idle_reads": 0, "patch_reads": 0}
+        self._writes = 0  # writes running now (no read starts by itself meanwhile)
+        #: reads started by the idle timer, by a PATCH; idle reads stopped by a write
+        self.stats = {"idle_reads": 0, "patch_reads": 0, "stopped": 0}
 
     def note_form(self, name: str, compiled, fields: dict[str, Any], start_token_id: Any) -> None:
         """A tree given inline was compiled (``fields``: its body's other fields)."""
@@ -84,18 +89,46 @@ class InlineTreeBases:
         self.postpone()
 
     def postpone(self) -> None:
-        """A write came: the reads not started yet wait for ``idle_s`` more."""
+        """A write came: the reads not started yet wait for ``idle_s`` more, and a running read no PATCH waits for
+        stops (it starts again after ``idle_s`` without writes)."""
         with self._lock:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            if any(entry.future is None for entry in self._bases.values()):
-                self._timer = threading.Timer(self.idle_s, self._start_idle)
-                self._timer.daemon = True
-                self._timer.start()
+            self._stop_idle_reads()
+            self._arm()
+
+    def write_started(self) -> None:
+        """A write runs: as :meth:`postpone`, and no read starts by itself until :meth:`write_ended`."""
+        with self._lock:
+            self._writes += 1
+            self._stop_idle_reads()
+
+    def write_ended(self) -> None:
+        with self._lock:
+            self._writes = max(0, self._writes - 1)
+            self._arm()
+
+    def _stop_idle_reads(self) -> None:  # (under the lock)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for entry in self._bases.values():
+            if entry.future is not None and not entry.wanted and not entry.future.done():
+                entry.stop.set()
+                entry.future, entry.stop = None, threading.Event()
+                self.stats["stopped"] += 1
+
+    def _arm(self) -> None:  # (under the lock) the idle timer, unless a write runs or nothing waits for a read
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._writes and any(entry.future is None for entry in self._bases.values()):
+            self._timer = threading.Timer(self.idle_s, self._start_idle)
+            self._timer.daemon = True
+            self._timer.start()
 
     def _start_idle(self) -> None:
         with self._lock:
+            if threading.current_thread() is not self._timer or self._writes:
+                return  # (a timer replaced meanwhile, or a write runs)
             self._timer = None
             for entry in self._bases.values():
                 if entry.future is None:
@@ -103,15 +136,21 @@ class InlineTreeBases:
                     self.stats["idle_reads"] += 1
 
     def _start(self, entry: _Entry) -> None:
-        entry.future = self._pool.submit(self._read, *entry.args)
+        from config.cancel import run_stoppable
+
+        entry.future = self._pool.submit(run_stoppable, entry.stop, self._read, *entry.args)
 
     def _read(self, tables, fields: dict[str, Any], start_token_id: int):
+        from config.cancel import checkpoint
+
         from .catalog import Catalog
         from .catalog_tables import catalog_tables
         from .item_list import tree_items
 
         flat, lengths = tree_items(tables)
+        checkpoint()
         catalog = Catalog.from_flat(start_token_id, tables.end_token_id, flat, lengths, fields)
+        checkpoint()
         return catalog, catalog_tables(catalog, self._vocab_size())
 
     def held(self, name: str, current_version: int | None, log: Any) -> HeldBase | None:
@@ -122,6 +161,7 @@ class InlineTreeBases:
             entry = self._bases.get(name)
             if entry is None or entry.version != current_version:
                 return None
+            entry.wanted = True  # (a write meanwhile does not stop it)
             if entry.future is None:
                 self._start(entry)
                 self.stats["patch_reads"] += 1

@@ -317,6 +317,13 @@ class TreeContent:
         """A write came: reads of inline trees' items wait until none comes."""
         self.bases.postpone()
 
+    def write_started(self) -> None:
+        """A write runs: reads of inline trees' items stop, and none starts until it ended."""
+        self.bases.write_started()
+
+    def write_ended(self) -> None:
+        self.bases.write_ended()
+
     def close(self) -> None:
         self.bases.close()
 
