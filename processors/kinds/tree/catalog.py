@@ -44,7 +44,7 @@ from processors.kinds.tree.catalog_tables import _row_order as _row_order  # re-
 from processors.kinds.tree.catalog_tables import catalog_tables, tree_file_bytes
 
 __all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "canonical_meta", "catalog_body", "check_items", "id_lines",
-           "items_from_tree", "catalog_tables", "parse_catalog", "split_item", "tree_file_bytes"]
+           "items_from_tree", "list_lines", "catalog_tables", "parse_catalog", "split_item", "tree_file_bytes"]
 
 #: request content types read as a catalog (the first is the one documented)
 CATALOG_CONTENT_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
@@ -156,18 +156,27 @@ def _line(item: Any) -> bytes:
 
 
 def id_lines(flat: np.ndarray, lengths: np.ndarray) -> list[bytes]:
-    """Each item's line (``_line``) of the items ``flat`` / ``lengths``, made by Arrow's string kernels (4x a Python
-    loop at 10^6 items; 64-bit offsets, so the text of 10^8 items fits)."""
+    """Each item's line (``_line``) of the items ``flat`` / ``lengths`` (:func:`list_lines`: 4x a Python loop at 10^6
+    items)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     offsets = np.zeros(lengths.size + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     lists = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat, type=pa.int64()))
+    return pc.cast(list_lines(lists), pa.large_binary()).to_pylist()
+
+
+def list_lines(lists: Any) -> Any:
+    """Each row of an Arrow array of integer lists as its catalog line's text (``"[12,40,7]"``, ``_line``), an Arrow
+    ``large_string`` array made by Arrow's string kernels (no Python loop per id; 64-bit offsets, so the text of
+    10^8 items fits)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     text = pa.large_string()
     joined = pc.binary_join(pc.cast(lists, pa.large_list(text)), pa.scalar(",", text))
-    lines = pc.binary_join_element_wise(pa.scalar("[", text), joined, pa.scalar("]", text), pa.scalar("", text))
-    return pc.cast(lines, pa.large_binary()).to_pylist()
+    return pc.binary_join_element_wise(pa.scalar("[", text), joined, pa.scalar("]", text), pa.scalar("", text))
 
 
 def _bad(message: str, field_name: str, **detail: Any) -> ConstraintError:

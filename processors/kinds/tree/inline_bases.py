@@ -100,6 +100,7 @@ class InlineTreeBases:
         with self._lock:
             self._writes += 1
             self._stop_idle_reads()
+            self._arm()  # (no timer while a write runs)
 
     def write_ended(self) -> None:
         with self._lock:
@@ -107,9 +108,6 @@ class InlineTreeBases:
             self._arm()
 
     def _stop_idle_reads(self) -> None:  # (under the lock)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         for entry in self._bases.values():
             if entry.future is not None and not entry.wanted and not entry.future.done():
                 entry.stop.set()

@@ -101,11 +101,9 @@ def parquet_catalog(data: bytes, *, max_items: int) -> bytes:
     values = ids.flatten().to_numpy(zero_copy_only=False)
     if values.size and (values.min() < 0 or values.max() >= 1 << 31):
         raise _refused("token ids must be non-negative 32-bit integers", field=f"parquet.{IDS}")
-    # each row's ids as the catalog line's text ("[12,40,7]"), by Arrow's string kernels (no Python loop per id)
-    import pyarrow.compute as pc
+    from .catalog import list_lines
 
-    as_text = pc.cast(ids.cast(pa.list_(pa.int64())), pa.list_(pa.string()))
-    texts = pc.binary_join_element_wise("[", pc.binary_join(as_text, ","), "]", "").to_pylist()
+    texts = list_lines(ids.cast(pa.large_list(pa.int64()))).to_pylist()  # each row's catalog line ("[12,40,7]")
     lines = [json.dumps(header, separators=(",", ":"), allow_nan=False)]
     columns = {name: table.column(name).to_pylist() for name, kind in kinds.items() if kind != "null"}
     if not columns:
