@@ -6,10 +6,12 @@ own range of token ids below 49,152, as semantic-id tokens are added to a vocabu
 compiled in its own subprocess so its compile time and peak memory are its own; then, in this process, on the same
 items:
 
-* bytes per item of each format (``MaskTables``: its arrays, ``keys`` and the per-state item metrics included);
+* bytes per item of each format (``MaskTables``: its arrays and the per-state item metrics);
 * the beam step's table work for ``--beams`` rows at random states of each depth: gathering every row's children
   (tokens and targets, what ``engines/transformers/tree_beams.py`` does) and advancing every row by one of its
-  children (what the cursors do), for ``MaskTables`` (CSR gather, ``keys`` searchsorted), the packed tables
+  children (what the cursors do), for ``MaskTables`` (CSR gather; ``MaskTables.find_edges``, the service's batched
+  search inside each row's edges, and beside it the global ``state * V + token`` keys searchsorted that the service
+  used before it dropped that array, the keys built here outside the timing), the packed tables
   (:meth:`PackedTree.children`, :meth:`PackedTree.advance`) and a STATIC-style kernel written here from the paper's
   description (the first two levels dense: a ``codebook x codebook`` table of child ids; deeper levels CSR with an
   explicit target per edge);
@@ -105,9 +107,19 @@ def old_children(tables, states: np.ndarray):
 
 
 def old_advance(tables, states: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    keys = states * tables.key_base + tokens
-    i = np.minimum(np.searchsorted(tables.keys, keys), tables.keys.size - 1)
-    return np.where(tables.keys[i] == keys, tables.next_state[i], -1)
+    i = tables.find_edges(states, tokens)
+    return np.where(i >= 0, tables.next_state[np.maximum(i, 0)], -1)
+
+
+def global_keys(tables) -> np.ndarray:
+    """``state * V + token`` per edge: the array MaskTables kept (8 bytes per edge) until ``find_edges``."""
+    return np.repeat(np.arange(tables.n_states, dtype=np.int64) * tables.vocab_size, np.diff(tables.offsets)) + tables.tokens
+
+
+def keys_advance(tables, keys: np.ndarray, states: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    want = states * tables.vocab_size + tokens
+    i = np.minimum(np.searchsorted(keys, want), keys.size - 1)
+    return np.where(keys[i] == want, tables.next_state[i], -1)
 
 
 class StaticKernel:
@@ -186,6 +198,7 @@ def step_rows(n: int, codebook: int, beams: int, repeat: int) -> dict:
 
     ids = make_ids(n, codebook)
     old = build("old", np.unique(ids, axis=0))
+    keys = global_keys(old)
     packed = PackedTree.from_items(ids, END, VOCAB)
     static = StaticKernel(ids, codebook)
     rng = np.random.default_rng(1)
@@ -212,12 +225,16 @@ def step_rows(n: int, codebook: int, beams: int, repeat: int) -> dict:
         t_old = timed(lambda: old_children(old, o_states), repeat)
         t_packed = timed(lambda: packed.children(p_states), repeat)
         t_old_adv = timed(lambda: old_advance(old, o_states, nxt_tok), repeat)
+        t_keys_adv = timed(lambda: keys_advance(old, keys, o_states, nxt_tok), repeat)
+        assert np.array_equal(old_advance(old, o_states, nxt_tok), keys_advance(old, keys, o_states, nxt_tok))
         t_packed_adv = timed(lambda: packed.advance(p_states, nxt_tok), repeat)
         assert np.array_equal(np.maximum(old_advance(old, o_states, nxt_tok), -1) >= 0,
                               packed.advance(p_states, nxt_tok) >= 0)
         row = {"children": int(o_tok.size),
                "gather_ms": {"mask_tables": round(t_old * 1e3, 3), "packed": round(t_packed * 1e3, 3)},
-               "advance_ms": {"mask_tables": round(t_old_adv * 1e3, 3), "packed": round(t_packed_adv * 1e3, 3)},
+               "advance_ms": {"mask_tables": round(t_old_adv * 1e3, 3), "packed": round(t_packed_adv * 1e3, 3),
+                              "global_keys": round(t_keys_adv * 1e3, 3)},
+               "find_edges_vs_global_keys": ratio(t_old_adv, t_keys_adv),
                "packed_vs_mask_tables": {"gather": ratio(t_packed, t_old), "advance": ratio(t_packed_adv, t_old_adv)}}
         if level < 2:
             t_static = timed(lambda: static.children(level, s_states), repeat)

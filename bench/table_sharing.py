@@ -46,7 +46,7 @@ def smaps() -> dict[str, float]:
 def _arrays(tables):
     import numpy as np
 
-    out = [tables.offsets, tables.tokens, tables.next_state, tables.keys]
+    out = [tables.offsets, tables.tokens, tables.next_state]
     metrics = tables.__dict__.get("_item_metrics")
     if metrics is not None:
         out += [m for m in metrics if isinstance(m, np.ndarray)]

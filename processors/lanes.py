@@ -14,7 +14,7 @@ the allowed ids of every row are one CSR gather (``tokens[offsets[s]:offsets[s+1
 budget rule masks an edge whose target needs more tokens than are left (``min_remaining[target] <= remaining``,
 ``DONE`` counting 0 and ``LEAF`` 1: the rule the cursors apply one by one), and the result goes into the
 batch's :class:`~processors.masks.MaskBatch` next to the per-row steps of the other rows. Advancing is one
-``searchsorted`` of ``state * key_base + token`` into the tables' sorted keys; rows whose token is an ordinary
+batched search of every row's token among its state's edges (``MaskTables.find_edges``); rows whose token is an ordinary
 edge into a state get their new state written back with one ``map(setattr, ...)``; the rare rest (the end token,
 an invalid token, an edge into ``LEAF``, a budget running out) go through the row's own ``advance``, so every
 semantic detail (errors, fallbacks, finished rows) stays the cursor's. Rows of different scenarios are grouped by
@@ -350,20 +350,16 @@ _path = attrgetter("path")
 
 def _group_advance(tables: MaskTables, row, s: np.ndarray, t: np.ndarray, done: np.ndarray):
     """(ordinary edge into a state?, target, edge index) per row of one group."""
-    keys = tables.keys
-    kb = tables.key_base
-    ok = (s >= 0) & (t != tables.end_token_id) & (t >= 0) & (t < kb)
+    ok = (s >= 0) & (t != tables.end_token_id)
     if done.any():
         ok &= ~done
-    want = s * kb + t
-    if not ok.all():
-        want = np.where(ok, want, 0)
-    if not keys.size:
+    if not tables.n_edges:
         return np.zeros(s.size, dtype=bool), np.zeros(s.size, dtype=np.int64), np.zeros(s.size, dtype=np.int64)
-    i = keys.searchsorted(want)
-    np.minimum(i, keys.size - 1, out=i)
+    i = tables.find_edges(np.where(ok, s, -1), t)
+    ok &= i >= 0
+    np.maximum(i, 0, out=i)
     nxt = tables.next_state[i]
-    ok &= (keys[i] == want) & (nxt >= 0)
+    ok &= nxt >= 0
     # a token that also stops the row (the model's EOS listed as a tree candidate) ends it: per row
     stops = [x for x in row.compiled.stop_token_ids if x != tables.end_token_id]
     if stops:

@@ -5,9 +5,12 @@ Layout (CSR). States are numbered ``0..S-1``. The outgoing edges of state ``s`` 
 
 * ``tokens``     -- the allowed token ids, sorted ascending within each state;
 * ``next_state`` -- the state reached after that token: ``>= 0`` a state, ``LEAF`` (-1) a state
-  with no entry (only the end token is allowed there), ``DONE`` (-2) the end token was emitted;
-* ``keys``       -- ``state * key_base + token`` (int64), sorted globally, so the transitions of a
-  whole batch are one ``np.searchsorted``.
+  with no entry (only the end token is allowed there), ``DONE`` (-2) the end token was emitted.
+
+A transition is a search for the token among its state's sorted tokens: :meth:`MaskTables.find_edges` does it for
+a whole batch at once (a bisection inside every row's slice, all rows in step: as many numpy passes as the widest
+state's edge count has bits). No global ``state * V + token`` keys array is kept: at 8 bytes per edge it was the
+largest array of a catalog's tables (a third of their bytes), copied into every version and sent to every replica.
 
 A state with no edges allows only the end token, like a missing entry (the fallback of the
 tree-decode spec). The tables carry no strings, are picklable, read-only after construction, and
@@ -43,6 +46,18 @@ def content_hash(*parts) -> str:
     return h.hexdigest()
 
 
+def _narrow_offsets(offsets: np.ndarray) -> np.ndarray:
+    """``offsets`` as int32 while the edges fit in it (every catalog under ~10^9 items), else int64: 4 bytes per
+    state saved. Every array built from both compiles and from a delta goes through here, so equal tables have equal
+    dtypes (and versions)."""
+    if offsets.dtype != np.int32 and (not offsets.size or int(offsets[-1]) < _INT32_EDGES):
+        return offsets.astype(np.int32)
+    return offsets
+
+
+_INT32_EDGES = 2**31 - 1
+
+
 def _freeze(arr: np.ndarray) -> np.ndarray:
     arr = np.ascontiguousarray(arr)
     arr.setflags(write=False)
@@ -70,7 +85,6 @@ class MaskTables:
     end_token_id: int
     vocab_size: int
     warnings: tuple[str, ...] = field(default=(), compare=False)  # what a lenient tree load accepted; not versioned
-    keys: np.ndarray = field(init=False, repr=False)
     version: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -88,16 +102,17 @@ class MaskTables:
         n_states = offsets.size - 1
         if not (self.root in (LEAF,) or 0 <= self.root < n_states):
             raise ValueError(f"root {self.root} is not a state")
-        state_of_edge = np.repeat(np.arange(n_states, dtype=np.int64), np.diff(offsets))
-        keys = state_of_edge * self.key_base + tokens
-        if keys.size > 1 and not (np.diff(keys) > 0).all():
-            raise ValueError("edges must be sorted by (state, token) without duplicates")
-        object.__setattr__(self, "offsets", _freeze(offsets))
+        if tokens.size > 1:
+            rising = tokens[1:] > tokens[:-1]  # within a state; a state's first edge may start lower
+            starts = offsets[1:-1]
+            rising[starts[(starts > 0) & (starts < tokens.size)] - 1] = True
+            if not rising.all():
+                raise ValueError("edges must be sorted by (state, token) without duplicates")
+        object.__setattr__(self, "offsets", _freeze(_narrow_offsets(offsets)))
         object.__setattr__(self, "tokens", _freeze(tokens))
         object.__setattr__(self, "next_state", _freeze(next_state))
-        object.__setattr__(self, "keys", _freeze(keys))
         object.__setattr__(
-            self, "version", content_hash("tables", offsets, tokens, next_state, self.root, self.end_token_id, self.vocab_size)
+            self, "version", content_hash("tables", self.offsets, self.tokens, self.next_state, self.root, self.end_token_id, self.vocab_size)
         )
         # The per-state item metrics are computed here, where the tables are built (the config manager), so that
         # they travel with the tables and replicas share them like the other arrays; computed lazily on a replica
@@ -105,13 +120,13 @@ class MaskTables:
         item_metrics(self)
 
     @classmethod
-    def assemble(cls, offsets: np.ndarray, tokens: np.ndarray, next_state: np.ndarray, keys: np.ndarray, root: int,
+    def assemble(cls, offsets: np.ndarray, tokens: np.ndarray, next_state: np.ndarray, root: int,
                  end_token_id: int, vocab_size: int, metrics: tuple, max_remaining: np.ndarray) -> "MaskTables":
         """Tables from arrays already known to be valid (``processors/kinds/tree/delta.py``: a previous version's tables
-        updated along the changed paths), with their ``keys`` and item metrics: no check and no pass over all
-        states (only the content hash reads every array). ``metrics``: what :func:`item_metrics` gives."""
+        updated along the changed paths), with their item metrics: no check and no pass over all states (only the
+        content hash reads every array). ``metrics``: what :func:`item_metrics` gives."""
         self = object.__new__(cls)
-        for name, value in (("offsets", offsets), ("tokens", tokens), ("next_state", next_state), ("keys", keys)):
+        for name, value in (("offsets", _narrow_offsets(offsets)), ("tokens", tokens), ("next_state", next_state)):
             object.__setattr__(self, name, _freeze(value))
         fields: dict[str, object] = {"root": int(root), "end_token_id": int(end_token_id),
                                      "vocab_size": int(vocab_size), "warnings": ()}
@@ -129,13 +144,10 @@ class MaskTables:
         return state
 
     def __setstate__(self, state: dict) -> None:  # arrays come back writable from pickle
-        for name in ("offsets", "tokens", "next_state", "keys"):
+        for name in ("offsets", "tokens", "next_state"):
             state[name] = _freeze(state[name])
+        state.pop("keys", None)  # (pickled by a version that kept them)
         self.__dict__.update(state)
-
-    @property
-    def key_base(self) -> int:
-        return int(self.vocab_size)
 
     @property
     def n_states(self) -> int:
@@ -147,7 +159,7 @@ class MaskTables:
 
     @property
     def nbytes(self) -> int:
-        return int(self.offsets.nbytes + self.tokens.nbytes + self.next_state.nbytes + self.keys.nbytes)
+        return int(self.offsets.nbytes + self.tokens.nbytes + self.next_state.nbytes)
 
     def allowed(self, state: int) -> np.ndarray:
         """Allowed ids in ``state`` (empty for ``LEAF``/``DONE`` and states without edges)."""
@@ -157,14 +169,55 @@ class MaskTables:
 
     def edge(self, state: int, token: int) -> int:
         """Index of the edge ``state --token-->``, or -1 when there is none."""
-        if state < 0 or not 0 <= token < self.vocab_size:
+        if not 0 <= state < self.offsets.size - 1 or not 0 <= token < self.vocab_size:
             return -1
-        key = state * self.key_base + token
-        keys = self.keys
-        i = int(keys.searchsorted(key))  # the method: np.searchsorted's wrapper doubles the cost of a scalar lookup
-        if i < keys.size and keys[i] == key:
-            return i
+        lo = int(self.offsets[state])
+        row = self.tokens[lo : int(self.offsets[state + 1])]
+        i = int(row.searchsorted(token))  # the method: np.searchsorted's wrapper doubles the cost of a scalar lookup
+        if i < row.size and row[i] == token:
+            return lo + i
         return -1
+
+    def locate(self, states: np.ndarray, tokens: np.ndarray, side: str = "left") -> np.ndarray:
+        """Per row, where ``tokens[i]`` goes among the edges of ``states[i]`` (every one a state ``>= 0``): the
+        index of the first edge of that state whose token is ``>= tokens[i]`` (``side="right"``: ``>``), its end
+        when there is none; ``searchsorted`` inside each row's slice, all rows at once (int64)."""
+        states = np.asarray(states, dtype=np.int64)
+        want = np.asarray(tokens, dtype=np.int64)
+        lo = self.offsets[states].astype(np.int64)  # (int64: lo + hi below must not wrap)
+        hi = self.offsets[states + 1].astype(np.int64)
+        if not lo.size:
+            return lo
+        toks, last = self.tokens, max(self.tokens.size - 1, 0)
+        open_ = lo < hi
+        while open_.any():
+            mid = (lo + hi) >> 1
+            value = toks[np.minimum(mid, last)] if toks.size else mid
+            right = (value <= want) if side == "right" else (value < want)
+            right &= open_
+            lo = np.where(right, mid + 1, lo)
+            hi = np.where(open_ & ~right, mid, hi)
+            open_ = lo < hi
+        return lo
+
+    def find_edges(self, states: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """The edge ``states[i] --tokens[i]-->`` per row, ``-1`` without one (and where ``states[i]`` is not a
+        state or ``tokens[i]`` not an id of the vocabulary): :meth:`edge` for a whole batch (int64)."""
+        states = np.asarray(states, dtype=np.int64)
+        want = np.asarray(tokens, dtype=np.int64)
+        ok = (states >= 0) & (states < self.offsets.size - 1) & (want >= 0) & (want < self.vocab_size)
+        out = np.full(states.size, -1, dtype=np.int64)
+        if not ok.any() or not self.tokens.size:
+            return out
+        rows = np.flatnonzero(ok) if not ok.all() else None
+        s, t = (states, want) if rows is None else (states[rows], want[rows])
+        at = self.locate(s, t)
+        hit = (at < self.offsets[s + 1]) & (self.tokens[np.minimum(at, self.tokens.size - 1)] == t)
+        if rows is None:
+            out[hit] = at[hit]
+        else:
+            out[rows[hit]] = at[hit]
+        return out
 
     def step(self, state: int, token: int) -> int:
         """The state after ``token``: a state, ``LEAF``, ``DONE``, or ``LEAF`` for a token with no edge.

@@ -29,7 +29,7 @@ def client(data_dir):
 def assert_full_compile(tables, items, vocab):
     ref = catalog_tables(Catalog.from_items(START, END, sorted(items)), vocab)
     assert tables.root == ref.root
-    for field in ("offsets", "tokens", "next_state", "keys"):
+    for field in ("offsets", "tokens", "next_state"):
         np.testing.assert_array_equal(getattr(tables, field), getattr(ref, field), err_msg=field)
     assert tables.version == ref.version
     np.testing.assert_array_equal(tables.min_remaining, ref.min_remaining)

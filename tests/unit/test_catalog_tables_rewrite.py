@@ -278,7 +278,7 @@ CASES = list(_cases())
 
 def assert_same_tables(new: MaskTables, old: MaskTables) -> None:
     assert new.root == old.root and new.end_token_id == old.end_token_id and new.vocab_size == old.vocab_size
-    for name in ("offsets", "tokens", "next_state", "keys"):
+    for name in ("offsets", "tokens", "next_state"):
         a, b = getattr(new, name), getattr(old, name)
         assert a.dtype == b.dtype and a.shape == b.shape, name
         np.testing.assert_array_equal(a, b, err_msg=name)

@@ -138,7 +138,7 @@ def test_end_token_as_a_candidate_and_not_in_tree(tables):
 
 
 def test_tables_are_immutable(tables):
-    for name in ("offsets", "tokens", "next_state", "keys"):
+    for name in ("offsets", "tokens", "next_state"):
         arr = getattr(tables, name)
         assert not arr.flags.writeable
         with pytest.raises(ValueError):
@@ -150,7 +150,7 @@ def test_tables_are_immutable(tables):
 def test_tables_pickle_round_trip(tables):
     back = pickle.loads(pickle.dumps(tables))
     assert back.version == tables.version
-    for name in ("offsets", "tokens", "next_state", "keys"):
+    for name in ("offsets", "tokens", "next_state"):
         a, b = getattr(tables, name), getattr(back, name)
         assert np.array_equal(a, b) and a.dtype == b.dtype
         assert not b.flags.writeable
@@ -228,8 +228,56 @@ def test_memory_is_linear_in_edges():
     assert big.n_edges == 4 * small.n_edges
     ratio = big.nbytes / small.nbytes
     assert 3.9 < ratio < 4.1
-    # offsets int64 per state, tokens and next_state int32 and keys int64 per edge: nothing else
-    assert big.nbytes == 8 * (big.n_states + 1) + (4 + 4 + 8) * big.n_edges
+    # offsets, tokens and next_state int32 (offsets per state, the others per edge): nothing else (no global keys)
+    assert big.offsets.dtype == np.int32
+    assert big.nbytes == 4 * (big.n_states + 1) + (4 + 4) * big.n_edges
+    assert not hasattr(big, "keys")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_edge_search_matches_a_scan_of_each_state(seed):
+    """find_edges / locate against a plain scan of each state's edges: every state (empty ones included), tokens
+    present and absent, below and above a state's range, the end token, ids outside the vocabulary, LEAF / DONE and
+    out-of-range states, in one batch."""
+    rng = np.random.default_rng(seed)
+    n_states, vocab = int(rng.integers(1, 60)), 40
+    counts = rng.integers(0, 12, size=n_states)
+    counts[rng.random(n_states) < 0.2] = 0
+    offsets = np.concatenate(([0], np.cumsum(counts)))
+    tokens = np.concatenate([np.sort(rng.choice(vocab, size=c, replace=False)) for c in counts]).astype(np.int32)
+    nxt = rng.integers(-2, n_states, size=tokens.size).astype(np.int32)
+    t = MaskTables(offsets=offsets, tokens=tokens, next_state=nxt, root=0, end_token_id=int(rng.integers(0, vocab)),
+                   vocab_size=vocab)
+    states = rng.integers(-2, n_states + 2, size=500)
+    want = rng.integers(-3, vocab + 3, size=500)
+    expect = []
+    for s, w in zip(states.tolist(), want.tolist()):
+        hit = -1
+        if 0 <= s < n_states:
+            for e in range(offsets[s], offsets[s + 1]):
+                if tokens[e] == w:
+                    hit = e
+        expect.append(hit)
+        assert t.edge(s, w) == hit
+    assert t.find_edges(states, want).tolist() == expect
+    valid = (states >= 0) & (states < n_states)
+    s, w = states[valid], want[valid]
+    for side in ("left", "right"):
+        at = t.locate(s, w, side=side)
+        ref = [offsets[x] + int(np.searchsorted(tokens[offsets[x]:offsets[x + 1]], y, side=side))
+               for x, y in zip(s.tolist(), w.tolist())]
+        assert at.tolist() == ref
+    assert t.find_edges(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)).size == 0
+
+
+def test_unsorted_edges_inside_a_state_are_refused_and_state_boundaries_are_not():
+    ok = MaskTables(offsets=np.array([0, 2, 2, 4]), tokens=np.array([3, 7, 1, 5]), next_state=np.array([-1] * 4),
+                    root=0, end_token_id=0, vocab_size=10)  # 7 then 1: a new state, not a descent
+    assert ok.find_edges(np.array([0, 2, 2, 1]), np.array([7, 1, 7, 3])).tolist() == [1, 2, -1, -1]
+    for bad in ([3, 3, 1, 5], [7, 3, 1, 5]):
+        with pytest.raises(ValueError, match="sorted"):
+            MaskTables(offsets=np.array([0, 2, 2, 4]), tokens=np.array(bad), next_state=np.array([-1] * 4), root=0,
+                       end_token_id=0, vocab_size=10)
 
 
 @pytest.mark.parametrize("seed", range(5))

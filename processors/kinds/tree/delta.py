@@ -3,7 +3,7 @@
 :func:`patch_tables` takes the tables of a catalog as :func:`~processors.kinds.tree.catalog_tables.catalog_tables` builds them
 (the trie's nodes with a continuation are the states, numbered in preorder: a prefix before its extensions,
 siblings by token) and the items added and removed, and gives the tables :func:`catalog_tables` would build from
-the new item set: **byte for byte the same arrays** (``offsets``, ``tokens``, ``next_state``, ``keys``, ``root``,
+the new item set: **byte for byte the same arrays** (``offsets``, ``tokens``, ``next_state``, ``root``,
 so the same ``version``) and the same item metrics (``min_remaining``, ``item_count``, ``uniform``, ``deepest``).
 ``tests/unit/test_tree_delta.py`` checks this against a full compile over random catalogs and sequences of deltas.
 
@@ -11,7 +11,7 @@ The work follows the delta, not the catalog:
 
 * the *touched* paths are the prefixes of the added and removed items; only they can change. They are numbered
   once (one pass over the delta's items in Python), then handled as arrays over those numbers a depth at a time:
-  looked up in the old tables (one batched ``searchsorted`` of the keys per depth), their new children and end
+  looked up in the old tables (one batched search per depth, ``MaskTables.find_edges``), their new children and end
   flags settled deepest first (a node without an item below it any more is dropped, an old leaf that gains an
   extension becomes a state);
 * a new state's place is its preorder rank among the old states (the first old state after its path), so the
@@ -59,33 +59,22 @@ def max_remaining(tables: MaskTables) -> np.ndarray:
     return cached
 
 
-def _search(keys: np.ndarray, queries: np.ndarray) -> np.ndarray:
-    """``keys.searchsorted(queries)``, the queries taken in order: consecutive searches then share their path through
-    ``keys`` in the cache (3x faster for thousands of queries in millions of keys)."""
-    order = np.argsort(queries)
-    at = np.empty(queries.size, dtype=np.int64)
-    at[order] = keys.searchsorted(queries[order])
-    return at
-
-
 class _Old:
-    """Lookups in the old tables, batched: one ``searchsorted`` over ``keys`` for many edges at once (a scalar
+    """Lookups in the old tables, batched: one search for many edges at once (``MaskTables.find_edges``; a scalar
     lookup costs a few microseconds of numpy call and cache misses; thousands of them were most of a small delta)."""
 
     def __init__(self, tables: MaskTables):
         self.t = tables
-        self.offsets, self.tokens, self.nxt, self.keys = tables.offsets, tables.tokens, tables.next_state, tables.keys
-        self.base = tables.key_base
+        self.offsets, self.nxt = tables.offsets, tables.next_state
 
     def targets(self, states: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """The targets of the edges ``states[i] --tokens[i]-->`` (int64: a state, ``LEAF`` or ``DONE``), ``ABSENT``
         without that edge (and where ``states[i]`` is not a state)."""
         out = np.full(states.size, ABSENT, dtype=np.int64)
-        if not states.size or not self.keys.size:
+        if not states.size or not self.t.n_edges:
             return out
-        key = states * self.base + tokens
-        at = np.minimum(_search(self.keys, key), self.keys.size - 1)
-        hit = (states >= 0) & (self.keys[at] == key)
+        at = self.t.find_edges(states, tokens)
+        hit = at >= 0
         out[hit] = self.nxt[at[hit]]
         return out
 
@@ -96,11 +85,11 @@ class _Old:
         (t, ...)`` with ``t <= token``: the first child state of the parent by a larger token, else the same
         question one level up (the first state after the parent's subtree), else ``n_states``. All paths one level
         at a time."""
-        n_edges, result = self.keys.size, np.full(paths.size, self.t.n_states, dtype=np.int64)
+        n_edges, result = self.t.n_edges, np.full(paths.size, self.t.n_states, dtype=np.int64)
         at_path, which = paths, np.arange(paths.size)
         while at_path.size:
             states = node[parent[at_path]]
-            at = self.keys.searchsorted(states * self.base + token[at_path], side="right")  # by a larger token
+            at = self.t.locate(states, token[at_path], side="right")  # by a larger token
             hi = self.offsets[states + 1]
             found = np.full(states.size, -1, dtype=np.int64)
             for _ in range(_SCAN):  # the first of those edges that leads to a state: mostly the first one
@@ -242,7 +231,7 @@ class _Plan:
         edges renumbered, less those to children that are gone (and its end edge where it no longer ends an item),
         with its touched children's targets set; plus the edges to children that are new and the new end edges.
         Array passes over the touched paths and the modified states' old edges (a wide state has thousands)."""
-        t, end, base = self.t, self.t.end_token_id, self.t.key_base
+        t, end, base = self.t, self.t.end_token_id, np.int64(self.t.vocab_size)
         node, alive, is_state, new_id, parent = self.node, self.alive, self.is_state, self.new_id, self.parent
         # the touched children of the touched states: appear (a new edge), stay (their edge's target set) or go
         child = np.arange(1, node.size)
@@ -269,11 +258,12 @@ class _Plan:
         targets[inner] = self.new_of_old[targets[inner]]
         keep = np.ones(edges.size, dtype=bool)
         if stay.any():
-            at = edges.searchsorted(_search(t.keys, node[up[stay]] * base + self.token[child[stay]]))
+            at = edges.searchsorted(t.find_edges(node[up[stay]], self.token[child[stay]]))
             targets[at] = target[stay]
-        drop = np.concatenate((node[up[gone]] * base + self.token[child[gone]], node[built[end_out]] * base + end))
-        if drop.size:
-            keep[edges.searchsorted(_search(t.keys, drop))] = False
+        drop_states = np.concatenate((node[up[gone]], node[built[end_out]]))
+        if drop_states.size:
+            drop_tokens = np.concatenate((self.token[child[gone]], np.full(int(end_out.sum()), end, dtype=np.int64)))
+            keep[edges.searchsorted(t.find_edges(drop_states, drop_tokens))] = False
         n_end = int(end_in.sum())
         states = np.concatenate((states[keep], new_id[up[appear]], new_id[built[end_in]]))
         tokens = np.concatenate((tokens[keep], self.token[child[appear]], np.full(n_end, end, dtype=np.int64)))
@@ -325,9 +315,6 @@ class _Plan:
         nxt[other_edges] = lut.take(t.next_state[copied_edge])
         nxt[touched_at] = built_targets
         del lut, copied_edge, other_edges
-        # the keys: state * key_base + token, each edge's state from the new offsets
-        keys = np.repeat(np.arange(n_new, dtype=np.int64) * np.int64(t.key_base), counts)
-        keys += tokens
         del counts
         # the copied states' item metrics (their subtrees are unchanged); the touched ones' are computed below
         old_min, old_items, _, _ = item_metrics(t)
@@ -342,7 +329,7 @@ class _Plan:
         checkpoint()
         root = int(self.new_id[0]) if self.is_state[0] else LEAF
         metrics, max_rem = self.metrics(min_rem, max_rem, items, offsets, nxt, built)
-        return MaskTables.assemble(offsets, tokens, nxt, keys, root, t.end_token_id, t.vocab_size, metrics, max_rem)
+        return MaskTables.assemble(offsets, tokens, nxt, root, t.end_token_id, t.vocab_size, metrics, max_rem)
 
     def metrics(self, min_rem, max_rem, items, offsets, nxt, built):
         """The item metrics of the new tables, given those of the untouched states (copied: their subtrees are

@@ -79,7 +79,7 @@ class TreeLevels:
 
 def item_terminals(tables: MaskTables, flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The terminal of each item (``flat`` / ``lengths``: the items' token ids after the root, without the end token,
-    as a catalog holds them), walked through the tables with one ``searchsorted`` per token position; ``-1`` for an
+    as a catalog holds them), walked through the tables with one batched search per token position; ``-1`` for an
     item that is not in the tables."""
     n = lengths.size
     out = np.full(n, -1, dtype=np.int64)
@@ -90,16 +90,14 @@ def item_terminals(tables: MaskTables, flat: np.ndarray, lengths: np.ndarray) ->
     state = np.full(n, tables.root, dtype=np.int64)
     last_edge = np.full(n, -1, dtype=np.int64)
     alive = np.ones(n, dtype=bool)
-    keys, base = tables.keys, tables.key_base
     for pos in range(int(lengths.max(initial=0))):
         rows = np.flatnonzero(alive & (lengths > pos))
         if not rows.size:
             break
         s = state[rows]
         bad = s < 0  # a token after a LEAF edge: no such item
-        key = s * base + flat[starts[rows] + pos]
-        idx = np.minimum(np.searchsorted(keys, key), keys.size - 1)
-        found = (keys[idx] == key) & ~bad
+        idx = tables.find_edges(s, flat[starts[rows] + pos])  # (-1 where s is LEAF: no such item)
+        found = (idx >= 0) & ~bad
         alive[rows[~found]] = False
         rows, idx = rows[found], idx[found]
         last_edge[rows] = idx
@@ -113,10 +111,8 @@ def item_terminals(tables: MaskTables, flat: np.ndarray, lengths: np.ndarray) ->
     if inner.any():
         si = s[inner]
         empty = tables.offsets[si + 1] == tables.offsets[si]
-        end_key = si * base + tables.end_token_id
-        idx = np.minimum(np.searchsorted(keys, end_key), keys.size - 1)
-        has_end = keys[idx] == end_key
-        t = np.where(empty, tables.n_edges + si, np.where(has_end, idx, -1))
+        idx = tables.find_edges(si, np.full(si.size, tables.end_token_id, dtype=np.int64))
+        t = np.where(empty, tables.n_edges + si, idx)
         term[inner] = t
     out[ok] = term
     return out
