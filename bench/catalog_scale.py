@@ -6,7 +6,8 @@ own range of token ids below 49,152, as semantic-id tokens are added to a vocabu
 compiled in its own subprocess so its compile time and peak memory are its own; then, in this process, on the same
 items:
 
-* bytes per item of each format (``MaskTables``: its arrays and the per-state item metrics);
+* bytes per item of each format (``MaskTables``: its arrays and the per-state item metrics, what a replica holds;
+  ``manager_bytes_per_item`` adds the ``max_remaining`` the manager keeps for deltas);
 * the beam step's table work for ``--beams`` rows at random states of each depth: gathering every row's children
   (tokens and targets, what ``engines/transformers/tree_beams.py`` does) and advancing every row by one of its
   children (what the cursors do), for ``MaskTables`` (CSR gather; ``MaskTables.find_edges``, the service's batched
@@ -73,12 +74,15 @@ def build(fmt: str, ids: np.ndarray):
     return catalog_tables(_Items(ids), VOCAB)  # the items deduplicated by the caller (as a catalog's are)
 
 
-def mask_tables_bytes(tables) -> int:
+def mask_tables_bytes(tables) -> tuple[int, int]:
+    """(what a replica holds: the arrays and the item metrics; what the manager holds: that and ``max_remaining``,
+    which it keeps for deltas and never sends)."""
     from processors.tables import item_metrics
 
     min_rem, counts, _, _ = item_metrics(tables)
     extra = tables.__dict__.get("_max_remaining")
-    return int(tables.nbytes + min_rem.nbytes + counts.nbytes + (extra.nbytes if extra is not None else 0))
+    replica = int(tables.nbytes + min_rem.nbytes + counts.nbytes)
+    return replica, replica + (int(extra.nbytes) if extra is not None else 0)
 
 
 def compile_child(fmt: str, n: int, codebook: int) -> dict:
@@ -90,9 +94,10 @@ def compile_child(fmt: str, n: int, codebook: int) -> dict:
     t0 = time.perf_counter()
     tables = build(fmt, ids)
     seconds = time.perf_counter() - t0
-    nbytes = tables.nbytes if fmt == "packed" else mask_tables_bytes(tables)
+    nbytes, manager_bytes = (tables.nbytes,) * 2 if fmt == "packed" else mask_tables_bytes(tables)
     return {"compile_s": round(seconds, 3), "peak_rss_mb": round(peak_rss_bytes() / 2**20),
-            "peak_above_items_mb": round((peak_rss_bytes() - before) / 2**20), "bytes": nbytes}
+            "peak_above_items_mb": round((peak_rss_bytes() - before) / 2**20), "bytes": nbytes,
+            "manager_bytes": manager_bytes}
 
 
 # -- the step's table work --------------------------------------------------------------------------------------
@@ -274,6 +279,7 @@ def main() -> None:
         if n > args.old_max:  # MaskTables would not fit this machine: the packed tables alone
             res = run_json_subprocess([__file__, "--child", "packed", str(n), str(args.codebook)], timeout=3600)
             res["bytes_per_item"] = round(res.pop("bytes") / n, 2)
+            res.pop("manager_bytes")
             row["packed"] = res
             row["mask_tables"] = f"not compiled above --old-max {args.old_max:,} items"
             log(f"  packed: {res}")
@@ -283,6 +289,7 @@ def main() -> None:
             res = run_json_subprocess([__file__, "--child", "packed" if fmt == "packed" else "old", str(n),
                                        str(args.codebook)], timeout=3600)
             res["bytes_per_item"] = round(res.pop("bytes") / n, 2)
+            res["manager_bytes_per_item"] = round(res.pop("manager_bytes") / n, 2)
             row[fmt] = res
             log(f"  {fmt}: {res}")
         row["bytes_ratio"] = ratio(row["packed"]["bytes_per_item"], row["mask_tables"]["bytes_per_item"])

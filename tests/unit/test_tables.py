@@ -260,6 +260,7 @@ def test_batched_edge_search_matches_a_scan_of_each_state(seed):
         expect.append(hit)
         assert t.edge(s, w) == hit
     assert t.find_edges(states, want).tolist() == expect
+    assert np.concatenate([t.find_edges(states[i:i + 7], want[i:i + 7]) for i in range(0, 500, 7)]).tolist() == expect
     valid = (states >= 0) & (states < n_states)
     s, w = states[valid], want[valid]
     for side in ("left", "right"):
