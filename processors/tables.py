@@ -216,15 +216,6 @@ class MaskTables:
         ok &= at < self.offsets[s + 1]
         ok &= self.tokens.take(at, mode="clip") == want
         return np.where(ok, at, -1)
-        rows = np.flatnonzero(ok) if not ok.all() else None
-        s, t = (states, want) if rows is None else (states[rows], want[rows])
-        at = self.locate(s, t)
-        hit = (at < self.offsets[s + 1]) & (self.tokens[np.minimum(at, self.tokens.size - 1)] == t)
-        if rows is None:
-            out[hit] = at[hit]
-        else:
-            out[rows[hit]] = at[hit]
-        return out
 
     def step(self, state: int, token: int) -> int:
         """The state after ``token``: a state, ``LEAF``, ``DONE``, or ``LEAF`` for a token with no edge.
