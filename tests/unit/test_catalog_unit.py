@@ -117,3 +117,52 @@ def test_a_patched_catalogs_bytes_are_spliced_from_its_bases_exactly():
             assert spliced == written.content(), (trial, step)
             assert np.array_equal(ends, written.line_ends()), (trial, step)
             catalog = new
+
+
+def test_a_patch_finds_its_items_by_row_key_and_the_result_keeps_the_keys_exact(monkeypatch):
+    """A PATCH looks its items up by a hash of each row (catalog_delta.row_keys): through chains of deltas the result's
+    keys (its base's cut and appended) equal its own keys made afresh, and the report names exactly the items present
+    and absent, also when every row falls into one bucket (a collision on every key: the lines decide)."""
+    import random
+
+    import numpy as np
+
+    from processors.kinds.tree import catalog_delta
+    from processors.kinds.tree.catalog import Catalog
+    from processors.kinds.tree.catalog_delta import apply_tree_delta, catalog_row_keys, row_keys
+
+    for colliding in (False, True):
+        if colliding:  # every key the same: the flags and the key compare pass every row, the lines tell them apart
+            monkeypatch.setattr(catalog_delta, "row_keys", lambda flat, lengths: np.zeros(lengths.size, np.uint64))
+        rnd = random.Random(1)
+        for trial in range(150):
+            items = list({tuple(rnd.randint(3, 40) for _ in range(rnd.randint(0 if trial % 9 == 0 else 1, 4)))
+                          for _ in range(rnd.randint(1, 40))})
+            catalog = Catalog.from_items(5, 2, items)
+            catalog_row_keys(catalog)
+            for step in range(3):
+                current = {tuple(x) for x in catalog.items}
+                remove = [list(x) for x in rnd.sample(sorted(current), rnd.randint(0, len(current))) if x]
+                remove += [[x] for x in rnd.sample(range(41, 50), rnd.randint(0, 2))]  # not present
+                add = [list(x) for x in {tuple(rnd.randint(3, 40) for _ in range(rnd.randint(1, 4)))
+                                         for _ in range(rnd.randint(0, 6))}]
+                add = [a for a in add if a not in remove]
+                if not add and not remove:
+                    continue
+                new, report = apply_tree_delta(catalog, add, remove, vocab_size=100)
+                assert sorted(map(tuple, report.not_present)) == sorted(tuple(r) for r in remove
+                                                                        if tuple(r) not in current), (trial, step)
+                assert sorted(map(tuple, report.already_present)) == sorted(tuple(a) for a in add
+                                                                            if tuple(a) in current), (trial, step)
+                expect = (current - {tuple(r) for r in remove}) | {tuple(a) for a in add}
+                assert set(new.items) == expect and len(new.items) == len(expect)
+                if report.changed:
+                    assert new._row_keys is not None
+                    assert np.array_equal(new._row_keys, catalog_delta.row_keys(new.flat, new.lengths)), (trial, step)
+                catalog = new
+    # unequal rows, equal keys, would be rare: none among 200,000 random rows of 1-6 ids
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 7, size=200_000)
+    flat = rng.integers(0, 300, size=int(lengths.sum()))
+    unique_rows = len({tuple(r) for r in Catalog.from_flat(0, 0, flat, lengths).items})
+    assert np.unique(row_keys(flat, lengths)).size == unique_rows

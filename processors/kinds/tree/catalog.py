@@ -75,6 +75,7 @@ class Catalog:
         # makes its result's bytes from its base's by cutting and appending lines (catalog_delta.spliced_content)
         self._content: bytes | None = None
         self._ends: np.ndarray | None = None
+        self._row_keys: np.ndarray | None = None  # a key per item, what a PATCH looks items up by (catalog_delta.py)
 
     @classmethod
     def from_items(cls, start_token_id: int, end_token_id: int, items: list[tuple[int, ...]],
