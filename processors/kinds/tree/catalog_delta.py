@@ -56,7 +56,7 @@ def row_keys(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def catalog_row_keys(catalog: Catalog) -> np.ndarray:
     """:func:`row_keys` of ``catalog``'s items, made once per catalog (a PATCH's result gets its base's, cut and
     appended like its lines: no pass over every item's ids)."""
-    keys = getattr(catalog, "_row_keys", None)
+    keys = catalog._row_keys
     if keys is None:
         keys = row_keys(catalog.flat, catalog.lengths)
         catalog._row_keys = keys
@@ -183,7 +183,7 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
             base_meta = [m for i, m in enumerate(base_meta) if i not in gone]
         meta = base_meta + new_meta
     result = Catalog(catalog.start_token_id, catalog.end_token_id, lines, flat, lengths, catalog.options, meta)
-    base_keys = getattr(catalog, "_row_keys", None)
+    base_keys = catalog._row_keys
     if base_keys is not None:  # the base's row keys cut and appended like its rows (equal to the result's own)
         keys = np.delete(base_keys, rows) if rows else base_keys
         result._row_keys = np.concatenate((keys, row_keys(extra.flat, extra.lengths))) if extra else keys
