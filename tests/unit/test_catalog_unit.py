@@ -113,7 +113,7 @@ def test_a_patched_catalogs_bytes_are_spliced_from_its_bases_exactly():
             new, _ = apply_tree_delta(catalog, add, remove, vocab_size=100)
             spliced, ends = new._content, new._ends
             assert spliced is not None
-            written = Catalog(new.start_token_id, new.end_token_id, new.lines, new.flat, new.lengths)
+            written = Catalog(new.start_token_id, new.end_token_id, new.flat, new.lengths)
             assert spliced == written.content(), (trial, step)
             assert np.array_equal(ends, written.line_ends()), (trial, step)
             catalog = new
@@ -166,3 +166,97 @@ def test_a_patch_finds_its_items_by_row_key_and_the_result_keeps_the_keys_exact(
     flat = rng.integers(0, 300, size=int(lengths.sum()))
     unique_rows = len({tuple(r) for r in Catalog.from_flat(0, 0, flat, lengths).items})
     assert np.unique(row_keys(flat, lengths)).size == unique_rows
+
+
+def test_a_parsed_catalog_is_arrays_and_its_canonical_bytes(monkeypatch):
+    """A catalog parsed from an upload keeps no Python object per item: its ids as arrays, a key per item and the
+    canonical bytes made from the upload's text (spaces, carriage returns and blank lines dropped), equal to the
+    lines written out here by hand; a repeated item is found by its ids also when every key collides (a 422 naming
+    both lines)."""
+    import random
+
+    import numpy as np
+
+    from processors.kinds.tree import catalog as catalog_module
+    from processors.kinds.tree.catalog import parse_catalog, row_keys
+
+    rnd = random.Random(3)
+    for trial in range(200):
+        items = list({tuple(rnd.randint(3, 99) for _ in range(rnd.randint(1, 5))) for _ in range(rnd.randint(1, 30))})
+        text = []
+        for item in items:
+            text += ["", " \r"] * (rnd.random() < 0.2)  # blank lines, some with spaces
+            sep = rnd.choice([",", ", ", " ,"])
+            text.append(rnd.choice(["", " "]) + "[" + sep.join(map(str, item)) + "]" + rnd.choice(["", "\r", " "]))
+        body = ('{"start_token_id": 5, "end_token_id": 2}\n' + "\n".join(text) + rnd.choice(["", "\n", "\n\n"])).encode()
+        catalog = parse_catalog(body, vocab_size=100)
+        expect = (b'{"format":"cs-items","start_token_id":5,"end_token_id":2}\n'
+                  + b"".join(("[" + ",".join(map(str, i)) + "]\n").encode() for i in items))
+        assert catalog.content() == expect, trial
+        assert catalog.items == items and len(catalog) == len(items)
+        assert np.array_equal(catalog._row_keys, row_keys(catalog.flat, catalog.lengths))
+        assert not any(isinstance(value, list) for value in vars(catalog).values())  # nothing per item in Python
+        assert catalog.rows([len(items) - 1]) == [items[-1]]
+    monkeypatch.setattr(catalog_module, "row_keys", lambda flat, lengths: np.zeros(lengths.size, np.uint64))
+    distinct = parse_catalog(b'{"start_token_id": 5, "end_token_id": 2}\n[3,4]\n[4,3]\n[3]\n', vocab_size=100)
+    assert distinct.items == [(3, 4), (4, 3), (3,)]
+    with pytest.raises(ConstraintError) as info:
+        parse_catalog(b'{"start_token_id": 5, "end_token_id": 2}\n[3,4]\n[4,3]\n[3, 4]\n', vocab_size=100)
+    assert info.value.status == 422 and "line 4" in str(info.value) and "line 2" in str(info.value)
+
+
+@pytest.mark.parametrize("block", [1, 7, 64, 1 << 23])
+def test_the_catalog_fast_path_agrees_with_json_in_blocks_of_any_size(monkeypatch, block):
+    """The array-pass reading of item lines (catalog._fast_items, blocks cut at newlines and read two at a time)
+    against json.loads per line on random text over its alphabet: whatever it accepts is exactly what JSON reads
+    (lists of ids, blank lines skipped), and it accepts every body of well-formed lines; any block size gives the
+    same answer."""
+    import json as json_module
+    import random
+
+    import numpy as np
+
+    from processors.kinds.tree import catalog as catalog_module
+
+    monkeypatch.setattr(catalog_module, "_BLOCK", block)
+    rnd = random.Random(block)
+
+    def reference(body: bytes):
+        items = []
+        for line in body.split(b"\n"):
+            if not line.strip(b" \t\r"):
+                continue
+            try:
+                value = json_module.loads(line)
+            except ValueError:
+                return None
+            if not (isinstance(value, list) and value and all(type(v) is int and 0 <= v < 10**9 for v in value)):
+                return None
+            items.append(value)
+        return items
+
+    accepted = 0
+    for trial in range(1500):
+        if trial % 3 == 0:  # well formed, random spacing and blank lines
+            lines = ["[" + rnd.choice([",", ", ", " , "]).join(str(rnd.randint(0, 10**rnd.randint(1, 9) - 1))
+                                                              for _ in range(rnd.randint(1, 4))) + "]"
+                     for _ in range(rnd.randint(0, 12))]
+            lines = [line + rnd.choice(["", " ", "\r"]) for line in lines] + [""] * rnd.randint(0, 2)
+            rnd.shuffle(lines)
+            body = "\n".join(lines).encode()
+        else:  # anything over the alphabet
+            body = "".join(rnd.choice("[[]],,0123456789 \n") for _ in range(rnd.randint(0, 40))).encode()
+        fast, expect = catalog_module._fast_items(body), reference(body)
+        if trial % 3 == 0:
+            assert fast is not None, body
+        if fast is None:
+            continue
+        accepted += 1
+        texts, flat, lengths, keys = fast
+        text = b"".join(texts)
+        assert expect is not None, body
+        assert np.array_equal(keys, catalog_module.row_keys(flat, lengths))
+        assert flat.tolist() == [v for item in expect for v in item] and lengths.tolist() == list(map(len, expect))
+        assert text == b"".join(json_module.dumps(item, separators=(",", ":")).encode() + b"\n" for item in expect)
+        assert flat.dtype == np.int64 and lengths.dtype == np.int64
+    assert accepted > 500

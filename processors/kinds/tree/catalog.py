@@ -44,7 +44,7 @@ from processors.kinds.tree.catalog_tables import _row_order as _row_order  # re-
 from processors.kinds.tree.catalog_tables import catalog_tables, tree_file_bytes
 
 __all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "canonical_meta", "catalog_body", "check_items", "id_lines",
-           "items_from_tree", "list_lines", "catalog_tables", "parse_catalog", "split_item", "tree_file_bytes"]
+           "id_text", "items_from_tree", "list_lines", "catalog_tables", "parse_catalog", "row_keys", "split_item", "tree_file_bytes"]
 
 #: request content types read as a catalog (the first is the one documented)
 CATALOG_CONTENT_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
@@ -56,17 +56,20 @@ _SHOWN = 20  # bad lines named in one error
 class Catalog:
     """A parsed catalog: the root and end ids, the scenario fields of its header, and its items.
 
-    The items are kept three ways, all in catalog order: ``lines`` (each item's canonical text ``b"[12,40,7]"``,
-    what is stored and what a PATCH compares), and ``flat`` / ``lengths`` (every token id in one ``int64`` array,
-    and the number of ids per item) for the tree build. :attr:`items` gives tuples (small catalogs, tests)."""
+    The items are kept as arrays only, in catalog order: ``flat`` / ``lengths`` (every token id in one ``int64``
+    array, and the number of ids per item), what the tree build reads and what a PATCH cuts and appends, plus, once
+    made, a 64-bit key per item (``_row_keys``, what a PATCH looks items up by) and the canonical bytes
+    (:meth:`content`). No Python object per item: a list of each item's line took ~56 bytes per item (560 MB for
+    10^7 items, in each of the catalogs the manager keeps) and a PATCH copied it. :attr:`lines` (each item's
+    canonical text ``b"[12,40,7]"``) and :attr:`items` (tuples) are made when asked, for small catalogs and tests."""
 
-    def __init__(self, start_token_id: int, end_token_id: int, lines: list[bytes], flat: np.ndarray,
-                 lengths: np.ndarray, options: dict[str, Any] | None = None, meta: list[bytes | None] | None = None):
+    def __init__(self, start_token_id: int, end_token_id: int, flat: np.ndarray, lengths: np.ndarray,
+                 options: dict[str, Any] | None = None, meta: list[bytes | None] | None = None):
         self.start_token_id, self.end_token_id = int(start_token_id), int(end_token_id)
-        self.lines, self.flat, self.lengths = lines, flat, lengths
+        self.flat, self.lengths = flat, lengths
         self.options = dict(options or {})
-        # per item, its metadata object's canonical JSON (None: none); None when no item has metadata. ``lines``
-        # stay the bare ids (an item's identity, what a PATCH looks up); the stored line joins both (stored_line)
+        # per item, its metadata object's canonical JSON (None: none); None when no item has metadata. The ids stay
+        # an item's identity (what a PATCH looks up); the stored line joins both (stored_line)
         self.meta = meta
         self._metadata: Any = None
         # a PATCH's result: (stored lines cut from its base, stored lines appended), its content's line delta
@@ -82,30 +85,48 @@ class Catalog:
                    options: dict[str, Any] | None = None) -> "Catalog":
         lengths = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
         flat = np.fromiter(chain.from_iterable(items), dtype=np.int64, count=int(lengths.sum()))
-        return cls(start_token_id, end_token_id, [_line(item) for item in items], flat, lengths, options)
+        return cls(start_token_id, end_token_id, flat, lengths, options)
 
     @classmethod
     def from_flat(cls, start_token_id: int, end_token_id: int, flat: np.ndarray, lengths: np.ndarray,
                   options: dict[str, Any] | None = None) -> "Catalog":
         """The catalog of the items ``flat`` / ``lengths`` (every item's ids concatenated, each item's length)."""
         flat, lengths = np.asarray(flat, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
-        return cls(start_token_id, end_token_id, id_lines(flat, lengths), flat, lengths, options)
+        return cls(start_token_id, end_token_id, flat, lengths, options)
 
     def __len__(self) -> int:
-        return len(self.lines)
+        return int(self.lengths.size)
+
+    def starts(self) -> np.ndarray:
+        """Where each item's ids start in ``flat`` (int64; one pass over ``lengths``, not kept)."""
+        starts = np.zeros(self.lengths.size, dtype=np.int64)
+        np.cumsum(self.lengths[:-1], out=starts[1:])
+        return starts
+
+    def rows(self, rows: list[int]) -> list[tuple[int, ...]]:
+        """The items at ``rows`` as tuples (a PATCH's few rows: no pass over the other items' ids)."""
+        if not rows:
+            return []
+        starts = self.starts()[rows].tolist()
+        lengths = self.lengths[rows].tolist()
+        flat = self.flat
+        return [tuple(flat[s:s + n].tolist()) for s, n in zip(starts, lengths)]
+
+    @property
+    def lines(self) -> list[bytes]:
+        """Each item's canonical text (``b"[12,40,7]"``), made from the arrays at each call (small catalogs)."""
+        return id_lines(self.flat, self.lengths)
 
     @property
     def items(self) -> list[tuple[int, ...]]:
         offsets = np.concatenate(([0], np.cumsum(self.lengths))).tolist()
         flat = self.flat.tolist()
-        return [tuple(flat[offsets[i]:offsets[i + 1]]) for i in range(len(self.lines))]
+        return [tuple(flat[offsets[i]:offsets[i + 1]]) for i in range(len(self))]
 
     def stored_line(self, i: int) -> bytes:
         """Item ``i``'s line in :meth:`content`: its ids, or ``{"ids":[...],"metadata":{...}}`` with metadata."""
-        return _stored(self.lines[i], self.meta[i] if self.meta is not None else None)
-
-    def stored_lines(self) -> list[bytes]:
-        return self.lines if self.meta is None else list(map(_stored, self.lines, self.meta))
+        (item,) = self.rows([i])
+        return _stored(_line(item), self.meta[i] if self.meta is not None else None)
 
     def metadata_digest(self) -> str:
         """SHA-256 of the items' metadata in order (what versions a compiled catalog with its metadata)."""
@@ -134,9 +155,14 @@ class Catalog:
                            "end_token_id": self.end_token_id}, separators=(",", ":")).encode("ascii")
 
     def content(self) -> bytes:
-        """The canonical bytes (stored under their SHA-256): header with the two ids, one item per line (made once)."""
+        """The canonical bytes (stored under their SHA-256): header with the two ids, one item per line (made once;
+        without metadata by Arrow's string kernels, no Python object per item)."""
         if self._content is None:
-            self._content = self.header() + b"\n" + b"\n".join(self.stored_lines()) + (b"\n" if self.lines else b"")
+            if self.meta is None:
+                body = id_text(self.flat, self.lengths)
+            else:
+                body = b"".join(_stored(line, meta) + b"\n" for line, meta in zip(self.lines, self.meta))
+            self._content = self.header() + b"\n" + body
         return self._content
 
     def line_ends(self) -> np.ndarray:
@@ -156,16 +182,37 @@ def _line(item: Any) -> bytes:
     return ("[" + ",".join(map(str, item)) + "]").encode("ascii")
 
 
+def _id_lists(flat: np.ndarray, lengths: np.ndarray) -> Any:
+    """The items ``flat`` / ``lengths`` as an Arrow array of int64 lists (the arrays wrapped, not copied)."""
+    import pyarrow as pa
+
+    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat, type=pa.int64()))
+
+
 def id_lines(flat: np.ndarray, lengths: np.ndarray) -> list[bytes]:
     """Each item's line (``_line``) of the items ``flat`` / ``lengths`` (:func:`list_lines`: 4x a Python loop at 10^6
     items)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    lists = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat, type=pa.int64()))
-    return pc.cast(list_lines(lists), pa.large_binary()).to_pylist()
+    return pc.cast(list_lines(_id_lists(flat, lengths)), pa.large_binary()).to_pylist()
+
+
+def id_text(flat: np.ndarray, lengths: np.ndarray) -> bytes:
+    """Every item's line followed by a newline, as one bytes object: what follows the header in a catalog's content
+    (Arrow's string kernels and one copy out of Arrow's buffer, no Python object per item)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not lengths.size:
+        return b""
+    text = pa.large_string()
+    lines = pc.binary_join_element_wise(list_lines(_id_lists(flat, lengths)), pa.scalar("", text),
+                                        pa.scalar("\n", text))  # "line" + "\n" + "" per item
+    offsets = np.frombuffer(lines.buffers()[1], dtype=np.int64, count=len(lines) + 1, offset=8 * lines.offset)
+    return lines.buffers()[2][int(offsets[0]):int(offsets[-1])].to_pybytes()
 
 
 def list_lines(lists: Any) -> Any:
@@ -245,47 +292,100 @@ _SPACE_IN_NUMBER = re.compile(rb"[0-9][ \t\r]+[0-9]")
 _MAX_DIGITS = 9  # token ids are far below 10**9
 
 
-def _fast_items(body: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray] | None:
-    """``(lines, flat, lengths)`` of the item lines ``body`` when every line is a JSON array of plain decimal
+_BLOCK = 8 << 20  # the item lines are checked in blocks of about this many bytes (cut at newlines), two at a time
+
+
+def _fast_items(body: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(texts, flat, lengths, keys)`` of the item lines ``body`` when every line is a JSON array of plain decimal
     integers (any spaces between them) or blank, checked with array passes, no Python loop over lines or ids;
-    None when anything else is there (the JSON parse then names the problem)."""
-    if _SPACE_IN_NUMBER.search(body):
-        return None
-    compact = body.translate(None, b" \t\r")
-    if compact.translate(None, b"0123456789[],\n"):
+    ``texts`` joined are the lines in canonical form (no spaces), each ended by a newline, blank lines dropped;
+    ``keys`` each line's :func:`row_keys`. None when anything else is there (the JSON parse then names the problem).
+
+    The lines are read in blocks of about ``_BLOCK`` bytes cut at newlines, on two threads
+    (:func:`~processors.kinds.tree.scan.ordered_map`; numpy releases the GIL in its passes): the passes' temporary
+    arrays (several bytes per byte of text) are a block's, not the whole body's, and the blocks stay in cache."""
+    from .scan import ordered_map
+
+    if b" " in body or b"\t" in body or b"\r" in body:  # (a canonical upload has none: no regex pass over it)
+        if _SPACE_IN_NUMBER.search(body):
+            return None
+        body = body.translate(None, b" \t\r")
+    if body.translate(None, b"0123456789[],\n"):
         return None  # other characters: strings, floats, negative numbers, nested values, ...
-    a = np.frombuffer(compact + b"\n", dtype=np.uint8)
+    bounds = []
+    pos = 0
+    while pos < len(body):
+        end = body.find(b"\n", pos + _BLOCK)
+        end = len(body) if end < 0 else end + 1
+        bounds.append((pos, end))
+        pos = end
+    view = memoryview(body)
+    texts: list[bytes] = []
+    flats: list[np.ndarray] = []
+    lengths: list[np.ndarray] = []
+    keys: list[np.ndarray] = []
+    for part in ordered_map(lambda span: _fast_block(view[span[0]:span[1]]), bounds):
+        if part is None:
+            return None
+        texts.append(part[0])
+        flats.append(part[1])
+        lengths.append(part[2])
+        keys.append(part[3])
+    if not texts:
+        return [], np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint64)
+    return texts, np.concatenate(flats), np.concatenate(lengths), np.concatenate(keys)
+
+
+def _fast_block(block: memoryview) -> tuple[bytes, np.ndarray, np.ndarray, np.ndarray] | None:
+    """:func:`_fast_items` of one block of whole lines (no spaces left in it, only digits, brackets, commas and
+    newlines)."""
+    a = np.frombuffer(block, dtype=np.uint8)
+    if not a.size or a[-1] != 10:
+        a = np.append(a, np.uint8(10))  # (the body's last line, without its newline)
     nl = np.flatnonzero(a == 10)
-    starts = np.concatenate(([0], nl[:-1] + 1))
+    starts = np.empty(nl.size, dtype=np.int64)
+    starts[0] = 0
+    starts[1:] = nl[:-1] + 1
     keep = nl > starts  # non-blank lines
-    starts, ends = starts[keep], nl[keep]  # ends: the newline after the line
-    if starts.size == 0:
-        return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
-    is_digit = (a >= 48) & (a <= 57)
+    if not keep.all():  # the newlines of blank lines dropped: each line then ends with exactly one
+        drop = np.zeros(a.size, dtype=bool)
+        drop[nl[~keep]] = True
+        a = a[~drop]
+        nl = np.flatnonzero(a == 10)
+        starts = np.empty(nl.size, dtype=np.int64)
+        if nl.size:
+            starts[0] = 0
+            starts[1:] = nl[:-1] + 1
+    if not nl.size:
+        return b"", np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint64)
     opens, closes, commas = (a == 91), (a == 93), (a == 44)
     # one '[' first and one ']' last per line, nothing else but digits and commas in between
-    if not (opens[starts].all() and closes[ends - 1].all()):
+    if not (opens[starts].all() and closes[nl - 1].all()):
         return None
-    if int(opens.sum()) != starts.size or int(closes.sum()) != starts.size:
+    if int(np.count_nonzero(opens)) != starts.size or int(np.count_nonzero(closes)) != starts.size:
         return None
+    is_digit = (a >= 48) & (a <= 57)
     # every '[' and ',' is followed by a digit, every ']' and ',' preceded by one: no [], [,1], [1,,2], [1,]
-    if not (is_digit[np.flatnonzero(opens | commas) + 1].all() and is_digit[np.flatnonzero(closes | commas) - 1].all()):
+    before_digit = opens | commas
+    if not is_digit[1:][before_digit[:-1]].all():
+        return None
+    after_digit = closes | commas
+    if not is_digit[:-1][after_digit[1:]].all():
         return None
     # numbers: runs of digits; no leading zeros, at most _MAX_DIGITS digits
-    edge = np.diff(is_digit.astype(np.int8), prepend=np.int8(0))
+    edge = np.diff(is_digit.view(np.int8), prepend=np.int8(0))
     run_start, run_end = np.flatnonzero(edge == 1), np.flatnonzero(edge == -1)
     if run_start.size != run_end.size:
         return None
     run_len = run_end - run_start
     if run_len.max() > _MAX_DIGITS or ((a[run_start] == 48) & (run_len > 1)).any():
         return None
-    flat = np.fromstring(compact.translate(_TO_SPACE), dtype=np.int64, sep=" ")  # noqa: NPY201 - text mode
+    text = a.tobytes()
+    flat = np.fromstring(text.translate(_TO_SPACE), dtype=np.int64, sep=" ")  # noqa: NPY201 - text mode
     if flat.size != run_start.size:
         return None
-    line_of_comma = np.searchsorted(ends, np.flatnonzero(commas))
-    lengths = np.bincount(line_of_comma, minlength=starts.size).astype(np.int64) + 1
-    lines = [line for line in compact.split(b"\n") if line]
-    return lines, flat, lengths
+    lengths = np.add.reduceat(commas, starts, dtype=np.int64) + 1  # ids per line: its commas and one
+    return text, flat, lengths, row_keys(flat, lengths)
 
 
 def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None, allow_empty: bool = False,
@@ -334,20 +434,59 @@ def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None,
     if fast is None:
         return _slow_catalog(body, line_no + 1, start, end_id, options, vocab_size, max_items, allow_empty,
                              max_item_tokens)
-    lines, flat, lengths = fast
-    if max_items is not None and len(lines) > max_items:
-        raise _too_many(len(lines), max_items)
+    texts, flat, lengths, keys = fast
+    if max_items is not None and lengths.size > max_items:
+        raise _too_many(int(lengths.size), max_items)
     if max_item_tokens is not None:
         too_long = _first_too_long(lengths, max_item_tokens)
         if too_long is not None:  # its line number: the too_long-th non-blank line after the header
             numbers = [line_no + 1 + i for i, line in enumerate(body.split(b"\n")) if line.strip()]
             raise _item_too_long(f"line {numbers[too_long]}", int(lengths[too_long]), max_item_tokens, "items")
-    if not lines:
+    if not lengths.size:
         raise _bad("items: the catalog has no items (one JSON array of token ids per line after the header)", "items")
-    if flat.max() >= vocab_size or (flat == end_id).any() or len(set(lines)) != len(lines):
+    if flat.max() >= vocab_size or (flat == end_id).any() or _repeats(flat, lengths, keys):
         return _slow_catalog(body, line_no + 1, start, end_id, options, vocab_size, max_items,
                              allow_empty, max_item_tokens)  # to name the lines
-    return Catalog(start, end_id, lines, flat, lengths, options)
+    catalog = Catalog(start, end_id, flat, lengths, options)
+    catalog._content = b"".join([catalog.header(), b"\n", *texts])  # canonical: the lines as read, spaces dropped
+    catalog._row_keys = keys
+    return catalog
+
+
+def _repeats(flat: np.ndarray, lengths: np.ndarray, keys: np.ndarray) -> bool:
+    """Whether an item occurs twice: the rows whose key (:func:`row_keys`) another row shares, compared by their
+    ids (one sort of the keys, no set of every line)."""
+    ordered = np.sort(keys)
+    same = ordered[1:] == ordered[:-1]
+    if not same.any():
+        return False
+    rows = np.flatnonzero(np.isin(keys, ordered[1:][same])).tolist()
+    seen = Catalog(0, 0, flat, lengths).rows(rows)
+    return len(set(seen)) != len(seen)
+
+
+_MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: its powers weigh each position of a row
+
+
+def row_keys(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """A 64-bit key per row of ``flat`` / ``lengths`` (uint64): its ids and length hashed, with array passes over the
+    ids only (a polynomial in the ids, wrapping, then mixed). Equal rows have equal keys; unequal rows almost never
+    do, and whoever looks rows up by key compares the ids of the few that match anyway."""
+    n = lengths.size
+    out = lengths.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
+    if not flat.size:
+        return out
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    powers = np.cumprod(np.full(int(lengths.max()), _MULT, dtype=np.uint64))
+    terms = flat.astype(np.uint64) + np.uint64(1)
+    terms *= powers[np.arange(flat.size, dtype=np.int64) - np.repeat(starts, lengths)]
+    filled = lengths > 0
+    out[filled] += np.add.reduceat(terms, starts[filled])
+    out ^= out >> np.uint64(31)  # (a 64-bit finalizer: the low bits, which pick the buckets, depend on every id)
+    out *= np.uint64(0x94D049BB133111EB)
+    out ^= out >> np.uint64(29)
+    return out
 
 
 def _too_many(count: int, limit: int) -> ConstraintError:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from itertools import compress
 from typing import Any
 
 import numpy as np
@@ -16,10 +15,11 @@ import numpy as np
 from config import ConstraintError
 
 from ..patch import DeltaReport, PatchResult, check_disjoint, check_unique, refused
-from .catalog import _RESERVED, Catalog, _line, canonical_meta, catalog_body, check_items, items_from_tree, split_item
+from .catalog import (_RESERVED, Catalog, _line, _stored, canonical_meta, catalog_body, check_items, items_from_tree,
+                      row_keys, split_item)
 from .metadata import ItemMetadata
 
-__all__ = ["apply_tree_delta", "patch_stored_tree"]
+__all__ = ["apply_tree_delta", "catalog_row_keys", "patch_stored_tree", "row_keys"]
 
 
 def _too_many_after_patch(count: int, limit: int) -> ConstraintError:
@@ -28,29 +28,7 @@ def _too_many_after_patch(count: int, limit: int) -> ConstraintError:
                         {"field": "add", "limit_name": "max_tree_keys", "limit": limit})
 
 
-_MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: its powers weigh each position of a row
 _BUCKET_BITS = 22  # the wanted rows' keys marked in a table of 2^22 flags (4 MiB): one gather over every row
-
-
-def row_keys(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """A 64-bit key per row of ``flat`` / ``lengths`` (uint64): its ids and length hashed, with array passes over the
-    ids only (a polynomial in the ids, wrapping, then mixed). Equal rows have equal keys; unequal rows almost never
-    do, and :func:`_rows_of` compares the lines of the few that match anyway."""
-    n = lengths.size
-    out = lengths.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
-    if not flat.size:
-        return out
-    starts = np.zeros(n, dtype=np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    powers = np.cumprod(np.full(int(lengths.max()), _MULT, dtype=np.uint64))
-    terms = flat.astype(np.uint64) + np.uint64(1)
-    terms *= powers[np.arange(flat.size, dtype=np.int64) - np.repeat(starts, lengths)]
-    filled = lengths > 0
-    out[filled] += np.add.reduceat(terms, starts[filled])
-    out ^= out >> np.uint64(31)  # (a 64-bit finalizer: the low bits, which pick the buckets, depend on every id)
-    out *= np.uint64(0x94D049BB133111EB)
-    out ^= out >> np.uint64(29)
-    return out
 
 
 def catalog_row_keys(catalog: Catalog) -> np.ndarray:
@@ -63,14 +41,12 @@ def catalog_row_keys(catalog: Catalog) -> np.ndarray:
     return keys
 
 
-def _rows_of(catalog: Catalog, items: list[tuple[int, ...]]) -> dict[bytes, int]:
-    """``{line: row}`` for the lines of ``items`` that ``catalog`` holds, without a Python test of every line or a
-    set of them all (building one costs ~65 ms at 10^6 items): the rows whose key (:func:`catalog_row_keys`) is one
-    of ``items``' keys, found with one gather of every row's bucket flag; only their lines (about as many as
-    ``items``) are compared."""
+def _rows_of(catalog: Catalog, items: list[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
+    """``{item: row}`` for the ``items`` that ``catalog`` holds, without a Python test of every row or a set of them
+    all: the rows whose key (:func:`catalog_row_keys`) is one of ``items``' keys, found with one gather of every row's
+    bucket flag; only their ids (about as many rows as ``items``) are compared."""
     if not items:
         return {}
-    lines = catalog.lines
     code = catalog_row_keys(catalog)
     want = Catalog.from_items(0, 0, items)
     wanted = row_keys(want.flat, want.lengths)
@@ -78,37 +54,28 @@ def _rows_of(catalog: Catalog, items: list[tuple[int, ...]]) -> dict[bytes, int]
     flags = np.zeros(1 << _BUCKET_BITS, dtype=bool)
     flags[(wanted & mask).astype(np.int64)] = True
     rows = np.flatnonzero(flags[(code & mask).astype(np.int64)])
-    rows = rows[np.isin(code[rows], wanted)]
-    mine = set(want.lines)
-    return {line: i for i in rows.tolist() if (line := lines[i]) in mine}
+    rows = rows[np.isin(code[rows], wanted)].tolist()
+    mine = set(items)
+    return {item: row for row, item in zip(rows, catalog.rows(rows)) if item in mine}
 
 
-def _cut_rows(catalog: Catalog, rows: list[int], extra: Catalog | None) -> tuple[list[bytes], np.ndarray, np.ndarray]:
-    """``(lines, flat, lengths)`` of ``catalog`` less the rows ``rows`` (ascending), with ``extra``'s appended: each
-    array written once, by slices between the removed rows (one filtering pass per array when they are many)."""
-    lines, flat, lengths = catalog.lines, catalog.flat, catalog.lengths
+def _cut_rows(catalog: Catalog, rows: list[int], extra: Catalog | None) -> tuple[np.ndarray, np.ndarray]:
+    """``(flat, lengths)`` of ``catalog`` less the rows ``rows`` (ascending), with ``extra``'s appended: each array
+    written once, by slices between the removed rows (one filtering pass per array when they are many)."""
+    flat, lengths = catalog.flat, catalog.lengths
     tail = [extra.flat] if extra else []
-    if len(rows) * 16 > len(lines):
-        keep = np.ones(len(lines), dtype=bool)
+    if len(rows) * 16 > lengths.size:
+        keep = np.ones(lengths.size, dtype=bool)
         keep[rows] = False
-        lines = list(compress(lines, keep))
         flat = np.concatenate((flat[np.repeat(keep, lengths)], *tail))
     else:
-        out: list[bytes] = []
-        at = 0
-        for i in rows:
-            out += lines[at:i]
-            at = i + 1
-        out += lines[at:]
-        lines = out
         ends = np.cumsum(lengths)[rows]  # where each removed row's ids end in flat, and start
         starts = ends - lengths[rows]
         flat = np.concatenate([flat[x:y] for x, y in zip([0, *ends.tolist()], [*starts.tolist(), flat.size])] + tail)
     lengths = np.delete(lengths, rows)
     if extra:
-        lines.extend(extra.lines)  # (a list of this result's own)
         lengths = np.concatenate((lengths, extra.lengths))
-    return lines, flat, lengths
+    return flat, lengths
 
 
 def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, vocab_size: int,
@@ -130,11 +97,11 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
     check_unique(removes, "remove")
     check_disjoint(adds, removes)
     updates = _updates(update or [], catalog, vocab_size, set(adds) | set(removes))
-    present = _rows_of(catalog, adds + removes + [ids for ids, _ in updates])  # {line: row} the catalog holds
+    present = _rows_of(catalog, adds + removes + [ids for ids, _ in updates])  # {item: row} the catalog holds
     report = DeltaReport()
     rows: list[int] = []
     for item in removes:
-        row = present.get(_line(item))
+        row = present.get(item)
         if row is not None:
             rows.append(row)
         else:
@@ -142,7 +109,7 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
     new_items = []
     new_meta: list[bytes | None] = []
     for i, item in enumerate(adds):
-        if _line(item) in present:
+        if item in present:
             report.already_present.append(list(item))
         else:
             new_items.append(item)
@@ -151,7 +118,7 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
     # an update: the item's row cut and appended again with its new metadata (the stored lines stay a line delta)
     meta_of_row: dict[int, bytes | None] = {}
     for i, (ids, wanted) in enumerate(updates):
-        row = present.get(_line(ids))
+        row = present.get(ids)
         if row is None:
             raise refused(f"update[{i}]: {list(ids)} is not an item of the catalog (add it instead)", "update")
         old = catalog.meta[row] if catalog.meta is not None else None
@@ -161,20 +128,17 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
     moved = sorted(meta_of_row)
     if moved:
         rows = rows + moved
-        ends = np.cumsum(catalog.lengths)
-        flat = catalog.flat
-        new_items = new_items + [tuple(flat[ends[row] - catalog.lengths[row]:ends[row]].tolist()) for row in moved]
+        new_items = new_items + catalog.rows(moved)
         new_meta = new_meta + [meta_of_row[row] for row in moved]
     rows.sort()
-    lines, flat, lengths = catalog.lines, catalog.flat, catalog.lengths
+    flat, lengths = catalog.flat, catalog.lengths
     extra = Catalog.from_items(0, 0, new_items) if new_items else None
     if rows:  # the removed rows cut out, and the added ones appended
-        lines, flat, lengths = _cut_rows(catalog, rows, extra)
+        flat, lengths = _cut_rows(catalog, rows, extra)
     elif extra:
-        lines = lines + extra.lines
         flat, lengths = np.concatenate((flat, extra.flat)), np.concatenate((lengths, extra.lengths))
-    if max_items is not None and len(lines) > max_items:
-        raise _too_many_after_patch(len(lines), max_items)
+    if max_items is not None and lengths.size > max_items:
+        raise _too_many_after_patch(int(lengths.size), max_items)
     meta = None
     if catalog.meta is not None or any(m is not None for m in new_meta) or moved:  # the metadata cut and appended alike
         base_meta = catalog.meta if catalog.meta is not None else [None] * len(catalog)
@@ -182,7 +146,7 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
             gone = set(rows)
             base_meta = [m for i, m in enumerate(base_meta) if i not in gone]
         meta = base_meta + new_meta
-    result = Catalog(catalog.start_token_id, catalog.end_token_id, lines, flat, lengths, catalog.options, meta)
+    result = Catalog(catalog.start_token_id, catalog.end_token_id, flat, lengths, catalog.options, meta)
     base_keys = catalog._row_keys
     if base_keys is not None:  # the base's row keys cut and appended like its rows (equal to the result's own)
         keys = np.delete(base_keys, rows) if rows else base_keys
@@ -196,9 +160,10 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
             result._metadata = base_columns.spliced(keep, added)
         else:
             result.metadata()
-    added_lines = [result.stored_line(len(lines) - len(new_items) + k) for k in range(len(new_items))]
+    added_lines = [_stored(_line(item), m) for item, m in zip(new_items, new_meta)]
     # the stored lines cut and appended: the content's line delta (what Redis keeps of this version)
-    result.line_delta = ([catalog.stored_line(row) for row in rows], added_lines)
+    result.line_delta = ([_stored(_line(item), catalog.meta[row] if catalog.meta is not None else None)
+                          for row, item in zip(rows, catalog.rows(rows))], added_lines)
     if catalog._content is not None:  # its bytes from the base's (else made from the lines when asked for)
         result._content, result._ends = _spliced_content(catalog, rows, added_lines)
     return result, report

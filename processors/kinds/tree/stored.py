@@ -237,9 +237,8 @@ class TreeContent:
                 data = handle.read()
             # a stored catalog may hold the empty item (a patched tree whose root allows the end token)
             cached = parse_catalog(data, vocab_size=self.vocab_size, allow_empty=True)
-            head = cached.header()
-            if data.startswith(head + b"\n") and len(data) == len(head) + 1 + sum(map(len, cached.lines)) + len(cached):
-                cached._content = data  # its canonical bytes as they are (a PATCH splices its result's from them)
+            if cached.content() == data:
+                cached._content = data  # its canonical bytes as they are, one copy (a PATCH splices its result's from them)
             self.remember_catalog(sha, cached)
         return cached
 
