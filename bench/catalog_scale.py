@@ -82,7 +82,8 @@ def mask_tables_bytes(tables) -> tuple[int, int]:
     min_rem, counts, _, _ = item_metrics(tables)
     extra = tables.__dict__.get("_max_remaining")
     replica = int(tables.nbytes + min_rem.nbytes + counts.nbytes)
-    return replica, replica + (int(extra.nbytes) if extra is not None else 0)
+    own = extra is not None and not np.shares_memory(extra, min_rem)  # (a uniform catalog's is min_remaining itself)
+    return replica, replica + (int(extra.nbytes) if own else 0)
 
 
 def compile_child(fmt: str, n: int, codebook: int) -> dict:

@@ -430,10 +430,11 @@ def _item_metrics(tables: "MaskTables") -> tuple[np.ndarray, np.ndarray, bool, i
         ready = uniq[pending[uniq] == 0]
     uniform = bool(np.array_equal(min_rem, max_rem))
     deepest = int(max_rem.max())
-    # the longest way down per state: what a delta (processors/kinds/tree/delta.py) needs to update `uniform`/`deepest`
-    tables.__dict__["_max_remaining"] = _freeze(np.minimum(max_rem, _UNSET).astype(np.int32))
-    return (_freeze(min_rem.astype(np.int32)), _freeze(np.minimum(items, np.iinfo(np.int32).max).astype(np.int32)),
-            uniform, deepest)
+    min_out = _freeze(min_rem.astype(np.int32))
+    # the longest way down per state: what a delta (processors/kinds/tree/delta.py) needs to update `uniform`/`deepest`;
+    # in a uniform tree (every fixed-depth catalog) it is min_remaining itself, kept once (4 bytes per state)
+    tables.__dict__["_max_remaining"] = min_out if uniform else _freeze(np.minimum(max_rem, _UNSET).astype(np.int32))
+    return min_out, _freeze(np.minimum(items, np.iinfo(np.int32).max).astype(np.int32)), uniform, deepest
 
 
 def _item_metrics_by_rounds(tables: "MaskTables") -> tuple[np.ndarray, np.ndarray, bool, int]:

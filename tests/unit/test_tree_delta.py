@@ -151,3 +151,25 @@ def test_the_items_read_from_a_trees_tables_are_those_of_the_loaded_tree(seed, t
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
     got = [tuple(flat[s:s + n].tolist()) for s, n in zip(starts.tolist(), lengths.tolist())]
     assert sorted(got) == sorted(items_from_tree(tree)) and len(got) == len(set(got))
+
+
+def test_a_uniform_catalogs_longest_way_down_is_its_shortest_kept_once():
+    """In a fixed-depth catalog max_remaining equals min_remaining: the tables keep one array for both (4 bytes per
+    state less on the manager), through a delta that keeps the catalog uniform; a delta that breaks it gives
+    max_remaining an array of its own with the full compile's values, and one that restores it shares again."""
+    rnd = np.random.default_rng(5)
+    items = {tuple(int(t) for t in rnd.integers(3, VOCAB, size=3)) for _ in range(300)}
+    tables = full(items)
+    min_rem, _, uniform, _ = item_metrics(tables)
+    assert uniform and max_remaining(tables) is min_rem
+    add = [tuple(int(t) for t in rnd.integers(3, VOCAB, size=3)) for _ in range(5)]
+    add = [a for a in add if a not in items]
+    remove = sorted(items)[:4]
+    tables, items = apply(tables, items, add, remove)
+    assert item_metrics(tables)[2] and max_remaining(tables) is item_metrics(tables)[0]
+    longer = [(5, 6, 7, 8)]
+    tables, items = apply(tables, items, longer, [])
+    assert not item_metrics(tables)[2]
+    assert not np.shares_memory(max_remaining(tables), item_metrics(tables)[0])
+    tables, items = apply(tables, items, [], longer)
+    assert item_metrics(tables)[2] and max_remaining(tables) is item_metrics(tables)[0]

@@ -357,4 +357,5 @@ class _Plan:
             items[states] = np.minimum(np.add.reduceat(e_items, starts), _INT32_MAX)
         uniform = bool(np.array_equal(min_rem, max_rem))
         deepest = int(max_rem.max()) if self.n_new else 1
-        return (_freeze(min_rem), _freeze(items), uniform, deepest), _freeze(max_rem)
+        min_rem = _freeze(min_rem)  # (uniform: the longest way down is the shortest, kept once, as item_metrics does)
+        return (min_rem, _freeze(items), uniform, deepest), min_rem if uniform else _freeze(max_rem)
