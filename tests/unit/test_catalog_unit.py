@@ -195,6 +195,8 @@ def test_a_parsed_catalog_is_arrays_and_its_canonical_bytes(monkeypatch):
         assert catalog.content() == expect, trial
         assert catalog.items == items and len(catalog) == len(items)
         assert np.array_equal(catalog._row_keys, row_keys(catalog.flat, catalog.lengths))
+        assert catalog.line_ends().tolist() == (np.flatnonzero(np.frombuffer(expect, dtype=np.uint8) == 10)[1:]
+                                                + 1).tolist()
         assert not any(isinstance(value, list) for value in vars(catalog).values())  # nothing per item in Python
         assert catalog.rows([len(items) - 1]) == [items[-1]]
     monkeypatch.setattr(catalog_module, "row_keys", lambda flat, lengths: np.zeros(lengths.size, np.uint64))
@@ -252,8 +254,9 @@ def test_the_catalog_fast_path_agrees_with_json_in_blocks_of_any_size(monkeypatc
         if fast is None:
             continue
         accepted += 1
-        texts, flat, lengths, keys = fast
+        texts, flat, lengths, keys, ends = fast
         text = b"".join(texts)
+        assert ends.tolist() == (np.flatnonzero(np.frombuffer(text, dtype=np.uint8) == 10) + 1).tolist()
         assert expect is not None, body
         assert np.array_equal(keys, catalog_module.row_keys(flat, lengths))
         assert flat.tolist() == [v for item in expect for v in item] and lengths.tolist() == list(map(len, expect))

@@ -97,17 +97,20 @@ class Catalog:
     def __len__(self) -> int:
         return int(self.lengths.size)
 
-    def starts(self) -> np.ndarray:
-        """Where each item's ids start in ``flat`` (int64; one pass over ``lengths``, not kept)."""
-        starts = np.zeros(self.lengths.size, dtype=np.int64)
-        np.cumsum(self.lengths[:-1], out=starts[1:])
-        return starts
+    def starts(self, rows: Any = None) -> np.ndarray:
+        """Where each item's ids start in ``flat`` (int64, not kept); ``rows``: those rows' only, from one summing
+        pass over ``lengths`` between them (no array per item made: a PATCH's few rows of a large catalog)."""
+        if rows is None:
+            starts = np.zeros(self.lengths.size, dtype=np.int64)
+            np.cumsum(self.lengths[:-1], out=starts[1:])
+            return starts
+        return offsets_at(self.lengths, rows)
 
     def rows(self, rows: list[int]) -> list[tuple[int, ...]]:
         """The items at ``rows`` as tuples (a PATCH's few rows: no pass over the other items' ids)."""
         if not rows:
             return []
-        starts = self.starts()[rows].tolist()
+        starts = self.starts(rows).tolist()
         lengths = self.lengths[rows].tolist()
         flat = self.flat
         return [tuple(flat[s:s + n].tolist()) for s, n in zip(starts, lengths)]
@@ -171,6 +174,22 @@ class Catalog:
             newlines = np.flatnonzero(np.frombuffer(self.content(), dtype=np.uint8) == 10)
             self._ends = newlines[1:] + 1  # (the first newline ends the header)
         return self._ends
+
+
+def offsets_at(sizes: np.ndarray, rows: Any) -> np.ndarray:
+    """``concatenate(([0], cumsum(sizes)))[rows]`` for a few ``rows`` (int64, any order), without the cumulative
+    array: one ``add.reduceat`` over ``sizes`` between the rows, and a cumulative sum of those few sums."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if not rows.size:
+        return np.zeros(0, dtype=np.int64)
+    bounds, at = np.unique(rows, return_inverse=True)
+    inside = bounds[bounds < sizes.size]
+    cuts = np.concatenate(([0], inside)) if not inside.size or inside[0] else inside
+    sums = np.add.reduceat(sizes, cuts, dtype=np.int64) if sizes.size else np.zeros(1, np.int64)
+    before = np.zeros(cuts.size + 1, dtype=np.int64)
+    np.cumsum(sums, out=before[1:])  # before[i]: the sum of sizes[:cuts[i]]; before[-1]: of all
+    cuts_all = np.concatenate((cuts, [sizes.size]))
+    return before[np.searchsorted(cuts_all, bounds)][at.ravel()]
 
 
 def _stored(line: bytes, meta: bytes | None) -> bytes:
@@ -295,11 +314,12 @@ _MAX_DIGITS = 9  # token ids are far below 10**9
 _BLOCK = 8 << 20  # the item lines are checked in blocks of about this many bytes (cut at newlines), two at a time
 
 
-def _fast_items(body: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray, np.ndarray] | None:
-    """``(texts, flat, lengths, keys)`` of the item lines ``body`` when every line is a JSON array of plain decimal
+def _fast_items(body: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(texts, flat, lengths, keys, ends)`` of the item lines ``body`` when every line is a JSON array of plain decimal
     integers (any spaces between them) or blank, checked with array passes, no Python loop over lines or ids;
     ``texts`` joined are the lines in canonical form (no spaces), each ended by a newline, blank lines dropped;
-    ``keys`` each line's :func:`row_keys`. None when anything else is there (the JSON parse then names the problem).
+    ``keys`` each line's :func:`row_keys`, ``ends`` where each line ends in the joined text (after its newline).
+    None when anything else is there (the JSON parse then names the problem).
 
     The lines are read in blocks of about ``_BLOCK`` bytes cut at newlines, on two threads
     (:func:`~processors.kinds.tree.scan.ordered_map`; numpy releases the GIL in its passes): the passes' temporary
@@ -324,6 +344,8 @@ def _fast_items(body: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray, np.nd
     flats: list[np.ndarray] = []
     lengths: list[np.ndarray] = []
     keys: list[np.ndarray] = []
+    ends: list[np.ndarray] = []
+    at = 0
     for part in ordered_map(lambda span: _fast_block(view[span[0]:span[1]]), bounds):
         if part is None:
             return None
@@ -331,12 +353,14 @@ def _fast_items(body: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray, np.nd
         flats.append(part[1])
         lengths.append(part[2])
         keys.append(part[3])
+        ends.append(part[4] + at)
+        at += len(part[0])
     if not texts:
-        return [], np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint64)
-    return texts, np.concatenate(flats), np.concatenate(lengths), np.concatenate(keys)
+        return [], np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.int64)
+    return texts, np.concatenate(flats), np.concatenate(lengths), np.concatenate(keys), np.concatenate(ends)
 
 
-def _fast_block(block: memoryview) -> tuple[bytes, np.ndarray, np.ndarray, np.ndarray] | None:
+def _fast_block(block: memoryview) -> tuple[bytes, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """:func:`_fast_items` of one block of whole lines (no spaces left in it, only digits, brackets, commas and
     newlines)."""
     a = np.frombuffer(block, dtype=np.uint8)
@@ -357,7 +381,7 @@ def _fast_block(block: memoryview) -> tuple[bytes, np.ndarray, np.ndarray, np.nd
             starts[0] = 0
             starts[1:] = nl[:-1] + 1
     if not nl.size:
-        return b"", np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint64)
+        return b"", np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.int64)
     opens, closes, commas = (a == 91), (a == 93), (a == 44)
     # one '[' first and one ']' last per line, nothing else but digits and commas in between
     if not (opens[starts].all() and closes[nl - 1].all()):
@@ -385,7 +409,7 @@ def _fast_block(block: memoryview) -> tuple[bytes, np.ndarray, np.ndarray, np.nd
     if flat.size != run_start.size:
         return None
     lengths = np.add.reduceat(commas, starts, dtype=np.int64) + 1  # ids per line: its commas and one
-    return text, flat, lengths, row_keys(flat, lengths)
+    return text, flat, lengths, row_keys(flat, lengths), nl + 1
 
 
 def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None, allow_empty: bool = False,
@@ -434,7 +458,7 @@ def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None,
     if fast is None:
         return _slow_catalog(body, line_no + 1, start, end_id, options, vocab_size, max_items, allow_empty,
                              max_item_tokens)
-    texts, flat, lengths, keys = fast
+    texts, flat, lengths, keys, ends = fast
     if max_items is not None and lengths.size > max_items:
         raise _too_many(int(lengths.size), max_items)
     if max_item_tokens is not None:
@@ -448,8 +472,9 @@ def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None,
         return _slow_catalog(body, line_no + 1, start, end_id, options, vocab_size, max_items,
                              allow_empty, max_item_tokens)  # to name the lines
     catalog = Catalog(start, end_id, flat, lengths, options)
-    catalog._content = b"".join([catalog.header(), b"\n", *texts])  # canonical: the lines as read, spaces dropped
-    catalog._row_keys = keys
+    head = catalog.header() + b"\n"
+    catalog._content = b"".join([head, *texts])  # canonical: the lines as read, spaces dropped
+    catalog._ends, catalog._row_keys = ends + len(head), keys
     return catalog
 
 
