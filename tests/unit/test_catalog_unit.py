@@ -261,5 +261,5 @@ def test_the_catalog_fast_path_agrees_with_json_in_blocks_of_any_size(monkeypatc
         assert np.array_equal(keys, catalog_module.row_keys(flat, lengths))
         assert flat.tolist() == [v for item in expect for v in item] and lengths.tolist() == list(map(len, expect))
         assert text == b"".join(json_module.dumps(item, separators=(",", ":")).encode() + b"\n" for item in expect)
-        assert flat.dtype == np.int64 and lengths.dtype == np.int64
+        assert flat.dtype == np.int32 and lengths.dtype == np.int32
     assert accepted > 500

@@ -56,8 +56,8 @@ _SHOWN = 20  # bad lines named in one error
 class Catalog:
     """A parsed catalog: the root and end ids, the scenario fields of its header, and its items.
 
-    The items are kept as arrays only, in catalog order: ``flat`` / ``lengths`` (every token id in one ``int64``
-    array, and the number of ids per item), what the tree build reads and what a PATCH cuts and appends, plus, once
+    The items are kept as arrays only, in catalog order: ``flat`` / ``lengths`` (every token id in one ``int32``
+    array, and the number of ids per item, ``int32``: token ids and item lengths are far below 2^31), what the tree build reads and what a PATCH cuts and appends, plus, once
     made, a 64-bit key per item (``_row_keys``, what a PATCH looks items up by) and the canonical bytes
     (:meth:`content`). No Python object per item: a list of each item's line took ~56 bytes per item (560 MB for
     10^7 items, in each of the catalogs the manager keeps) and a PATCH copied it. :attr:`lines` (each item's
@@ -66,7 +66,8 @@ class Catalog:
     def __init__(self, start_token_id: int, end_token_id: int, flat: np.ndarray, lengths: np.ndarray,
                  options: dict[str, Any] | None = None, meta: list[bytes | None] | None = None):
         self.start_token_id, self.end_token_id = int(start_token_id), int(end_token_id)
-        self.flat, self.lengths = flat, lengths
+        # (int32 whatever the caller gives: 4 bytes per id less than int64, in every catalog kept and every PATCH's copy)
+        self.flat, self.lengths = np.asarray(flat, dtype=np.int32), np.asarray(lengths, dtype=np.int32)
         self.options = dict(options or {})
         # per item, its metadata object's canonical JSON (None: none); None when no item has metadata. The ids stay
         # an item's identity (what a PATCH looks up); the stored line joins both (stored_line)
@@ -83,15 +84,14 @@ class Catalog:
     @classmethod
     def from_items(cls, start_token_id: int, end_token_id: int, items: list[tuple[int, ...]],
                    options: dict[str, Any] | None = None) -> "Catalog":
-        lengths = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
-        flat = np.fromiter(chain.from_iterable(items), dtype=np.int64, count=int(lengths.sum()))
+        lengths = np.fromiter(map(len, items), dtype=np.int32, count=len(items))
+        flat = np.fromiter(chain.from_iterable(items), dtype=np.int32, count=int(lengths.sum()))
         return cls(start_token_id, end_token_id, flat, lengths, options)
 
     @classmethod
     def from_flat(cls, start_token_id: int, end_token_id: int, flat: np.ndarray, lengths: np.ndarray,
                   options: dict[str, Any] | None = None) -> "Catalog":
         """The catalog of the items ``flat`` / ``lengths`` (every item's ids concatenated, each item's length)."""
-        flat, lengths = np.asarray(flat, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
         return cls(start_token_id, end_token_id, flat, lengths, options)
 
     def __len__(self) -> int:
@@ -202,12 +202,12 @@ def _line(item: Any) -> bytes:
 
 
 def _id_lists(flat: np.ndarray, lengths: np.ndarray) -> Any:
-    """The items ``flat`` / ``lengths`` as an Arrow array of int64 lists (the arrays wrapped, not copied)."""
+    """The items ``flat`` / ``lengths`` as an Arrow array of integer lists (the ids wrapped, not copied)."""
     import pyarrow as pa
 
     offsets = np.zeros(lengths.size + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat, type=pa.int64()))
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat))
 
 
 def id_lines(flat: np.ndarray, lengths: np.ndarray) -> list[bytes]:
@@ -356,7 +356,7 @@ def _fast_items(body: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray, np.nd
         ends.append(part[4] + at)
         at += len(part[0])
     if not texts:
-        return [], np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.int64)
+        return [], np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.uint64), np.zeros(0, np.int64)
     return texts, np.concatenate(flats), np.concatenate(lengths), np.concatenate(keys), np.concatenate(ends)
 
 
@@ -381,7 +381,7 @@ def _fast_block(block: memoryview) -> tuple[bytes, np.ndarray, np.ndarray, np.nd
             starts[0] = 0
             starts[1:] = nl[:-1] + 1
     if not nl.size:
-        return b"", np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.int64)
+        return b"", np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.uint64), np.zeros(0, np.int64)
     opens, closes, commas = (a == 91), (a == 93), (a == 44)
     # one '[' first and one ']' last per line, nothing else but digits and commas in between
     if not (opens[starts].all() and closes[nl - 1].all()):
@@ -408,7 +408,8 @@ def _fast_block(block: memoryview) -> tuple[bytes, np.ndarray, np.ndarray, np.nd
     flat = np.fromstring(text.translate(_TO_SPACE), dtype=np.int64, sep=" ")  # noqa: NPY201 - text mode
     if flat.size != run_start.size:
         return None
-    lengths = np.add.reduceat(commas, starts, dtype=np.int64) + 1  # ids per line: its commas and one
+    lengths = np.add.reduceat(commas, starts, dtype=np.int32) + 1  # ids per line: its commas and one
+    flat = flat.astype(np.int32)  # (at most _MAX_DIGITS digits: below 2^31)
     return text, flat, lengths, row_keys(flat, lengths), nl + 1
 
 
