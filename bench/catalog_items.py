@@ -7,7 +7,7 @@ manager parses a PUT (``parse_catalog``, then its canonical bytes, ``Catalog.con
 PATCHes of ``--delta`` items (half new items added, half present ones removed) apply the delta to the item list
 (``apply_tree_delta``: what the manager's log calls the items step) and hash the new catalog's bytes (the bytes
 step). ``catalog_mb`` is the parse's RSS growth with the upload's bytes held (the catalog's arrays, Python objects
-and canonical bytes). The tables are not built here (``bench/catalog_scale.py`` and ``bench/catalog_patch.py`` time
+and canonical bytes); ``held_mb`` counts what the catalog holds object by object. The tables are not built here (``bench/catalog_scale.py`` and ``bench/catalog_patch.py`` time
 them).
 
     .venv/bin/python bench/catalog_items.py --items 1000000,10000000 --other /tmp/before
@@ -67,6 +67,20 @@ def upload_text(rows: np.ndarray) -> bytes:
     return head + lines.buffers()[2][int(offsets[0]):int(offsets[-1])].to_pybytes()
 
 
+def held_bytes(catalog) -> int:
+    """What the parsed catalog holds, counted object by object (RSS also counts memory freed but not returned):
+    its arrays' bytes, its bytes objects, and a list's slots and elements."""
+    total = 0
+    for value in vars(catalog).values():
+        if isinstance(value, np.ndarray):
+            total += value.nbytes
+        elif isinstance(value, (bytes, bytearray)):
+            total += len(value)
+        elif isinstance(value, list):
+            total += sys.getsizeof(value) + sum(sys.getsizeof(x) for x in value)
+    return total
+
+
 def measure(n: int, delta: int, rounds: int) -> dict:
     from processors.kinds.tree.catalog import parse_catalog
     from processors.kinds.tree.catalog_delta import apply_tree_delta
@@ -83,6 +97,7 @@ def measure(n: int, delta: int, rounds: int) -> dict:
     out: dict = {"items": n, "parse_s": round(time.perf_counter() - t0, 3)}
     gc.collect()
     out["catalog_mb"] = round((rss_bytes() - before) / 2**20, 1)
+    out["held_mb"] = round(held_bytes(catalog) / 2**20, 1)
     rng = np.random.default_rng(7)
     picks = rng.choice(n, size=rounds * (delta - delta // 2), replace=False).reshape(rounds, -1)  # never re-added
     items_s, bytes_s = [], []
@@ -137,7 +152,7 @@ def main() -> None:
             log(side, json.dumps(row[side]))
         if "other" in row:
             row["other_over_this"] = {k: ratio(row["other"][k], row["this"][k]) for k in
-                                      ("parse_s", "catalog_mb", "patch_items_first_s", "patch_items_s", "patch_bytes_s",
+                                      ("parse_s", "catalog_mb", "held_mb", "patch_items_first_s", "patch_items_s", "patch_bytes_s",
                                        "peak_rss_mb")}
         rows.append(row)
     emit({"bench": "catalog_items", "delta": args.delta, "rounds": args.rounds, "sizes": rows})

@@ -324,7 +324,7 @@ def _fast_items(body: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray, np.nd
     The lines are read in blocks of about ``_BLOCK`` bytes cut at newlines, on two threads
     (:func:`~processors.kinds.tree.scan.ordered_map`; numpy releases the GIL in its passes): the passes' temporary
     arrays (several bytes per byte of text) are a block's, not the whole body's, and the blocks stay in cache."""
-    from .scan import ordered_map
+    from .scan import ordered_map, release_free_memory
 
     if b" " in body or b"\t" in body or b"\r" in body:  # (a canonical upload has none: no regex pass over it)
         if _SPACE_IN_NUMBER.search(body):
@@ -355,6 +355,8 @@ def _fast_items(body: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray, np.nd
         keys.append(part[3])
         ends.append(part[4] + at)
         at += len(part[0])
+    if len(bounds) > 1:
+        release_free_memory()  # (the blocks' temporaries, freed in the workers' arenas)
     if not texts:
         return [], np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.uint64), np.zeros(0, np.int64)
     return texts, np.concatenate(flats), np.concatenate(lengths), np.concatenate(keys), np.concatenate(ends)
