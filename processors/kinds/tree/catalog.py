@@ -222,28 +222,23 @@ def id_lines(flat: np.ndarray, lengths: np.ndarray) -> list[bytes]:
 def id_text(flat: np.ndarray, lengths: np.ndarray) -> bytes:
     """Every item's line followed by a newline, as one bytes object: what follows the header in a catalog's content
     (Arrow's string kernels and one copy out of Arrow's buffer, no Python object per item)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     if not lengths.size:
         return b""
-    text = pa.large_string()
-    lines = pc.binary_join_element_wise(list_lines(_id_lists(flat, lengths)), pa.scalar("", text),
-                                        pa.scalar("\n", text))  # "line" + "\n" + "" per item
+    lines = list_lines(_id_lists(flat, lengths), end="]\n")
     offsets = np.frombuffer(lines.buffers()[1], dtype=np.int64, count=len(lines) + 1, offset=8 * lines.offset)
     return lines.buffers()[2][int(offsets[0]):int(offsets[-1])].to_pybytes()
 
 
-def list_lines(lists: Any) -> Any:
-    """Each row of an Arrow array of integer lists as its catalog line's text (``"[12,40,7]"``, ``_line``), an Arrow
-    ``large_string`` array made by Arrow's string kernels (no Python loop per id; 64-bit offsets, so the text of
-    10^8 items fits)."""
+def list_lines(lists: Any, end: str = "]") -> Any:
+    """Each row of an Arrow array of integer lists as its catalog line's text (``"[12,40,7]"``, ``_line``; ``end``
+    replaces the closing bracket: ``"]\n"`` ends each line), an Arrow ``large_string`` array made by Arrow's string
+    kernels (no Python loop per id; 64-bit offsets, so the text of 10^8 items fits)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     text = pa.large_string()
     joined = pc.binary_join(pc.cast(lists, pa.large_list(text)), pa.scalar(",", text))
-    return pc.binary_join_element_wise(pa.scalar("[", text), joined, pa.scalar("]", text), pa.scalar("", text))
+    return pc.binary_join_element_wise(pa.scalar("[", text), joined, pa.scalar(end, text), pa.scalar("", text))
 
 
 def _bad(message: str, field_name: str, **detail: Any) -> ConstraintError:
