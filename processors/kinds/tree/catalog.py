@@ -44,7 +44,8 @@ from processors.kinds.tree.catalog_tables import _row_order as _row_order  # re-
 from processors.kinds.tree.catalog_tables import catalog_tables, tree_file_bytes
 
 __all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "canonical_meta", "catalog_body", "check_items", "id_lines",
-           "id_text", "items_from_tree", "list_lines", "catalog_tables", "parse_catalog", "row_keys", "split_item", "tree_file_bytes"]
+           "id_text", "items_from_tree", "list_lines", "catalog_tables", "offsets_at", "parse_catalog", "row_keys",
+           "split_item", "tree_file_bytes"]
 
 #: request content types read as a catalog (the first is the one documented)
 CATALOG_CONTENT_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
@@ -57,9 +58,9 @@ class Catalog:
     """A parsed catalog: the root and end ids, the scenario fields of its header, and its items.
 
     The items are kept as arrays only, in catalog order: ``flat`` / ``lengths`` (every token id in one ``int32``
-    array, and the number of ids per item, ``int32``: token ids and item lengths are far below 2^31), what the tree build reads and what a PATCH cuts and appends, plus, once
-    made, a 64-bit key per item (``_row_keys``, what a PATCH looks items up by) and the canonical bytes
-    (:meth:`content`). No Python object per item: a list of each item's line took ~56 bytes per item (560 MB for
+    array, and the number of ids per item, ``int32``: token ids and item lengths are far below 2^31), what the tree
+    build reads and what a PATCH cuts and appends, plus, once made, a 64-bit key per item (``_row_keys``, what a
+    PATCH looks items up by), the canonical bytes (:meth:`content`) and where each line ends in them. No Python object per item: a list of each item's line took ~56 bytes per item (560 MB for
     10^7 items, in each of the catalogs the manager keeps) and a PATCH copied it. :attr:`lines` (each item's
     canonical text ``b"[12,40,7]"``) and :attr:`items` (tuples) are made when asked, for small catalogs and tests."""
 
