@@ -17,9 +17,34 @@ from typing import Any
 __all__ = ["chat_prompt_ids", "free_port", "openai_client", "user_messages", "wait_until", "wait_until_async"]
 
 
+_RAY_WORKER_PORTS_END = 20000  # Ray's worker ports are 10002-19999 by default
+
+
 def free_port() -> int:
-    """A TCP port free on the loopback address now."""
-    with socket.socket() as s:
+    """A TCP port free on the loopback address now, between Ray's worker ports and the kernel's ephemeral range.
+
+    A port the kernel hands out for ``bind(0)`` is an ephemeral one, and the processes a test starts next (Ray's
+    GCS, raylets, dashboard, workers) take ephemeral ports too: one of them took such a port before Serve's proxy
+    bound it (``Address already in use``, tests/faults/two_nodes.py, 2026-12-01). A port below that range is handed
+    to no one else."""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            ephemeral_low = int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    if ephemeral_low - _RAY_WORKER_PORTS_END >= 1000:
+        pick = random.SystemRandom()
+        for _ in range(200):
+            port = pick.randrange(_RAY_WORKER_PORTS_END, ephemeral_low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # (no such range here: any free port)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -84,7 +84,8 @@ def main() -> None:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from bench._serve import free_port, serve_actors
+    from bench._serve import serve_actors
+    from helpers import free_port
     from deployments.app import build_app
     from deployments.model_loader import load_tokenizer
     from deployments.storage.redis_server import stop_orphaned_servers
