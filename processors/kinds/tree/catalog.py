@@ -364,20 +364,16 @@ def _fast_block(block: memoryview) -> tuple[bytes, np.ndarray, np.ndarray, np.nd
     a = np.frombuffer(block, dtype=np.uint8)
     if not a.size or a[-1] != 10:
         a = np.append(a, np.uint8(10))  # (the body's last line, without its newline)
+    newline = a == 10
+    blank = newline.copy()  # a blank line's newline: first in the block, or right after another one
+    blank[1:] &= newline[:-1]
+    if blank.any():  # dropped: each line then ends with exactly one newline
+        a = a[~blank]
     nl = np.flatnonzero(a == 10)
     starts = np.empty(nl.size, dtype=np.int64)
-    starts[0] = 0
-    starts[1:] = nl[:-1] + 1
-    keep = nl > starts  # non-blank lines
-    if not keep.all():  # the newlines of blank lines dropped: each line then ends with exactly one
-        drop = np.zeros(a.size, dtype=bool)
-        drop[nl[~keep]] = True
-        a = a[~drop]
-        nl = np.flatnonzero(a == 10)
-        starts = np.empty(nl.size, dtype=np.int64)
-        if nl.size:
-            starts[0] = 0
-            starts[1:] = nl[:-1] + 1
+    if nl.size:
+        starts[0] = 0
+        starts[1:] = nl[:-1] + 1
     if not nl.size:
         return b"", np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.uint64), np.zeros(0, np.int64)
     opens, closes, commas = (a == 91), (a == 93), (a == 44)
