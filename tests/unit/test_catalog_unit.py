@@ -177,7 +177,7 @@ def test_a_parsed_catalog_is_arrays_and_its_canonical_bytes(monkeypatch):
 
     import numpy as np
 
-    from processors.kinds.tree import catalog as catalog_module
+    from processors.kinds.tree import item_lines
     from processors.kinds.tree.catalog import parse_catalog, row_keys
 
     rnd = random.Random(3)
@@ -199,7 +199,7 @@ def test_a_parsed_catalog_is_arrays_and_its_canonical_bytes(monkeypatch):
                                                 + 1).tolist()
         assert not any(isinstance(value, list) for value in vars(catalog).values())  # nothing per item in Python
         assert catalog.rows([len(items) - 1]) == [items[-1]]
-    monkeypatch.setattr(catalog_module, "row_keys", lambda flat, lengths: np.zeros(lengths.size, np.uint64))
+    monkeypatch.setattr(item_lines, "row_keys", lambda flat, lengths: np.zeros(lengths.size, np.uint64))
     distinct = parse_catalog(b'{"start_token_id": 5, "end_token_id": 2}\n[3,4]\n[4,3]\n[3]\n', vocab_size=100)
     assert distinct.items == [(3, 4), (4, 3), (3,)]
     with pytest.raises(ConstraintError) as info:
@@ -209,7 +209,7 @@ def test_a_parsed_catalog_is_arrays_and_its_canonical_bytes(monkeypatch):
 
 @pytest.mark.parametrize("block", [1, 7, 64, 1 << 23])
 def test_the_catalog_fast_path_agrees_with_json_in_blocks_of_any_size(monkeypatch, block):
-    """The array-pass reading of item lines (catalog._fast_items, blocks cut at newlines and read two at a time)
+    """The array-pass reading of item lines (item_lines.fast_items, blocks cut at newlines and read two at a time)
     against json.loads per line on random text over its alphabet: whatever it accepts is exactly what JSON reads
     (lists of ids, blank lines skipped), and it accepts every body of well-formed lines; any block size gives the
     same answer."""
@@ -218,9 +218,9 @@ def test_the_catalog_fast_path_agrees_with_json_in_blocks_of_any_size(monkeypatc
 
     import numpy as np
 
-    from processors.kinds.tree import catalog as catalog_module
+    from processors.kinds.tree import item_lines
 
-    monkeypatch.setattr(catalog_module, "_BLOCK", block)
+    monkeypatch.setattr(item_lines, "_BLOCK", block)
     rnd = random.Random(block)
 
     def reference(body: bytes):
@@ -248,7 +248,7 @@ def test_the_catalog_fast_path_agrees_with_json_in_blocks_of_any_size(monkeypatc
             body = "\n".join(lines).encode()
         else:  # anything over the alphabet
             body = "".join(rnd.choice("[[]],,0123456789 \n") for _ in range(rnd.randint(0, 40))).encode()
-        fast, expect = catalog_module._fast_items(body), reference(body)
+        fast, expect = item_lines.fast_items(body), reference(body)
         if trial % 3 == 0:
             assert fast is not None, body
         if fast is None:
@@ -258,7 +258,7 @@ def test_the_catalog_fast_path_agrees_with_json_in_blocks_of_any_size(monkeypatc
         text = b"".join(texts)
         assert ends.tolist() == (np.flatnonzero(np.frombuffer(text, dtype=np.uint8) == 10) + 1).tolist()
         assert expect is not None, body
-        assert np.array_equal(keys, catalog_module.row_keys(flat, lengths))
+        assert np.array_equal(keys, item_lines.row_keys(flat, lengths))
         assert flat.tolist() == [v for item in expect for v in item] and lengths.tolist() == list(map(len, expect))
         assert text == b"".join(json_module.dumps(item, separators=(",", ":")).encode() + b"\n" for item in expect)
         assert flat.dtype == np.int32 and lengths.dtype == np.int32
