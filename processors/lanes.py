@@ -78,7 +78,14 @@ def _lane_info(tables: MaskTables) -> tuple[np.ndarray, int]:
     with more tokens left than that is never limited by the budget rule)."""
     info = tables.__dict__.get("_lane_info")
     if info is None:
-        lens = np.diff(tables.offsets).astype(np.int64)
+        base = tables.__dict__.get("overlay_base")
+        if base is not None:  # an overlay version: its base's counts (kept on the base) and the appended states'
+            from processors.kinds.tree.overlay import Stacked
+
+            tail = tables.offsets.tail
+            lens = Stacked(_lane_info(base)[0], np.diff(tail, prepend=base.offsets[-1]).astype(np.int64))
+        else:
+            lens = np.diff(tables.offsets).astype(np.int64)
         info = (lens, -1)
         object.__setattr__(tables, "_lane_info", info)
     return info

@@ -144,14 +144,16 @@ class MaskTables:
         object.__setattr__(self, "_max_remaining", max_remaining)
         return self
 
-    def __getstate__(self) -> dict:  # the manager's own helper array stays home
+    def __getstate__(self) -> dict:  # the manager's own helper array stays home (an overlay's is needed to patch it)
         state = dict(self.__dict__)
-        state.pop("_max_remaining", None)
+        if "overlay_base" not in state:
+            state.pop("_max_remaining", None)
         return state
 
-    def __setstate__(self, state: dict) -> None:  # arrays come back writable from pickle
+    def __setstate__(self, state: dict) -> None:  # arrays come back writable from pickle (an overlay's: its parts)
         for name in ("offsets", "tokens", "next_state"):
-            state[name] = _freeze(state[name])
+            if isinstance(state[name], np.ndarray):
+                state[name] = _freeze(state[name])
         state.pop("keys", None)  # (pickled by a version that kept them)
         self.__dict__.update(state)
 

@@ -36,7 +36,7 @@ from config.cancel import checkpoint
 
 from processors.tables import _UNSET, DONE, LEAF, MaskTables, _freeze, item_metrics
 
-__all__ = ["patch_tables", "max_remaining"]
+__all__ = ["Touched", "max_remaining", "patch_tables", "settle"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -117,9 +117,51 @@ def patch_tables(tables: MaskTables, add: Iterable[Sequence[int]], remove: Itera
     of the new items (see the module). ``tables`` must be a catalog's tables in that form (states in preorder).
     ``None`` where the old tables cannot tell their items (no state: an empty catalog and the catalog of the empty
     item give the same tables): the caller compiles the new items in full."""
-    end = tables.end_token_id
     if tables.root < 0:
         return None
+    touched = settle(tables, add, remove)
+    if touched is None:
+        return tables
+    parent, token, node, is_state = touched.parent, touched.token, touched.node, touched.is_state
+    is_old = node >= 0
+    old = _Old(tables)
+    removed = np.sort(node[is_old & ~is_state])
+    modified = np.flatnonzero(is_state & is_old)
+    # a new state's rank (old states before it): the first old state after its path; a new state under a new state
+    # has its parent's
+    new = is_state & ~is_old
+    new[0] = False
+    rank = np.zeros(node.size, dtype=np.int64)
+    top = new & is_old[np.maximum(parent, 0)]  # under an old state (touched, and so are its ancestors)
+    tops = np.flatnonzero(top)
+    rank[tops] = old.first_states_after(tops, parent, token, node)
+    for level in touched.levels[2:]:
+        below = level[new[level] & ~top[level]]
+        rank[below] = rank[parent[below]]
+    paths, ranks = touched.paths, rank.tolist()  # the new states in preorder: by rank, then by path
+    fresh = np.array(sorted(np.flatnonzero(new).tolist(), key=lambda i: (ranks[i], paths[i])), dtype=np.int64)
+    checkpoint()
+    plan = _Plan(tables, parent, token, touched.depth, node, touched.alive, is_state, touched.was_end,
+                 touched.new_end, removed, modified, fresh, rank[fresh])
+    return plan.assemble()
+
+
+class Touched:
+    """The touched paths of a delta (every prefix of an added or removed item; the root is path 0) as arrays over
+    their numbers, settled against the old tables: ``parent``, ``token`` (the last), ``depth``, ``levels`` (the
+    paths of each depth), ``node`` (the old state, ``LEAF`` or ``ABSENT``), ``was_end`` / ``new_end`` (an item
+    ends there before / after), ``alive`` (still a node of the trie), ``is_state`` (a node with children after),
+    ``is_add`` / ``is_remove`` (an item the delta really adds / removes: not there / there before), ``paths`` (each
+    number's path, a tuple)."""
+
+    __slots__ = ("paths", "parent", "token", "depth", "levels", "node", "was_end", "new_end", "alive", "is_state",
+                 "is_add", "is_remove")
+
+
+def settle(tables: MaskTables, add: Iterable[Sequence[int]], remove: Iterable[Sequence[int]]) -> Touched | None:
+    """The touched paths of ``add`` / ``remove`` on ``tables`` (a catalog's, ``root >= 0``), looked up in the old
+    tables and settled deepest first; ``None`` when the delta changes nothing (every add there, every remove not)."""
+    end = tables.end_token_id
     old = _Old(tables)
     adds = {tuple(int(t) for t in item) for item in add}
     removes = {tuple(int(t) for t in item) for item in remove}
@@ -161,7 +203,7 @@ def patch_tables(tables: MaskTables, add: Iterable[Sequence[int]], remove: Itera
     is_remove[[index[p] for p in removes]] = True
     is_remove &= was_end
     if not is_add.any() and not is_remove.any():
-        return tables
+        return None
     checkpoint()
     # settle the touched paths deepest first: end flag, number of children, is it still there (a depth at a time:
     # a path's children are one depth below it)
@@ -179,25 +221,11 @@ def patch_tables(tables: MaskTables, add: Iterable[Sequence[int]], remove: Itera
         if d:  # a child that appears, or one of the old trie that is gone
             np.add.at(n_children, parent[level],
                       (alive[level] & absent[level]).astype(np.int64) - (~alive[level] & ~absent[level]))
-    removed = np.sort(node[is_old & ~is_state])
-    modified = np.flatnonzero(is_state & is_old)
-    # a new state's rank (old states before it): the first old state after its path; a new state under a new state
-    # has its parent's
-    new = is_state & ~is_old
-    new[0] = False
-    rank = np.zeros(n, dtype=np.int64)
-    top = new & is_old[np.maximum(parent, 0)]  # under an old state (touched, and so are its ancestors)
-    tops = np.flatnonzero(top)
-    rank[tops] = old.first_states_after(tops, parent, token, node)
-    for level in levels[2:]:
-        below = level[new[level] & ~top[level]]
-        rank[below] = rank[parent[below]]
-    paths, ranks = list(index), rank.tolist()  # the new states in preorder: by rank, then by path
-    fresh = np.array(sorted(np.flatnonzero(new).tolist(), key=lambda i: (ranks[i], paths[i])), dtype=np.int64)
-    checkpoint()
-    plan = _Plan(tables, parent, token, depth, node, alive, is_state, was_end, new_end, removed, modified, fresh,
-                 rank[fresh])
-    return plan.assemble()
+    out = Touched()
+    out.paths, out.parent, out.token, out.depth, out.levels, out.node = list(index), parent, token, depth, levels, node
+    out.was_end, out.new_end, out.alive, out.is_state = was_end, new_end, alive, is_state
+    out.is_add, out.is_remove = is_add, is_remove
+    return out
 
 
 class _Plan:

@@ -42,7 +42,15 @@ class TreeParents:
         self.parent_edge = np.full(tables.n_states, -1, dtype=np.int64)
         nxt = tables.next_state.astype(np.int64)
         inner = np.flatnonzero(nxt >= 0)
-        self.parent_edge[nxt[inner]] = inner
+        base_edges = getattr(tables, "overlay_base", tables).n_edges
+        # every state has one edge into it, except under an overlay version (processors/kinds/tree/overlay.py): a
+        # state below a touched path is also the target of its superseded parents' edges; the latest copy's edge,
+        # appended last, is the one a walk from the root takes
+        first = inner[inner < base_edges]
+        self.parent_edge[nxt[first]] = first
+        later = inner[inner >= base_edges]
+        if later.size:
+            np.maximum.at(self.parent_edge, nxt[later], later)
 
     @classmethod
     def of(cls, tables: MaskTables) -> "TreeParents":
