@@ -144,18 +144,29 @@ class MaskTables:
         object.__setattr__(self, "_max_remaining", max_remaining)
         return self
 
-    def __getstate__(self) -> dict:  # the manager's own helper array stays home (an overlay's is needed to patch it)
+    def __getstate__(self) -> dict:  # the manager's own helper array stays home
+        if "overlay_base" in self.__dict__:  # an overlay version travels without its base's arrays
+            from processors.kinds.tree.overlay import pickled
+
+            return pickled(self)
         state = dict(self.__dict__)
-        if "overlay_base" not in state:
+        state.pop("_publish_ref", None)  # (the manager's object reference of these tables)
+        if state.get("_max_remaining") is not state.get("_item_metrics", (None,))[0]:  # (uniform: min_remaining)
             state.pop("_max_remaining", None)
         return state
 
-    def __setstate__(self, state: dict) -> None:  # arrays come back writable from pickle (an overlay's: its parts)
+    def __setstate__(self, state: dict) -> None:  # arrays come back writable from pickle
+        if "_overlay_parts" in state:
+            from processors.kinds.tree.overlay import restored
+
+            return restored(self, state)
         for name in ("offsets", "tokens", "next_state"):
-            if isinstance(state[name], np.ndarray):
-                state[name] = _freeze(state[name])
+            state[name] = _freeze(state[name])
         state.pop("keys", None)  # (pickled by a version that kept them)
         self.__dict__.update(state)
+        from processors.kinds.tree.overlay import register_base
+
+        register_base(self)  # an overlay of these tables may follow (processors/kinds/tree/overlay.py)
 
     @property
     def n_states(self) -> int:
@@ -385,7 +396,7 @@ _UNSET = np.iinfo(np.int32).max
 
 
 def _item_metrics(tables: "MaskTables") -> tuple[np.ndarray, np.ndarray, bool, int]:
-    """The same values as :func:`_item_metrics_by_rounds`, with each state and edge visited once: states are settled
+    """The same values as the reference in ``tests/unit/test_tree_lenient.py`` (every edge each round until nothing changes), with each state and edge visited once: states are settled
     leaves first (a state is ready once every state its edges lead to is settled; the edges form a forest), so the
     work is O(states + edges) instead of one pass over all edges per level of the deepest path."""
     n_states = tables.n_states
@@ -437,54 +448,6 @@ def _item_metrics(tables: "MaskTables") -> tuple[np.ndarray, np.ndarray, bool, i
     # in a uniform tree (every fixed-depth catalog) it is min_remaining itself, kept once (4 bytes per state)
     tables.__dict__["_max_remaining"] = min_out if uniform else _freeze(np.minimum(max_rem, _UNSET).astype(np.int32))
     return min_out, _freeze(np.minimum(items, np.iinfo(np.int32).max).astype(np.int32)), uniform, deepest
-
-
-def _item_metrics_by_rounds(tables: "MaskTables") -> tuple[np.ndarray, np.ndarray, bool, int]:
-    """The reference: every edge each round until nothing changes (one round per level of the deepest path)."""
-    n_states = tables.n_states
-    offsets = tables.offsets
-    nxt = tables.next_state.astype(np.int64)
-    counts = np.diff(offsets)
-    nonempty = counts > 0
-    starts = offsets[:-1][nonempty]
-    to_state = nxt >= 0
-    state_of_edge = np.repeat(np.arange(n_states, dtype=np.int64), counts)
-    # target values of the special targets
-    special_min = np.where(nxt == DONE, 0, 1).astype(np.int64)
-    min_rem = np.full(n_states, _UNSET, dtype=np.int64)
-    min_rem[~nonempty] = 1
-    max_rem = min_rem.copy()
-    max_rem[nonempty] = 0
-    items = np.zeros(n_states, dtype=np.int64)
-    items[~nonempty] = 1
-    special_items = (~to_state).astype(np.float64)
-    targets = nxt[to_state]
-    for _ in range(n_states + 1):
-        edge_min = special_min.copy()
-        edge_min[to_state] = min_rem[targets]
-        edge_min = np.minimum(edge_min + 1, _UNSET)
-        new_min = min_rem.copy()
-        if starts.size:
-            new_min[nonempty] = np.minimum.reduceat(edge_min, starts)
-        edge_max = special_min.copy()
-        edge_max[to_state] = max_rem[targets]
-        new_max = max_rem.copy()
-        if starts.size:
-            new_max[nonempty] = np.maximum.reduceat(np.minimum(edge_max + 1, _UNSET), starts)
-        edge_items = special_items.copy()
-        edge_items[to_state] = items[targets]
-        new_items = items.copy()
-        if starts.size:
-            new_items[nonempty] = np.bincount(state_of_edge, weights=edge_items, minlength=n_states)[nonempty].astype(np.int64)
-        if np.array_equal(new_min, min_rem) and np.array_equal(new_items, items) and np.array_equal(new_max, max_rem):
-            break
-        min_rem, items, max_rem = new_min, new_items, new_max
-    # uniform: from every state all items are equally far (fixed-depth catalogs); min_remaining is then exact for
-    # any subset of items, which lets the item cursor skip its search for a free item that fits
-    uniform = bool(np.array_equal(min_rem, max_rem))
-    deepest = int(max_rem.max()) if n_states else 1  # the longest way to an end, end token included
-    return (_freeze(min_rem.astype(np.int32)), _freeze(np.minimum(items, np.iinfo(np.int32).max).astype(np.int32)),
-            uniform, deepest)
 
 
 def item_metrics(tables: "MaskTables") -> tuple[np.ndarray, np.ndarray, bool, int]:

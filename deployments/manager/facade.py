@@ -355,6 +355,11 @@ class ConfigManager:
         catalog PATCHes it applied to its own tables, shown by ``/healthz``)."""
         await self.registry.ack(replica_id, epoch, versions, table_deltas)
 
+    async def base_tables(self, version: str) -> Any:
+        """The base tables ``version`` of a served overlay version (a replica that does not hold them asks:
+        ``deployments/replica/subscriber.py``), as an object reference; None when nothing served is built on them."""
+        return self.scenarios.base_ref(version)
+
     async def replica_versions(self) -> dict[str, dict[str, Any]]:
         """``{replica_id: {"epoch", "versions", "last_seen", "table_deltas"}}`` for the live replicas."""
         return self.registry.view()

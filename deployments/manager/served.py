@@ -35,6 +35,12 @@ def object_ref(compiled):
     return compiled
 
 
+def _overlay_base(compiled) -> Any:
+    """The base tables of ``compiled``'s overlay version of a catalog's tables, else None."""
+    tables = getattr(compiled, "constraint", None)
+    return getattr(tables, "__dict__", {}).get("overlay_base")
+
+
 class ServedScenarios:
     """The served table: ``name -> ServedScenario`` (what every replica gets in a snapshot) and ``name -> refusal``
     for a stored version that did not validate or compile (the last good version keeps serving).
@@ -45,6 +51,7 @@ class ServedScenarios:
 
     def __init__(self):
         self.served: dict[str, ServedScenario] = {}
+        self.bases: dict[str, Any] = {}  # name -> the base of the overlay version it serves (its replicas may ask)
         self.errors: dict[str, dict[str, Any]] = {}  # name -> {"version", "error"[, "serving"]}: stored, not served
         self.new_loop()
 
@@ -63,10 +70,29 @@ class ServedScenarios:
             delta = None
         self.served[name] = ServedScenario(int(version), compiled.kind, kept, ref, delta)
         self.errors.pop(name, None)
+        base = _overlay_base(compiled)
+        if base is None:
+            self.bases.pop(name, None)
+        else:
+            self.bases[name] = base
 
     def remove(self, name: str) -> None:
         self.served.pop(name, None)
         self.errors.pop(name, None)
+        self.bases.pop(name, None)
+
+    def base_ref(self, version: str) -> Any:
+        """The plain tables ``version`` that a served overlay version is built on (``processors/kinds/tree/
+        overlay.py``), in the object store (put at the first ask, kept while served), for a replica that does not
+        hold them (one started after the PATCH); None when no served version is built on them."""
+        for base in self.bases.values():
+            if base.version == version:
+                ref = base.__dict__.get("_publish_ref")
+                if ref is None:
+                    ref = object_ref(base)
+                    object.__setattr__(base, "_publish_ref", ref)
+                return ref
+        return None
 
     def refuse(self, name: str, version, message: str) -> None:
         """``version`` of ``name`` in Redis is not usable: remember why (shown in health); what served keeps serving."""

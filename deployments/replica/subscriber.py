@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import sys
 import threading
 from typing import Any
 
 from processors import CompiledScenario
+from processors.kinds.tree.overlay import missing_base, resolve
 
 from .table_delta import apply_table_delta, delta_wanted
 
@@ -30,6 +32,14 @@ async def _fetch(ref) -> CompiledScenario:
     if isinstance(ref, CompiledScenario):
         return ref
     return await ref
+
+
+async def _fetch_object(ref) -> Any:
+    """An object reference awaited, or the object itself (a manager run without Ray)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and isinstance(ref, ray.ObjectRef):
+        return await ref
+    return ref
 
 
 async def _ask(manager_method, *args):
@@ -93,12 +103,26 @@ class ScenarioSubscriber:
                     and await asyncio.to_thread(delta_wanted, self.settings.replica_table_delta, entry["ref"])):
                 compiled = await asyncio.to_thread(apply_table_delta, current[1], delta)
                 self.table_deltas += compiled is not None
-            new[name] = (version, compiled if compiled is not None else await _fetch(entry["ref"]))
+            if compiled is None:
+                compiled = await _fetch(entry["ref"])
+                await self._complete(compiled)
+            new[name] = (version, compiled)
         with self._lock:
             self._scenarios = new
             self._epoch = int(snapshot.get("epoch", self._epoch))
         self.metrics.set_versions({name: v for name, (v, _) in new.items()})
         await _ask(self._manager.ack, self.replica_id, self._epoch, self.versions(), self.table_deltas)
+
+    async def _complete(self, compiled: CompiledScenario) -> None:
+        """An overlay version of a catalog's tables travels without its base's arrays (``processors/kinds/tree/
+        overlay.py``): a replica holds them when it served the base; otherwise it asks the manager for them."""
+        version = missing_base(compiled.constraint)
+        if version is None:
+            return
+        ref = await _ask(self._manager.base_tables, version)
+        if ref is None:
+            raise RuntimeError(f"the manager no longer serves the base tables {version} of an overlay version")
+        resolve(compiled.constraint, await _fetch_object(ref))
 
     def _poll_loop(self) -> None:
         """Thread: the long poll, on an event loop of its own (the replica's loop serves requests)."""

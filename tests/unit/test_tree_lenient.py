@@ -240,7 +240,7 @@ def test_item_metrics_settled_leaves_first_equal_the_round_based_reference(seed)
     body = _random_tree(rng, "_")
     vocab = body.pop("_vocab")
     tables = build_tree_tables(load_tree(body, vocab_size=vocab), vocab)
-    fast, reference = tables_module._item_metrics(tables), tables_module._item_metrics_by_rounds(tables)
+    fast, reference = tables_module._item_metrics(tables), _item_metrics_by_rounds(tables)
     assert fast[0].tolist() == reference[0].tolist() and fast[1].tolist() == reference[1].tolist()
     assert fast[2:] == reference[2:]
 
@@ -251,7 +251,7 @@ def test_item_metrics_of_a_label_trie_equal_the_reference(tokenizer):
 
     labels = ["red", "red wine", "green", "greenhouse gas", "blue", "blue moon", "blueberry", "black"]
     lt = build_label_tables(labels, tokenizer, eos_token_id=tokenizer.eos_token_id, vocab_size=len(tokenizer))
-    fast, reference = tables_module._item_metrics(lt.tables), tables_module._item_metrics_by_rounds(lt.tables)
+    fast, reference = tables_module._item_metrics(lt.tables), _item_metrics_by_rounds(lt.tables)
     assert fast[0].tolist() == reference[0].tolist() and fast[1].tolist() == reference[1].tolist()
     assert fast[2:] == reference[2:]
     assert int(fast[1][lt.tables.root]) == len(labels)  # every label is one item below the root
@@ -265,3 +265,54 @@ def test_json_depth_of_a_large_prefix_dict_skips_the_walk_but_not_the_depth():
     nested = {**flat, "x": [1, [2, [3]]]}
     assert json_depth({"tree": {"prefix_dict": nested}}) == 6  # one nested value: walked, depth counted
     assert json_depth([[1, 2]] * 100) == 2 and json_depth([[{"a": 1}]] * 100) == 3
+
+
+from processors.tables import _UNSET, _freeze  # noqa: E402 (the reference below)
+
+
+def _item_metrics_by_rounds(tables) -> tuple[np.ndarray, np.ndarray, bool, int]:
+    """The reference: every edge each round until nothing changes (one round per level of the deepest path)."""
+    n_states = tables.n_states
+    offsets = tables.offsets
+    nxt = tables.next_state.astype(np.int64)
+    counts = np.diff(offsets)
+    nonempty = counts > 0
+    starts = offsets[:-1][nonempty]
+    to_state = nxt >= 0
+    state_of_edge = np.repeat(np.arange(n_states, dtype=np.int64), counts)
+    # target values of the special targets
+    special_min = np.where(nxt == DONE, 0, 1).astype(np.int64)
+    min_rem = np.full(n_states, _UNSET, dtype=np.int64)
+    min_rem[~nonempty] = 1
+    max_rem = min_rem.copy()
+    max_rem[nonempty] = 0
+    items = np.zeros(n_states, dtype=np.int64)
+    items[~nonempty] = 1
+    special_items = (~to_state).astype(np.float64)
+    targets = nxt[to_state]
+    for _ in range(n_states + 1):
+        edge_min = special_min.copy()
+        edge_min[to_state] = min_rem[targets]
+        edge_min = np.minimum(edge_min + 1, _UNSET)
+        new_min = min_rem.copy()
+        if starts.size:
+            new_min[nonempty] = np.minimum.reduceat(edge_min, starts)
+        edge_max = special_min.copy()
+        edge_max[to_state] = max_rem[targets]
+        new_max = max_rem.copy()
+        if starts.size:
+            new_max[nonempty] = np.maximum.reduceat(np.minimum(edge_max + 1, _UNSET), starts)
+        edge_items = special_items.copy()
+        edge_items[to_state] = items[targets]
+        new_items = items.copy()
+        if starts.size:
+            new_items[nonempty] = np.bincount(state_of_edge, weights=edge_items, minlength=n_states)[nonempty].astype(np.int64)
+        if np.array_equal(new_min, min_rem) and np.array_equal(new_items, items) and np.array_equal(new_max, max_rem):
+            break
+        min_rem, items, max_rem = new_min, new_items, new_max
+    # uniform: from every state all items are equally far (fixed-depth catalogs); min_remaining is then exact for
+    # any subset of items, which lets the item cursor skip its search for a free item that fits
+    uniform = bool(np.array_equal(min_rem, max_rem))
+    deepest = int(max_rem.max()) if n_states else 1  # the longest way to an end, end token included
+    return (_freeze(min_rem.astype(np.int32)), _freeze(np.minimum(items, np.iinfo(np.int32).max).astype(np.int32)),
+            uniform, deepest)

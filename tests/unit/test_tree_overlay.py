@@ -217,3 +217,28 @@ def test_stacked_reads_as_the_concatenation():
         s.take(np.array([15]))
     back = pickle.loads(pickle.dumps(s))
     np.testing.assert_array_equal(np.asarray(back), whole)
+
+
+def test_an_overlay_travels_without_its_base_and_waits_for_it_where_it_is_not_held():
+    from processors.kinds.tree import overlay as overlay_module
+
+    rnd = np.random.default_rng(5)
+    items = {tuple(r) for r in rnd.integers(3, 60, size=(3000, 3)).tolist()}
+    base = full(items)
+    remove = sorted(items)[:1]
+    over, items = step(base, items, [(60, 3, 3)], remove)
+    data = pickle.dumps(over)
+    assert len(data) < len(pickle.dumps(base)) / 5  # the base's arrays stay home
+    held = dict(overlay_module._BASES)
+    overlay_module._BASES.clear()  # a process that never held the base (a replica started after the PATCH)
+    try:
+        waiting = pickle.loads(data)
+        assert overlay_module.missing_base(waiting) == base.version
+        with pytest.raises(ValueError):
+            overlay_module.resolve(waiting, full({(4,)}))
+        overlay_module.resolve(waiting, pickle.loads(pickle.dumps(base)))
+        assert overlay_module.missing_base(waiting) is None
+        assert_answers_as(waiting, full(items))
+        assert waiting.version == over.version
+    finally:
+        overlay_module._BASES.update(held)

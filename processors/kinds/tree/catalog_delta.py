@@ -19,7 +19,7 @@ from .catalog import (_RESERVED, Catalog, _line, _stored, canonical_meta, catalo
                       row_keys, split_item)
 from .metadata import ItemMetadata
 
-__all__ = ["apply_tree_delta", "catalog_row_keys", "patch_stored_tree", "row_keys"]
+__all__ = ["apply_tree_delta", "catalog_row_keys", "patch_stored_tree", "patched_tables", "row_keys"]
 
 
 def _too_many_after_patch(count: int, limit: int) -> ConstraintError:
@@ -212,6 +212,23 @@ def _spliced_content(base: Catalog, rows: list[int], added: list[bytes]) -> tupl
     return content, np.concatenate((kept, added_ends))
 
 
+def patched_tables(tables: Any, add: list[Any], remove: list[Any], overlay: bool = True) -> Any:
+    """The tables of a PATCH's result from its base's: an overlay version over them (:mod:`.overlay`: the work
+    follows the touched paths), folded into plain tables once its appended part has grown past its share of the
+    base (:func:`~.overlay.needs_fold`), or without ``overlay`` (a catalog with metadata: its filter index reads
+    plain tables) the plain tables :func:`~.delta.patch_tables` gives. The manager and a replica applying the same
+    delta (``deployments/replica/table_delta.py``) call this, so both reach the same version. None: the base's
+    tables cannot tell their items (the caller compiles in full)."""
+    from .delta import patch_tables
+    from .overlay import fold, needs_fold, overlay_tables
+
+    if overlay:
+        new = overlay_tables(tables, add, remove)
+        if new is not None:
+            return fold(new) if needs_fold(new) else new
+    return patch_tables(fold(tables), add, remove)
+
+
 def patch_stored_tree(name: str, body: dict[str, Any] | None, add: list[Any], remove: list[Any], store: Any,
                       prepared: tuple[Catalog, Any] | None = None, update: list[Any] | None = None) -> PatchResult:
     """A PATCH of a stored tree body (worker thread; :meth:`processors.kinds.base.ConstraintKind.apply_patch`).
@@ -269,9 +286,8 @@ def _patch(name: str, body: Any, add: list[Any], remove: list[Any], store: Any, 
     if base_tables is not None and not (report.added or report.removed):  # only metadata changed: the same tables
         store.remember_tables(sha, base_tables)
     elif base_tables is not None and (len(add) + len(remove)) * store.patch_states_per_item <= base_tables.n_states:
-        from .delta import patch_tables
-
-        tables = patch_tables(base_tables, [split_item(v, "", "add")[0] for v in add], remove)
+        tables = patched_tables(base_tables, [split_item(v, "", "add")[0] for v in add], remove,
+                                overlay=not with_meta)
         if tables is not None:  # (None: the base's tables cannot tell their items; the compile builds them in full)
             store.remember_tables(sha, tables, patched=True)
             patched = True

@@ -111,9 +111,10 @@ class TreeKind(ConstraintKind):
                                 exc.limit) from None
 
     def patch_compiled(self, constraint, add, remove):
-        from .delta import patch_tables
+        from .catalog_delta import patched_tables
 
-        return patch_tables(constraint, add, remove)
+        # (a catalog with metadata is never published with a delta: its replicas fetch the version whole)
+        return patched_tables(constraint, add, remove, overlay=getattr(constraint, "item_filters", None) is None)
 
     def cursor(self, constraint, info) -> TreeCursor:
         return TreeCursor(constraint)

@@ -30,7 +30,8 @@ is the full compile.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import weakref
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
@@ -40,7 +41,8 @@ from processors.tables import _UNSET, DONE, LEAF, MaskTables, content_hash, item
 
 from .delta import ABSENT, max_remaining, patch_tables, settle
 
-__all__ = ["Stacked", "fold", "is_overlay", "needs_fold", "overlay_base", "overlay_tables"]
+__all__ = ["Stacked", "fold", "is_overlay", "missing_base", "needs_fold", "overlay_base", "overlay_tables", "pickled",
+           "register_base", "resolve", "restored"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 FOLD_SHARE = 0.25  # needs_fold: the appended edges past this share of the base's
@@ -150,6 +152,66 @@ class Stacked(NDArrayOperatorsMixin):
             return self.tail.take(idx)
         in_head = idx < n
         return np.where(in_head, self.head.take(np.minimum(idx, n - 1)), self.tail.take(np.maximum(idx - n, 0)))
+
+
+# -- travel: an overlay is pickled without its base ----------------------------------------------------------
+# The bases this process holds, by version: the plain tables an overlay version pickled elsewhere names. A replica
+# holds the base it served (the version a PATCH patched) and gets only the appended parts; a process without that
+# base (a replica started after the PATCH) asks the manager for it (``missing_base`` / ``resolve``).
+_BASES: "weakref.WeakValueDictionary[str, MaskTables]" = weakref.WeakValueDictionary()
+_PARTS = "_overlay_parts"
+_KEPT = ("root", "end_token_id", "vocab_size", "warnings", "version", "_uneven", "overlay_add", "overlay_remove")
+
+
+def register_base(tables: MaskTables) -> None:
+    """``tables`` (plain) may be named as a base by an overlay that reaches this process."""
+    if "overlay_base" not in tables.__dict__:
+        _BASES[tables.version] = tables
+
+
+def pickled(tables: MaskTables) -> dict[str, Any]:
+    """The pickled state of an overlay version: its appended parts and its base's version, not the base's arrays."""
+    base = tables.overlay_base
+    min_rem, items, uniform, deepest = tables._item_metrics
+    state = {key: tables.__dict__[key] for key in _KEPT}
+    state[_PARTS] = {"base": base.version, "offsets": tables.offsets.tail, "tokens": tables.tokens.tail,
+                     "next_state": tables.next_state.tail, "min": min_rem.tail, "items": items.tail,
+                     "max": tables._max_remaining.tail, "uniform": uniform, "deepest": deepest}
+    return state
+
+
+def restored(tables: MaskTables, state: dict[str, Any]) -> None:
+    """Unpickle an overlay version (:func:`pickled`): whole when its base is held here, else waiting for it
+    (:func:`missing_base`, :func:`resolve`)."""
+    tables.__dict__.update(state)
+    base = _BASES.get(state[_PARTS]["base"])
+    if base is not None:
+        _attach(tables, base)
+
+
+def missing_base(tables: Any) -> str | None:
+    """The version of the base an unpickled overlay still waits for (None: complete, or not an overlay)."""
+    parts = getattr(tables, "__dict__", {}).get(_PARTS) if isinstance(tables, MaskTables) else None
+    return None if parts is None else parts["base"]
+
+
+def resolve(tables: MaskTables, base: MaskTables) -> None:
+    """Complete an overlay that waited for its base (``base``: those plain tables, fetched)."""
+    if base.version != missing_base(tables):
+        raise ValueError(f"tables {base.version} are not the base {missing_base(tables)} of this overlay")
+    register_base(base)
+    _attach(tables, base)
+
+
+def _attach(tables: MaskTables, base: MaskTables) -> None:
+    parts = tables.__dict__.pop(_PARTS)
+    min_b, items_b, _, _ = item_metrics(base)
+    fields = {"offsets": Stacked(base.offsets, parts["offsets"]), "tokens": Stacked(base.tokens, parts["tokens"]),
+              "next_state": Stacked(base.next_state, parts["next_state"]),
+              "_item_metrics": (Stacked(min_b, parts["min"]), Stacked(items_b, parts["items"]), parts["uniform"],
+                                parts["deepest"]),
+              "_max_remaining": Stacked(max_remaining(base), parts["max"]), "overlay_base": base}
+    tables.__dict__.update(fields)
 
 
 def is_overlay(tables) -> bool:
@@ -289,6 +351,7 @@ def overlay_tables(tables: MaskTables, add: Iterable[Sequence[int]], remove: Ite
     uneven = (_uneven(tables) - int(np.count_nonzero(min_old.take(superseded) != max_old.take(superseded)))
               + int(np.count_nonzero(add_min != add_max)))
     base = overlay_base(tables)
+    register_base(base)
     head_off, tail_off = _parts(tables.offsets)
     tail_off = np.concatenate((tail_off, n_old_edges + starts_all[1:]))
     arrays = {}
