@@ -15,12 +15,11 @@ from hypothesis import strategies as st
 
 from processors.kinds.tree.catalog import Catalog
 from processors.kinds.tree.catalog_tables import catalog_tables
-from processors.kinds.tree.delta import max_remaining
 from processors.kinds.tree.filter_edges import TreeParents
-from processors.kinds.tree.item_list import tree_items
 from processors.kinds.tree.overlay import Stacked, fold, is_overlay, needs_fold, overlay_tables
-from processors.tables import DONE, LEAF, _item_metrics, item_metrics
+from processors.tables import item_metrics
 
+from helpers import assert_answers_as
 from test_tree_delta import assert_same
 
 VOCAB = 64
@@ -29,43 +28,6 @@ END = 2
 
 def full(items):
     return catalog_tables(Catalog.from_items(1, END, [list(i) for i in items]), VOCAB)
-
-
-def assert_answers_as(over, ref):
-    """Walk both from the root in step: the same edges (tokens, kinds of target) and item metrics everywhere."""
-    o_min, o_items, o_uniform, o_deep = item_metrics(over)
-    r_min, r_items, r_uniform, r_deep = _item_metrics(ref)
-    o_max, r_max = max_remaining(over), max_remaining(ref)
-    assert (o_uniform, o_deep) == (r_uniform, r_deep)
-    assert (over.root < 0) == (ref.root < 0)
-    pending = [(over.root, ref.root)] if ref.root >= 0 else []
-    seen = 0
-    while pending:
-        so, sr = pending.pop()
-        seen += 1
-        np.testing.assert_array_equal(over.allowed(so), ref.allowed(sr))
-        assert (o_min[so], o_items[so], o_max[so]) == (r_min[sr], r_items[sr], r_max[sr])
-        lo_o, lo_r = int(over.offsets[so]), int(ref.offsets[sr])
-        for k in range(int(ref.offsets[sr + 1]) - lo_r):
-            to, tr = int(over.next_state[lo_o + k]), int(ref.next_state[lo_r + k])
-            if tr >= 0:
-                assert to >= 0
-                pending.append((to, tr))
-            else:
-                assert to == tr and tr in (LEAF, DONE)
-    assert seen == ref.n_states
-    # the batched search agrees with the scalar one on reachable and superseded states alike
-    rnd = np.random.default_rng(0)
-    states = rnd.integers(-1, over.n_states + 1, 300)
-    toks = rnd.integers(0, VOCAB, 300)
-    got = over.find_edges(states, toks)
-    want = [over.edge(int(s), int(t)) for s, t in zip(states, toks)]
-    np.testing.assert_array_equal(got, want)
-    # the items a walk from the root reads (what an inline tree's PATCH reads) are the same
-    fo, lo = tree_items(over)
-    fr, lr = tree_items(ref)
-    as_set = lambda flat, lens: {tuple(x) for x in np.split(flat, np.cumsum(lens)[:-1]).__iter__()}  # noqa: E731
-    assert as_set(fo, lo) == as_set(fr, lr)
 
 
 def step(tables, items: set, add, remove):
