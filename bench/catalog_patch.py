@@ -15,9 +15,11 @@ items read in the background, or from the stored body when they are not there); 
 a catalog. After the
 last round, one generation checks that the answer is an item of the current version.
 
-For comparison in the same run, the manager's table work of one PATCH is timed in this process: the delta applied
-to the base's tables along the changed paths (``processors.kinds.tree.delta.patch_tables``, what the manager does) against
-a full compile of the new items (``catalog_tables``, what it did), checked equal.
+For comparison in the same run, the manager's table work of one PATCH is timed in this process: the overlay version
+(``processors.kinds.tree.overlay.overlay_tables``, what the manager does since 2026-12-01, its fold checked equal to
+the full compile), the delta applied to the base's tables along the changed paths with every array renumbered
+(``processors.kinds.tree.delta.patch_tables``, what it did before), and a full compile of the new items
+(``catalog_tables``), checked equal.
 
 Targets (issue 31): a PATCH of 2,000 items with p95 at most 0.3 s at 10^6 items and 0.5 s at 10^7, for both forms.
 
@@ -78,6 +80,7 @@ def in_process_patch(items: list[list[int]], start: int, add: list, remove: list
     from processors.kinds.tree.catalog_delta import apply_tree_delta
     from processors.kinds.tree.catalog_tables import catalog_tables
     from processors.kinds.tree.delta import patch_tables
+    from processors.kinds.tree.overlay import fold, overlay_tables
 
     catalog = parse_catalog(catalog_bytes(items, start), vocab_size=VOCAB)
     base = catalog_tables(catalog, VOCAB)
@@ -96,6 +99,12 @@ def in_process_patch(items: list[list[int]], start: int, add: list, remove: list
     out["delta_tables_s"] = time.perf_counter() - t0
     assert patched is not None and patched.version == full.version, "patched tables differ from a full compile"
     out["full_over_delta"] = ratio(out["full_compile_s"], out["delta_tables_s"])
+    t0 = time.perf_counter()
+    over = overlay_tables(base, add, remove)  # what the manager does since 2026-12-01 (a catalog without metadata)
+    out["overlay_tables_s"] = time.perf_counter() - t0
+    assert fold(over).version == full.version, "the overlay's fold differs from a full compile"
+    out["delta_over_overlay"] = ratio(out["delta_tables_s"], out["overlay_tables_s"])
+    out["overlay_appended_edges"] = int(over.tokens.size - base.tokens.size)
     return {k: round(v, 3) if isinstance(v, float) and k.endswith("_s") else v for k, v in out.items()}
 
 

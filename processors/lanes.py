@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from itertools import repeat
 from operator import attrgetter, is_
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -73,7 +73,7 @@ _NO_ROWS = np.zeros(0, dtype=np.int64)
 _INT64_MAX = np.iinfo(np.int64).max
 
 
-def _lane_info(tables: MaskTables) -> tuple[np.ndarray, int]:
+def _lane_info(tables: MaskTables) -> tuple[Any, int]:
     """Per tables, computed once and kept on them: edges per state (int64) and the largest ``min_remaining`` (a row
     with more tokens left than that is never limited by the budget rule)."""
     info = tables.__dict__.get("_lane_info")
@@ -82,8 +82,8 @@ def _lane_info(tables: MaskTables) -> tuple[np.ndarray, int]:
         if base is not None:  # an overlay version: its base's counts (kept on the base) and the appended states'
             from processors.kinds.tree.overlay import Stacked
 
-            tail = tables.offsets.tail
-            lens = Stacked(_lane_info(base)[0], np.diff(tail, prepend=base.offsets[-1]).astype(np.int64))
+            tail = tables.__dict__["offsets"].tail
+            lens: Any = Stacked(_lane_info(base)[0], np.diff(tail, prepend=base.offsets[-1]).astype(np.int64))
         else:
             lens = np.diff(tables.offsets).astype(np.int64)
         info = (lens, -1)

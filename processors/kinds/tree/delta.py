@@ -28,6 +28,7 @@ all states and edges, a few milliseconds per million, against the sorts of a ful
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -146,6 +147,7 @@ def patch_tables(tables: MaskTables, add: Iterable[Sequence[int]], remove: Itera
     return plan.assemble()
 
 
+@dataclass(slots=True)
 class Touched:
     """The touched paths of a delta (every prefix of an added or removed item; the root is path 0) as arrays over
     their numbers, settled against the old tables: ``parent``, ``token`` (the last), ``depth``, ``levels`` (the
@@ -154,8 +156,18 @@ class Touched:
     ``is_add`` / ``is_remove`` (an item the delta really adds / removes: not there / there before), ``paths`` (each
     number's path, a tuple)."""
 
-    __slots__ = ("paths", "parent", "token", "depth", "levels", "node", "was_end", "new_end", "alive", "is_state",
-                 "is_add", "is_remove")
+    paths: list
+    parent: np.ndarray
+    token: np.ndarray
+    depth: np.ndarray
+    levels: list
+    node: np.ndarray
+    was_end: np.ndarray
+    new_end: np.ndarray
+    alive: np.ndarray
+    is_state: np.ndarray
+    is_add: np.ndarray
+    is_remove: np.ndarray
 
 
 def settle(tables: MaskTables, add: Iterable[Sequence[int]], remove: Iterable[Sequence[int]]) -> Touched | None:
@@ -221,11 +233,7 @@ def settle(tables: MaskTables, add: Iterable[Sequence[int]], remove: Iterable[Se
         if d:  # a child that appears, or one of the old trie that is gone
             np.add.at(n_children, parent[level],
                       (alive[level] & absent[level]).astype(np.int64) - (~alive[level] & ~absent[level]))
-    out = Touched()
-    out.paths, out.parent, out.token, out.depth, out.levels, out.node = list(index), parent, token, depth, levels, node
-    out.was_end, out.new_end, out.alive, out.is_state = was_end, new_end, alive, is_state
-    out.is_add, out.is_remove = is_add, is_remove
-    return out
+    return Touched(list(index), parent, token, depth, levels, node, was_end, new_end, alive, is_state, is_add, is_remove)
 
 
 class _Plan:

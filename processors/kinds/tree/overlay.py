@@ -57,6 +57,7 @@ class Stacked(NDArrayOperatorsMixin):
 
     __slots__ = ("head", "tail", "_n", "_whole")
     ndim = 1
+    _whole: np.ndarray | None
 
     def __init__(self, head: np.ndarray, tail: np.ndarray):
         if tail.dtype != head.dtype:
@@ -88,11 +89,12 @@ class Stacked(NDArrayOperatorsMixin):
 
     def whole(self) -> np.ndarray:
         """The concatenation (made once, read-only)."""
-        if self._whole is None:
+        whole = self._whole
+        if whole is None:
             whole = np.concatenate((self.head, self.tail))
             whole.setflags(write=False)
             self._whole = whole
-        return self._whole
+        return whole
 
     def __array__(self, dtype=None, copy=None):
         whole = self.whole()
@@ -171,12 +173,12 @@ def register_base(tables: MaskTables) -> None:
 
 def pickled(tables: MaskTables) -> dict[str, Any]:
     """The pickled state of an overlay version: its appended parts and its base's version, not the base's arrays."""
-    base = tables.overlay_base
-    min_rem, items, uniform, deepest = tables._item_metrics
-    state = {key: tables.__dict__[key] for key in _KEPT}
-    state[_PARTS] = {"base": base.version, "offsets": tables.offsets.tail, "tokens": tables.tokens.tail,
-                     "next_state": tables.next_state.tail, "min": min_rem.tail, "items": items.tail,
-                     "max": tables._max_remaining.tail, "uniform": uniform, "deepest": deepest}
+    d: dict[str, Any] = tables.__dict__
+    min_rem, items, uniform, deepest = d["_item_metrics"]
+    state = {key: d[key] for key in _KEPT}
+    state[_PARTS] = {"base": d["overlay_base"].version, "offsets": d["offsets"].tail, "tokens": d["tokens"].tail,
+                     "next_state": d["next_state"].tail, "min": min_rem.tail, "items": items.tail,
+                     "max": d["_max_remaining"].tail, "uniform": uniform, "deepest": deepest}
     return state
 
 
@@ -227,18 +229,22 @@ def needs_fold(tables: MaskTables, share: float = FOLD_SHARE) -> bool:
     """The appended part of an overlay is past ``share`` of its base's edges (or states): time to fold it."""
     if not is_overlay(tables):
         return False
-    base = tables.overlay_base
+    base = tables.__dict__["overlay_base"]
     grown_edges = tables.tokens.size - base.tokens.size
     grown_states = tables.offsets.size - base.offsets.size
     return grown_edges > share * max(base.tokens.size, 1) or grown_states > share * max(base.offsets.size - 1, 1)
 
 
-def fold(tables: MaskTables) -> MaskTables | None:
+def fold(tables: MaskTables) -> MaskTables:
     """The plain tables of an overlay version's items: its base patched by the net delta
     (:func:`~processors.kinds.tree.delta.patch_tables`, byte for byte the full compile); a plain version as it is."""
     if not is_overlay(tables):
         return tables
-    return patch_tables(tables.overlay_base, sorted(tables.overlay_add), sorted(tables.overlay_remove))
+    d = tables.__dict__
+    folded = patch_tables(d["overlay_base"], sorted(d["overlay_add"]), sorted(d["overlay_remove"]))
+    if folded is None:  # (a base always has a root state: overlay_tables makes none of tables without one)
+        raise RuntimeError("an overlay's base has no root state")
+    return folded
 
 
 def _parts(arr) -> tuple[np.ndarray, np.ndarray]:

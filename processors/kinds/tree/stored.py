@@ -26,6 +26,7 @@ from config import ConstraintError
 
 from ..patch import ContentHost
 from .inline import InlineTree, split_inline_tree
+from .folds import BackgroundFolds
 from .inline_bases import HeldBase, InlineTreeBases
 
 __all__ = ["INLINE_TREE_PATH", "TreeContent"]
@@ -80,6 +81,8 @@ class TreeContent:
         self.patch_states_per_item = 300
         # trees given inline: their items read for a first PATCH, once no write comes (see .inline_bases)
         self.bases = InlineTreeBases(host.pool, host.vocab_size)
+        # catalogs' overlay tables folded into plain ones while no write comes (see .folds)
+        self.folds = BackgroundFolds(host.pool, self._folded)
 
     def _local(self, sha: str) -> str:
         """Where the local copy of content ``sha`` is (it may not be there)."""
@@ -260,6 +263,13 @@ class TreeContent:
             self._tables.pop(next(iter(self._tables)))
         if patched:
             self.tables_patched += 1
+            if self.folds.wanted(tables):
+                self.folds.schedule(sha, tables)
+
+    def _folded(self, sha: str, overlay, folded) -> None:
+        """A background fold ended: keep its plain tables for catalog ``sha`` if the overlay is still kept."""
+        if self._tables.get(sha) is overlay:
+            self._tables[sha] = folded
 
     # -- compiles ----------------------------------------------------------------------------------------------
 
@@ -317,12 +327,15 @@ class TreeContent:
         self.bases.postpone()
 
     def write_started(self) -> None:
-        """A write runs: reads of inline trees' items stop, and none starts until it ended."""
+        """A write runs: reads of inline trees' items and folds of overlay tables stop, none starts until it ended."""
         self.bases.write_started()
+        self.folds.write_started()
 
     def write_ended(self) -> None:
         self.bases.write_ended()
+        self.folds.write_ended()
 
     def close(self) -> None:
         self.bases.close()
+        self.folds.close()
 
