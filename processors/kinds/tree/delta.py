@@ -50,6 +50,11 @@ def max_remaining(tables: MaskTables) -> np.ndarray:
     """The longest way to an end per state (end token included): kept by :func:`item_metrics` where the tables
     were built (it does not travel with pickled tables); computed again when missing."""
     cached = tables.__dict__.get("_max_remaining")
+    if cached is None and "_max_tail" in tables.__dict__:  # an unpickled overlay (processors/kinds/tree/overlay.py)
+        from .overlay import Stacked
+
+        cached = Stacked(max_remaining(tables.__dict__["overlay_base"]), tables.__dict__["_max_tail"])
+        object.__setattr__(tables, "_max_remaining", cached)
     if cached is None:
         from processors.tables import _item_metrics
 

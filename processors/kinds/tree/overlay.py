@@ -178,7 +178,8 @@ def pickled(tables: MaskTables) -> dict[str, Any]:
     state = {key: d[key] for key in _KEPT}
     state[_PARTS] = {"base": d["overlay_base"].version, "offsets": d["offsets"].tail, "tokens": d["tokens"].tail,
                      "next_state": d["next_state"].tail, "min": min_rem.tail, "items": items.tail,
-                     "max": d["_max_remaining"].tail, "uniform": uniform, "deepest": deepest}
+                     "max": d["_max_remaining"].tail if "_max_remaining" in d else d["_max_tail"],
+                     "uniform": uniform, "deepest": deepest}
     return state
 
 
@@ -212,7 +213,7 @@ def _attach(tables: MaskTables, base: MaskTables) -> None:
               "next_state": Stacked(base.next_state, parts["next_state"]),
               "_item_metrics": (Stacked(min_b, parts["min"]), Stacked(items_b, parts["items"]), parts["uniform"],
                                 parts["deepest"]),
-              "_max_remaining": Stacked(max_remaining(base), parts["max"]), "overlay_base": base}
+              "_max_tail": parts["max"], "overlay_base": base}  # (max_remaining: made when a delta needs it)
     tables.__dict__.update(fields)
 
 
