@@ -204,3 +204,25 @@ def test_an_overlay_travels_without_its_base_and_waits_for_it_where_it_is_not_he
         assert waiting.version == over.version
     finally:
         overlay_module._BASES.update(held)
+
+
+def test_the_manager_hands_out_the_base_of_a_served_overlay_only():
+    from deployments.manager.served import ServedScenarios
+    from processors.compile import CompiledScenario
+
+    rnd = np.random.default_rng(9)
+    items = {tuple(r) for r in rnd.integers(3, 60, size=(500, 3)).tolist()}
+    base = full(items)
+    over = overlay_tables(base, [(60, 4, 4)], sorted(items)[:2])
+    served = ServedScenarios()
+
+    def compiled(tables):
+        return CompiledScenario(kind="tree", constraint=tables, think=None, eos_token_ids=(END,), vocab_size=VOCAB)
+
+    served.install("cat", 1, compiled(base), compiled(base))
+    assert served.base_ref(base.version) is None  # a plain version: no replica needs its base apart
+    served.install("cat", 2, compiled(over), compiled(over))
+    assert served.base_ref(base.version) is base  # (without Ray: the object itself)
+    assert served.base_ref("another") is None
+    served.remove("cat")
+    assert served.base_ref(base.version) is None
