@@ -37,8 +37,10 @@ def object_ref(compiled):
 
 def _overlay_base(compiled) -> Any:
     """The base tables of ``compiled``'s overlay version of a catalog's tables, else None."""
+    from processors.kinds.tree.overlay import is_overlay, overlay_base
+
     tables = getattr(compiled, "constraint", None)
-    return getattr(tables, "__dict__", {}).get("overlay_base")
+    return overlay_base(tables) if is_overlay(tables) else None
 
 
 class ServedScenarios:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import sys
 import threading
 from typing import Any
 
@@ -26,20 +25,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["ScenarioSubscriber"]
 
 
-async def _fetch(ref) -> CompiledScenario:
-    """The tables of a snapshot entry: an ObjectRef from the manager (awaited: ``ray.get`` without blocking the
-    event loop), or the compiled object itself (a manager run without Ray)."""
-    if isinstance(ref, CompiledScenario):
-        return ref
-    return await ref
-
-
-async def _fetch_object(ref) -> Any:
-    """An object reference awaited, or the object itself (a manager run without Ray)."""
-    ray = sys.modules.get("ray")
-    if ray is not None and isinstance(ref, ray.ObjectRef):
-        return await ref
-    return ref
+async def _fetch(ref) -> Any:
+    """What a snapshot entry or the manager hands over: an ObjectRef (awaited: ``ray.get`` without blocking the event
+    loop), or the object itself (a manager run without Ray)."""
+    return await ref if inspect.isawaitable(ref) else ref
 
 
 async def _ask(manager_method, *args):
@@ -122,7 +111,7 @@ class ScenarioSubscriber:
         ref = await _ask(self._manager.base_tables, version)
         if ref is None:
             raise RuntimeError(f"the manager no longer serves the base tables {version} of an overlay version")
-        resolve(compiled.constraint, await _fetch_object(ref))
+        resolve(compiled.constraint, await _fetch(ref))
 
     def _poll_loop(self) -> None:
         """Thread: the long poll, on an event loop of its own (the replica's loop serves requests)."""

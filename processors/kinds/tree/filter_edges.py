@@ -19,6 +19,7 @@ import numpy as np
 
 from processors.items import DenseBook
 from processors.tables import LEAF, MaskTables, item_metrics
+from .overlay import overlay_base
 
 __all__ = ["TreeLevels", "TreeParents", "edge_mask", "filter_book", "item_terminals", "passing_counts"]
 
@@ -42,7 +43,7 @@ class TreeParents:
         self.parent_edge = np.full(tables.n_states, -1, dtype=np.int64)
         nxt = tables.next_state.astype(np.int64)
         inner = np.flatnonzero(nxt >= 0)
-        base_edges = getattr(tables, "overlay_base", tables).n_edges
+        base_edges = overlay_base(tables).n_edges
         # every state has one edge into it, except under an overlay version (processors/kinds/tree/overlay.py): a
         # state below a touched path is also the target of its superseded parents' edges; the latest copy's edge,
         # appended last, is the one a walk from the root takes

@@ -269,7 +269,6 @@ def overlay_tables(tables: MaskTables, add: Iterable[Sequence[int]], remove: Ite
     state any more, or ``tables`` has no root): the caller patches or compiles in full."""
     if tables.root < 0:
         return None
-    add, remove = list(add), list(remove)
     touched = settle(tables, add, remove)
     if touched is None:
         return tables
