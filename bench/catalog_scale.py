@@ -22,10 +22,11 @@ items:
 The result is one JSON object (``rows``: one per size); progress on stderr.
 
     python bench/catalog_scale.py [--items 1000000,10000000,100000000] [--beams 256] [--codebook 256] [--repeat 20]
-        [--old-max 10000000]
+        [--whole-max 10000000] [--no-step]
 
-Above ``--old-max`` items only the packed tables are compiled (MaskTables need about 360 bytes per item at their
-compile's peak: 36 GB at 10^8).
+``MaskTables`` are compiled as the service compiles them (``catalog_tables``: in chunks of the root's subtrees above
+``catalog_chunks.CHUNK_IDS`` ids) at every size, and up to ``--whole-max`` items also whole, every item at once (the
+compile before the chunked one: about 260 bytes per item at its peak, 26 GB at 10^8), so the two compare in one run.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ def build(fmt: str, ids: np.ndarray):
         from processors.kinds.tree.packed import PackedTree
 
         return PackedTree.from_items(ids, END, VOCAB)
+    if fmt == "whole":  # every item compiled at once: the service's compile before the chunked one
+        from processors.kinds.tree.catalog_tables import whole_tables
+
+        return whole_tables(_Items(ids), VOCAB)
     from processors.kinds.tree.catalog_tables import catalog_tables
 
     return catalog_tables(_Items(ids), VOCAB)  # the items deduplicated by the caller (as a catalog's are)
@@ -90,7 +95,7 @@ def compile_child(fmt: str, n: int, codebook: int) -> dict:
     """In a subprocess: compile one format, report its time and this process's peak memory above the items."""
     ids = make_ids(n, codebook)
     if fmt != "packed":  # a catalog's items are distinct before its tables are compiled; the packed build sorts anyway
-        ids = np.unique(ids, axis=0)
+        ids = _distinct(ids)
     before = peak_rss_bytes()
     t0 = time.perf_counter()
     tables = build(fmt, ids)
@@ -99,6 +104,29 @@ def compile_child(fmt: str, n: int, codebook: int) -> dict:
     return {"compile_s": round(seconds, 3), "peak_rss_mb": round(peak_rss_bytes() / 2**20),
             "peak_above_items_mb": round((peak_rss_bytes() - before) / 2**20), "bytes": nbytes,
             "manager_bytes": manager_bytes}
+
+
+def _distinct(ids: np.ndarray) -> np.ndarray:
+    """The distinct rows of ``ids`` (a catalog's items are distinct), sorted: one sort of each row packed into an
+    int64 (``np.unique(axis=0)`` of 10^8 rows would take many times the items' memory)."""
+    codes = ids - ids.min(axis=0)
+    bits = max(int(codes.max()), 1).bit_length()
+    assert bits * ids.shape[1] <= 63, "rows too wide to pack in one int64"
+    key = np.zeros(ids.shape[0], dtype=np.int64)
+    for c in range(ids.shape[1]):
+        key <<= bits
+        key |= codes[:, c].astype(np.int64)
+    del codes
+    key.sort()
+    keep = np.ones(key.size, dtype=bool)
+    keep[1:] = key[1:] != key[:-1]
+    key = key[keep]
+    out = np.empty((key.size, ids.shape[1]), dtype=ids.dtype)
+    mask = (1 << bits) - 1
+    for c in range(ids.shape[1] - 1, -1, -1):
+        out[:, c] = (key & mask) + ids[:, c].min()
+        key >>= bits
+    return out
 
 
 # -- the step's table work --------------------------------------------------------------------------------------
@@ -133,7 +161,7 @@ class StaticKernel:
     with tokens and an explicit target per edge (int32), states numbered per level."""
 
     def __init__(self, ids: np.ndarray, codebook: int):
-        ids = np.unique(ids, axis=0)
+        ids = _distinct(ids)
         base = 1000 + np.arange(DEPTH) * codebook
         c = ids - base
         self.codebook, self.base = codebook, base
@@ -203,7 +231,7 @@ def step_rows(n: int, codebook: int, beams: int, repeat: int) -> dict:
     from processors.kinds.tree.packed import PackedTree
 
     ids = make_ids(n, codebook)
-    old = build("old", np.unique(ids, axis=0))
+    old = build("old", _distinct(ids))
     keys = global_keys(old)
     packed = PackedTree.from_items(ids, END, VOCAB)
     static = StaticKernel(ids, codebook)
@@ -266,8 +294,10 @@ def main() -> None:
     ap.add_argument("--beams", type=int, default=256)
     ap.add_argument("--codebook", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=20)
-    ap.add_argument("--old-max", type=int, default=10_000_000,
-                    help="largest size at which MaskTables are compiled too (about 360 bytes of compile peak per item)")
+    ap.add_argument("--whole-max", type=int, default=10_000_000,
+                    help="largest size at which the whole compile (every item at once, the compile before the "
+                         "chunked one) runs too: about 260 bytes of compile peak per item")
+    ap.add_argument("--no-step", action="store_true", help="compile rows only (no beam-step timing)")
     ap.add_argument("--child", nargs=3, metavar=("FORMAT", "ITEMS", "CODEBOOK"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -277,25 +307,23 @@ def main() -> None:
     for n in [int(x) for x in args.items.split(",")]:
         log(f"{n:,} items")
         row: dict = {"items": n}
-        if n > args.old_max:  # MaskTables would not fit this machine: the packed tables alone
-            res = run_json_subprocess([__file__, "--child", "packed", str(n), str(args.codebook)], timeout=3600)
-            res["bytes_per_item"] = round(res.pop("bytes") / n, 2)
-            res.pop("manager_bytes")
-            row["packed"] = res
-            row["mask_tables"] = f"not compiled above --old-max {args.old_max:,} items"
-            log(f"  packed: {res}")
-            rows.append(row)
-            continue
-        for fmt in ("mask_tables", "packed"):
-            res = run_json_subprocess([__file__, "--child", "packed" if fmt == "packed" else "old", str(n),
-                                       str(args.codebook)], timeout=3600)
+        formats = ["mask_tables", "packed"] + (["whole"] if n <= args.whole_max else [])
+        for fmt in formats:
+            res = run_json_subprocess([__file__, "--child", fmt, str(n), str(args.codebook)], timeout=3600)
             res["bytes_per_item"] = round(res.pop("bytes") / n, 2)
             res["manager_bytes_per_item"] = round(res.pop("manager_bytes") / n, 2)
             row[fmt] = res
             log(f"  {fmt}: {res}")
+        if "whole" not in row:
+            row["whole"] = f"not compiled above --whole-max {args.whole_max:,} items"
+        else:
+            row["chunked_vs_whole"] = {"compile": ratio(row["mask_tables"]["compile_s"], row["whole"]["compile_s"]),
+                                       "peak_above_items": ratio(row["mask_tables"]["peak_above_items_mb"],
+                                                                 row["whole"]["peak_above_items_mb"])}
         row["bytes_ratio"] = ratio(row["packed"]["bytes_per_item"], row["mask_tables"]["bytes_per_item"])
         row["compile_ratio"] = ratio(row["packed"]["compile_s"], row["mask_tables"]["compile_s"])
-        row["step"] = step_rows(n, args.codebook, args.beams, args.repeat)
+        if not args.no_step:
+            row["step"] = step_rows(n, args.codebook, args.beams, args.repeat)
         rows.append(row)
     emit({"bench": "catalog_scale", "beams": args.beams, "codebook": args.codebook, "depth": DEPTH, "rows": rows})
 

@@ -24,7 +24,7 @@ import numpy as np
 from config.cancel import checkpoint
 from processors.tables import DONE, LEAF, MaskTables
 
-__all__ = ["CatalogItems", "catalog_tables", "tree_file_bytes"]
+__all__ = ["CatalogItems", "catalog_tables", "tree_file_bytes", "whole_tables"]
 
 
 class CatalogItems(Protocol):
@@ -165,6 +165,17 @@ def tree_file_bytes(catalog: CatalogItems) -> bytes:
 
 
 def catalog_tables(catalog: CatalogItems, vocab_size: int) -> MaskTables:
+    """The compiled tables of ``catalog`` (:func:`whole_tables`); a catalog of more than
+    ``catalog_chunks.CHUNK_IDS`` ids is compiled in chunks of its root's subtrees, in bounded memory and to the same
+    bytes (:func:`processors.kinds.tree.catalog_chunks.chunked_tables`)."""
+    from processors.kinds.tree.catalog_chunks import CHUNK_IDS, chunked_tables
+
+    if np.asarray(catalog.flat).size > CHUNK_IDS:
+        return chunked_tables(catalog, vocab_size)
+    return whole_tables(catalog, vocab_size)
+
+
+def whole_tables(catalog: CatalogItems, vocab_size: int) -> MaskTables:
     """The compiled tables (:class:`~processors.tables.MaskTables`) of the tree :func:`tree_file_bytes` spells,
     built straight from the items: the same states in the same order, the same edges, without writing the tree
     file and parsing it again (``tests/unit/test_catalog_tables.py`` checks both give equal tables).
