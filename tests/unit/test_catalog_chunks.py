@@ -84,3 +84,15 @@ def test_the_empty_item_and_prefix_items_under_chunks():
 @pytest.mark.parametrize("items", [[()], [(4,)], [(4, 5), (4, 6)]])
 def test_tiny_catalogs(items):
     assert_same(chunked_tables(Items(items), VOCAB, chunk_ids=1), whole_tables(Items(items), VOCAB))
+
+
+def test_row_keys_in_blocks_are_the_keys_at_once(monkeypatch):
+    from processors.kinds.tree import item_lines
+
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(0, 9, size=5_000).astype(np.int32)
+    flat = rng.integers(0, 1000, size=int(lengths.sum())).astype(np.int32)
+    whole = item_lines.row_keys(flat, lengths)
+    for block in (1, 7, 100, 4096):
+        monkeypatch.setattr(item_lines, "_KEY_BLOCK", block)
+        assert np.array_equal(item_lines.row_keys(flat, lengths), whole)

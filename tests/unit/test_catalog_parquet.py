@@ -99,3 +99,46 @@ def test_the_row_count_is_checked_before_reading():
     with pytest.raises(ConstraintError) as err:
         parquet_catalog(_parquet(table), max_items=20)
     assert err.value.detail["limit_name"] == "max_tree_keys" and "29 rows" in err.value.message
+
+
+# -- the array path (no metadata columns): parquet_items reads the ids column straight into the catalog's arrays ---
+from processors.kinds.tree.parquet import parquet_items  # noqa: E402
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_array_path_is_the_ndjson_catalog_of_its_rows(seed):
+    rng = random.Random(seed)
+    rows = list({tuple(rng.randint(3, 60) for _ in range(rng.randint(1, 5))) for _ in range(rng.choice([1, 40, 400]))})
+    typ = rng.choice([pa.list_(pa.int32()), pa.large_list(pa.int64()), pa.list_(pa.uint16())])
+    data = _parquet(pa.table({"ids": pa.array([list(r) for r in rows], typ)}), header=HEADER)
+    got = parquet_items(data, vocab_size=VOCAB, max_items=10_000, max_item_tokens=8)
+    want = parse_catalog(_ndjson([(list(r), {}) for r in rows]), vocab_size=VOCAB)
+    assert got._content is None  # no text was made to read it
+    assert got.content() == want.content() and got.options == want.options
+    assert got.items == [tuple(r) for r in rows] and got.meta is None
+    assert got._row_keys.tolist() == want._row_keys.tolist()  # the keys a PATCH looks items up by
+    assert got.line_ends().tolist() == want.line_ends().tolist()
+
+
+@pytest.mark.parametrize("rows, field, says", [
+    ([[11, 12], [11, 12]], "items", "line 3"),          # an item twice: named by its line, as in NDJSON
+    ([[11, 2]], "items", "line 2"),                     # the end token inside an item
+    ([[11, VOCAB]], "items", "line 2"),                 # outside the vocabulary
+    ([[11], []], "items", "line 3"),                    # the empty item
+    ([[11], list(range(3, 13))], "items", "line 3"),    # over max_item_tokens (8)
+])
+def test_the_array_path_refuses_as_the_ndjson_path_naming_the_line(rows, field, says):
+    data = _parquet(pa.table({"ids": pa.array(rows, pa.list_(pa.int64()))}))
+    with pytest.raises(ConstraintError) as err:
+        parquet_items(data, vocab_size=VOCAB, max_items=10, max_item_tokens=8)
+    with pytest.raises(ConstraintError) as text_err:
+        parse_catalog(parquet_catalog(data, max_items=10), vocab_size=VOCAB, max_items=10, max_item_tokens=8)
+    assert err.value.status == 422 and says in err.value.message, err.value.message
+    assert err.value.message == text_err.value.message and err.value.detail == text_err.value.detail
+
+
+def test_a_file_with_metadata_takes_the_text_path_and_keeps_it():
+    table = pa.table({"ids": pa.array([[11, 12], [13]], pa.list_(pa.int32())), "region": ["eu", None]})
+    got = parquet_items(_parquet(table), vocab_size=VOCAB, max_items=10)
+    assert got.meta is not None and got.content() == parse_catalog(
+        _ndjson([([11, 12], {"region": "eu"}), ([13], {})]), vocab_size=VOCAB).content()

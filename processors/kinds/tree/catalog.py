@@ -44,7 +44,7 @@ from processors.kinds.tree.catalog_tables import catalog_tables, tree_file_bytes
 
 from .item_lines import fast_items, id_lines, id_text, list_lines, offsets_at, row_keys
 
-__all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "canonical_meta", "catalog_body", "check_items", "id_lines",
+__all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "canonical_meta", "catalog_body", "catalog_from_arrays", "check_items", "id_lines",
            "id_text", "items_from_tree", "list_lines", "catalog_tables", "offsets_at", "parse_catalog", "row_keys",
            "split_item", "tree_file_bytes"]
 
@@ -266,28 +266,7 @@ def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None,
     if not first.strip():
         raise _bad("items: the body is empty; the first line is the header "
                    '{"start_token_id": ..., "end_token_id": ...}', "body")
-    from config.strict_json import BodyRejected, parse_json
-
-    try:  # strict, as every admin body: no lone surrogates, no repeated keys, no NaN (a 422, never a 500 later)
-        header = parse_json(first, field="header")
-    except BodyRejected as error:
-        raise _bad(f"items: line {line_no}: {error}", error.field) from None
-    except (ValueError, RecursionError) as exc:
-        raise _bad(f"items: line {line_no}: the header is not JSON: {exc}", "header") from None
-    if not isinstance(header, dict):
-        raise _bad(f"items: line {line_no}: the first line is the header, a JSON object with start_token_id and "
-                   f"end_token_id; got {json.dumps(header)[:60]}", "header")
-    if header.get("format", "cs-items") != "cs-items":
-        raise _bad(f"items: header: format must be 'cs-items', got {header.get('format')!r}", "header.format")
-    for required in ("start_token_id", "end_token_id"):
-        if required not in header:
-            raise _bad(f"items: header: {required} is required", f"header.{required}")
-    start = _check_id(header["start_token_id"], "start_token_id", vocab_size)
-    end_id = _check_id(header["end_token_id"], "end_token_id", vocab_size)
-    reserved = sorted(_RESERVED & set(header))
-    if reserved:
-        raise _bad(f"items: header: {', '.join(reserved)} cannot be set in a catalog header", f"header.{reserved[0]}")
-    options = {k: v for k, v in header.items() if k not in ("format", "start_token_id", "end_token_id")}
+    start, end_id, options = _header(first, line_no, vocab_size)
     body = b"" if end < 0 else data[end + 1:]
     fast = fast_items(body)
     if fast is None:
@@ -311,6 +290,66 @@ def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None,
     catalog._content = b"".join([head, *texts])  # canonical: the lines as read, spaces dropped
     catalog._ends, catalog._row_keys = ends + len(head), keys
     return catalog
+
+
+def catalog_from_arrays(header_line: bytes, flat: np.ndarray, lengths: np.ndarray, *, vocab_size: int,
+                        max_items: int | None = None, max_item_tokens: int | None = None) -> Catalog | None:
+    """The catalog of a header line and items given as arrays (a Parquet upload's ``ids`` column: no item text made
+    or parsed), checked as :func:`parse_catalog` checks an upload's text; ``None`` when an item breaks a rule that a
+    422 names by its line (an empty item, one too long, an id outside the vocabulary or the end token, an item
+    twice): the caller then parses the text form, which names it. Its canonical bytes are made when asked."""
+    start, end_id, options = _header(header_line, 1, vocab_size)
+    lengths = np.asarray(lengths, dtype=np.int32)
+    if max_items is not None and lengths.size > max_items:
+        raise _too_many(int(lengths.size), max_items)
+    if not lengths.size:
+        raise _bad("items: the catalog has no items (one JSON array of token ids per line after the header)", "items")
+    if int(lengths.min()) == 0 or (max_item_tokens is not None and int(lengths.max()) > max_item_tokens):
+        return None
+    flat = np.asarray(flat, dtype=np.int32)
+    if int(flat.max()) >= vocab_size or _holds(flat, end_id):
+        return None
+    keys = row_keys(flat, lengths)
+    if _repeats(flat, lengths, keys):
+        return None
+    catalog = Catalog(start, end_id, flat, lengths, options)
+    catalog._row_keys = keys
+    return catalog
+
+
+def _holds(flat: np.ndarray, value: int) -> bool:
+    """Whether ``value`` is among ``flat``, a block at a time (no boolean array the size of ``flat``)."""
+    return any(bool((flat[lo:lo + _BLOCK] == value).any()) for lo in range(0, flat.size, _BLOCK))
+
+
+_BLOCK = 1 << 22
+
+
+def _header(first: bytes, line_no: int, vocab_size: int) -> tuple[int, int, dict[str, Any]]:
+    """The header line's root and end ids and its scenario fields; a 422 naming line ``line_no``."""
+    from config.strict_json import BodyRejected, parse_json
+
+    try:  # strict, as every admin body: no lone surrogates, no repeated keys, no NaN (a 422, never a 500 later)
+        header = parse_json(first, field="header")
+    except BodyRejected as error:
+        raise _bad(f"items: line {line_no}: {error}", error.field) from None
+    except (ValueError, RecursionError) as exc:
+        raise _bad(f"items: line {line_no}: the header is not JSON: {exc}", "header") from None
+    if not isinstance(header, dict):
+        raise _bad(f"items: line {line_no}: the first line is the header, a JSON object with start_token_id and "
+                   f"end_token_id; got {json.dumps(header)[:60]}", "header")
+    if header.get("format", "cs-items") != "cs-items":
+        raise _bad(f"items: header: format must be 'cs-items', got {header.get('format')!r}", "header.format")
+    for required in ("start_token_id", "end_token_id"):
+        if required not in header:
+            raise _bad(f"items: header: {required} is required", f"header.{required}")
+    start = _check_id(header["start_token_id"], "start_token_id", vocab_size)
+    end_id = _check_id(header["end_token_id"], "end_token_id", vocab_size)
+    reserved = sorted(_RESERVED & set(header))
+    if reserved:
+        raise _bad(f"items: header: {', '.join(reserved)} cannot be set in a catalog header", f"header.{reserved[0]}")
+    options = {k: v for k, v in header.items() if k not in ("format", "start_token_id", "end_token_id")}
+    return start, end_id, options
 
 
 def _repeats(flat: np.ndarray, lengths: np.ndarray, keys: np.ndarray) -> bool:

@@ -182,7 +182,25 @@ _MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: its powers weigh each position of 
 def row_keys(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """A 64-bit key per row of ``flat`` / ``lengths`` (uint64): its ids and length hashed, with array passes over the
     ids only (a polynomial in the ids, wrapping, then mixed). Equal rows have equal keys; unequal rows almost never
-    do, and whoever looks rows up by key compares the ids of the few that match anyway."""
+    do, and whoever looks rows up by key compares the ids of the few that match anyway. Rows of more than
+    ``_KEY_BLOCK`` ids in all are keyed a block of rows at a time (the passes' temporaries are 8-24 bytes per id)."""
+    if flat.size > _KEY_BLOCK and lengths.size > 1:
+        out = np.empty(lengths.size, dtype=np.uint64)
+        per = max(1, _KEY_BLOCK // max(int(lengths.max()), 1))
+        at = 0
+        for lo in range(0, lengths.size, per):
+            part = lengths[lo:lo + per]
+            size = int(part.sum(dtype=np.int64))
+            out[lo:lo + part.size] = _row_keys(flat[at:at + size], part)
+            at += size
+        return out
+    return _row_keys(flat, lengths)
+
+
+_KEY_BLOCK = 1 << 22
+
+
+def _row_keys(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     n = lengths.size
     out = lengths.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
     if not flat.size:

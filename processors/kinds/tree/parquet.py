@@ -8,8 +8,10 @@ default ``filter``, ...) is a JSON object in the file's key-value metadata under
     table = table.replace_schema_metadata({"catalog": json.dumps({"start_token_id": 2000, "end_token_id": 2})})
     pq.write_table(table, "catalog.parquet")
 
-:func:`parquet_catalog` turns such a file into the catalog's NDJSON form (:mod:`.catalog`), which is then parsed,
-checked and stored like any upload: one format on the inside, one set of rules and limits. The row count and the
+:func:`parquet_items` reads such a file into the parsed catalog: a file without metadata columns straight from its
+``ids`` column's arrays (checked by the rules of the NDJSON form, no item text made: what a 10^7-10^8-item upload
+needs), any other through the catalog's NDJSON form (:func:`parquet_catalog`, :mod:`.catalog`), parsed like any
+upload: one set of rules and limits. The row count and the
 columns' types are checked from the file's footer before any column is read.
 """
 
@@ -22,7 +24,7 @@ import numpy as np
 
 from config import ConstraintError
 
-__all__ = ["HEADER_KEY", "PARQUET_CONTENT_TYPES", "parquet_catalog"]
+__all__ = ["HEADER_KEY", "PARQUET_CONTENT_TYPES", "parquet_catalog", "parquet_items"]
 
 #: request content types read as a Parquet catalog (the first is the registered one)
 PARQUET_CONTENT_TYPES = ("application/vnd.apache.parquet", "application/x-parquet")
@@ -54,10 +56,40 @@ def _kind(pa: Any, column: str, typ: Any) -> str:
                    "lists of strings", field=f"parquet.{column}")
 
 
+def parquet_items(data: bytes, *, vocab_size: int, max_items: int, max_item_tokens: int | None = None):
+    """The parsed catalog (:class:`~.catalog.Catalog`) of a Parquet upload. A file without metadata columns goes
+    straight from its ``ids`` column to the catalog's arrays (:func:`~.catalog.catalog_from_arrays`: no item text made
+    or parsed, no Python object per row); a file with metadata, or one with an item that breaks a rule (named by its
+    line), is read as the NDJSON it spells (:func:`parquet_catalog`) and parsed. Refusals as there."""
+    from .catalog import catalog_from_arrays, parse_catalog
+
+    pa, header, table, kinds, ids = _read(data, max_items)
+    if not any(kind != "null" for kind in kinds.values()):
+        values = ids.flatten().to_numpy(zero_copy_only=False)
+        import pyarrow.compute as pc
+
+        lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
+        catalog = catalog_from_arrays(_header_line(header), values, lengths, vocab_size=vocab_size,
+                                      max_items=max_items, max_item_tokens=max_item_tokens)
+        if catalog is not None:
+            return catalog
+    return parse_catalog(_text(pa, header, table, kinds, ids), vocab_size=vocab_size, max_items=max_items,
+                         max_item_tokens=max_item_tokens)
+
+
 def parquet_catalog(data: bytes, *, max_items: int) -> bytes:
     """The NDJSON catalog (:mod:`.catalog`) a Parquet upload spells. 422 naming the problem: not a Parquet file, no
     header, no ``ids`` column or one that is not a list of integers, a null ``ids``, a column of another type, more
     rows than ``max_items``; 415 when pyarrow is not installed where the catalog is read."""
+    return _text(*_read(data, max_items))
+
+
+def _header_line(header: dict) -> bytes:
+    return json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _read(data: bytes, max_items: int) -> tuple[Any, dict, Any, dict[str, str], Any]:
+    """The file's header, table, metadata columns' kinds and ``ids`` column (one chunk), checked."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -101,10 +133,14 @@ def parquet_catalog(data: bytes, *, max_items: int) -> bytes:
     values = ids.flatten().to_numpy(zero_copy_only=False)
     if values.size and (values.min() < 0 or values.max() >= 1 << 31):
         raise _refused("token ids must be non-negative 32-bit integers", field=f"parquet.{IDS}")
+    return pa, header, table, kinds, ids
+
+
+def _text(pa: Any, header: dict, table: Any, kinds: dict[str, str], ids: Any) -> bytes:
     from .catalog import list_lines
 
     texts = list_lines(ids.cast(pa.large_list(pa.int64()))).to_pylist()  # each row's catalog line ("[12,40,7]")
-    lines = [json.dumps(header, separators=(",", ":"), allow_nan=False)]
+    lines = [_header_line(header).decode()]
     columns = {name: table.column(name).to_pylist() for name, kind in kinds.items() if kind != "null"}
     if not columns:
         lines += texts

@@ -217,13 +217,15 @@ class TreeContent:
 
         limits = self.limits
         if upload_format == "parquet":
-            from .parquet import parquet_catalog
+            from .parquet import parquet_items
 
-            data = parquet_catalog(data, max_items=limits.max_tree_keys)
+            catalog = parquet_items(data, vocab_size=self.vocab_size, max_items=limits.max_tree_keys,
+                                    max_item_tokens=limits.max_item_tokens)
         elif upload_format != "ndjson":
             raise ConstraintError(415, f"no catalog format {upload_format!r} (ndjson or parquet)", {"field": "body"})
-        catalog = parse_catalog(data, vocab_size=self.vocab_size, max_items=limits.max_tree_keys,
-                                max_item_tokens=limits.max_item_tokens)
+        else:
+            catalog = parse_catalog(data, vocab_size=self.vocab_size, max_items=limits.max_tree_keys,
+                                    max_item_tokens=limits.max_item_tokens)
         content = catalog.content()
         sha, new = self.keep_content(content)
         self.remember_catalog(sha, catalog)
