@@ -55,7 +55,7 @@ def chunked_tables(catalog, vocab_size: int, chunk_ids: int = CHUNK_IDS) -> Mask
 class _Builder:
     def __init__(self, start: int, end: int, vocab: int, chunk_ids: int):
         self.start, self.end, self.vocab, self.chunk_ids = start, end, vocab, chunk_ids
-        self.parts: list[list | None] = []  # one per root placeholder or per compiled block of states
+        self.parts: list[list] = []  # one per root placeholder or per compiled block of states
         self.n_states = 0
 
     # -- the pieces ------------------------------------------------------------------------------------------
@@ -96,12 +96,11 @@ class _Builder:
             return self._append(tables, 0), metrics
         root = self.n_states
         slot = len(self.parts)
-        self.parts.append(None)  # the root's edges, filled once every chunk is compiled
+        self.parts.append([])  # the root's edges, filled once every chunk is compiled
         self.n_states += 1
-        tokens, targets, mins, maxs, counts = [], [], [], [], []
+        edges: list[tuple] = []  # per chunk, the root's edges into it: (tokens, targets, their min, max, items)
         if (lengths == 0).any():  # the empty item: the root's end edge
-            tokens.append(np.array([self.end])), targets.append(np.array([DONE]))
-            mins.append(np.array([0])), maxs.append(np.array([0])), counts.append(np.array([1]))
+            edges.append(tuple(np.array([v]) for v in (self.end, DONE, 0, 0, 1)))
         starts = np.zeros(lengths.size, dtype=np.int64)
         if lengths.size > 1:
             np.cumsum(lengths[:-1], out=starts[1:])
@@ -114,8 +113,7 @@ class _Builder:
                 sub_flat, sub_len = _gather(flat, starts[items] + 1, lengths[items].astype(np.int64) - 1)
                 state, (lo_, hi_, n_) = self.compile(sub_flat, sub_len.astype(lengths.dtype))
                 del sub_flat
-                tokens.append(np.array([toks[0]])), targets.append(np.array([state]))
-                mins.append(np.array([lo_])), maxs.append(np.array([hi_])), counts.append(np.array([n_]))
+                edges.append(tuple(np.array([v]) for v in (toks[0], state, lo_, hi_, n_)))
                 continue
             sub_flat, sub_len = _gather(flat, starts[items], lengths[items].astype(np.int64))
             tables = self._whole(sub_flat, sub_len.astype(lengths.dtype))
@@ -126,13 +124,11 @@ class _Builder:
             min_rem, items_n, _, _ = item_metrics(tables)
             max_rem = tables.__dict__["_max_remaining"]
             tgt = np.maximum(nxt, 0)
-            mins.append(np.where(inner, min_rem[tgt], 1)), maxs.append(np.where(inner, max_rem[tgt], 1))
-            counts.append(np.where(inner, items_n[tgt], 1))
-            tokens.append(np.asarray(tables.tokens[lo:hi]))
+            toks_in = np.asarray(tables.tokens[lo:hi])
             shift = self._append(tables, 1)
-            targets.append(np.where(inner, nxt + shift, nxt))
-        tok, tgt = np.concatenate(tokens), np.concatenate(targets)
-        e_min, e_max, e_items = np.concatenate(mins), np.concatenate(maxs), np.concatenate(counts)
+            edges.append((toks_in, np.where(inner, nxt + shift, nxt), np.where(inner, min_rem[tgt], 1),
+                          np.where(inner, max_rem[tgt], 1), np.where(inner, items_n[tgt], 1)))
+        tok, tgt, e_min, e_max, e_items = (np.concatenate(column) for column in zip(*edges))
         order = np.argsort(tok, kind="stable")
         metrics = (min(int(e_min.min()) + 1, _UNSET), min(int(e_max.max()) + 1, _UNSET),
                    min(int(e_items.sum()), _UNSET))
@@ -169,7 +165,8 @@ class _Builder:
         # one stable sort of a small number per item (a radix sort for uint16) groups the items by chunk
         item_chunk = chunk_of[first_tok].astype(np.uint16 if len(plan) <= 1 << 16 else np.int64)
         order = np.argsort(item_chunk, kind="stable")
-        bounds = np.searchsorted(item_chunk[order], np.arange(len(plan) + 1))
+        bounds = np.zeros(len(plan) + 1, dtype=np.int64)
+        np.cumsum(np.bincount(item_chunk, minlength=len(plan)), out=bounds[1:])
         del item_chunk
         for i, (kind, members) in enumerate(plan):
             yield kind, members, order[bounds[i]:bounds[i + 1]]
