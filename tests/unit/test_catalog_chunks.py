@@ -94,5 +94,18 @@ def test_row_keys_in_blocks_are_the_keys_at_once(monkeypatch):
     flat = rng.integers(0, 1000, size=int(lengths.sum())).astype(np.int32)
     whole = item_lines.row_keys(flat, lengths)
     for block in (1, 7, 100, 4096):
-        monkeypatch.setattr(item_lines, "_KEY_BLOCK", block)
+        monkeypatch.setattr(item_lines, "_ID_BLOCK", block)
         assert np.array_equal(item_lines.row_keys(flat, lengths), whole)
+
+
+def test_id_text_in_blocks_is_the_text_at_once(monkeypatch):
+    from processors.kinds.tree import item_lines
+
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(1, 9, size=3_000).astype(np.int32)
+    flat = rng.integers(0, 100_000, size=int(lengths.sum())).astype(np.int32)
+    whole = item_lines.id_text(flat, lengths)
+    assert whole.count(b"\n") == lengths.size and whole.startswith(b"[")
+    for block in (1, 5, 64, 5_000):
+        monkeypatch.setattr(item_lines, "_ID_BLOCK", block)
+        assert item_lines.id_text(flat, lengths) == whole

@@ -31,6 +31,9 @@ def offsets_at(sizes: np.ndarray, rows: Any) -> np.ndarray:
     return before[np.searchsorted(cuts_all, bounds)][at.ravel()]
 
 
+_ID_BLOCK = 1 << 22  # ids keyed (row_keys) or written (id_text) at once
+
+
 def _id_lists(flat: np.ndarray, lengths: np.ndarray) -> Any:
     """The items ``flat`` / ``lengths`` as an Arrow array of integer lists (the ids wrapped, not copied)."""
     import pyarrow as pa
@@ -54,6 +57,22 @@ def id_text(flat: np.ndarray, lengths: np.ndarray) -> bytes:
     (Arrow's string kernels and one copy out of Arrow's buffer, no Python object per item)."""
     if not lengths.size:
         return b""
+    if flat.size <= _ID_BLOCK:
+        return _id_text(flat, lengths)
+    # a block of rows at a time: the kernels' temporaries (a string and an 8-byte offset per id) are a block's, and
+    # the parts are joined once (the peak is twice the text, not ~6x)
+    parts = []
+    per = max(1, _ID_BLOCK // max(int(lengths.max()), 1))
+    at = 0
+    for lo in range(0, lengths.size, per):
+        part = lengths[lo:lo + per]
+        size = int(part.sum(dtype=np.int64))
+        parts.append(_id_text(flat[at:at + size], part))
+        at += size
+    return b"".join(parts)
+
+
+def _id_text(flat: np.ndarray, lengths: np.ndarray) -> bytes:
     lines = list_lines(_id_lists(flat, lengths), end="]\n")
     offsets = np.frombuffer(lines.buffers()[1], dtype=np.int64, count=len(lines) + 1, offset=8 * lines.offset)
     return lines.buffers()[2][int(offsets[0]):int(offsets[-1])].to_pybytes()
@@ -183,10 +202,10 @@ def row_keys(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """A 64-bit key per row of ``flat`` / ``lengths`` (uint64): its ids and length hashed, with array passes over the
     ids only (a polynomial in the ids, wrapping, then mixed). Equal rows have equal keys; unequal rows almost never
     do, and whoever looks rows up by key compares the ids of the few that match anyway. Rows of more than
-    ``_KEY_BLOCK`` ids in all are keyed a block of rows at a time (the passes' temporaries are 8-24 bytes per id)."""
-    if flat.size > _KEY_BLOCK and lengths.size > 1:
+    ``_ID_BLOCK`` ids in all are keyed a block of rows at a time (the passes' temporaries are 8-24 bytes per id)."""
+    if flat.size > _ID_BLOCK and lengths.size > 1:
         out = np.empty(lengths.size, dtype=np.uint64)
-        per = max(1, _KEY_BLOCK // max(int(lengths.max()), 1))
+        per = max(1, _ID_BLOCK // max(int(lengths.max()), 1))
         at = 0
         for lo in range(0, lengths.size, per):
             part = lengths[lo:lo + per]
@@ -195,9 +214,6 @@ def row_keys(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
             at += size
         return out
     return _row_keys(flat, lengths)
-
-
-_KEY_BLOCK = 1 << 22
 
 
 def _row_keys(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
