@@ -65,8 +65,11 @@ class MemorySampler(threading.Thread):
                     continue
                 rss = int(info["memory_info"].rss)
                 total += rss
-                key = (info["name"] or "?") + " " + cmd[:60]
-                self.peak_by[key] = max(self.peak_by.get(key, 0), rss)
+                # a Ray worker retitles itself per call ("ray::...:ConfigManager.handle_request..."): one key per pid
+                label = (cmd.split()[0] if cmd.strip() else info["name"] or "?").split(".handle_")[0]
+                key = f"{label.removeprefix('ray::ServeReplica:constrained-bench:')} (pid {info['pid']})"
+                old = next((k for k in self.peak_by if k.endswith(f"(pid {info['pid']})")), key)
+                self.peak_by[old] = max(self.peak_by.get(old, 0), rss)
             self.peak_sum = max(self.peak_sum, total)
             self.stop.wait(self.period)
 
