@@ -14,8 +14,10 @@ from deployments.scenario_errors import refused_as_service_error
 from deployments.storage.store import BaseChanged, request_fingerprint
 from processors.kinds.patch import delta_updates, parse_delta
 
+from processors.kinds.tree.parquet import parquet_shape
+
 from .catalog_delta import apply_delta
-from .memory_guard import PATCH_BYTES_PER_ITEM, PEAK_PER_BODY_BYTE, check_write_memory
+from .memory_guard import PATCH_BYTES_PER_ITEM, PEAK_PER_BODY_BYTE, catalog_need, check_write_memory
 from .write_flow import Draft, Write, as_version, body_fingerprint
 
 __all__ = ["PATCH_ATTEMPTS", "patch_write", "put_items_write"]
@@ -30,8 +32,11 @@ def put_items_write(manager: Any, name: str, data: bytes, idempotency_key: str |
         return request_fingerprint("put_items", name, hashlib.sha256(bytes(data)).hexdigest())
 
     def prepare() -> Draft:
-        check_write_memory(manager.settings, PEAK_PER_BODY_BYTE * len(data),
-                           f"a catalog upload of {len(data):,} bytes", name=name)
+        need, what = PEAK_PER_BODY_BYTE * len(data), f"a catalog upload of {len(data):,} bytes"
+        shape = parquet_shape(data) if upload_format == "parquet" else None
+        if shape is not None and catalog_need(*shape) > need:  # (compressed bytes say little of a Parquet's items)
+            need, what = catalog_need(*shape), f"a Parquet catalog of {shape[0]:,} items ({shape[1]:,} ids)"
+        check_write_memory(manager.settings, need, what, name=name)
         body, content, new_sha = manager.compiler.upload(data, upload_format)
         return Draft(body=body, content=content, new_content=new_sha, lookup_first=True)
 

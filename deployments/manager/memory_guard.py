@@ -9,7 +9,9 @@ random 4-token ids) and rounded up:
   :data:`PEAK_PER_BODY_BYTE` bytes per byte of the body (a 10^6-item catalog of 4-token ids, 25 MB: 705 MB traced
   at the peak of the parse and the tables' build, 28 per byte);
 * a PATCH of a tree: :data:`PATCH_BYTES_PER_ITEM` per item of the version it patches (the new version's tables and
-  item list beside the old ones: 7.8 bytes per catalog byte held after a build, about 195 per 4-token item).
+  item list beside the old ones: 7.8 bytes per catalog byte held after a build, about 195 per 4-token item);
+* a Parquet catalog: its compressed bytes say little of what it holds (10^7 4-token items in 48 MB), so its estimate
+  is also taken from the file's footer (rows and ids, no column read): :func:`catalog_need`, whichever is larger.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 
 from deployments.protocol import ServiceError
 
-__all__ = ["PATCH_BYTES_PER_ITEM", "PEAK_PER_BODY_BYTE", "SETTING", "check_write_memory", "held_bytes", "write_limit"]
+__all__ = ["PATCH_BYTES_PER_ITEM", "PEAK_PER_BODY_BYTE", "SETTING", "catalog_need", "check_write_memory", "held_bytes",
+           "write_limit"]
 
 SETTING = "write_memory_mb"
 #: peak bytes of a parse and compile per byte of the body (measured 28 on a 10^6-item catalog)
@@ -27,6 +30,13 @@ PEAK_PER_BODY_BYTE = 32
 #: bytes of a PATCH per item of the version it patches (measured about 195 for 4-token items)
 PATCH_BYTES_PER_ITEM = 256
 _MIB = 2**20
+#: a catalog's peak per item (its lengths, row key, line end, text brackets, the Arrow column's offsets, sort temporaries)
+CATALOG_BYTES_PER_ROW = 64
+#: ... per id it holds (the ids, read and kept; their text, twice while it is joined; the tables' edges)
+CATALOG_BYTES_PER_ID = 48
+#: ... per id of the compile's working set: a compile of more than ``catalog_chunks.CHUNK_IDS`` ids works on one chunk of
+#: that many ids at a time (the whole compile peaked at 69-86 bytes per id above the items at 10^6-10^7 4-token items)
+COMPILE_BYTES_PER_ID = 96
 
 
 def held_bytes() -> int:
@@ -43,6 +53,13 @@ def write_limit(settings: Any) -> int:
     import psutil
 
     return int(psutil.virtual_memory().total) // 2
+
+
+def catalog_need(rows: int, ids: int) -> int:
+    """The estimated peak of parsing, keeping and compiling a catalog of ``rows`` items and ``ids`` ids in all."""
+    from processors.kinds.tree.catalog_chunks import CHUNK_IDS
+
+    return CATALOG_BYTES_PER_ROW * rows + CATALOG_BYTES_PER_ID * ids + COMPILE_BYTES_PER_ID * min(ids, CHUNK_IDS)
 
 
 def check_write_memory(settings: Any, need: int, what: str, *, name: str) -> None:

@@ -88,3 +88,37 @@ def test_a_patch_of_a_version_too_large_for_the_setting_is_refused(manager):
     finally:
         manager.settings.write_memory_mb = held_bytes() // MIB + HEADROOM_MB
     assert manager.run(manager.patch("patched", {"add": [[11, 12, 13, 14]]}))["version"] == 2
+
+
+def test_a_parquet_catalog_is_estimated_by_its_items_not_its_compressed_bytes(manager):
+    """A Parquet file compresses its ids many times over (here ~0.5 byte per id): its estimate comes from the footer's
+    rows and ids, so a file of a few MB that spells ~100 MiB of work is refused, and a small one is served."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from deployments.manager.memory_guard import catalog_need
+    from processors.kinds.tree.parquet import parquet_shape
+
+    def parquet(n: int) -> bytes:
+        ids = [[10 + i // 10_000, 10 + (i // 100) % 100, 10 + i % 100] for i in range(n)]
+        table = pa.table({"ids": pa.array(ids, pa.list_(pa.int32()))}).replace_schema_metadata(
+            {"catalog": json.dumps({"start_token_id": ROOT, "end_token_id": END})})
+        out = io.BytesIO()
+        pq.write_table(table, out)
+        return out.getvalue()
+
+    big = parquet(600_000)
+    assert parquet_shape(big) == (600_000, 1_800_000)
+    assert PEAK_PER_BODY_BYTE * len(big) < HEADROOM_MB * MIB < catalog_need(600_000, 1_800_000)  # bytes would pass
+    files = _content_files(manager)
+    error = _refused(manager.put_items("parquet-big", big, None, "parquet"), manager)
+    assert "600,000 items" in error.message and "1,800,000 ids" in error.message, error.message
+    assert _content_files(manager) == files
+    with pytest.raises(ServiceError) as missing:
+        manager.run(manager.get("parquet-big"))
+    assert missing.value.status == 404
+    manager.settings.write_memory_mb = held_bytes() // MIB + HEADROOM_MB  # (what the manager holds grew meanwhile)
+    small = manager.run(manager.put_items("parquet-small", parquet(1_000), None, "parquet"))
+    assert small["items"] == 1_000 and "parquet-small" in manager.scenarios.served

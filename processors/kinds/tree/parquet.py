@@ -24,7 +24,7 @@ import numpy as np
 
 from config import ConstraintError
 
-__all__ = ["HEADER_KEY", "PARQUET_CONTENT_TYPES", "parquet_catalog", "parquet_items"]
+__all__ = ["HEADER_KEY", "PARQUET_CONTENT_TYPES", "parquet_catalog", "parquet_items", "parquet_shape"]
 
 #: request content types read as a Parquet catalog (the first is the registered one)
 PARQUET_CONTENT_TYPES = ("application/vnd.apache.parquet", "application/x-parquet")
@@ -75,6 +75,23 @@ def parquet_items(data: bytes, *, vocab_size: int, max_items: int, max_item_toke
             return catalog
     return parse_catalog(_text(pa, header, table, kinds, ids), vocab_size=vocab_size, max_items=max_items,
                          max_item_tokens=max_item_tokens)
+
+
+def parquet_shape(data: bytes) -> tuple[int, int] | None:
+    """``(rows, ids)`` of a Parquet catalog from its footer alone (no column read): what the manager's memory estimate
+    of the upload reads. None when the file has no footer or no ``ids`` column (the read then names the problem)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(pa.BufferReader(data)).metadata
+        leaves = [i for i in range(meta.num_columns) if meta.schema.column(i).path.split(".")[0] == IDS]
+        if len(leaves) != 1:
+            return None
+        ids = sum(meta.row_group(g).column(leaves[0]).num_values for g in range(meta.num_row_groups))
+        return int(meta.num_rows), int(ids)
+    except Exception:  # noqa: BLE001 - not Parquet: the read refuses it with its reason
+        return None
 
 
 def parquet_catalog(data: bytes, *, max_items: int) -> bytes:
