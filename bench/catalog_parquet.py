@@ -37,7 +37,7 @@ def write_file(n: int, path: Path) -> int:
     import pyarrow.parquet as pq
 
     ids = _distinct(make_ids(n, 256))
-    np.random.default_rng(1).shuffle(ids)  # upload order is not sorted
+    ids = ids[np.random.default_rng(1).permutation(ids.shape[0])]  # upload order is not sorted
     column = pa.ListArray.from_arrays(pa.array(np.arange(0, ids.size + 1, ids.shape[1], dtype=np.int32)),
                                       pa.array(ids.reshape(-1)))
     table = pa.table({"ids": column}).replace_schema_metadata(

@@ -128,7 +128,7 @@ def main() -> None:
                      replicas=REPLICAS)
         for n in [int(x) for x in args.items.split(",")]:
             ids = _distinct(make_ids(n, 256))
-            np.random.default_rng(1).shuffle(ids)
+            ids = ids[np.random.default_rng(1).permutation(ids.shape[0])]  # (a row shuffle in place: minutes at 10^8)
             path = Path(tmp) / f"catalog-{n}.parquet"
             write_parquet(ids, path, start, end)
             size = path.stat().st_size
