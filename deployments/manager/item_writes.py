@@ -89,8 +89,11 @@ def patch_write(manager: Any, name: str, delta: Any, idempotency_key: str | None
             raise BaseChanged(name, base, current)
         items = held.items if held else (stored or {}).get("items")
         if isinstance(items, int):  # (a tree not patched yet: its PUT was checked, its PATCH makes a catalog)
-            check_write_memory(manager.settings, PATCH_BYTES_PER_ITEM * items, f"a PATCH of {items:,} items",
-                               name=name)
+            # a held catalog's PATCH copies its item list and makes an overlay of its tables: their bytes; else the
+            # PATCH compiles in full (per item)
+            need = None if stored is None else await asyncio.to_thread(manager.compiler.patch_need, stored)
+            check_write_memory(manager.settings, PATCH_BYTES_PER_ITEM * items if need is None else need,
+                               f"a PATCH of {items:,} items", name=name)
         result = await asyncio.to_thread(apply_delta, manager.compiler, name, stored, add, remove,
                                          held and (held.kind, held.base), update)
         body, content, report, new_sha = result.body, result.stored, result.report, result.new_sha

@@ -122,3 +122,23 @@ def test_a_parquet_catalog_is_estimated_by_its_items_not_its_compressed_bytes(ma
     manager.settings.write_memory_mb = held_bytes() // MIB + HEADROOM_MB  # (what the manager holds grew meanwhile)
     small = manager.run(manager.put_items("parquet-small", parquet(1_000), None, "parquet"))
     assert small["items"] == 1_000 and "parquet-small" in manager.scenarios.served
+
+
+def test_a_patch_of_a_held_catalog_is_estimated_by_what_it_copies(manager):
+    """A PATCH of a catalog whose items and tables the manager holds copies its item list and makes an overlay of its
+    tables: its estimate is their bytes, not 256 per item, so it fits where the per-item estimate would not; with
+    less room than those bytes it is refused."""
+    items = 400_000
+    try:
+        manager.settings.write_memory_mb = held_bytes() // MIB + 1024  # (the upload's own estimate is larger)
+        assert manager.run(manager.put_items("held", catalog(items)))["items"] == items
+        manager.settings.write_memory_mb = held_bytes() // MIB + HEADROOM_MB
+        assert PATCH_BYTES_PER_ITEM * items > HEADROOM_MB * MIB  # the per-item estimate would refuse it
+        answer = manager.run(manager.patch("held", {"add": [[11, 12, 13, 14]]}))
+        assert answer["version"] == 2 and answer["added"] == 1
+        manager.settings.write_memory_mb = max(64, held_bytes() // MIB + 1)  # less room than the copies
+        error = _refused(manager.patch("held", {"add": [[11, 12, 13, 15]]}), manager)
+        assert f"{items + 1:,} items" in error.message and error.detail["estimate_mb"] < PATCH_BYTES_PER_ITEM * items / MIB
+        assert [v["version"] for v in manager.run(manager.versions("held"))] == [1, 2]
+    finally:
+        manager.settings.write_memory_mb = held_bytes() // MIB + HEADROOM_MB

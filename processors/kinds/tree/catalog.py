@@ -170,6 +170,11 @@ class Catalog:
             self._content = self.header() + b"\n" + body
         return self._content
 
+    def held_nbytes(self) -> int:
+        """The bytes this catalog holds in arrays and its canonical bytes (what a PATCH's result copies)."""
+        arrays = (self.flat, self.lengths, self._row_keys, self._ends)
+        return sum(int(a.nbytes) for a in arrays if a is not None) + len(self._content or b"")
+
     def line_ends(self) -> np.ndarray:
         """Where each item's line ends in :meth:`content` (the offset after its newline), in item order."""
         if self._ends is None:
