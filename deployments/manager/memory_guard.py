@@ -1,6 +1,8 @@
 """The memory an admin write may take, checked before the work: a write whose estimated peak, added to what the
 config manager holds now, is over ``write_memory_mb`` is refused with a 507 naming the setting and the estimate,
-before anything is parsed or stored, so a write can never run the node out of memory while the service serves.
+before anything is parsed or stored, so a write can never run the node out of memory while the service serves; and
+refused too when the estimate is more than the node has free now (:func:`node_free_bytes`: the setting bounds the
+manager, the node's other processes use the rest).
 
 The estimates are measured (``parse_catalog`` then ``catalog_tables`` under ``tracemalloc``, a 10^6-item catalog of
 random 4-token ids) and rounded up:
@@ -22,7 +24,7 @@ from typing import Any
 from deployments.protocol import ServiceError
 
 __all__ = ["PATCH_BYTES_PER_ITEM", "PEAK_PER_BODY_BYTE", "SETTING", "catalog_need", "check_write_memory", "held_bytes",
-           "write_limit"]
+           "node_free_bytes", "write_limit"]
 
 SETTING = "write_memory_mb"
 #: peak bytes of a parse and compile per byte of the body (measured 28 on a 10^6-item catalog)
@@ -30,10 +32,13 @@ PEAK_PER_BODY_BYTE = 32
 #: bytes of a PATCH per item of the version it patches (measured about 195 for 4-token items)
 PATCH_BYTES_PER_ITEM = 256
 _MIB = 2**20
+#: the share of the node's memory a write never counts on (Ray's memory monitor kills workers from 95% used)
+NODE_RESERVE = 0.06
 #: a catalog's peak per item (its lengths, row key, line end, text brackets, the Arrow column's offsets, sort temporaries)
 CATALOG_BYTES_PER_ROW = 64
-#: ... per id it holds (the ids, read and kept; their text, twice while it is joined; the tables' edges)
-CATALOG_BYTES_PER_ID = 48
+#: ... per id it holds (the ids, read and kept; their text, twice while it is joined; the tables' edges). With the
+#: line above: 16.6 GB for 10^8 4-token items, whose upload peaked at about 10.8 GB in the manager (2026-12-02)
+CATALOG_BYTES_PER_ID = 24
 #: ... per id of the compile's working set: a compile of more than ``catalog_chunks.CHUNK_IDS`` ids works on one chunk of
 #: that many ids at a time (the whole compile peaked at 69-86 bytes per id above the items at 10^6-10^7 4-token items)
 COMPILE_BYTES_PER_ID = 96
@@ -55,6 +60,15 @@ def write_limit(settings: Any) -> int:
     return int(psutil.virtual_memory().total) // 2
 
 
+def node_free_bytes() -> int:
+    """What this node can still give a write: its available memory less :data:`NODE_RESERVE` of its total (Ray's
+    memory monitor kills workers from 95% used)."""
+    import psutil
+
+    memory = psutil.virtual_memory()
+    return max(0, int(memory.available) - int(NODE_RESERVE * memory.total))
+
+
 def catalog_need(rows: int, ids: int) -> int:
     """The estimated peak of parsing, keeping and compiling a catalog of ``rows`` items and ``ids`` ids in all."""
     from processors.kinds.tree.catalog_chunks import CHUNK_IDS
@@ -67,8 +81,17 @@ def check_write_memory(settings: Any, need: int, what: str, *, name: str) -> Non
     when it does not fit beside what the manager holds."""
     limit = write_limit(settings)
     held = held_bytes()
-    if held + need <= limit:
+    free = node_free_bytes()
+    if held + need <= limit and need <= free:
         return
+    if held + need <= limit:  # within the setting, but the node has not that much free: the OOM killer would act
+        raise ServiceError(
+            507,
+            f"{what} needs about {need / _MIB:,.0f} MiB, more than the {free / _MIB:,.0f} MiB this node has free now "
+            f"(available memory less {NODE_RESERVE:.0%} of it, where Ray's memory monitor starts killing); nothing "
+            f"was stored ({SETTING}={limit // _MIB} MiB would allow it: free memory on the node, or split the write)",
+            {"name": name, "setting": SETTING, "limit_mb": limit // _MIB, "estimate_mb": round(need / _MIB, 1),
+             "held_mb": round(held / _MIB, 1), "node_free_mb": round(free / _MIB, 1)})
     raise ServiceError(
         507,
         f"{what} needs about {need / _MIB:,.0f} MiB beside the {held / _MIB:,.0f} MiB the config manager holds, "

@@ -142,3 +142,25 @@ def test_a_patch_of_a_held_catalog_is_estimated_by_what_it_copies(manager):
         assert [v["version"] for v in manager.run(manager.versions("held"))] == [1, 2]
     finally:
         manager.settings.write_memory_mb = held_bytes() // MIB + HEADROOM_MB
+
+
+def test_a_write_within_the_setting_but_over_the_nodes_free_memory_is_refused(manager, monkeypatch):
+    """The setting bounds the manager; the node's other processes (replicas, Redis, the object store) use the rest.
+    A write within the setting whose estimate is over what the node has free now is refused too (507 naming both),
+    nothing stored. FAKE: the node's free memory is patched down (a node really that full would be one this test
+    run could not survive)."""
+    from deployments.manager import memory_guard
+
+    manager.settings.write_memory_mb = held_bytes() // MIB + 1024
+    try:
+        monkeypatch.setattr(memory_guard, "node_free_bytes", lambda: 5 * MIB)
+        body = catalog(50_000)  # ~0.6 MB: ~20 MiB estimated, within the setting
+        error = _refused(manager.put_items("node-full", body), manager)
+        assert error.detail["node_free_mb"] == 5 and "free" in error.message, error.message
+        with pytest.raises(ServiceError) as missing:
+            manager.run(manager.get("node-full"))
+        assert missing.value.status == 404
+        monkeypatch.undo()
+        assert manager.run(manager.put_items("node-full", body))["items"] == 50_000
+    finally:
+        manager.settings.write_memory_mb = held_bytes() // MIB + HEADROOM_MB

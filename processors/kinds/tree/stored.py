@@ -258,15 +258,16 @@ class TreeContent:
 
     def patch_need(self, body: Any) -> int | None:
         """The memory a PATCH of the stored catalog ``body`` takes beside what is held, when its parsed catalog and
-        tables are held and it has no metadata: a copy of its item list (the new version's) and at most one copy of
-        its tables (an overlay's arrays read whole, or its fold). None otherwise (the PATCH then compiles in full)."""
+        tables are held and it has no metadata: a copy of its item list (the new version's; half again for the
+        canonical bytes spliced beside it) and at most one copy of its tables (an overlay's arrays read whole, or its
+        fold). None otherwise (the PATCH then compiles in full)."""
         sha = body.get("content_sha256") if isinstance(body, dict) else None
         if not isinstance(sha, str):
             return None
         catalog, tables = self._catalogs.get(sha), self._tables.get(sha)
         if catalog is None or tables is None or catalog.meta is not None:
             return None
-        return catalog.held_nbytes() + int(tables.nbytes)
+        return catalog.held_nbytes() * 3 // 2 + int(tables.nbytes)  # (the bytes spliced beside the copies)
 
     def remember_tables(self, sha: str, tables, patched: bool = False) -> None:
         """Keep the tables of catalog ``sha`` (the newest two: a large catalog's tables are large). ``patched``:
