@@ -35,10 +35,10 @@ _MIB = 2**20
 #: the share of the node's memory a write never counts on (Ray's memory monitor kills workers from 95% used)
 NODE_RESERVE = 0.06
 #: a catalog's peak per item (its lengths, row key, line end, text brackets, the Arrow column's offsets, sort temporaries)
-CATALOG_BYTES_PER_ROW = 64
+CATALOG_BYTES_PER_ROW = 48
 #: ... per id it holds (the ids, read and kept; their text, twice while it is joined; the tables' edges). With the
-#: line above: 16.6 GB for 10^8 4-token items, whose upload peaked at about 10.8 GB in the manager (2026-12-02)
-CATALOG_BYTES_PER_ID = 24
+#: line above: 11.9 GB for 10^8 4-token items, whose upload peaked at about 10.8 GB in the manager (2026-12-02)
+CATALOG_BYTES_PER_ID = 16
 #: ... per id of the compile's working set: a compile of more than ``catalog_chunks.CHUNK_IDS`` ids works on one chunk of
 #: that many ids at a time (the whole compile peaked at 69-86 bytes per id above the items at 10^6-10^7 4-token items)
 COMPILE_BYTES_PER_ID = 96
