@@ -34,8 +34,8 @@ def put_items_write(manager: Any, name: str, data: bytes, idempotency_key: str |
     def prepare() -> Draft:
         need, what = PEAK_PER_BODY_BYTE * len(data), f"a catalog upload of {len(data):,} bytes"
         shape = parquet_shape(data) if upload_format == "parquet" else None
-        if shape is not None and catalog_need(*shape) > need:  # (compressed bytes say little of a Parquet's items)
-            need, what = catalog_need(*shape), f"a Parquet catalog of {shape[0]:,} items ({shape[1]:,} ids)"
+        if shape is not None:  # (compressed bytes say little of a Parquet's items: its footer's counts instead)
+            need, what = catalog_need(*shape) + len(data), f"a Parquet catalog of {shape[0]:,} items ({shape[1]:,} ids)"
         check_write_memory(manager.settings, need, what, name=name)
         body, content, new_sha = manager.compiler.upload(data, upload_format)
         return Draft(body=body, content=content, new_content=new_sha, lookup_first=True)

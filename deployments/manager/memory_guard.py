@@ -13,7 +13,7 @@ random 4-token ids) and rounded up:
 * a PATCH of a tree: :data:`PATCH_BYTES_PER_ITEM` per item of the version it patches (the new version's tables and
   item list beside the old ones: 7.8 bytes per catalog byte held after a build, about 195 per 4-token item);
 * a Parquet catalog: its compressed bytes say little of what it holds (10^7 4-token items in 48 MB), so its estimate
-  is also taken from the file's footer (rows and ids, no column read): :func:`catalog_need`, whichever is larger.
+  is taken from the file's footer instead (rows and ids, no column read): :func:`catalog_need`, plus the file.
 """
 
 from __future__ import annotations
