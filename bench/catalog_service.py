@@ -8,8 +8,8 @@ level, each level its own token range; the header in the file's metadata) is wri
 serve it; then one request with ``num_beams`` = ``n`` = ``--beams`` whose every output must be an item of the
 version it reports. A thread samples the resident memory of every process of the service (Ray's processes, the model
 replicas, the manager, the embedded Redis) every 0.5 s: ``peak_service_rss_gb`` is the largest sum, with each
-process's own peak beside it. Against the in-process floor: the same catalog's tables compiled in this process
-(``catalog_tables``), so the PUT's time is seen against its compile.
+process's own peak beside it. The comparison in the run is the PUT against the PATCH of the same catalog
+(``put_over_patch_p50``); the compile alone at these sizes is ``bench/catalog_scale.py``'s.
 
     .venv/bin/python bench/catalog_service.py [--items 10000000] [--rounds 5] [--beams 256]
 
