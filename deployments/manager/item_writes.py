@@ -13,7 +13,6 @@ from deployments.protocol import ServiceError
 from deployments.scenario_errors import refused_as_service_error
 from deployments.storage.store import BaseChanged, request_fingerprint
 from processors.kinds.patch import delta_updates, parse_delta
-
 from processors.kinds.tree.parquet import parquet_shape
 
 from .catalog_delta import apply_delta

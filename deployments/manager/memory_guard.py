@@ -84,17 +84,16 @@ def check_write_memory(settings: Any, need: int, what: str, *, name: str) -> Non
     free = node_free_bytes()
     if held + need <= limit and need <= free:
         return
+    detail = {"name": name, "setting": SETTING, "limit_mb": limit // _MIB, "estimate_mb": round(need / _MIB, 1),
+              "held_mb": round(held / _MIB, 1)}
     if held + need <= limit:  # within the setting, but the node has not that much free: the OOM killer would act
         raise ServiceError(
             507,
             f"{what} needs about {need / _MIB:,.0f} MiB, more than the {free / _MIB:,.0f} MiB this node has free now "
             f"(available memory less {NODE_RESERVE:.0%} of it, where Ray's memory monitor starts killing); nothing "
             f"was stored ({SETTING}={limit // _MIB} MiB would allow it: free memory on the node, or split the write)",
-            {"name": name, "setting": SETTING, "limit_mb": limit // _MIB, "estimate_mb": round(need / _MIB, 1),
-             "held_mb": round(held / _MIB, 1), "node_free_mb": round(free / _MIB, 1)})
+            {**detail, "node_free_mb": round(free / _MIB, 1)})
     raise ServiceError(
         507,
         f"{what} needs about {need / _MIB:,.0f} MiB beside the {held / _MIB:,.0f} MiB the config manager holds, "
-        f"over {SETTING}={limit // _MIB} MiB; nothing was stored (raise {SETTING}, or split the write)",
-        {"name": name, "setting": SETTING, "limit_mb": limit // _MIB, "estimate_mb": round(need / _MIB, 1),
-         "held_mb": round(held / _MIB, 1)})
+        f"over {SETTING}={limit // _MIB} MiB; nothing was stored (raise {SETTING}, or split the write)", detail)

@@ -42,7 +42,7 @@ from config import ConstraintError
 from processors.kinds.tree.catalog_tables import _row_order as _row_order  # re-exported (tests)
 from processors.kinds.tree.catalog_tables import catalog_tables, tree_file_bytes
 
-from .item_lines import fast_items, id_lines, id_text, list_lines, offsets_at, row_keys
+from .item_lines import _ID_BLOCK, fast_items, id_lines, id_text, list_lines, offsets_at, row_keys
 
 __all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "canonical_meta", "catalog_body", "catalog_from_arrays", "check_items", "id_lines",
            "id_text", "items_from_tree", "list_lines", "catalog_tables", "offsets_at", "parse_catalog", "row_keys",
@@ -324,10 +324,7 @@ def catalog_from_arrays(header_line: bytes, flat: np.ndarray, lengths: np.ndarra
 
 def _holds(flat: np.ndarray, value: int) -> bool:
     """Whether ``value`` is among ``flat``, a block at a time (no boolean array the size of ``flat``)."""
-    return any(bool((flat[lo:lo + _BLOCK] == value).any()) for lo in range(0, flat.size, _BLOCK))
-
-
-_BLOCK = 1 << 22
+    return any(bool((flat[lo:lo + _ID_BLOCK] == value).any()) for lo in range(0, flat.size, _ID_BLOCK))
 
 
 def _header(first: bytes, line_no: int, vocab_size: int) -> tuple[int, int, dict[str, Any]]:

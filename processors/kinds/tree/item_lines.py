@@ -61,15 +61,18 @@ def id_text(flat: np.ndarray, lengths: np.ndarray) -> bytes:
         return _id_text(flat, lengths)
     # a block of rows at a time: the kernels' temporaries (a string and an 8-byte offset per id) are a block's, and
     # the parts are joined once (the peak is twice the text, not ~6x)
-    parts = []
+    return b"".join(_id_text(ids, part) for _, ids, part in _row_blocks(flat, lengths))
+
+
+def _row_blocks(flat: np.ndarray, lengths: np.ndarray):
+    """``(first row, its ids, their lengths)`` per block of whole rows of about ``_ID_BLOCK`` ids, in order."""
     per = max(1, _ID_BLOCK // max(int(lengths.max()), 1))
     at = 0
     for lo in range(0, lengths.size, per):
         part = lengths[lo:lo + per]
         size = int(part.sum(dtype=np.int64))
-        parts.append(_id_text(flat[at:at + size], part))
+        yield lo, flat[at:at + size], part
         at += size
-    return b"".join(parts)
 
 
 def _id_text(flat: np.ndarray, lengths: np.ndarray) -> bytes:
@@ -205,13 +208,8 @@ def row_keys(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     ``_ID_BLOCK`` ids in all are keyed a block of rows at a time (the passes' temporaries are 8-24 bytes per id)."""
     if flat.size > _ID_BLOCK and lengths.size > 1:
         out = np.empty(lengths.size, dtype=np.uint64)
-        per = max(1, _ID_BLOCK // max(int(lengths.max()), 1))
-        at = 0
-        for lo in range(0, lengths.size, per):
-            part = lengths[lo:lo + per]
-            size = int(part.sum(dtype=np.int64))
-            out[lo:lo + part.size] = _row_keys(flat[at:at + size], part)
-            at += size
+        for lo, ids, part in _row_blocks(flat, lengths):
+            out[lo:lo + part.size] = _row_keys(ids, part)
         return out
     return _row_keys(flat, lengths)
 

@@ -63,11 +63,10 @@ def parquet_items(data: bytes, *, vocab_size: int, max_items: int, max_item_toke
     line), is read as the NDJSON it spells (:func:`parquet_catalog`) and parsed. Refusals as there."""
     from .catalog import catalog_from_arrays, parse_catalog
 
-    pa, header, table, kinds, ids = _read(data, max_items)
-    if not any(kind != "null" for kind in kinds.values()):
-        values = ids.flatten().to_numpy(zero_copy_only=False)
-        import pyarrow.compute as pc
+    import pyarrow.compute as pc
 
+    pa, header, table, kinds, ids, values = _read(data, max_items)
+    if not any(kind != "null" for kind in kinds.values()):
         lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
         catalog = catalog_from_arrays(_header_line(header), values, lengths, vocab_size=vocab_size,
                                       max_items=max_items, max_item_tokens=max_item_tokens)
@@ -98,15 +97,15 @@ def parquet_catalog(data: bytes, *, max_items: int) -> bytes:
     """The NDJSON catalog (:mod:`.catalog`) a Parquet upload spells. 422 naming the problem: not a Parquet file, no
     header, no ``ids`` column or one that is not a list of integers, a null ``ids``, a column of another type, more
     rows than ``max_items``; 415 when pyarrow is not installed where the catalog is read."""
-    return _text(*_read(data, max_items))
+    return _text(*_read(data, max_items)[:5])
 
 
 def _header_line(header: dict) -> bytes:
     return json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _read(data: bytes, max_items: int) -> tuple[Any, dict, Any, dict[str, str], Any]:
-    """The file's header, table, metadata columns' kinds and ``ids`` column (one chunk), checked."""
+def _read(data: bytes, max_items: int) -> tuple[Any, dict, Any, dict[str, str], Any, np.ndarray]:
+    """The file's header, table, metadata columns' kinds, ``ids`` column (one chunk) and its ids, checked."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -150,7 +149,7 @@ def _read(data: bytes, max_items: int) -> tuple[Any, dict, Any, dict[str, str], 
     values = ids.flatten().to_numpy(zero_copy_only=False)
     if values.size and (values.min() < 0 or values.max() >= 1 << 31):
         raise _refused("token ids must be non-negative 32-bit integers", field=f"parquet.{IDS}")
-    return pa, header, table, kinds, ids
+    return pa, header, table, kinds, ids, values
 
 
 def _text(pa: Any, header: dict, table: Any, kinds: dict[str, str], ids: Any) -> bytes:
