@@ -244,12 +244,12 @@ class StoredScenarioCompiler:
                 return held
         return None
 
-    def patch_need(self, body: Any) -> int | None:
-        """What a PATCH of stored ``body`` needs beside what is held, when its kind's content knows (a held
-        catalog: ``TreeContent.patch_need``); None: the caller's per-item estimate applies."""
+    def patch_need(self, body: Any, delta_items: int = 0) -> int | None:
+        """What a PATCH of ``delta_items`` items of stored ``body`` needs beside what is held, when its kind's
+        content knows (a held catalog: ``TreeContent.patch_need``); None: the caller's per-item estimate applies."""
         content = self._content_of(body)
         need = getattr(content, "patch_need", None)
-        return None if need is None else need(body)
+        return None if need is None else need(body, delta_items)
 
     def discard_content(self, sha: str) -> None:
         """Remove the local copy of content ``sha`` that a refused write made."""

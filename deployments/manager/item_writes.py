@@ -88,9 +88,10 @@ def patch_write(manager: Any, name: str, delta: Any, idempotency_key: str | None
             raise BaseChanged(name, base, current)
         items = held.items if held else (stored or {}).get("items")
         if isinstance(items, int):  # (a tree not patched yet: its PUT was checked, its PATCH makes a catalog)
-            # a held catalog's PATCH copies its item list and makes an overlay of its tables: their bytes; else the
-            # PATCH compiles in full (per item)
-            need = None if stored is None else await asyncio.to_thread(manager.compiler.patch_need, stored)
+            # a held catalog's PATCH leaves its result pending on the held items (or writes a new base out) and makes
+            # an overlay of its tables: their bytes; else the PATCH compiles in full (per item)
+            need = None if stored is None else await asyncio.to_thread(
+                manager.compiler.patch_need, stored, len(add) + len(remove) + len(update))
             check_write_memory(manager.settings, PATCH_BYTES_PER_ITEM * items if need is None else need,
                                f"a PATCH of {items:,} items", name=name)
         result = await asyncio.to_thread(apply_delta, manager.compiler, name, stored, add, remove,

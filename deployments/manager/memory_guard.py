@@ -11,7 +11,9 @@ random 4-token ids) and rounded up:
   :data:`PEAK_PER_BODY_BYTE` bytes per byte of the body (a 10^6-item catalog of 4-token ids, 25 MB: 705 MB traced
   at the peak of the parse and the tables' build, 28 per byte);
 * a PATCH of a tree: :data:`PATCH_BYTES_PER_ITEM` per item of the version it patches (the new version's tables and
-  item list beside the old ones: 7.8 bytes per catalog byte held after a build, about 195 per 4-token item);
+  item list beside the old ones: 7.8 bytes per catalog byte held after a build, about 195 per 4-token item), unless
+  the manager holds the catalog's items and tables: then what that PATCH makes (``TreeContent.patch_need``: its
+  result pending on the held items, or a new base written out, and one copy of the tables);
 * a Parquet catalog: its compressed bytes say little of what it holds (10^7 4-token items in 48 MB), so its estimate
   is taken from the file's footer instead (rows and ids, no column read): :func:`catalog_need`, plus the file.
 """

@@ -75,13 +75,14 @@ def test_writes_over_the_memory_setting_are_refused_and_nothing_is_stored(manage
 
 
 def test_a_patch_of_a_version_too_large_for_the_setting_is_refused(manager):
-    """A PATCH's estimate grows with the items of the version it patches (its new version is built beside it)."""
+    """A PATCH's estimate counts the version it patches (one copy of its tables; its items built anew when they are
+    not held): with less room left than that it is refused and nothing is stored."""
     items = 60_000
     answer = manager.run(manager.put_items("patched", catalog(items)))  # 1.1 MB body: fits
     assert answer["items"] == items
     assert PATCH_BYTES_PER_ITEM * items < HEADROOM_MB * MIB  # the PATCH fits the headroom ...
     try:  # ... until the limit leaves less room than this PATCH's estimate
-        manager.settings.write_memory_mb = max(64, held_bytes() // MIB + 1)
+        manager.settings.write_memory_mb = max(64, held_bytes() // MIB)  # (no room at all: the MiB rounded down)
         error = _refused(manager.patch("patched", {"add": [[11, 12, 13, 14]]}), manager)
         assert f"{items:,} items" in error.message, error.message
         assert [v["version"] for v in manager.run(manager.versions("patched"))] == [1]
@@ -125,9 +126,9 @@ def test_a_parquet_catalog_is_estimated_by_its_items_not_its_compressed_bytes(ma
 
 
 def test_a_patch_of_a_held_catalog_is_estimated_by_what_it_copies(manager):
-    """A PATCH of a catalog whose items and tables the manager holds copies its item list and makes an overlay of its
-    tables: its estimate is their bytes, not 256 per item, so it fits where the per-item estimate would not; with
-    less room than those bytes it is refused."""
+    """A PATCH of a catalog whose items and tables the manager holds leaves its result pending on those items and
+    makes an overlay of its tables: its estimate is their bytes, not 256 per item, so it fits where the per-item
+    estimate would not; with less room than those bytes it is refused."""
     items = 400_000
     try:
         manager.settings.write_memory_mb = held_bytes() // MIB + 1024  # (the upload's own estimate is larger)

@@ -111,6 +111,7 @@ def test_a_patched_catalogs_bytes_are_spliced_from_its_bases_exactly():
             if not add and not remove:
                 continue
             new, _ = apply_tree_delta(catalog, add, remove, vocab_size=100)
+            new.settle()  # (a PATCH's result is pending on its base until read)
             spliced, ends = new._content, new._ends
             assert spliced is not None
             written = Catalog(new.start_token_id, new.end_token_id, new.flat, new.lengths)
@@ -157,6 +158,7 @@ def test_a_patch_finds_its_items_by_row_key_and_the_result_keeps_the_keys_exact(
                 expect = (current - {tuple(r) for r in remove}) | {tuple(a) for a in add}
                 assert set(new.items) == expect and len(new.items) == len(expect)
                 if report.changed:
+                    new.settle()
                     assert new._row_keys is not None
                     assert np.array_equal(new._row_keys, catalog_delta.row_keys(new.flat, new.lengths)), (trial, step)
                 catalog = new
@@ -263,3 +265,71 @@ def test_the_catalog_fast_path_agrees_with_json_in_blocks_of_any_size(monkeypatc
         assert text == b"".join(json_module.dumps(item, separators=(",", ":")).encode() + b"\n" for item in expect)
         assert flat.dtype == np.int32 and lengths.dtype == np.int32
     assert accepted > 500
+
+
+def test_a_patch_result_pending_on_its_base_equals_the_catalog_written_out(monkeypatch):
+    """A PATCH of a catalog without metadata leaves its result pending on its base (the base's rows cut, the new
+    items appended, nothing copied): through chains of PATCHes of pending results, written out now and then (a small
+    fold limit, and the real one), each result's items in order, SHA-256 without writing it out, line delta and row
+    keys equal those of the same catalog built afresh from its items; the base's arrays and bytes never change."""
+    import hashlib
+    import random
+
+    import numpy as np
+
+    from deployments.storage.content import apply_line_delta, line_delta
+    from processors.kinds.tree import catalog_delta
+    from processors.kinds.tree.catalog import Catalog
+    from processors.kinds.tree.catalog_delta import apply_tree_delta
+
+    for fold_rows, fold_share in ((3, 2), (catalog_delta.FOLD_ROWS, catalog_delta.FOLD_SHARE)):
+        monkeypatch.setattr(catalog_delta, "FOLD_ROWS", fold_rows)
+        monkeypatch.setattr(catalog_delta, "FOLD_SHARE", fold_share)
+        rnd = random.Random(fold_rows)
+        pending_seen = chained_seen = folded_seen = 0
+        for trial in range(120):
+            size = rnd.randint(1, 40) if fold_rows == 3 else rnd.randint(200, 400)  # (the real limit: larger ones)
+            items = list({tuple(rnd.randint(3, 60) for _ in range(rnd.randint(0 if trial % 7 == 0 else 1, 4)))
+                          for _ in range(size)})
+            catalog = first = Catalog.from_items(5, 2, items)
+            base_bytes = catalog.content()
+            base_flat = catalog.flat.copy()
+            order = list(items)
+            for step in range(6):
+                remove = [list(x) for x in rnd.sample(order, rnd.randint(0, min(len(order), 6))) if x]
+                remove += [[x] for x in rnd.sample(range(71, 80), rnd.randint(0, 1))]  # not present
+                add = [list(x) for x in {tuple(rnd.randint(3, 70) for _ in range(rnd.randint(1, 4)))
+                                         for _ in range(rnd.randint(0, 5))}]
+                add = [a for a in add if a not in remove]
+                if not add and not remove:
+                    continue
+                was_pending = catalog._pending is not None
+                before = catalog.content_sha256(), len(catalog)
+                new, report = apply_tree_delta(catalog, add, remove, vocab_size=100)
+                assert (catalog.content_sha256(), len(catalog)) == before  # the PATCHed catalog is unchanged
+                gone = {tuple(r) for r in remove}
+                fresh = [x for x in order if x not in gone]
+                fresh += [tuple(a) for a in add if tuple(a) not in set(order)]
+                assert report.removed == len(order) - len([x for x in order if x not in gone])
+                assert report.added == len(fresh) - (len(order) - report.removed)
+                written = Catalog.from_items(5, 2, fresh)
+                pending = new._pending is not None
+                pending_seen += pending
+                chained_seen += pending and was_pending
+                folded_seen += not pending
+                assert len(new) == len(fresh), (trial, step)
+                assert new.content_sha256() == hashlib.sha256(written.content()).hexdigest(), (trial, step)
+                assert apply_line_delta(catalog.content(), line_delta(*new.line_delta)) == written.content()
+                assert (new._pending is not None) == pending  # (reading its hash, len or delta wrote nothing out)
+                if rnd.random() < 0.3:  # read (written out) now and then; else the next PATCH is of a pending one
+                    assert new.items == fresh, (trial, step)
+                    assert new.content() == written.content()
+                    assert np.array_equal(new.line_ends(), written.line_ends())
+                    assert np.array_equal(catalog_delta.catalog_row_keys(new),
+                                          catalog_delta.row_keys(written.flat, written.lengths))
+                catalog, order = new, fresh
+            assert first.content() == base_bytes and np.array_equal(first.flat, base_flat)  # the first base as it was
+        if fold_rows == 3:  # results written out at the fold limit, and others pending
+            assert pending_seen > 50 and folded_seen > 50, (pending_seen, folded_seen)
+        else:  # PATCHes of pending results, chained
+            assert chained_seen > 300, chained_seen

@@ -32,8 +32,12 @@ class CatalogItems(Protocol):
 
     start_token_id: int
     end_token_id: int
-    flat: np.ndarray
-    lengths: np.ndarray
+
+    @property
+    def flat(self) -> np.ndarray: ...
+
+    @property
+    def lengths(self) -> np.ndarray: ...
 
     def __len__(self) -> int: ...
 

@@ -55,13 +55,25 @@ def id_lines(flat: np.ndarray, lengths: np.ndarray) -> list[bytes]:
 def id_text(flat: np.ndarray, lengths: np.ndarray) -> bytes:
     """Every item's line followed by a newline, as one bytes object: what follows the header in a catalog's content
     (Arrow's string kernels and one copy out of Arrow's buffer, no Python object per item)."""
+    return id_text_ends(flat, lengths)[0]
+
+
+def id_text_ends(flat: np.ndarray, lengths: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """:func:`id_text` and where each line ends in it (the offset after its newline, int64): the offsets Arrow made
+    the text by, not a second pass over the bytes to find the newlines."""
     if not lengths.size:
-        return b""
+        return b"", np.zeros(0, dtype=np.int64)
     if flat.size <= _ID_BLOCK:
         return _id_text(flat, lengths)
     # a block of rows at a time: the kernels' temporaries (a string and an 8-byte offset per id) are a block's, and
     # the parts are joined once (the peak is twice the text, not ~6x)
-    return b"".join(_id_text(ids, part) for _, ids, part in _row_blocks(flat, lengths))
+    texts, ends, at = [], [], 0
+    for _, ids, part in _row_blocks(flat, lengths):
+        text, block_ends = _id_text(ids, part)
+        texts.append(text)
+        ends.append(block_ends + at)
+        at += len(text)
+    return b"".join(texts), np.concatenate(ends)
 
 
 def _row_blocks(flat: np.ndarray, lengths: np.ndarray):
@@ -75,10 +87,10 @@ def _row_blocks(flat: np.ndarray, lengths: np.ndarray):
         at += size
 
 
-def _id_text(flat: np.ndarray, lengths: np.ndarray) -> bytes:
+def _id_text(flat: np.ndarray, lengths: np.ndarray) -> tuple[bytes, np.ndarray]:
     lines = list_lines(_id_lists(flat, lengths), end="]\n")
     offsets = np.frombuffer(lines.buffers()[1], dtype=np.int64, count=len(lines) + 1, offset=8 * lines.offset)
-    return lines.buffers()[2][int(offsets[0]):int(offsets[-1])].to_pybytes()
+    return lines.buffers()[2][int(offsets[0]):int(offsets[-1])].to_pybytes(), offsets[1:] - offsets[0]
 
 
 def list_lines(lists: Any, end: str = "]") -> Any:

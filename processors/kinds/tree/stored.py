@@ -229,7 +229,7 @@ class TreeContent:
         content = catalog.content()
         sha, new = self.keep_content(content)
         self.remember_catalog(sha, catalog)
-        return catalog_body(catalog, content), content, sha if new else None
+        return catalog_body(catalog, sha), content, sha if new else None
 
     def catalog(self, name: str, sha: str):
         """The stored catalog ``sha`` parsed (:class:`~processors.kinds.tree.catalog.Catalog`); the last few are
@@ -256,18 +256,21 @@ class TreeContent:
         """The tables of catalog ``sha`` when built here lately (a PATCH updates them: :mod:`.delta`)."""
         return self._tables.get(sha)
 
-    def patch_need(self, body: Any) -> int | None:
-        """The memory a PATCH of the stored catalog ``body`` takes beside what is held, when its parsed catalog and
-        tables are held and it has no metadata: a copy of its item list (the new version's; half again for the
-        canonical bytes spliced beside it) and at most one copy of its tables (an overlay's arrays read whole, or its
-        fold). None otherwise (the PATCH then compiles in full)."""
+    def patch_need(self, body: Any, delta_items: int = 0) -> int | None:
+        """The memory a PATCH of ``delta_items`` items of the stored catalog ``body`` takes beside what is held, when
+        its parsed catalog and tables are held and it has no metadata: its result pending on the held items (its
+        delta's bytes, ``catalog_delta.pending_need``; a copy of the item list, half again for the bytes spliced
+        beside it, when the result is written out as a new base) and at most one copy of its tables (an overlay's
+        arrays read whole, or its fold). None otherwise (the PATCH then compiles in full)."""
+        from .catalog_delta import pending_need
+
         sha = body.get("content_sha256") if isinstance(body, dict) else None
         if not isinstance(sha, str):
             return None
         catalog, tables = self._catalogs.get(sha), self._tables.get(sha)
         if catalog is None or tables is None or catalog.meta is not None:
             return None
-        return catalog.held_nbytes() * 3 // 2 + int(tables.nbytes)  # (the bytes spliced beside the copies)
+        return pending_need(catalog, delta_items) + int(tables.nbytes)
 
     def remember_tables(self, sha: str, tables, patched: bool = False) -> None:
         """Keep the tables of catalog ``sha`` (the newest two: a large catalog's tables are large). ``patched``:
