@@ -11,11 +11,12 @@ replicas, the manager, the embedded Redis) every 0.5 s: ``peak_service_rss_gb`` 
 process's own peak beside it. The comparison in the run is the PUT against the PATCH of the same catalog
 (``put_over_patch_p50``); the compile alone at these sizes is ``bench/catalog_scale.py``'s.
 
-    .venv/bin/python bench/catalog_service.py [--items 10000000] [--rounds 5] [--beams 256]
+    .venv/bin/python bench/catalog_service.py [--items 10000000] [--rounds 5] [--beams 256] [--by-path]
 
 The service runs with ``max_body_bytes`` 4 GiB, ``max_tree_keys`` 2 * 10^8, ``write_memory_mb`` ``--write-memory-mb``
-and ``compile_timeout_s`` 1,800 (the defaults refuse such a catalog by design). One JSON object last; progress on
-stderr.
+and ``compile_timeout_s`` 1,800 (the defaults refuse such a catalog by design). ``--by-path``: the PUT names the
+Parquet file, written into the service's tree directory, instead of uploading it (``{"type": "tree", "path": ...}``:
+the manager reads the file). One JSON object last; progress on stderr.
 """
 
 from __future__ import annotations
@@ -126,6 +127,9 @@ def main() -> None:
     ap.add_argument("--delta", type=int, default=2000)
     ap.add_argument("--beams", type=int, default=256)
     ap.add_argument("--write-memory-mb", type=int, default=20_000)
+    ap.add_argument("--by-path", action="store_true",
+                    help="PUT {\"type\": \"tree\", \"path\": ...}: the manager reads the Parquet file from its tree "
+                         "directory (no upload)")
     args = ap.parse_args()
 
     from deployments.examples import chat_root_token_id
@@ -144,19 +148,23 @@ def main() -> None:
         for n in [int(x) for x in args.items.split(",")]:
             ids = _distinct(make_ids(n, 256))
             ids = ids[np.random.default_rng(1).permutation(ids.shape[0])]  # (a row shuffle in place: minutes at 10^8)
-            path = Path(tmp) / f"catalog-{n}.parquet"
+            folder = Path(bench.data_dir) / "trees" if args.by_path else Path(tmp)  # (the tree directory's default)
+            folder.mkdir(exist_ok=True)
+            path = folder / f"catalog-{n}.parquet"
             write_parquet(ids, path, start, end)
             size = path.stat().st_size
             log(f"{ids.shape[0]:,} items, Parquet {size / 2**20:,.0f} MiB")
             name = f"scale-{n}"
             sampler = MemorySampler()
             sampler.start()
-            data = path.read_bytes()
             t0 = time.perf_counter()
-            r = bench.session.put(f"{bench.url}/admin/scenarios/{name}", data=data, timeout=3600,
-                                  headers={**bench.admin, "Content-Type": "application/vnd.apache.parquet"})
+            if args.by_path:  # the manager reads the file (memory-mapped); the body is a few bytes
+                r = bench.session.put(f"{bench.url}/admin/scenarios/{name}", timeout=3600, headers=bench.admin,
+                                      json={"type": "tree", "path": path.name})
+            else:
+                r = bench.session.put(f"{bench.url}/admin/scenarios/{name}", data=path.read_bytes(), timeout=3600,
+                                      headers={**bench.admin, "Content-Type": "application/vnd.apache.parquet"})
             put_s = time.perf_counter() - t0
-            del data
             assert r.status_code == 200, r.text[:1000]
             version = r.json()["version"]
             log(f"  PUT {put_s:.1f} s (version {version}); service peak so far "
@@ -208,7 +216,8 @@ def main() -> None:
             del keys
             sampler.stop.set()
             sampler.join()
-            rows.append({"items": int(ids.shape[0]), "parquet_mb": round(size / 2**20, 1), "put_s": round(put_s, 1),
+            rows.append({"items": int(ids.shape[0]), "parquet_mb": round(size / 2**20, 1),
+                         "put_form": "path" if args.by_path else "upload", "put_s": round(put_s, 1),
                          "patch_p50_s": round(percentile(patch_s, 50), 3) if patch_s else None,
                          "patch_p95_s": round(percentile(patch_s, 95), 3) if patch_s else None,
                          "patches_s": [round(x, 3) for x in patch_s], "patches_refused": refused,

@@ -197,6 +197,16 @@ class StoredScenarioCompiler:
         with refused_as_service_error():
             return content.pin(name, body)
 
+    def catalog_file(self, name: str, body: Any) -> tuple[Any, str] | None:
+        """``(bytes, upload format)`` of the catalog file a PUT body names by ``path`` (its kind reads it:
+        ``TreeContent.catalog_file``), for :meth:`upload`; None when the body names none. Runs in a worker thread."""
+        content = self._content_of(body)
+        read = getattr(content, "catalog_file", None)
+        if read is None:
+            return None
+        with refused_as_service_error():
+            return read(name, body)
+
     def split_body(self, raw: bytes) -> tuple[str, Any] | None:
         """A large PUT body a kind reads its own way (a tree given inline: split at its braces), as ``(type, split)``
         for :meth:`compile_split`; None: parse it whole."""

@@ -40,7 +40,7 @@ from deployments.storage.store import validate_name
 
 from deployments.json_body import parse_json_body
 from .compiler import StoredScenarioCompiler, compile_warnings, lower_manager_priority
-from .item_writes import patch_write, put_items_write
+from .item_writes import patch_write, put_items_write, upload_draft
 from .memory_guard import PEAK_PER_BODY_BYTE, check_write_memory
 from .reconciler import StoreReconciler
 from .registry import ReplicaRegistry
@@ -58,6 +58,8 @@ def _setting(part: str, attr: str) -> property:
     return property(lambda self: getattr(getattr(self, part), attr),
                     lambda self, value: setattr(getattr(self, part), attr, float(value)))
 
+
+_CATALOG_FILE = ", a catalog file"  # the log note of a PUT naming a catalog file by path (read as an upload)
 
 class ConfigManager:
     """The facade the ingress and the replicas call: admin writes and reads, the replica protocol, health.
@@ -175,6 +177,11 @@ class ConfigManager:
                                  note=", body split")
                 # refused on the split way: the whole body, parsed and compiled the exact way, names the problem
                 body = await asyncio.to_thread(parse_json_body, raw, self.settings.limits, scenario=True)
+            catalog_file = await asyncio.to_thread(self.compiler.catalog_file, name, body)
+            if catalog_file is not None:  # a catalog file named by path: read here, as an upload of it
+                draft = await asyncio.to_thread(upload_draft, self, name, *catalog_file)
+                draft.note = _CATALOG_FILE
+                return draft
             stored = await asyncio.to_thread(self.compiler.pin_content, name, body)
             return Draft(body=stored, load_content=True)
 
@@ -184,7 +191,9 @@ class ConfigManager:
 
         def finish(d: Draft, answer: dict[str, Any], replayed: bool) -> dict[str, Any]:
             warnings = [] if replayed else compile_warnings(d.compiled)
-            return {**answer, **({"warnings": warnings} if warnings else {})}
+            items = d.body["items"] if d.note == _CATALOG_FILE else None  # (a catalog file's: as an upload answers)
+            return {**answer, **({"items": items} if items is not None else {}),
+                    **({"warnings": warnings} if warnings else {})}
 
         return await self._writes.run(Write("put", name, draft, store, fingerprint=fingerprint, request=request,
                                             finish=finish, idempotency_key=idempotency_key))

@@ -19,9 +19,21 @@ from .catalog_delta import apply_delta
 from .memory_guard import PATCH_BYTES_PER_ITEM, PEAK_PER_BODY_BYTE, catalog_need, check_write_memory
 from .write_flow import Draft, Write, as_version, body_fingerprint
 
-__all__ = ["PATCH_ATTEMPTS", "patch_write", "put_items_write"]
+__all__ = ["PATCH_ATTEMPTS", "patch_write", "put_items_write", "upload_draft"]
 
 PATCH_ATTEMPTS = 5  # a PATCH without a base version re-applies its delta this often when writes race it
+
+
+def upload_draft(manager: Any, name: str, data: Any, upload_format: str) -> Draft:
+    """The draft of a catalog upload (``data``: its bytes, or a memory-mapped file's buffer; worker thread): its
+    memory estimate checked first (507), then parsed, validated and its canonical bytes kept."""
+    need, what = PEAK_PER_BODY_BYTE * len(data), f"a catalog upload of {len(data):,} bytes"
+    shape = parquet_shape(data) if upload_format == "parquet" else None
+    if shape is not None:  # (compressed bytes say little of a Parquet's items: its footer's counts instead)
+        need, what = catalog_need(*shape) + len(data), f"a Parquet catalog of {shape[0]:,} items ({shape[1]:,} ids)"
+    check_write_memory(manager.settings, need, what, name=name)
+    body, content, new_sha = manager.compiler.upload(data, upload_format)
+    return Draft(body=body, content=content, new_content=new_sha, lookup_first=True)
 
 
 def put_items_write(manager: Any, name: str, data: bytes, idempotency_key: str | None,
@@ -30,17 +42,8 @@ def put_items_write(manager: Any, name: str, data: bytes, idempotency_key: str |
     def fingerprint() -> str:
         return request_fingerprint("put_items", name, hashlib.sha256(bytes(data)).hexdigest())
 
-    def prepare() -> Draft:
-        need, what = PEAK_PER_BODY_BYTE * len(data), f"a catalog upload of {len(data):,} bytes"
-        shape = parquet_shape(data) if upload_format == "parquet" else None
-        if shape is not None:  # (compressed bytes say little of a Parquet's items: its footer's counts instead)
-            need, what = catalog_need(*shape) + len(data), f"a Parquet catalog of {shape[0]:,} items ({shape[1]:,} ids)"
-        check_write_memory(manager.settings, need, what, name=name)
-        body, content, new_sha = manager.compiler.upload(data, upload_format)
-        return Draft(body=body, content=content, new_content=new_sha, lookup_first=True)
-
     async def draft(_fingerprint: str | None) -> Draft:
-        return await asyncio.to_thread(prepare)
+        return await asyncio.to_thread(upload_draft, manager, name, data, upload_format)
 
     def store(d: Draft, fp: str | None):
         return manager.store.put(name, d.body, idempotency_key=idempotency_key, fingerprint=fp, content=d.content,

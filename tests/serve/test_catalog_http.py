@@ -194,3 +194,61 @@ def test_auto_replica_table_delta_fetches_tables_on_this_node(serve_app):
     assert delta_wanted("auto", big) is False
     assert delta_wanted("auto", small) is False
     assert delta_wanted("always", big) is True
+
+
+def test_a_catalog_file_named_by_path_is_read_by_the_manager(serve_app, tokenizer, phrase_items):
+    """``PUT`` of ``{"type": "tree", "path": "<file>.parquet"}`` (or ``.ndjson`` / ``.jsonl``), a file under the tree
+    directory: the manager reads the catalog file itself (the body over HTTP is a few bytes) and stores the same
+    catalog as an upload of that file (same content hash, items), answering like one; generation gives its items and
+    a PATCH of it works as of an uploaded one. Fields besides type and path are a 422, a missing file a 400, a path
+    outside the tree directory a 422: nothing stored by any of them."""
+    import os
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    trees = os.path.join(serve_app.data_dir, "trees")
+    os.makedirs(trees, exist_ok=True)
+    items = sorted(set(list(phrase_items.values())[:5]))
+    head = {"start_token_id": chat_root_token_id(tokenizer), "end_token_id": tokenizer.eos_token_id,
+            "max_new_tokens": 16}
+    stem = _name()
+    pq.write_table(pa.table({"ids": pa.array([list(i) for i in items], pa.list_(pa.int32()))})
+                   .replace_schema_metadata({"catalog": json.dumps(head)}), os.path.join(trees, stem + ".parquet"))
+    with open(os.path.join(trees, stem + ".jsonl"), "wb") as handle:
+        handle.write(catalog(tokenizer, items))
+    uploaded, by_parquet, by_ndjson = _name(), _name(), _name()
+    assert put_catalog(serve_app, uploaded, catalog(tokenizer, items)).status_code == 200
+    for name, suffix in ((by_parquet, ".parquet"), (by_ndjson, ".jsonl")):
+        r = requests.put(f"{serve_app.url}/admin/scenarios/{name}", json={"type": "tree", "path": stem + suffix},
+                         headers=serve_app.admin, timeout=240)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"name": name, "version": 1, "items": len(items)}
+    stored = [requests.get(f"{serve_app.url}/admin/scenarios/{n}", headers=serve_app.admin, timeout=30).json()
+              ["scenario"] for n in (uploaded, by_parquet, by_ndjson)]
+    assert len({s["content_sha256"] for s in stored}) == 1 and {s["content_format"] for s in stored} == {"items"}
+    r = serve_app.generate({"scenario": by_parquet, "messages": user_messages("Name a thing."), "n": 4,
+                            "temperature": 1.5})
+    assert r.status_code == 200, r.text
+    for out in r.json()["outputs"]:
+        check_item(out, set(items), tokenizer.eos_token_id)
+    extra = list(phrase_items.values())[6]
+    r = patch(serve_app, by_parquet, {"add": [list(extra)], "remove": [list(items[0])]})
+    assert r.status_code == 200 and r.json()["version"] == 2, r.text
+    r = serve_app.generate({"scenario": by_parquet, "messages": user_messages("Name a thing."), "n": 4,
+                            "temperature": 1.5})
+    assert r.status_code == 200, r.text
+    for out in r.json()["outputs"]:
+        check_item(out, set(items[1:]) | {extra}, tokenizer.eos_token_id)
+    # refused, nothing stored
+    refused = _name()
+    for body, status, field in (({"type": "tree", "path": stem + ".parquet", "description": "x"}, 422, "description"),
+                                ({"type": "tree", "path": stem + "-missing.parquet"}, 400, "path"),
+                                ({"type": "tree", "path": "/etc/passwd.ndjson"}, 422, "path")):
+        r = requests.put(f"{serve_app.url}/admin/scenarios/{refused}", json=body, headers=serve_app.admin, timeout=60)
+        assert r.status_code == status, (body, r.text)
+        assert field in r.text, r.text
+    assert requests.get(f"{serve_app.url}/admin/scenarios/{refused}", headers=serve_app.admin,
+                        timeout=30).status_code == 404
+    for name in (uploaded, by_parquet, by_ndjson):
+        requests.delete(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=60)

@@ -47,6 +47,15 @@ def _file_sha256(path: str) -> str | None:
     return digest.hexdigest()
 
 
+def catalog_file_format(path: str) -> str | None:
+    """The upload format of a catalog file by its name (``.parquet``; ``.ndjson`` / ``.jsonl``), None for a tree
+    file."""
+    lower = path.strip().lower()
+    if lower.endswith(".parquet"):
+        return "parquet"
+    return "ndjson" if lower.endswith((".ndjson", ".jsonl")) else None
+
+
 def _write_atomic(directory: str, path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in ``directory``: readers see all of it or nothing."""
     os.makedirs(directory, exist_ok=True)
@@ -159,6 +168,36 @@ class TreeContent:
                 os.unlink(tmp)
             raise
         return {**body, "path": source, "content_sha256": sha}
+
+    def catalog_file(self, name: str, body: Any) -> tuple[Any, str] | None:
+        """For a body ``{"type": "tree", "path": "<file under the tree directory>"}`` whose file is a catalog (a name
+        ending in ``.parquet``, or ``.ndjson`` / ``.jsonl``): ``(its bytes, upload format)``, read here (a Parquet
+        file memory-mapped, not copied into the process: the data pipeline's file never crosses the ingress or sits
+        whole in this process's heap), for :meth:`upload`. None for any other body. 422 for fields besides ``type``
+        and ``path`` (a catalog's scenario fields are its header's); 400 for a file that cannot be read."""
+        if not (isinstance(body, dict) and isinstance(body.get("path"), str) and body.get("tree") is None
+                and "content_sha256" not in body):
+            return None
+        upload_format = catalog_file_format(body["path"])
+        if upload_format is None:
+            return None
+        others = sorted(set(body) - {"type", "path"})
+        if others:
+            raise ConstraintError(422, f"invalid scenario: {', '.join(others)}: a catalog file's scenario fields are "
+                                       "its header's (start_token_id, end_token_id, description, ...); give only "
+                                       "type and path", {"name": name, "field": others[0]})
+        source = self.resolve_path(name, body["path"])
+        try:
+            if upload_format == "parquet":
+                import pyarrow as pa
+
+                with pa.memory_map(source, "r") as mapped:
+                    return mapped.read_buffer(), upload_format
+            with open(source, "rb") as handle:
+                return handle.read(), upload_format
+        except OSError as exc:
+            raise ConstraintError(400, f"scenario {name!r}: catalog file {source}: {exc.strerror or exc}",
+                                  {"name": name, "field": "path"}) from None
 
     def content_file(self, name: str, sha: str) -> str:
         """The local copy of the tree content ``sha`` (checked against its hash), fetched from the store when
