@@ -11,6 +11,7 @@ from typing import Any
 from deployments.json_body import parse_json_body
 from deployments.protocol import ServiceError
 from deployments.scenario_errors import refused_as_service_error
+from deployments.storage.content import ContentDelta
 from deployments.storage.store import BaseChanged, request_fingerprint
 from processors.kinds.patch import delta_updates, parse_delta
 from processors.kinds.tree.parquet import parquet_shape
@@ -118,7 +119,7 @@ def patch_write(manager: Any, name: str, delta: Any, idempotency_key: str | None
                      redraft_on_conflict=base is None, lookup_first=True, replica_delta=delta, note=note)
 
     def store(d: Draft, fp: str | None):
-        whole = isinstance(d.content, (bytes, type(None)))  # else a ContentDelta: a stored catalog's PATCH
+        whole = not isinstance(d.content, ContentDelta)  # (a ContentDelta: a stored catalog's PATCH)
         return manager.store.put(name, d.body, idempotency_key=idempotency_key, fingerprint=fp,
                                  content=d.content if whole else None, content_delta=None if whole else d.content,
                                  expect_current=d.expect_current, action="patch", answer=d.answer)

@@ -333,3 +333,43 @@ def test_a_patch_result_pending_on_its_base_equals_the_catalog_written_out(monke
             assert pending_seen > 50 and folded_seen > 50, (pending_seen, folded_seen)
         else:  # PATCHes of pending results, chained
             assert chained_seen > 300, chained_seen
+
+
+def test_a_catalog_whose_bytes_are_its_mapped_local_copy_patches_the_same(tmp_path):
+    """A large upload's canonical bytes are read from its local copy, memory-mapped (``stored._mapped``), not held
+    in the heap: PATCHes of it (pending and written out, with and without metadata) give the same bytes, hash and
+    line ends as of the same catalog held as bytes."""
+    import hashlib
+    import random
+
+    import numpy as np
+
+    from processors.kinds.tree import catalog_delta
+    from processors.kinds.tree.catalog import Catalog
+    from processors.kinds.tree.catalog_delta import apply_tree_delta
+    from processors.kinds.tree.stored import _mapped
+
+    rnd = random.Random(5)
+    items = list({tuple(rnd.randint(3, 90) for _ in range(rnd.randint(1, 4))) for _ in range(3000)})
+    held = Catalog.from_items(5, 2, items)
+    path = tmp_path / "content"
+    path.write_bytes(held.content())
+    mapped = Catalog.from_items(5, 2, items)
+    mapped._content = _mapped(str(path))
+    assert not isinstance(mapped.content(), bytes)
+    for step in range(8):
+        current = held.items
+        remove = [list(x) for x in rnd.sample(current, 20)]
+        add = [[rnd.randint(91, 99), rnd.randint(3, 99)] for _ in range(20)]
+        add = [list(x) for x in {tuple(a) for a in add} - set(current)]
+        if step == 5:  # one with metadata: the copying way
+            add = [{"ids": add[0], "metadata": {"k": "v"}}, *add[1:]]
+        held, _ = apply_tree_delta(held, add, remove, vocab_size=100)
+        mapped, _ = apply_tree_delta(mapped, add, remove, vocab_size=100)
+        assert mapped.content_sha256() == held.content_sha256() == hashlib.sha256(held.content()).hexdigest()
+        if step % 3 == 2:
+            mapped.settle()
+            held.settle()
+            assert bytes(mapped.content()) == held.content()
+            assert np.array_equal(mapped.line_ends(), held.line_ends())
+            assert np.array_equal(catalog_delta.catalog_row_keys(mapped), catalog_delta.catalog_row_keys(held))
