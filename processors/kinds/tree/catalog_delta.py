@@ -20,8 +20,7 @@ from .catalog import (_RESERVED, Catalog, _line, _stored, canonical_meta, catalo
 from .metadata import ItemMetadata
 
 __all__ = ["apply_tree_delta", "catalog_row_keys", "patch_stored_tree", "patched_tables", "pending_need", "pending_pieces",
-           "row_keys",
-           "settle_pending"]
+           "row_keys", "settle_pending"]
 
 
 def _too_many_after_patch(count: int, limit: int) -> ConstraintError:
