@@ -20,7 +20,7 @@ from .catalog import (_RESERVED, Catalog, _line, _stored, canonical_meta, catalo
 from .metadata import ItemMetadata
 
 __all__ = ["apply_tree_delta", "catalog_row_keys", "patch_stored_tree", "patched_tables", "pending_need", "pending_pieces",
-           "row_keys", "settle_pending"]
+           "row_keys", "settle_pending", "whole_content"]
 
 
 def _too_many_after_patch(count: int, limit: int) -> ConstraintError:
@@ -201,14 +201,16 @@ def _writes_out(base: Catalog, cut: int, appended: int) -> bool:
 
 def pending_need(catalog: Catalog, delta_items: int) -> int:
     """The bytes a PATCH of ``delta_items`` items of ``catalog`` (no metadata) makes beside it: a pending result's
-    delta (its cut rows and appended items, about 100 bytes an item at most), or, when the result is written out
-    (:func:`_writes_out`, counting every item of the PATCH as cut or appended), a copy of the item list and half again
-    for its bytes spliced beside it."""
+    delta (its cut rows and appended items, about 100 bytes an item at most) and, when the store keeps this version
+    whole (every ``catalog_delta_chain``-th PATCH: :func:`whole_content`), its bytes joined and compressed (1.5 times
+    the base's bytes); or, when the result is written out (:func:`_writes_out`, counting every item of the PATCH as cut
+    or appended), a copy of the item list and half again for its bytes spliced beside it."""
     base, cut, appended = catalog._pending or (catalog, np.zeros(0, dtype=np.int64), None)
     held = len(appended) if appended is not None else 0
     if _writes_out(base, int(cut.size) + delta_items, held + delta_items):
         return base.held_nbytes() * 3 // 2
-    return (int(cut.size) + held + delta_items) * 100
+    whole = len(base._content) * 3 // 2 if base._content is not None else 0
+    return (int(cut.size) + held + delta_items) * 100 + whole
 
 
 def _pending_delta(catalog: Catalog, adds: list[tuple[int, ...]], removes: list[tuple[int, ...]],
@@ -335,6 +337,13 @@ def _spliced_content(base: Catalog, rows: Any, added: list[bytes]) -> tuple[byte
     return content, np.concatenate((kept, added_ends))
 
 
+def whole_content(catalog: Catalog) -> bytes:
+    """``catalog``'s canonical bytes as one object, for a store that keeps them whole (a delta chain at its limit):
+    of a pending catalog, its pieces joined, without writing its arrays out (at 10^8 items the bytes are 2.2 GB, its
+    arrays and keys another 3.5 GB)."""
+    return b"".join(pending_pieces(catalog)) if catalog._pending is not None else catalog.content()
+
+
 def settle_pending(catalog: Catalog) -> None:
     """Write a pending catalog (``Catalog.pending``) out, in place: its ids, lengths and row keys cut from its base's
     with the appended ones after them, and its bytes and line ends spliced from its base's when the base has them
@@ -452,7 +461,7 @@ def _patch(name: str, body: Any, add: list[Any], remove: list[Any], store: Any, 
         # and the two are about as long at 10^7 items.
         hashed = _Hashing(catalog)
         cut, appended = catalog.line_delta
-        stored: Any = store.content_delta(base_sha, cut, appended, catalog.content)
+        stored: Any = store.content_delta(base_sha, cut, appended, lambda: whole_content(catalog))
         new = False
     else:
         content = catalog.content()
