@@ -165,3 +165,24 @@ def test_a_write_within_the_setting_but_over_the_nodes_free_memory_is_refused(ma
         assert manager.run(manager.put_items("node-full", body))["items"] == 50_000
     finally:
         manager.settings.write_memory_mb = held_bytes() // MIB + HEADROOM_MB
+
+
+def test_a_catalog_file_named_by_path_is_estimated_before_it_is_read(manager):
+    """A PUT naming a catalog file by path (``{"type": "tree", "path": "<file>.ndjson"}``) gets the estimate of an
+    upload of that file, from its size (the file is mapped, not read, until the estimate allows it): over the
+    setting a 507, nothing stored; with room, stored as that upload would be."""
+    trees = os.path.join(manager.settings.data_dir, "trees")
+    os.makedirs(trees, exist_ok=True)
+    with open(os.path.join(trees, "big.ndjson"), "wb") as handle:
+        handle.write(catalog(200_000))  # 32 bytes per body byte: about 80 MiB more than the headroom
+    with open(os.path.join(trees, "small.ndjson"), "wb") as handle:
+        handle.write(catalog(1_000))
+    files = _content_files(manager)
+    error = _refused(manager.put("by-path", json.dumps({"type": "tree", "path": "big.ndjson"}).encode()), manager)
+    assert "catalog upload" in error.message and error.detail["name"] == "by-path", error.message
+    with pytest.raises(ServiceError) as missing:
+        manager.run(manager.get("by-path"))
+    assert missing.value.status == 404
+    assert _content_files(manager) == files
+    answer = manager.run(manager.put("by-path", json.dumps({"type": "tree", "path": "small.ndjson"}).encode()))
+    assert answer["items"] == 1_000

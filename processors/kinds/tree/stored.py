@@ -201,14 +201,13 @@ class TreeContent:
                                        "its header's (start_token_id, end_token_id, description, ...); give only "
                                        "type and path", {"name": name, "field": others[0]})
         source = self.resolve_path(name, body["path"])
-        try:
+        try:  # mapped, not read: the memory guard sees its size before anything is copied into the heap
             if upload_format == "parquet":
                 import pyarrow as pa
 
                 with pa.memory_map(source, "r") as mapped:
                     return mapped.read_buffer(), upload_format
-            with open(source, "rb") as handle:
-                return handle.read(), upload_format
+            return (_mapped(source) if os.path.getsize(source) else b""), upload_format
         except OSError as exc:
             raise ConstraintError(400, f"scenario {name!r}: catalog file {source}: {exc.strerror or exc}",
                                   {"name": name, "field": "path"}) from None
@@ -276,8 +275,9 @@ class TreeContent:
                                     max_item_tokens=limits.max_item_tokens)
         elif upload_format != "ndjson":
             raise ConstraintError(415, f"no catalog format {upload_format!r} (ndjson or parquet)", {"field": "body"})
-        else:
-            catalog = parse_catalog(data, vocab_size=self.vocab_size, max_items=limits.max_tree_keys,
+        else:  # (a catalog file named by path comes mapped: its bytes copied once, after the memory guard)
+            catalog = parse_catalog(data if isinstance(data, (bytes, bytearray)) else bytes(data),
+                                    vocab_size=self.vocab_size, max_items=limits.max_tree_keys,
                                     max_item_tokens=limits.max_item_tokens)
         content = catalog.content()
         sha, new = self.keep_content(content)
