@@ -75,8 +75,11 @@ def _rows_of(catalog: Catalog, items: list[tuple[int, ...]]) -> dict[tuple[int, 
 
 def _cut_rows(catalog: Catalog, rows: list[int], extra: Catalog | None) -> tuple[np.ndarray, np.ndarray]:
     """``(flat, lengths)`` of ``catalog`` less the rows ``rows`` (ascending), with ``extra``'s appended: each array
-    written once, by slices between the removed rows (one filtering pass per array when they are many)."""
+    written once, by slices between the removed rows (one filtering pass per array when they are many); the
+    catalog's own arrays when there is neither."""
     flat, lengths = catalog.flat, catalog.lengths
+    if not rows and extra is None:
+        return flat, lengths
     tail = [extra.flat] if extra else []
     if len(rows) * 16 > lengths.size:
         keep = np.ones(lengths.size, dtype=bool)
@@ -90,6 +93,16 @@ def _cut_rows(catalog: Catalog, rows: list[int], extra: Catalog | None) -> tuple
     if extra:
         lengths = np.concatenate((lengths, extra.lengths))
     return flat, lengths
+
+
+def _cut_keys(catalog: Catalog, rows: Any, extra: Catalog | None) -> np.ndarray | None:
+    """``catalog``'s row keys less the rows ``rows`` with ``extra``'s appended, as :func:`_cut_rows` cuts its rows
+    (equal to the result's own keys, with no pass over its ids); None when ``catalog`` has made none."""
+    keys = catalog._row_keys
+    if keys is None:
+        return None
+    keys = np.delete(keys, rows) if len(rows) else keys
+    return np.concatenate((keys, catalog_row_keys(extra))) if extra is not None else keys
 
 
 def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, vocab_size: int,
@@ -148,12 +161,8 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
         new_items = new_items + catalog.rows(moved)
         new_meta = new_meta + [meta_of_row[row] for row in moved]
     rows.sort()
-    flat, lengths = catalog.flat, catalog.lengths
     extra = Catalog.from_items(0, 0, new_items) if new_items else None
-    if rows:  # the removed rows cut out, and the added ones appended
-        flat, lengths = _cut_rows(catalog, rows, extra)
-    elif extra:
-        flat, lengths = np.concatenate((flat, extra.flat)), np.concatenate((lengths, extra.lengths))
+    flat, lengths = _cut_rows(catalog, rows, extra)  # the removed rows cut out, and the added ones appended
     if max_items is not None and lengths.size > max_items:
         raise _too_many_after_patch(int(lengths.size), max_items)
     meta = None
@@ -164,10 +173,7 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
             base_meta = [m for i, m in enumerate(base_meta) if i not in gone]
         meta = base_meta + new_meta
     result = Catalog(catalog.start_token_id, catalog.end_token_id, flat, lengths, catalog.options, meta)
-    base_keys = catalog._row_keys
-    if base_keys is not None:  # the base's row keys cut and appended like its rows (equal to the result's own)
-        keys = np.delete(base_keys, rows) if rows else base_keys
-        result._row_keys = np.concatenate((keys, row_keys(extra.flat, extra.lengths))) if extra else keys
+    result._row_keys = _cut_keys(catalog, rows, extra)
     if meta is not None:  # checked now: a 422 naming the item and the limit, before anything is stored
         base_columns = catalog._metadata if catalog.meta is not None else ItemMetadata(len(catalog), {})
         if base_columns is not None:  # the base's columns with the rows cut and appended: the delta's cost only
@@ -247,14 +253,10 @@ def _pending_delta(catalog: Catalog, adds: list[tuple[int, ...]], removes: list[
             new_items.append(item)
     report.removed, report.added = len(base_rows) + len(appended_rows), len(new_items)
     extra = Catalog.from_items(0, 0, new_items) if new_items else None
-    kept = appended
-    if appended_rows:
-        assert appended is not None
+    kept = extra
+    if appended is not None:  # its removed items cut, the new ones appended
         flat, lengths = _cut_rows(appended, sorted(appended_rows), extra)
         kept = Catalog(0, 0, flat, lengths) if lengths.size else None
-    elif extra is not None:
-        kept = extra if appended is None else Catalog(0, 0, np.concatenate((appended.flat, extra.flat)),
-                                                     np.concatenate((appended.lengths, extra.lengths)))
     cut = np.union1d(cut, np.fromiter(base_rows, dtype=np.int64, count=len(base_rows))) if base_rows else cut
     size = len(base) - int(cut.size) + (len(kept) if kept is not None else 0)
     if max_items is not None and size > max_items:
@@ -352,18 +354,8 @@ def settle_pending(catalog: Catalog) -> None:
     if pending is None:  # (written out meanwhile by another thread)
         return
     base, cut, appended = pending
-    rows = cut.tolist()
-    if rows:
-        flat, lengths = _cut_rows(base, rows, appended)
-    elif appended is not None:
-        flat, lengths = np.concatenate((base.flat, appended.flat)), np.concatenate((base.lengths, appended.lengths))
-    else:
-        flat, lengths = base.flat, base.lengths
-    keys = None
-    if base._row_keys is not None:  # the base's row keys cut and appended like its rows (equal to the result's own)
-        keys = np.delete(base._row_keys, cut) if rows else base._row_keys
-        if appended is not None:
-            keys = np.concatenate((keys, catalog_row_keys(appended)))
+    flat, lengths = _cut_rows(base, cut.tolist(), appended)
+    keys = _cut_keys(base, cut, appended)
     content = ends = None
     if base._content is not None:
         content, ends = _spliced_content(base, cut, _lines_of(appended))
