@@ -11,12 +11,14 @@ replicas, the manager, the embedded Redis) every 0.5 s: ``peak_service_rss_gb`` 
 process's own peak beside it. The comparison in the run is the PUT against the PATCH of the same catalog
 (``put_over_patch_p50``); the compile alone at these sizes is ``bench/catalog_scale.py``'s.
 
-    .venv/bin/python bench/catalog_service.py [--items 10000000] [--rounds 5] [--beams 256] [--by-path]
+    .venv/bin/python bench/catalog_service.py [--items 10000000] [--rounds 5] [--beams 256] [--by-path] [--restart]
 
 The service runs with ``max_body_bytes`` 4 GiB, ``max_tree_keys`` 2 * 10^8, ``write_memory_mb`` ``--write-memory-mb``
 and ``compile_timeout_s`` 1,800 (the defaults refuse such a catalog by design). ``--by-path``: the PUT names the
 Parquet file, written into the service's tree directory, instead of uploading it (``{"type": "tree", "path": ...}``:
-the manager reads the file). One JSON object last; progress on stderr.
+the manager reads the file). ``--restart``: after the PATCHes, the manager's process is killed; ``restart`` reports the
+seconds until a new one serves the version again and the first PATCH after it (the same delta). One JSON object
+last; progress on stderr.
 """
 
 from __future__ import annotations
@@ -120,6 +122,48 @@ def served(bench: ServeBench, name: str, version: int, timeout: float = 1800) ->
     raise RuntimeError(f"{name} v{version} not served by {REPLICAS} replicas after {timeout} s")
 
 
+def restart_then_patch(bench: ServeBench, name: str, version: int, remove: list[list[int]],
+                       earlier: list[list[int]], rng: np.random.Generator) -> dict:
+    """Kill the manager's process (SIGKILL), wait until a new one holds ``name`` at ``version`` and both replicas
+    serve it, then time one PATCH removing ``remove`` and adding as many new ids (none of ``earlier``)."""
+    import os
+    import signal
+
+    from bench._serve import serve_actors
+
+    (manager,) = serve_actors("constrained-bench", "ConfigManager")
+    t0 = time.perf_counter()
+    os.kill(int(manager["Pid"]), signal.SIGKILL)
+    deadline = time.time() + 3600
+    while time.time() < deadline:
+        now = serve_actors("constrained-bench", "ConfigManager")
+        try:
+            scenarios = (bench.health().get("manager") or {}).get("scenarios") or {}
+        except Exception:  # noqa: BLE001 - the app answers again once the new manager is up
+            scenarios = {}
+        if len(now) == 1 and now[0]["Pid"] != manager["Pid"] and scenarios.get(name) == version:
+            break
+        time.sleep(0.2)
+    served(bench, name, version)
+    back_s = time.perf_counter() - t0
+    log(f"  manager restarted: {back_s:.1f} s until it serves version {version}")
+    seen = {tuple(a) for a in earlier}
+    add = [a for a in {tuple(a) for a in (rng.integers(0, 256, size=(len(remove), DEPTH)) + 1000
+                                          + np.arange(DEPTH) * 256).tolist()} if a not in seen]
+    add = [[1000 + 256 * DEPTH + 65, *a[1:]] for a in add]  # (a first token no earlier PATCH used)
+    t0 = time.perf_counter()
+    r = bench.session.patch(f"{bench.url}/admin/scenarios/{name}", json={"add": add, "remove": remove},
+                            headers=bench.admin, timeout=3600)
+    took = time.perf_counter() - t0
+    assert r.status_code == 200, r.text[:1000]
+    answer = r.json()
+    assert answer["removed"] == len(remove), answer
+    log(f"  first PATCH after the restart: {took:.3f} s (version {answer['version']})")
+    served(bench, name, answer["version"])
+    return {"until_served_s": round(back_s, 1), "first_patch_s": round(took, 3), "version": answer["version"],
+            "added": add}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--items", default="10000000")
@@ -130,6 +174,9 @@ def main() -> None:
     ap.add_argument("--by-path", action="store_true",
                     help="PUT {\"type\": \"tree\", \"path\": ...}: the manager reads the Parquet file from its tree "
                          "directory (no upload)")
+    ap.add_argument("--restart", action="store_true",
+                    help="after the PATCHes: kill the manager's process, time until the new one serves the version, "
+                         "then one more PATCH (the first after a restart)")
     args = ap.parse_args()
 
     from deployments.examples import chat_root_token_id
@@ -199,6 +246,14 @@ def main() -> None:
                 version = answer["version"]
                 log(f"  PATCH {k + 1}: {took:.3f} s (version {version})")
             served(bench, name, version)
+            restart = None
+            if args.restart:  # the manager killed: a new process reads the catalog back, then one PATCH is timed
+                remove = [list(i) for i in list(present)[:args.delta - args.delta // 2]]
+                present -= {tuple(i) for i in remove}
+                restart = restart_then_patch(bench, name, version, remove, add_list, rng)
+                removed_all |= {tuple(i) for i in remove}
+                added_all |= {tuple(i) for i in restart.pop("added")}
+                version = restart["version"]
             t0 = time.perf_counter()
             r = bench.session.post(f"{bench.url}/v1/generate", timeout=3600, json={
                 "scenario": name, "prompt": "Recommend:", "num_beams": args.beams, "n": args.beams,
@@ -221,6 +276,7 @@ def main() -> None:
                          "patch_p50_s": round(percentile(patch_s, 50), 3) if patch_s else None,
                          "patch_p95_s": round(percentile(patch_s, 95), 3) if patch_s else None,
                          "patches_s": [round(x, 3) for x in patch_s], "patches_refused": refused,
+                         "restart": restart,
                          "beam_request_s": round(beam_s, 2), "beams": args.beams, "outputs": len(got),
                          "distinct_outputs": len(set(got)),
                          "peak_service_rss_gb": round(sampler.peak_sum / 2**30, 2),

@@ -123,7 +123,8 @@ def test_a_patched_catalogs_bytes_are_spliced_from_its_bases_exactly():
 def test_a_patch_finds_its_items_by_row_key_and_the_result_keeps_the_keys_exact(monkeypatch):
     """A PATCH looks its items up by a hash of each row (catalog_delta.row_keys): through chains of deltas the result's
     keys (its base's cut and appended) equal its own keys made afresh, and the report names exactly the items present
-    and absent, also when every row falls into one bucket (a collision on every key: the lines decide)."""
+    and absent, found by the pass over every key or in the sorted key index, also when every row falls into one
+    bucket (a collision on every key: the lines decide)."""
     import random
 
     import numpy as np
@@ -132,9 +133,11 @@ def test_a_patch_finds_its_items_by_row_key_and_the_result_keeps_the_keys_exact(
     from processors.kinds.tree.catalog import Catalog
     from processors.kinds.tree.catalog_delta import apply_tree_delta, catalog_row_keys, row_keys
 
-    for colliding in (False, True):
+    for colliding, indexed in ((False, False), (False, True), (True, False), (True, True)):
         if colliding:  # every key the same: the flags and the key compare pass every row, the lines tell them apart
             monkeypatch.setattr(catalog_delta, "row_keys", lambda flat, lengths: np.zeros(lengths.size, np.uint64))
+        # every catalog found through its sorted key index (index_row_keys), or by the pass over every row's key
+        monkeypatch.setattr(catalog_delta, "INDEX_ROWS", 1 if indexed else 1 << 40)
         rnd = random.Random(1)
         for trial in range(150):
             items = list({tuple(rnd.randint(3, 40) for _ in range(rnd.randint(0 if trial % 9 == 0 else 1, 4)))
@@ -267,6 +270,37 @@ def test_the_catalog_fast_path_agrees_with_json_in_blocks_of_any_size(monkeypatc
     assert accepted > 500
 
 
+def test_a_large_catalogs_key_index_finds_the_rows_the_pass_over_every_key_finds(monkeypatch):
+    """A catalog of INDEX_ROWS rows gets its sorted key index when first looked up: the rows it finds for items
+    present, absent and of keys sharing their high bits are exactly those the pass over every row's key finds."""
+    import numpy as np
+
+    from processors.kinds.tree import catalog_delta
+    from processors.kinds.tree.catalog import Catalog
+
+    rng = np.random.default_rng(7)
+    rows = catalog_delta.INDEX_ROWS
+    lengths = rng.integers(3, 6, size=rows).astype(np.int32)  # (distinct: 49k^3 ids to draw from)
+    flat = rng.integers(3, 49_152, size=int(lengths.sum())).astype(np.int32)
+    catalog = Catalog.from_flat(5, 2, flat, lengths)
+    picked = rng.choice(rows, size=3000, replace=False).tolist()
+    items = catalog.rows(picked) + [(1, 2, 3, 4, 5, 6, 7), (49_151,) * 6]  # (ids no row has: 6+ of them, or > 48k)
+    found = catalog_delta._rows_of(catalog, items)
+    assert catalog._key_index is not None and catalog._key_index.size == rows
+    assert np.all(np.diff(catalog._key_index.view(np.int64) ^ np.int64(-2 ** 63)) >= 0)  # (sorted as unsigned)
+    monkeypatch.setattr(catalog_delta, "INDEX_ROWS", rows + 1)
+    assert catalog_delta.index_row_keys(Catalog.from_flat(5, 2, flat, lengths)) is None  # (one row short: none)
+    scanned = catalog_delta._rows_of(Catalog.from_flat(5, 2, flat, lengths), items)
+    assert found == scanned and len(found) == 3000
+    assert all(catalog.rows([row])[0] == item for item, row in found.items())
+    # a key's rows are all the entries under its high bits: rows made to share them are all found
+    keys = catalog_delta.catalog_row_keys(catalog)
+    low = np.uint64((1 << catalog_delta._index_bits(rows)) - 1)
+    same = np.flatnonzero((keys & ~low) == (keys[picked[0]] & ~low))
+    assert picked[0] in catalog_delta._indexed_rows(catalog._key_index, rows, keys[same]).tolist()
+    assert set(same.tolist()) <= set(catalog_delta._indexed_rows(catalog._key_index, rows, keys[same]).tolist())
+
+
 def test_a_patch_result_pending_on_its_base_equals_the_catalog_written_out(monkeypatch):
     """A PATCH of a catalog without metadata leaves its result pending on its base (the base's rows cut, the new
     items appended, nothing copied): through chains of PATCHes of pending results, written out now and then (a small
@@ -285,6 +319,8 @@ def test_a_patch_result_pending_on_its_base_equals_the_catalog_written_out(monke
     for fold_rows, fold_share in ((3, 2), (catalog_delta.FOLD_ROWS, catalog_delta.FOLD_SHARE)):
         monkeypatch.setattr(catalog_delta, "FOLD_ROWS", fold_rows)
         monkeypatch.setattr(catalog_delta, "FOLD_SHARE", fold_share)
+        # bases found through their key index when small ones are folded often, by the pass over every key else
+        monkeypatch.setattr(catalog_delta, "INDEX_ROWS", 1 if fold_rows == 3 else 1 << 40)
         rnd = random.Random(fold_rows)
         pending_seen = chained_seen = folded_seen = 0
         for trial in range(120):

@@ -84,6 +84,7 @@ class Catalog:
         self._content: bytes | None = None
         self._ends: np.ndarray | None = None
         self._row_keys: np.ndarray | None = None  # a key per item, what a PATCH looks items up by (catalog_delta.py)
+        self._key_index: np.ndarray | None = None  # those keys sorted, of a large catalog (catalog_delta.index_row_keys)
 
     @classmethod
     def from_items(cls, start_token_id: int, end_token_id: int, items: list[tuple[int, ...]],
@@ -231,7 +232,7 @@ class Catalog:
         if self._pending is not None:
             base, cut, appended = self._pending
             return base.held_nbytes() + int(cut.nbytes) + (appended.held_nbytes() if appended is not None else 0)
-        arrays = (self._flat, self._lengths, self._row_keys, self._ends)
+        arrays = (self._flat, self._lengths, self._row_keys, self._key_index, self._ends)
         return sum(int(a.nbytes) for a in arrays if a is not None) + len(self._content or b"")
 
     def line_ends(self) -> np.ndarray:

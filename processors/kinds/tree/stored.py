@@ -352,6 +352,7 @@ class TreeContent:
         ``(tables, start token, catalog)``. None: the kind compiles the scenario itself."""
         if sha is None or body.get("content_format") != "items":
             return None
+        from .catalog_delta import index_row_keys
         from .catalog_tables import catalog_tables
 
         catalog = self.catalog(name, sha)
@@ -359,6 +360,8 @@ class TreeContent:
         if tables is None:
             tables = catalog_tables(catalog, self.vocab_size)
             self.remember_tables(sha, tables)
+        # a large catalog's key index, for its first PATCH: made here, after the compile's peak, not by that PATCH
+        index_row_keys(catalog)
         return tables, catalog.start_token_id, catalog
 
     def compiled(self, name: str, compiled: Any, fields: dict[str, Any], scenario: Any) -> None:
