@@ -349,6 +349,13 @@ class ServerSettings(BaseModel):
                     "next PATCH then stores the whole catalog (compaction). Reading a version rebuilds it from its "
                     "chain (0 = every PATCH stores the whole catalog).",
     )
+    catalog_compact_behind: bool = Field(
+        default=True,
+        description="Compaction behind the writes: a catalog version stored as a delta at half of "
+                    "catalog_delta_chain gets its whole catalog stored beside it in Redis, on a thread after its PATCH "
+                    "is answered; the next PATCH then starts a new chain on it, so no PATCH waits for a compaction "
+                    "(false: the PATCH at the limit stores the whole catalog itself).",
+    )
     replica_table_delta: Literal["auto", "always", "never"] = Field(
         default="auto",
         description="How a model replica takes a catalog PATCH's tables: applying the PATCH's items to the tables it "

@@ -103,7 +103,8 @@ class ConfigManager:
             redis_client = connect_redis(self.settings.redis_url, self.settings.data_dir)
         self.store = ScenarioStore(redis_client, prefix=prefix, idempotency_ttl_s=idempotency_ttl_s,
                                    history_bodies=self.settings.history_bodies,
-                                   delta_chain=self.settings.catalog_delta_chain)
+                                   delta_chain=self.settings.catalog_delta_chain,
+                                   compact_behind=self.settings.catalog_compact_behind)
         self.scenarios = ServedScenarios()
         self.registry = ReplicaRegistry(self.scenarios.tables, replica_timeout_s=replica_timeout_s,
                                         broadcast_timeout_s=broadcast_timeout_s)

@@ -126,10 +126,11 @@ def content_sha256(body: Any) -> str | None:
     return None
 
 
-def put_chunks(client: Any, base: str, data: bytes, packed: PackedBody | None = None) -> list[str]:
-    """Write ``data`` (compressed) as chunks of at most :data:`CHUNK_BYTES` under ``<base>:<i>`` (``base``: the
-    content key ``P c:<sha>``) and return its manifest ``[size, chunks, encoding]``; the manifest key itself is
-    written by the write script, with the version that refers to it, so no reader ever sees content whose chunks are not all there.
+def put_chunks(client: Any, base: str, data: bytes, packed: PackedBody | None = None, part: str = "") -> list[str]:
+    """Write ``data`` (compressed) as chunks of at most :data:`CHUNK_BYTES` under ``<base>:<part><i>`` (``base``: the
+    content key ``P c:<sha>``; ``part`` ``"w"``: the whole bytes of content stored as a delta, see
+    :data:`WHOLE_PART`) and return its manifest ``[size, chunks, encoding]``; the manifest key itself is
+    written by a script, with the version that refers to it, so no reader ever sees content whose chunks are not all there.
     One SET per chunk in a pipeline without a transaction: Redis serves other clients between chunks.
     ``packed``: ``data`` already compressed by :func:`pack_body` (used when it is of these very bytes)."""
     if packed is not None and base.endswith(":" + packed.sha256):
@@ -139,35 +140,49 @@ def put_chunks(client: Any, base: str, data: bytes, packed: PackedBody | None = 
     pipe = client.pipeline(transaction=False)
     count = 0
     for count, start in enumerate(range(0, len(packed_data), CHUNK_BYTES), start=1):
-        pipe.set(f"{base}:{count - 1}", packed_data[start:start + CHUNK_BYTES])
+        pipe.set(f"{base}:{part}{count - 1}", packed_data[start:start + CHUNK_BYTES])
     if count == 0:  # empty content: one empty chunk
-        pipe.set(f"{base}:0", b"")
+        pipe.set(f"{base}:{part}0", b"")
         count = 1
     pipe.execute()
     return [str(len(data)), str(count), encoding]
 
 
-def read_content(client: Any, base: str, _depth: int = 0) -> bytes | None:
-    """The bytes stored under the content key ``base`` (``P c:<sha>``): chunked (manifest ``<base>:m``) or, as
-    written before chunking, one string ``<base>``; None when neither exists. Content stored as a delta (its
-    manifest names a ``base``) is rebuilt from its base chain and checked against its hash."""
-    manifest = client.hgetall(base + ":m")
-    if not manifest:
-        return client.execute_command("GET", base, **{NEVER_DECODE: []})
+#: the infix of the chunks of a delta's whole bytes, stored later beside its delta (``ScenarioStore``'s compaction
+#: behind the writes): ``<base>:w<i>``, named in its manifest by ``wsize``, ``wchunks`` and ``wencoding``
+WHOLE_PART = "w"
+
+
+def _read_chunks(client: Any, base: str, part: str, manifest: dict[str, str], fields: tuple[str, str, str]) -> bytes:
+    """The bytes of the chunks ``<base>:<part><i>`` whose size, count and encoding the manifest's ``fields`` give."""
     try:
-        size, chunks, encoding = int(manifest["size"]), int(manifest["chunks"]), manifest["encoding"]
+        size, chunks, encoding = int(manifest[fields[0]]), int(manifest[fields[1]]), manifest[fields[2]]
     except (KeyError, ValueError):
         raise StoreCorrupt(f"stored content manifest {base}:m is corrupt") from None
     pipe = client.pipeline(transaction=False)
     for i in range(chunks):
-        pipe.execute_command("GET", f"{base}:{i}", **{NEVER_DECODE: []})
+        pipe.execute_command("GET", f"{base}:{part}{i}", **{NEVER_DECODE: []})
     parts = pipe.execute()
-    if any(part is None for part in parts):
+    if any(one is None for one in parts):
         raise StoreCorrupt(f"stored content {base} is missing chunks")
     packed = b"".join(parts)
     data = zlib.decompress(packed) if encoding == "zlib" else packed
     if len(data) != size:
         raise StoreCorrupt(f"stored content {base} has {len(data)} bytes, its manifest says {size}")
+    return data
+
+
+def read_content(client: Any, base: str, _depth: int = 0) -> bytes | None:
+    """The bytes stored under the content key ``base`` (``P c:<sha>``): chunked (manifest ``<base>:m``) or, as
+    written before chunking, one string ``<base>``; None when neither exists. Content stored as a delta (its
+    manifest names a ``base``) is read from its whole bytes when they were stored beside it (:data:`WHOLE_PART`),
+    else rebuilt from its base chain and checked against its hash."""
+    manifest = client.hgetall(base + ":m")
+    if not manifest:
+        return client.execute_command("GET", base, **{NEVER_DECODE: []})
+    if manifest.get("wchunks"):
+        return _read_chunks(client, base, WHOLE_PART, manifest, ("wsize", "wchunks", "wencoding"))
+    data = _read_chunks(client, base, "", manifest, ("size", "chunks", "encoding"))
     parent = manifest.get("base")
     if parent:  # a line delta of other content (ContentDelta): that content, read the same way, with it applied
         prefix = base[:-64]

@@ -180,6 +180,10 @@ else
           for i = 0, chunks - 1 do
             redis.call('UNLINK', cprefix .. sha .. ':' .. i)
           end
+          local wchunks = tonumber(redis.call('HGET', cprefix .. sha .. ':m', 'wchunks') or '0')
+          for i = 0, wchunks - 1 do  -- (the whole bytes a compaction stored beside a delta)
+            redis.call('UNLINK', cprefix .. sha .. ':w' .. i)
+          end
           redis.call('UNLINK', cprefix .. sha .. ':m', rkey)
         end
       end
@@ -225,4 +229,22 @@ for i = 0, tonumber(ARGV[1]) - 1 do
   n = n + redis.call('DEL', KEYS[1] .. ':' .. i)
 end
 return n
+"""
+
+
+WHOLE_SCRIPT = """
+-- KEYS: the content's manifest key (P c:<sha>:m); ARGV: size, chunk count, encoding, chunk key prefix (P c:<sha>:w)
+-- The whole bytes of content stored as a delta, uploaded beside it (ScenarioStore's compaction behind the writes),
+-- named in its manifest: readers and the next delta then start from them. Content pruned meanwhile (no manifest):
+-- the chunks are removed again. Named already (an earlier compaction of the same bytes): left as they are.
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  for i = 0, tonumber(ARGV[2]) - 1 do
+    redis.call('UNLINK', ARGV[4] .. i)
+  end
+  return 0
+end
+if not redis.call('HGET', KEYS[1], 'wchunks') then
+  redis.call('HSET', KEYS[1], 'wsize', ARGV[1], 'wchunks', ARGV[2], 'wencoding', ARGV[3])
+end
+return 1
 """

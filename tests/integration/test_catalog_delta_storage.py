@@ -51,7 +51,9 @@ def test_line_delta_round_trip():
 
 
 def test_patches_are_stored_as_deltas_then_compacted_and_read_back_whole(tokenizer, data_dir, client):
-    manager = make_manager(tokenizer, data_dir, client=client, settings={"catalog_delta_chain": 2})
+    # (the compaction in the write at the chain's limit: the one behind the writes is tested below)
+    manager = make_manager(tokenizer, data_dir, client=client,
+                           settings={"catalog_delta_chain": 2, "catalog_compact_behind": False})
     order = [(10 + i, 3 + i % 5) for i in range(60)]  # the catalog's item order, as the PATCHes change it
     shas: list[str] = []
 
@@ -166,3 +168,51 @@ def test_a_delta_whose_base_is_gone_is_stored_whole(client):
 
     with pytest.raises(StoreCorrupt):
         store.content(bad_sha)
+
+
+def test_a_compaction_behind_the_writes_stores_the_whole_beside_the_delta_and_the_chain_restarts_on_it(client):
+    """With ``compact_behind``, content stored as a delta at half the chain limit gets its whole bytes stored beside
+    it on a thread: reads take them (its bases may go), the next delta's chain starts on it, no write at the limit
+    stores the whole catalog itself, and pruning removes those chunks with the rest."""
+    store = ScenarioStore(client, delta_chain=4, compact_behind=True, history_bodies=2)
+    order = [(10 + i, 3 + i % 5) for i in range(40)]
+    whole = canonical(order)
+    sha = hashlib.sha256(whole).hexdigest()
+    body = {"type": "tree", "path": "catalog", "content_format": "items"}
+    store.put("cat", {**body, "content_sha256": sha, "items": len(order)}, content=whole)
+    shas = [sha]
+    for k in range(9):
+        remove, add = order[:2], [(300 + k, 3)]
+        new_order = [i for i in order if i not in remove] + add
+        new = canonical(new_order)
+        new_sha = hashlib.sha256(new).hexdigest()
+        delta = line_delta([b"[" + b",".join(b"%d" % t for t in r) + b"]" for r in remove],
+                           [b"[" + b",".join(b"%d" % t for t in a) + b"]" for a in add])
+        store.put("cat", {**body, "content_sha256": new_sha, "items": len(new_order)},
+                  content_delta=ContentDelta(shas[-1], delta, lambda new=new: new))
+        assert store.wait_compacted(30)
+        m = manifest(store, new_sha)
+        assert "base" in m, k  # every PATCH a delta: none at the limit stored the whole catalog
+        chain = m["chain"].split(",")
+        assert len(chain) <= 2, (k, chain)  # compacted at 2 (half of 4): chains restart on the compacted content
+        if len(chain) == 2:  # compacted behind this write: its whole bytes beside its delta
+            assert int(m["wsize"]) == len(new) and m["wencoding"] in ("zlib", "raw")
+        assert store.content(new_sha) == new
+        order, shas = new_order, [*shas, new_sha]
+    assert store.compactions == {"behind": 4, "in_write": 0, "failed": 0}
+    # history 2: the pruned versions' content is gone, whole chunks with it; what is left reads back
+    left = {k.split(":")[2] for k in store.client.keys(store.content_key("*"))}
+    needed: set[str] = set()
+    for v in store.versions("cat"):
+        if not v.get("pruned"):
+            needed |= set(store.client.hget(store.version_key("cat", v["version"]), "refs").split(","))
+    assert left == needed and stored_shas(store) == needed
+    assert store.content(shas[-1]) == canonical(order)
+    # a compacted version whose bases are pruned reads from its whole bytes
+    compacted = [s for s in needed if manifest(store, s).get("wchunks")]
+    for one in compacted:
+        assert store.content(one) is not None
+    # a compaction of content pruned meanwhile leaves nothing behind
+    gone = hashlib.sha256(b"x").hexdigest()
+    assert store.compact_content(gone, b"x") is False
+    assert not store.client.keys(store.content_key(gone) + "*")
