@@ -17,8 +17,8 @@ a base while any version needs it), until the chain would pass ``delta_chain`` d
 stored (compacted). Reading such content rebuilds it from the chain and checks its hash. With ``compact_behind``
 (the config manager's), content stored as a delta at half that limit gets its whole bytes stored beside it, on a
 thread after the write (``P c:<sha>:w<i>``, named by ``wsize`` / ``wchunks`` / ``wencoding`` in its manifest): reads
-take them, and the next delta starts a new chain on it, so no PATCH pays for a compaction (at 10^7 items one took
-2.3 s of a PATCH); the write at the limit still compacts when that thread has not finished.
+take them, and a chain ends at such a base, so no PATCH pays for a compaction (at 10^7 items one took 2.3 s of a
+PATCH). While that thread runs a chain may grow to twice the limit (at most 64); past it the write compacts itself.
 
 History is bounded: with ``history_bodies`` N > 0 the script drops, in the
 same write, the body of every version older than the newest N that have one (``P s:N:bodies``); such a version
@@ -204,7 +204,7 @@ class ScenarioStore:
                 manifest: Any = False
                 if content_delta is not None and content is None and (attempt or not self._content_stored(sha)):
                     chain = None if attempt else self._delta_chain(content_delta.base)
-                    if chain is not None and len(chain) < self.delta_chain:  # stored as the delta of its base
+                    if chain is not None and len(chain) < self._chain_limit():  # stored as the delta of its base
                         manifest = [*self._put_chunks(sha, content_delta.data), content_delta.base,
                                     ",".join([content_delta.base, *chain])]
                         uploaded += len(content_delta.data)
@@ -280,6 +280,13 @@ class ScenarioStore:
         """:func:`~deployments.storage.content.put_chunks` of content ``sha``: the chunks, not yet its manifest."""
         return put_chunks(self.client, self.content_key(sha), data, packed)
 
+    def _chain_limit(self) -> int:
+        """The deltas a chain may hold: ``delta_chain``; while a compaction behind the writes runs, up to twice that
+        (at most 64): the chain is cut at the compacted base once it ends, and the write does not compact itself."""
+        if self._compacting is not None and self._compacting.is_alive():
+            return max(self.delta_chain, min(2 * self.delta_chain, 64))
+        return self.delta_chain
+
     def compact_content(self, sha: str, data: bytes) -> bool:
         """Store ``data``, the whole bytes of content ``sha`` stored as a delta, beside it (``WHOLE_SCRIPT``): reads
         and the next delta of it then start from them, not from its chain. False when the content is gone."""
@@ -319,11 +326,22 @@ class ScenarioStore:
         return bool(self.client.exists(self.content_key(sha) + ":m", self.content_key(sha)))
 
     def _delta_chain(self, sha: str) -> list[str] | None:
-        """The bases under stored content ``sha`` (nearest first; empty for whole content), None when not stored."""
+        """The bases under stored content ``sha`` (nearest first; empty for whole content), down to the first whose
+        whole bytes are stored beside its delta (:meth:`compact_content`); None when not stored."""
         chain, manifest, whole = self.client.hmget(self.content_key(sha) + ":m", "chain", "size", "wchunks")
         if manifest is None:
             return [] if self.client.exists(self.content_key(sha)) else None
-        return chain.split(",") if chain and not whole else []  # (its whole bytes stored beside it: a chain of none)
+        if not chain or whole:  # (its whole bytes stored beside it: a chain of none)
+            return []
+        bases = chain.split(",")
+        # the chain ends at the first base whose whole bytes a compaction behind the writes stored meanwhile
+        pipe = self.client.pipeline(transaction=False)
+        for one in bases:
+            pipe.hget(self.content_key(one) + ":m", "wchunks")
+        for i, whole in enumerate(pipe.execute()):
+            if whole:
+                return bases[:i + 1]
+        return bases
 
     @redis_errors
     def put(self, name: str, body: dict, *, idempotency_key: str | None = None, fingerprint: str | None = None,

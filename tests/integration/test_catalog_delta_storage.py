@@ -216,3 +216,70 @@ def test_a_compaction_behind_the_writes_stores_the_whole_beside_the_delta_and_th
     gone = hashlib.sha256(b"x").hexdigest()
     assert store.compact_content(gone, b"x") is False
     assert not store.client.keys(store.content_key(gone) + "*")
+
+
+def test_a_chain_ends_at_a_base_compacted_meanwhile(client):
+    """A delta written after one of its chain's bases got its whole bytes (a compaction behind the writes that
+    finished late) chains only down to that base: its manifest and its version's refs stop there, and it reads back
+    exactly."""
+    store = ScenarioStore(client, delta_chain=8)
+    order = [(10 + i, 4) for i in range(30)]
+    body = {"type": "tree", "path": "catalog", "content_format": "items"}
+    contents = [canonical(order)]
+    shas = [hashlib.sha256(contents[0]).hexdigest()]
+    store.put("cat", {**body, "content_sha256": shas[0], "items": len(order)}, content=contents[0])
+    for k in range(5):
+        if k == 4:  # the third delta's whole bytes, stored late: the next chain stops there
+            assert store.compact_content(shas[3], contents[3]) is True
+        removed, order = order[0], order[1:] + [(400 + k, 4)]
+        contents.append(canonical(order))
+        shas.append(hashlib.sha256(contents[-1]).hexdigest())
+        store.put("cat", {**body, "content_sha256": shas[-1], "items": len(order)},
+                  content_delta=ContentDelta(shas[-2], line_delta([b"[%d,4]" % removed[0]], [b"[%d,4]" % (400 + k)]),
+                                             lambda c=contents[-1]: c))
+    assert manifest(store, shas[4])["chain"].split(",") == shas[3::-1]
+    assert manifest(store, shas[5])["chain"].split(",") == [shas[4], shas[3]]
+    refs = store.client.hget(store.version_key("cat", 6), "refs").split(",")
+    assert set(refs) == {shas[5], shas[4], shas[3]}
+    for sha, content in zip(shas, contents):
+        assert store.content(sha) == content
+
+
+def test_while_a_compaction_runs_a_chain_grows_to_twice_the_limit_then_the_write_compacts(client):
+    """PATCHes faster than the compaction behind them: while it runs (its whole bytes held back here until released)
+    the chain grows past ``delta_chain`` up to twice it as deltas; the write past that stores the whole catalog
+    itself; once released, the compacted base is whole too, and every version reads back exactly."""
+    import threading
+
+    store = ScenarioStore(client, delta_chain=2, compact_behind=True)
+    order = [(10 + i, 4) for i in range(30)]
+    body = {"type": "tree", "path": "catalog", "content_format": "items"}
+    contents = [canonical(order)]
+    shas = [hashlib.sha256(contents[0]).hexdigest()]
+    store.put("cat", {**body, "content_sha256": shas[0], "items": len(order)}, content=contents[0])
+    release = threading.Event()
+
+    def held_back(content: bytes, k: int):
+        def whole() -> bytes:
+            if k == 0:  # (the compaction behind the first delta: held back; the write's own compaction is not)
+                assert release.wait(30)
+            return content
+        return whole
+
+    for k in range(6):
+        removed, order = order[0], order[1:] + [(400 + k, 4)]
+        contents.append(canonical(order))
+        shas.append(hashlib.sha256(contents[-1]).hexdigest())
+        store.put("cat", {**body, "content_sha256": shas[-1], "items": len(order)},
+                  content_delta=ContentDelta(shas[-2], line_delta([b"[%d,4]" % removed[0]], [b"[%d,4]" % (400 + k)]),
+                                             held_back(contents[-1], k)))
+    # the first delta started the compaction (half of 2); deltas up to a chain of 4; the 5th write stored it whole
+    chains = [len(manifest(store, sha).get("chain", "").split(",")) if "base" in manifest(store, sha) else 0
+              for sha in shas]
+    assert chains == [0, 1, 2, 3, 4, 0, 1], chains
+    assert store.compactions["in_write"] == 1
+    release.set()
+    assert store.wait_compacted(30)
+    assert manifest(store, shas[1]).get("wchunks")  # the compaction behind, of the first delta, landed
+    for sha, content in zip(shas, contents):
+        assert store.content(sha) == content
