@@ -18,7 +18,8 @@ stored (compacted). Reading such content rebuilds it from the chain and checks i
 (the config manager's), content stored as a delta at half that limit gets its whole bytes stored beside it, on a
 thread after the write (``P c:<sha>:w<i>``, named by ``wsize`` / ``wchunks`` / ``wencoding`` in its manifest): reads
 take them, and a chain ends at such a base, so no PATCH pays for a compaction (at 10^7 items one took 2.3 s of a
-PATCH). While that thread runs a chain may grow to twice the limit (at most 64); past it the write compacts itself.
+PATCH). A chain may then grow to twice the limit (at most 64) while the compaction runs; past it the write compacts
+itself.
 
 History is bounded: with ``history_bodies`` N > 0 the script drops, in the
 same write, the body of every version older than the newest N that have one (``P s:N:bodies``); such a version
@@ -281,9 +282,10 @@ class ScenarioStore:
         return put_chunks(self.client, self.content_key(sha), data, packed)
 
     def _chain_limit(self) -> int:
-        """The deltas a chain may hold: ``delta_chain``; while a compaction behind the writes runs, up to twice that
-        (at most 64): the chain is cut at the compacted base once it ends, and the write does not compact itself."""
-        if self._compacting is not None and self._compacting.is_alive():
+        """The deltas a chain may hold: ``delta_chain``; with ``compact_behind``, twice that (at most 64): the
+        compaction behind the writes starts at half the limit and the chain is cut at the compacted base once it
+        ends, so only writes that outrun it (twice the limit of deltas meanwhile) compact in the write."""
+        if self.compact_behind:
             return max(self.delta_chain, min(2 * self.delta_chain, 64))
         return self.delta_chain
 
@@ -307,6 +309,12 @@ class ScenarioStore:
             self._compacting.start()
 
     def _compact(self, sha: str, whole: Any) -> None:
+        import os
+
+        try:  # (the lowest priority: the writes and their PATCHes take the CPU first)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         try:
             if self.compact_content(sha, whole()):
                 self.compactions["behind"] += 1
