@@ -147,10 +147,9 @@ def restart_then_patch(bench: ServeBench, name: str, version: int, remove: list[
     served(bench, name, version)
     back_s = time.perf_counter() - t0
     log(f"  manager restarted: {back_s:.1f} s until it serves version {version}")
-    seen = {tuple(a) for a in earlier}
-    add = [a for a in {tuple(a) for a in (rng.integers(0, 256, size=(len(remove), DEPTH)) + 1000
-                                          + np.arange(DEPTH) * 256).tolist()} if a not in seen]
-    add = [[1000 + 256 * DEPTH + 65, *a[1:]] for a in add]  # (a first token no earlier PATCH used)
+    ids = rng.integers(0, 256, size=(len(remove), DEPTH)) + 1000 + np.arange(DEPTH) * 256
+    ids[:, 0] = 1000 + 256 * DEPTH + 65  # (a first token no earlier PATCH used)
+    add = [list(a) for a in {tuple(a) for a in ids.tolist()} if list(a) not in earlier]
     t0 = time.perf_counter()
     r = bench.session.patch(f"{bench.url}/admin/scenarios/{name}", json={"add": add, "remove": remove},
                             headers=bench.admin, timeout=3600)

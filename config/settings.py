@@ -351,8 +351,8 @@ class ServerSettings(BaseModel):
     )
     catalog_compact_behind: bool = Field(
         default=True,
-        description="Compaction behind the writes: a catalog version stored as a delta at half of "
-                    "catalog_delta_chain gets its whole catalog stored beside it in Redis, on a thread after its PATCH "
+        description="Compaction behind the writes: a catalog version stored as a delta at catalog_delta_chain "
+                    "deltas gets its whole catalog stored beside it in Redis, on a thread after its PATCH "
                     "is answered; the next PATCH then starts a new chain on it, so no PATCH waits for a compaction, and "
                     "a chain may grow to twice catalog_delta_chain (at most 64) meanwhile (false: the PATCH at the "
                     "limit stores the whole catalog itself).",

@@ -15,7 +15,7 @@ chunk is there, so it never sees content half-written; chunks of a write that fa
 manifest names the base and the chain of bases below it; every version refers to the whole chain, so pruning keeps
 a base while any version needs it), until the chain would pass ``delta_chain`` deltas: then the whole content is
 stored (compacted). Reading such content rebuilds it from the chain and checks its hash. With ``compact_behind``
-(the config manager's), content stored as a delta at half that limit gets its whole bytes stored beside it, on a
+(the config manager's), content stored as a delta at that limit gets its whole bytes stored beside it, on a
 thread after the write (``P c:<sha>:w<i>``, named by ``wsize`` / ``wchunks`` / ``wencoding`` in its manifest): reads
 take them, and a chain ends at such a base, so no PATCH pays for a compaction (at 10^7 items one took 2.3 s of a
 PATCH). A chain may then grow to twice the limit (at most 64) while the compaction runs; past it the write compacts
@@ -131,8 +131,8 @@ class ScenarioStore:
         self.prefix = prefix
         self.history_bodies = max(0, int(history_bodies or 0))
         self.delta_chain = max(0, int(delta_chain))
-        # compaction behind the writes: content stored as a delta at half the chain limit gets its whole bytes stored
-        # beside it on a thread of its own (compact_content), so the write at the limit is a delta too
+        # compaction behind the writes: content stored as a delta at the chain limit gets its whole bytes stored
+        # beside it on a thread of its own (compact_content), so the write past it is a delta too
         self.compact_behind = bool(compact_behind)
         self._compacting: threading.Thread | None = None
         self._compact_lock = threading.Lock()
@@ -251,7 +251,7 @@ class ScenarioStore:
                 self._drop_chunks(refs)
             if status != NO_CONTENT or (content is None and content_delta is None and not body_sha):
                 break
-        if status == WRITTEN and chained and self.compact_behind and chained >= max(1, self.delta_chain // 2):
+        if status == WRITTEN and chained and self.compact_behind and chained >= max(1, self.delta_chain):
             assert content_delta is not None and sha is not None
             self._compact_later(sha, content_delta.whole)
         if status == TOO_LATE:
@@ -283,8 +283,8 @@ class ScenarioStore:
 
     def _chain_limit(self) -> int:
         """The deltas a chain may hold: ``delta_chain``; with ``compact_behind``, twice that (at most 64): the
-        compaction behind the writes starts at half the limit and the chain is cut at the compacted base once it
-        ends, so only writes that outrun it (twice the limit of deltas meanwhile) compact in the write."""
+        compaction behind the writes starts at ``delta_chain`` and the chain is cut at the compacted base once it
+        ends, so only writes that outrun it (as many deltas again meanwhile) compact in the write."""
         if self.compact_behind:
             return max(self.delta_chain, min(2 * self.delta_chain, 64))
         return self.delta_chain

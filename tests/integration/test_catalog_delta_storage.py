@@ -171,8 +171,8 @@ def test_a_delta_whose_base_is_gone_is_stored_whole(client):
 
 
 def test_a_compaction_behind_the_writes_stores_the_whole_beside_the_delta_and_the_chain_restarts_on_it(client):
-    """With ``compact_behind``, content stored as a delta at half the chain limit gets its whole bytes stored beside
-    it on a thread: reads take them (its bases may go), the next delta's chain starts on it, no write at the limit
+    """With ``compact_behind``, content stored as a delta at the chain limit gets its whole bytes stored beside it on
+    a thread: reads take them (its bases may go), the next delta's chain starts on it, no write past the limit
     stores the whole catalog itself, and pruning removes those chunks with the rest."""
     store = ScenarioStore(client, delta_chain=4, compact_behind=True, history_bodies=2)
     order = [(10 + i, 3 + i % 5) for i in range(40)]
@@ -194,12 +194,12 @@ def test_a_compaction_behind_the_writes_stores_the_whole_beside_the_delta_and_th
         m = manifest(store, new_sha)
         assert "base" in m, k  # every PATCH a delta: none at the limit stored the whole catalog
         chain = m["chain"].split(",")
-        assert len(chain) <= 2, (k, chain)  # compacted at 2 (half of 4): chains restart on the compacted content
-        if len(chain) == 2:  # compacted behind this write: its whole bytes beside its delta
+        assert len(chain) <= 4, (k, chain)  # compacted at 4: chains restart on the compacted content
+        if len(chain) == 4:  # compacted behind this write: its whole bytes beside its delta
             assert int(m["wsize"]) == len(new) and m["wencoding"] in ("zlib", "raw")
         assert store.content(new_sha) == new
         order, shas = new_order, [*shas, new_sha]
-    assert store.compactions == {"behind": 4, "in_write": 0, "failed": 0}
+    assert store.compactions == {"behind": 2, "in_write": 0, "failed": 0}
     # history 2: the pruned versions' content is gone, whole chunks with it; what is left reads back
     left = {k.split(":")[2] for k in store.client.keys(store.content_key("*"))}
     needed: set[str] = set()
@@ -261,7 +261,7 @@ def test_while_a_compaction_runs_a_chain_grows_to_twice_the_limit_then_the_write
 
     def held_back(content: bytes, k: int):
         def whole() -> bytes:
-            if k == 0:  # (the compaction behind the first delta: held back; the write's own compaction is not)
+            if k == 1:  # (the compaction behind the second delta: held back; the write's own compaction is not)
                 assert release.wait(30)
             return content
         return whole
@@ -273,13 +273,13 @@ def test_while_a_compaction_runs_a_chain_grows_to_twice_the_limit_then_the_write
         store.put("cat", {**body, "content_sha256": shas[-1], "items": len(order)},
                   content_delta=ContentDelta(shas[-2], line_delta([b"[%d,4]" % removed[0]], [b"[%d,4]" % (400 + k)]),
                                              held_back(contents[-1], k)))
-    # the first delta started the compaction (half of 2); deltas up to a chain of 4; the 5th write stored it whole
+    # the second delta started the compaction (at 2); deltas up to a chain of 4; the 5th write stored it whole
     chains = [len(manifest(store, sha).get("chain", "").split(",")) if "base" in manifest(store, sha) else 0
               for sha in shas]
     assert chains == [0, 1, 2, 3, 4, 0, 1], chains
     assert store.compactions["in_write"] == 1
     release.set()
     assert store.wait_compacted(30)
-    assert manifest(store, shas[1]).get("wchunks")  # the compaction behind, of the first delta, landed
+    assert manifest(store, shas[2]).get("wchunks")  # the compaction behind, of the second delta, landed
     for sha, content in zip(shas, contents):
         assert store.content(sha) == content
