@@ -126,13 +126,15 @@ def content_sha256(body: Any) -> str | None:
     return None
 
 
-def put_chunks(client: Any, base: str, data: bytes, packed: PackedBody | None = None, part: str = "") -> list[str]:
+def put_chunks(client: Any, base: str, data: bytes, packed: PackedBody | None = None, part: str = "",
+               expire_s: int | None = None) -> list[str]:
     """Write ``data`` (compressed) as chunks of at most :data:`CHUNK_BYTES` under ``<base>:<part><i>`` (``base``: the
     content key ``P c:<sha>``; ``part`` ``"w"``: the whole bytes of content stored as a delta, see
     :data:`WHOLE_PART`) and return its manifest ``[size, chunks, encoding]``; the manifest key itself is
     written by a script, with the version that refers to it, so no reader ever sees content whose chunks are not all there.
     One SET per chunk in a pipeline without a transaction: Redis serves other clients between chunks.
-    ``packed``: ``data`` already compressed by :func:`pack_body` (used when it is of these very bytes)."""
+    ``packed``: ``data`` already compressed by :func:`pack_body` (used when it is of these very bytes); ``expire_s``:
+    the chunks expire unless a script persists them (chunks a process that died before naming them leaves behind)."""
     if packed is not None and base.endswith(":" + packed.sha256):
         packed_data, encoding = packed.data, packed.encoding
     else:
@@ -140,9 +142,9 @@ def put_chunks(client: Any, base: str, data: bytes, packed: PackedBody | None = 
     pipe = client.pipeline(transaction=False)
     count = 0
     for count, start in enumerate(range(0, len(packed_data), CHUNK_BYTES), start=1):
-        pipe.set(f"{base}:{part}{count - 1}", packed_data[start:start + CHUNK_BYTES])
+        pipe.set(f"{base}:{part}{count - 1}", packed_data[start:start + CHUNK_BYTES], ex=expire_s)
     if count == 0:  # empty content: one empty chunk
-        pipe.set(f"{base}:{part}0", b"")
+        pipe.set(f"{base}:{part}0", b"", ex=expire_s)
         count = 1
     pipe.execute()
     return [str(len(data)), str(count), encoding]

@@ -234,17 +234,23 @@ return n
 
 WHOLE_SCRIPT = """
 -- KEYS: the content's manifest key (P c:<sha>:m); ARGV: size, chunk count, encoding, chunk key prefix (P c:<sha>:w)
--- The whole bytes of content stored as a delta, uploaded beside it (ScenarioStore's compaction behind the writes),
--- named in its manifest: readers and the next delta then start from them. Content pruned meanwhile (no manifest):
--- the chunks are removed again. Named already (an earlier compaction of the same bytes): left as they are.
+-- The whole bytes of content stored as a delta, uploaded beside it (ScenarioStore's compaction behind the writes)
+-- with an expiry, named in its manifest and persisted: readers and the next delta then start from them. Content
+-- pruned meanwhile (no manifest): the chunks are removed again. A chunk gone (expired): nothing named, 0.
 if redis.call('EXISTS', KEYS[1]) == 0 then
   for i = 0, tonumber(ARGV[2]) - 1 do
     redis.call('UNLINK', ARGV[4] .. i)
   end
   return 0
 end
-if not redis.call('HGET', KEYS[1], 'wchunks') then
-  redis.call('HSET', KEYS[1], 'wsize', ARGV[1], 'wchunks', ARGV[2], 'wencoding', ARGV[3])
+for i = 0, tonumber(ARGV[2]) - 1 do
+  if redis.call('EXISTS', ARGV[4] .. i) == 0 then
+    return 0
+  end
 end
+for i = 0, tonumber(ARGV[2]) - 1 do
+  redis.call('PERSIST', ARGV[4] .. i)
+end
+redis.call('HSET', KEYS[1], 'wsize', ARGV[1], 'wchunks', ARGV[2], 'wencoding', ARGV[3])
 return 1
 """

@@ -105,6 +105,9 @@ class WriteResult(int):
 
 _log = logging.getLogger(__name__)
 
+#: seconds the chunks of a compaction behind the writes live until its script names them (and lifts the expiry)
+WHOLE_CHUNK_TTL_S = 3600
+
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
@@ -291,11 +294,15 @@ class ScenarioStore:
 
     def compact_content(self, sha: str, data: bytes) -> bool:
         """Store ``data``, the whole bytes of content ``sha`` stored as a delta, beside it (``WHOLE_SCRIPT``): reads
-        and the next delta of it then start from them, not from its chain. False when the content is gone."""
+        and the next delta of it then start from them, not from its chain. False when the content is gone. The
+        chunks are written with an expiry (:data:`WHOLE_CHUNK_TTL_S`) the script lifts as it names them: a manager
+        that dies in between leaves nothing in Redis for long. Content whose whole bytes are named already: True."""
         if hashlib.sha256(data).hexdigest() != sha:
             raise StoreCorrupt(f"tree content does not match its content_sha256 {sha}")
         key = self.content_key(sha)
-        size, chunks, encoding = put_chunks(self.client, key, data, part=WHOLE_PART)
+        if self.client.hget(key + ":m", "wchunks"):  # (its chunks are not written again: they hold no expiry now)
+            return True
+        size, chunks, encoding = put_chunks(self.client, key, data, part=WHOLE_PART, expire_s=WHOLE_CHUNK_TTL_S)
         return bool(self._whole_script(keys=[key + ":m"], args=[size, chunks, encoding, f"{key}:{WHOLE_PART}"],
                                        client=self.client))
 

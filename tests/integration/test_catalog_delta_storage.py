@@ -283,3 +283,41 @@ def test_while_a_compaction_runs_a_chain_grows_to_twice_the_limit_then_the_write
     assert manifest(store, shas[2]).get("wchunks")  # the compaction behind, of the second delta, landed
     for sha, content in zip(shas, contents):
         assert store.content(sha) == content
+
+
+def test_whole_chunks_expire_until_named_and_are_kept_once_named(client):
+    """A compaction behind the writes writes its chunks with an expiry that its script lifts as it names them: the
+    chunks of a manager that died before naming them go away by themselves, named ones never expire."""
+    from deployments.storage.content import WHOLE_PART, put_chunks
+    from deployments.storage.store import WHOLE_CHUNK_TTL_S
+
+    store = ScenarioStore(client, delta_chain=8)
+    base = canonical([(5, 6), (7,)])
+    new = canonical([(5, 6), (8,)])
+    sha, new_sha = hashlib.sha256(base).hexdigest(), hashlib.sha256(new).hexdigest()
+    body = {"type": "tree", "path": "catalog", "content_format": "items", "items": 2}
+    store.put("cat", {**body, "content_sha256": sha}, content=base)
+    store.put("cat", {**body, "content_sha256": new_sha},
+              content_delta=ContentDelta(sha, line_delta([b"[7]"], [b"[8]"]), lambda: new))
+    key = store.content_key(new_sha)
+    # a compaction that died after its chunks: they expire, nothing names them
+    put_chunks(store.client, key, new, part=WHOLE_PART, expire_s=WHOLE_CHUNK_TTL_S)
+    assert 0 < store.client.ttl(f"{key}:{WHOLE_PART}0") <= WHOLE_CHUNK_TTL_S
+    assert "wchunks" not in manifest(store, new_sha)
+    # one that finishes: named, its chunks kept for good; again: nothing written
+    assert store.compact_content(new_sha, new) is True
+    assert manifest(store, new_sha)["wchunks"] == "1" and store.client.ttl(f"{key}:{WHOLE_PART}0") == -1
+    assert store.compact_content(new_sha, new) is True
+    assert store.client.ttl(f"{key}:{WHOLE_PART}0") == -1
+    assert store.content(new_sha) == new
+    # a chunk gone before the script ran: nothing named
+    other = canonical([(5, 6), (9,)])
+    other_sha = hashlib.sha256(other).hexdigest()
+    store.put("cat", {**body, "content_sha256": other_sha},
+              content_delta=ContentDelta(new_sha, line_delta([b"[8]"], [b"[9]"]), lambda: other))
+    okey = store.content_key(other_sha)
+    size, chunks, encoding = put_chunks(store.client, okey, other, part=WHOLE_PART, expire_s=WHOLE_CHUNK_TTL_S)
+    store.client.delete(f"{okey}:{WHOLE_PART}0")
+    assert store._whole_script(keys=[okey + ":m"], args=[size, chunks, encoding, f"{okey}:{WHOLE_PART}"],
+                               client=store.client) == 0
+    assert "wchunks" not in manifest(store, other_sha) and store.content(other_sha) == other
