@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import threading
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -52,9 +55,45 @@ def validate_idempotency_key(key: Any) -> str:
     return key
 
 
-def _compress(data: bytes) -> tuple[bytes, str]:
-    packed = zlib.compress(data, 1)
-    return (data, "raw") if len(packed) >= len(data) else (packed, "zlib")
+#: content of at least this many bytes is compressed in parts, one zlib stream each, on threads (zlib releases the
+#: GIL): encoding ``zlib-parts``, the streams one after the other (readers before 2026-12-06 know only ``zlib``)
+PARALLEL_BYTES = 8 << 20
+_PART_BYTES = 4 << 20
+_pool: Any = None
+_pool_lock = threading.Lock()
+
+
+def _compress(data: Any) -> tuple[Any, str]:
+    if len(data) < PARALLEL_BYTES:
+        packed = zlib.compress(data, 1)
+        return (data, "raw") if len(packed) >= len(data) else (packed, "zlib")
+    workers = max(1, min(4, os.cpu_count() or 1))
+    step = max(_PART_BYTES, -(-len(data) // workers))
+    view = memoryview(data)  # (slices of it copy nothing: a catalog's bytes may be a mapped file)
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="content-zlib")
+    parts = list(_pool.map(lambda lo: zlib.compress(view[lo:lo + step], 1), range(0, len(data), step)))
+    packed = b"".join(parts)
+    return (data, "raw") if len(packed) >= len(data) else (packed, "zlib-parts")
+
+
+def _decompress(packed: bytes, encoding: str) -> bytes:
+    """The bytes of ``packed`` in ``encoding``: ``raw``, ``zlib`` (one stream) or ``zlib-parts`` (streams one after
+    the other, :func:`_compress`)."""
+    if encoding == "zlib":
+        return zlib.decompress(packed)
+    if encoding != "zlib-parts":
+        return packed
+    out, rest = [], packed
+    while rest:
+        stream = zlib.decompressobj()
+        out.append(stream.decompress(rest))
+        if not stream.eof:
+            raise zlib.error("a zlib-parts stream is cut short")
+        rest = stream.unused_data
+    return b"".join(out)
 
 
 @dataclass(frozen=True)
@@ -168,7 +207,10 @@ def _read_chunks(client: Any, base: str, part: str, manifest: dict[str, str], fi
     if any(one is None for one in parts):
         raise StoreCorrupt(f"stored content {base} is missing chunks")
     packed = b"".join(parts)
-    data = zlib.decompress(packed) if encoding == "zlib" else packed
+    try:
+        data = _decompress(packed, encoding)
+    except zlib.error:
+        raise StoreCorrupt(f"stored content {base} does not decompress ({encoding})") from None
     if len(data) != size:
         raise StoreCorrupt(f"stored content {base} has {len(data)} bytes, its manifest says {size}")
     return data

@@ -22,7 +22,7 @@ The keys they write (``P`` is the prefix, ``cs:`` by default; ``N`` a scenario n
                                    24 h by default): fingerprint (of the request), action, name, version,
                                    from_version; a retry with the key is answered with this version
     P c:<sha256>:m       HASH    stored content (a tree file as read at the PUT, a catalog, a large body) under
-                                   the SHA-256 (hex) of its bytes: size, chunks, encoding (zlib | raw); content
+                                   the SHA-256 (hex) of its bytes: size, chunks, encoding (zlib | zlib-parts | raw); content
                                    stored as a line delta (a catalog PATCH) also has base (the SHA-256 of the
                                    content it applies to) and chain (every base down to whole content, nearest
                                    first, comma separated): its chunks hold the delta, not the content

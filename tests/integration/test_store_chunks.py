@@ -235,3 +235,30 @@ def test_a_write_whose_chunks_were_removed_meanwhile_uploads_them_again(client):
     store._put_chunks = put_then_lose
     assert store.put("w", tree_body(data), content=data) == 1
     assert len(calls) == 2 and store.content(sha) == data
+
+
+def test_content_of_8_mib_and_more_is_compressed_in_parts_on_threads_and_read_back(client):
+    """Content of PARALLEL_BYTES or more is compressed in parts, a zlib stream each (``zlib-parts``): it reads back
+    byte for byte; incompressible content of that size stays raw; a stream cut short is refused, never served."""
+    from deployments.storage.content import PARALLEL_BYTES
+    from deployments.storage.errors import StoreCorrupt
+
+    store = ScenarioStore(client)
+    lines = [b"[%d,%d,%d]\n" % (i % 997, i % 1009 + 3, i) for i in range(PARALLEL_BYTES // 12)]
+    text = b"".join(lines) * 2  # over 8 MiB, compressible
+    assert len(text) >= PARALLEL_BYTES
+    sha = hashlib.sha256(text).hexdigest()
+    assert store.put("parts", tree_body(text), content=text) == 1
+    base = store.content_key(sha)
+    manifest = client.hgetall(base + ":m")
+    assert manifest["encoding"] == "zlib-parts" and int(manifest["size"]) == len(text)
+    assert store.content(sha) == text
+    noise = os.urandom(PARALLEL_BYTES + 7)
+    assert store.put("noise", tree_body(noise), content=noise) == 1
+    assert client.hget(store.content_key(hashlib.sha256(noise).hexdigest()) + ":m", "encoding") == "raw"
+    last = int(manifest["chunks"]) - 1
+    from redis.client import NEVER_DECODE
+
+    client.set(f"{base}:{last}", client.execute_command("GETRANGE", f"{base}:{last}", 0, -200, **{NEVER_DECODE: []}))
+    with pytest.raises(StoreCorrupt):
+        store.content(sha)
