@@ -63,8 +63,8 @@ _pool: Any = None
 _pool_lock = threading.Lock()
 
 
-def _compress(data: Any) -> tuple[Any, str]:
-    if len(data) < PARALLEL_BYTES:
+def _compress(data: Any, parallel: bool = True) -> tuple[Any, str]:
+    if len(data) < PARALLEL_BYTES or not parallel:
         packed = zlib.compress(data, 1)
         return (data, "raw") if len(packed) >= len(data) else (packed, "zlib")
     workers = max(1, min(4, os.cpu_count() or 1))
@@ -166,18 +166,20 @@ def content_sha256(body: Any) -> str | None:
 
 
 def put_chunks(client: Any, base: str, data: bytes, packed: PackedBody | None = None, part: str = "",
-               expire_s: int | None = None) -> list[str]:
+               expire_s: int | None = None, parallel: bool = True) -> list[str]:
     """Write ``data`` (compressed) as chunks of at most :data:`CHUNK_BYTES` under ``<base>:<part><i>`` (``base``: the
     content key ``P c:<sha>``; ``part`` ``"w"``: the whole bytes of content stored as a delta, see
     :data:`WHOLE_PART`) and return its manifest ``[size, chunks, encoding]``; the manifest key itself is
     written by a script, with the version that refers to it, so no reader ever sees content whose chunks are not all there.
     One SET per chunk in a pipeline without a transaction: Redis serves other clients between chunks.
     ``packed``: ``data`` already compressed by :func:`pack_body` (used when it is of these very bytes); ``expire_s``:
-    the chunks expire unless a script persists them (chunks a process that died before naming them leaves behind)."""
+    the chunks expire unless a script persists them (chunks a process that died before naming them leaves behind);
+    ``parallel`` False: compressed on the calling thread only (a compaction at the lowest priority: the shared
+    compression threads keep the priority of the writes that started them)."""
     if packed is not None and base.endswith(":" + packed.sha256):
         packed_data, encoding = packed.data, packed.encoding
     else:
-        packed_data, encoding = _compress(data)
+        packed_data, encoding = _compress(data, parallel)
     pipe = client.pipeline(transaction=False)
     count = 0
     for count, start in enumerate(range(0, len(packed_data), CHUNK_BYTES), start=1):

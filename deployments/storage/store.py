@@ -302,7 +302,8 @@ class ScenarioStore:
         key = self.content_key(sha)
         if self.client.hget(key + ":m", "wchunks"):  # (its chunks are not written again: they hold no expiry now)
             return True
-        size, chunks, encoding = put_chunks(self.client, key, data, part=WHOLE_PART, expire_s=WHOLE_CHUNK_TTL_S)
+        size, chunks, encoding = put_chunks(self.client, key, data, part=WHOLE_PART, expire_s=WHOLE_CHUNK_TTL_S,
+                                            parallel=False)  # (on this thread, at its priority)
         return bool(self._whole_script(keys=[key + ":m"], args=[size, chunks, encoding, f"{key}:{WHOLE_PART}"],
                                        client=self.client))
 
