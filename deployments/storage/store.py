@@ -51,6 +51,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 import uuid
 from datetime import datetime, timezone
@@ -317,8 +318,6 @@ class ScenarioStore:
             self._compacting.start()
 
     def _compact(self, sha: str, whole: Any) -> None:
-        import os
-
         try:  # (the lowest priority: the writes and their PATCHes take the CPU first)
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (AttributeError, OSError):

@@ -6,9 +6,9 @@ catalog tables (``processors/kinds/tree/catalog_delta.py``). So that the first P
 without parsing and loading the stored body again, its items are read from the served tables
 (``processors/kinds/tree/item_list.py:tree_items``, array passes), their catalog tables built and their canonical
 bytes made, on the compiler's threads. At 10^6 items that is about a second of CPU: it starts only once no write has
-come for ``idle_s``, or at once when a PATCH asks for it (:meth:`held`). A write that comes while a read started by the idle timer runs stops it
-(at its next stage or checkpoint, its work dropped) and it starts again once the manager is idle: the next PUT never
-shares the CPU with it. A read a PATCH waits for is never stopped.
+come for ``idle_s``, or at once when a PATCH asks for it (:meth:`held`). A write that comes while a read started by
+the idle timer runs stops it (at its next stage or checkpoint, its work dropped) and it starts again once the manager
+is idle: the next PUT never shares the CPU with it. A read a PATCH waits for is never stopped.
 """
 
 from __future__ import annotations
@@ -149,12 +149,12 @@ class InlineTreeBases:
         checkpoint()
         catalog = Catalog.from_flat(start_token_id, tables.end_token_id, flat, lengths, fields)
         checkpoint()
-        tables = catalog_tables(catalog, self._vocab_size())
+        built = catalog_tables(catalog, self._vocab_size())  # (its catalog tables, not the served ``tables``)
         checkpoint()
         # its canonical bytes too: the first PATCH stores the catalog whole, its bytes spliced from these (at 10^6
         # items about 0.3 s of that PATCH's 0.87 s made here instead)
         catalog.content()
-        return catalog, tables
+        return catalog, built
 
     def held(self, name: str, current_version: int | None, log: Any) -> HeldBase | None:
         """The items of ``name``'s current version when it is a tree given inline (read now if the read has not
