@@ -10,9 +10,10 @@ Then, alternating in rounds so machine load hits both alike: a PATCH of the delt
 set. Both return only once every live replica acknowledged the new version, so their wall time is the
 request-to-every-replica-serving latency; ``--pause`` seconds follow the first uploads and each whole PUT (the
 manager reads an inline tree's items once no write has come for 2 s, for a first PATCH: that work is not the next
-PATCH's). A tree uploaded as ``prefix_dict`` is turned into its items at its first PATCH (``first_patch_s``, outside
-the p50/p95: from the items read in the background; a PATCH that comes sooner waits for that read, about 1.9 s at
-10^6 items); the PATCHes after it are deltas of a catalog. After the last round, one generation checks that the
+PATCH's). A tree uploaded as ``prefix_dict`` is turned into its items at its first PATCH (``first_patch_s``, one per
+``--first-patches``, each after a PUT of the tree, outside the p50/p95 of the later PATCHes but in the target check:
+from the items read in the background; a PATCH that comes sooner waits for that read, about 1.9 s at 10^6 items);
+the PATCHes after it are deltas of a catalog. After the last round, one generation checks that the
 answer is an item of the current version.
 
 For comparison in the same run, the manager's table work of one PATCH is timed in this process: the overlay version
@@ -24,7 +25,7 @@ the full compile), the delta applied to the base's tables along the changed path
 Targets (issue 31): a PATCH of 2,000 items with p95 at most 0.3 s at 10^6 items and 0.5 s at 10^7, for both forms.
 
     python bench/catalog_patch.py [--quick] [--items 270000,1000000] [--rounds 5] [--delta 2000]
-        [--forms catalog,prefix_dict] [--replica-table-delta auto|always|never] [--no-put]
+        [--forms catalog,prefix_dict] [--replica-table-delta auto|always|never] [--no-put] [--first-patches 1]
 """
 
 from __future__ import annotations
@@ -137,8 +138,10 @@ def run_form(bench, form: str, items: list[list[int]], start: int, args, tokeniz
     time.sleep(args.pause)  # (the first PATCH too comes --pause s after the last write, as each round's PATCH does)
     current = {tuple(i) for i in items}
     rng = np.random.default_rng(1)
-    first_patch_s, put_s, patch_s = None, [], []
-    for k in range(args.rounds + (form == "prefix_dict")):
+    first_patch_s, put_s, patch_s = [], [], []
+
+    def patch_once() -> tuple[float, dict]:
+        nonlocal current
         pool = sorted(current)
         remove = [list(pool[j]) for j in rng.choice(len(pool), size=args.delta - args.delta // 2, replace=False)]
         add = [rng.integers(3, VOCAB, size=7).tolist() for _ in range(args.delta // 2)]  # 7 ids: never present
@@ -150,15 +153,25 @@ def run_form(bench, form: str, items: list[list[int]], start: int, args, tokeniz
         answer = r.json()
         assert answer["added"] == len(add) and answer["removed"] == len(remove), answer
         current = (current - {tuple(i) for i in remove}) | {tuple(i) for i in add}
+        return took, answer
+
+    for k in range(args.rounds + (form == "prefix_dict")):
+        took, answer = patch_once()
         put_took = (float("nan") if args.no_put  # the same change, whole
                     else upload(bench, whole, form, [list(i) for i in sorted(current)], start))
         time.sleep(args.pause)  # (an inline tree's items are read in the background after its PUT: not in the PATCH)
         if form == "prefix_dict" and k == 0:
-            first_patch_s = took
+            first_patch_s.append(took)
         else:
             patch_s.append(took)
             put_s.append(put_took)
         log(f"  {form} round {k + 1}: PATCH {took:.3f} s, whole PUT {put_took:.2f} s (version {answer['version']})")
+    for k in range(1, args.first_patches if form == "prefix_dict" else 0):  # again: a PUT of the tree, its PATCH
+        upload(bench, patched, form, [list(i) for i in sorted(current)], start)
+        time.sleep(args.pause)
+        took, answer = patch_once()
+        first_patch_s.append(took)
+        log(f"  {form} first PATCH {k + 1} after a PUT: {took:.3f} s (version {answer['version']})")
     for name in (patched,) if args.no_put else (patched, whole):  # the service answers with an item of the version it reports
         out = bench.session.post(f"{bench.url}/v1/generate", json={"scenario": name, "prompt": "Item:",
                                                                   "temperature": 1.5}, timeout=120).json()
@@ -166,7 +179,8 @@ def run_form(bench, form: str, items: list[list[int]], start: int, args, tokeniz
         ids = ids[:-1] if ids and ids[-1] == tokenizer.eos_token_id else ids
         assert tuple(ids) in current, ids
     return {"form": form, "first_put_s": round(first_put_s, 2),
-            "first_patch_s": None if first_patch_s is None else round(first_patch_s, 3),
+            **({"first_patch_s": [round(t, 3) for t in first_patch_s],
+                "first_patch_p95_s": round(percentile(first_patch_s, 95), 3)} if first_patch_s else {}),
             "patch_p50_s": round(percentile(patch_s, 50), 3), "patch_p95_s": round(percentile(patch_s, 95), 3),
             **({} if args.no_put else {
                 "put_p50_s": round(percentile(put_s, 50), 3), "put_p95_s": round(percentile(put_s, 95), 3),
@@ -188,6 +202,8 @@ def main() -> None:
     parser.add_argument("--no-in-process", action="store_true",
                         help="skip the in-process comparison in a service run (at 10^7 items its full compile alone "
                              "peaks at 13 GiB)")
+    parser.add_argument("--first-patches", type=int, default=1,
+                        help="prefix_dict: first PATCHes timed, each after a PUT of the tree (--pause s before it)")
     parser.add_argument("--quick", action="store_true", help="one small size, 2 rounds")
     parser.add_argument("--no-put", action="store_true",
                         help="PATCH rounds only: no second scenario for the whole PUTs (sizes where the manager's "
@@ -234,8 +250,10 @@ def main() -> None:
         near = [r for r in results if abs(r["items"] - size) <= size * 0.1]
         for r in near:
             for f in r["forms"]:
+                worst = max(f["patch_p95_s"], f.get("first_patch_p95_s", 0.0))  # (first PATCHes after a PUT too)
                 targets.append({"items": r["items"], "form": f["form"], "target_patch_p95_s": limit,
-                                "patch_p95_s": f["patch_p95_s"], "met": f["patch_p95_s"] <= limit})
+                                "patch_p95_s": f["patch_p95_s"], "first_patch_p95_s": f.get("first_patch_p95_s"),
+                                "met": worst <= limit})
     emit({"bench": "catalog_patch", "replicas": REPLICAS, "replica_table_delta": args.replica_table_delta,
           "delta": args.delta, "rounds": args.rounds,
           "sizes": results, "targets": targets})

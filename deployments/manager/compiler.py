@@ -112,7 +112,8 @@ class StoredScenarioCompiler:
         host = ContentHost(
             data_dir=settings.data_dir, resolve_path=settings.resolve_tree_path, fetch=store.content,
             content_key=store.content_key, vocab_size=lambda: self.vocab_size, limits=lambda: self.settings.limits,
-            pool=self._pool, validate=self.validate, content_delta=_content_delta, parse_body=self._parse_body)
+            pool=self._pool, validate=self.validate, content_delta=_content_delta, parse_body=self._parse_body,
+            stage_content=store.stage_content, unstage_content=store.unstage_content)
         from processors import registry
 
         # each kind's stored content, by type (the tree's: processors/kinds/tree/stored.py); kinds without: none

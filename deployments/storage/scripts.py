@@ -26,7 +26,9 @@ The keys they write (``P`` is the prefix, ``cs:`` by default; ``N`` a scenario n
                                    stored as a line delta (a catalog PATCH) also has base (the SHA-256 of the
                                    content it applies to) and chain (every base down to whole content, nearest
                                    first, comma separated): its chunks hold the delta, not the content
-    P c:<sha256>:<i>     STRING  chunk i of that content (compressed), at most CHUNK_BYTES (1 MiB) each
+    P c:<sha256>:<i>     STRING  chunk i of that content (compressed), at most CHUNK_BYTES (1 MiB) each; content
+                                   staged ahead of its write (ScenarioStore.stage_content: an inline tree's catalog,
+                                   the base of its first PATCH) has chunks with an expiry that the write lifts
     P c:<sha256>:refs    SET     the versions ("N:n") whose bodies refer to it, directly or as a base of the
                                    delta chain of the content they refer to (listed in the version's refs too);
                                    when pruning empties it, the content is removed
@@ -80,9 +82,14 @@ local cprefix = ARGV[13]
 local refs = cjson.decode(ARGV[12])
 -- the content this version refers to: each ref, and for content stored as a delta, every base of its chain (so
 -- pruning never removes a base while a version still needs it); all of it must be stored before anything is written
-local shas, seen = {}, {}
+local shas, seen, incoming = {}, {}, {}
+for _, ref in ipairs(refs) do
+  if ref[2] then
+    incoming[ref[1]] = true  -- (written below, once every chunk is found there: a delta's base may be one)
+  end
+end
 local function stored(sha)
-  return redis.call('EXISTS', cprefix .. sha .. ':m') == 1 or redis.call('EXISTS', cprefix .. sha) == 1
+  return incoming[sha] or redis.call('EXISTS', cprefix .. sha .. ':m') == 1 or redis.call('EXISTS', cprefix .. sha) == 1
 end
 for _, ref in ipairs(refs) do
   local sha, manifest = ref[1], ref[2]
@@ -126,6 +133,9 @@ for _, ref in ipairs(refs) do
   local sha, manifest = ref[1], ref[2]
   if manifest and redis.call('EXISTS', cprefix .. sha .. ':m') == 0 then
     redis.call('HSET', cprefix .. sha .. ':m', 'size', manifest[1], 'chunks', manifest[2], 'encoding', manifest[3])
+    for i = 0, tonumber(manifest[2]) - 1 do
+      redis.call('PERSIST', cprefix .. sha .. ':' .. i)  -- (content staged ahead was uploaded with an expiry)
+    end
     if manifest[4] then
       redis.call('HSET', cprefix .. sha .. ':m', 'base', manifest[4], 'chain', manifest[5])
     end

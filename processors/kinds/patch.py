@@ -64,6 +64,9 @@ class ContentHost:
         validate: a scenario body -> its validated scenario (the manager's ``validate``; refusals as the manager answers them).
         content_delta: :meth:`PatchStore.content_delta`.
         parse_body: a PUT body's bytes -> its strict JSON parse within the limits (raises when refused).
+        stage_content: ``(sha, bytes) -> bool``: upload content ahead of the write that names it (a delta's base;
+            ``ScenarioStore.stage_content``); None: nothing is staged.
+        unstage_content: ``sha -> None``: drop staged content no write will name.
     """
 
     data_dir: str
@@ -76,6 +79,8 @@ class ContentHost:
     validate: Callable[[str, Any], Any]
     content_delta: Callable[..., Any]
     parse_body: Callable[[bytes], Any]
+    stage_content: Callable[[str, bytes], bool] | None = None
+    unstage_content: Callable[[str], None] | None = None
 
 
 class PatchResult(NamedTuple):

@@ -321,3 +321,57 @@ def test_whole_chunks_expire_until_named_and_are_kept_once_named(client):
     assert store._whole_script(keys=[okey + ":m"], args=[size, chunks, encoding, f"{okey}:{WHOLE_PART}"],
                                client=store.client) == 0
     assert "wchunks" not in manifest(store, other_sha) and store.content(other_sha) == other
+
+
+def test_a_staged_base_is_stored_by_the_first_delta_that_names_it(client):
+    """Content staged ahead (an inline tree's catalog, read while the manager was idle) is invisible until a write
+    names it: chunks with an expiry, no manifest. The first delta of it stores both in one write (chunks kept for
+    good, the version refers to both); a write refused for a changed base keeps the staged chunks for its retry; an
+    unstaged base's chunks go; a staged base whose chunks expired meanwhile makes the write store the whole
+    content."""
+    from deployments.storage.errors import BaseChanged
+    from deployments.storage.store import STAGED_TTL_S
+
+    store = ScenarioStore(client, delta_chain=8)
+    base = canonical([(5, 6), (7,), (8,)])
+    new = canonical([(5, 6), (8,), (9,)])
+    sha, new_sha = hashlib.sha256(base).hexdigest(), hashlib.sha256(new).hexdigest()
+    key = store.content_key(sha)
+    body = {"type": "tree", "path": "catalog", "content_format": "items", "items": 3}
+    store.put("t", {"type": "labels", "labels": ["x"]})  # (version 1: what the staged catalog will replace)
+    assert store.stage_content(sha, base) is True
+    assert 0 < store.client.ttl(f"{key}:0") <= STAGED_TTL_S and not manifest(store, sha)
+    assert store.content(sha) is None  # not stored yet: no reader sees it
+
+    def delta() -> ContentDelta:
+        return ContentDelta(sha, line_delta([b"[7]"], [b"[9]"]), lambda: new)
+
+    with pytest.raises(BaseChanged):  # refused: nothing written, the staged chunks stay for the retry
+        store.put("t", {**body, "content_sha256": new_sha}, content_delta=delta(), expect_current=7)
+    assert store.client.exists(f"{key}:0") and not stored_shas(store)
+    version = store.put("t", {**body, "content_sha256": new_sha}, content_delta=delta(), expect_current=1)
+    assert manifest(store, new_sha)["base"] == sha and manifest(store, new_sha)["chain"] == sha
+    assert "base" not in manifest(store, sha) and store.client.ttl(f"{key}:0") == -1  # stored for good
+    assert set(store.client.hget(store.version_key("t", version), "refs").split(",")) == {sha, new_sha}
+    assert store.content(new_sha) == new and store.content(sha) == base
+    store.unstage_content(sha)  # (named by a write: kept)
+    assert store.content(sha) == base
+
+    # unstaged before any write named it: its chunks go
+    other = canonical([(11,)])
+    other_sha = hashlib.sha256(other).hexdigest()
+    assert store.stage_content(other_sha, other) is True and store.client.exists(store.content_key(other_sha) + ":0")
+    store.unstage_content(other_sha)
+    assert not store.client.keys(store.content_key(other_sha) + "*")
+
+    # staged chunks gone by the time of the write (expired): the whole content is stored instead
+    later = canonical([(11,), (12,)])
+    later_sha = hashlib.sha256(later).hexdigest()
+    assert store.stage_content(other_sha, other) is True
+    store.client.delete(store.content_key(other_sha) + ":0")
+    store.put("u", {**body, "content_sha256": later_sha, "items": 2},
+              content_delta=ContentDelta(other_sha, line_delta([], [b"[12]"]), lambda: later))
+    assert "base" not in manifest(store, later_sha) and store.content(later_sha) == later
+    assert not store.client.keys(store.content_key(other_sha) + "*")
+    # content stored already is not staged again (a delta of it may be written as it is)
+    assert store.stage_content(later_sha, later) is True and store.client.ttl(store.content_key(later_sha) + ":0") == -1

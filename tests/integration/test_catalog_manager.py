@@ -209,6 +209,12 @@ def test_patch_of_an_inline_tree_and_of_labels(tokenizer, data_dir, client):
         assert served_items(r0, "t") == (2, {(10, 11), (20,), (30,)})
         stored = (await manager.get("t"))["scenario"]
         assert stored["description"] == "inline" and stored["content_format"] == "items"
+        # stored as the delta of the tree's catalog, staged by the read of its items and named by this write
+        meta = manager.store.client.hgetall(manager.store.content_key(stored["content_sha256"]) + ":m")
+        assert "base" in meta and meta["chain"] == meta["base"]
+        base = manager.store.content(meta["base"])
+        assert base is not None and sorted(base.splitlines()[1:]) == [b"[10,11]", b"[10]", b"[20]"]
+        assert manager.store.client.ttl(manager.store.content_key(meta["base"]) + ":0") == -1
 
         await manager.put("l", {"type": "labels", "labels": ["a", "b", "c"]})
         result = await manager.patch("l", {"add": ["d", "a"], "remove": ["b", "zz"]})
@@ -219,6 +225,30 @@ def test_patch_of_an_inline_tree_and_of_labels(tokenizer, data_dir, client):
         with pytest.raises(ServiceError) as info:
             await manager.patch("j", {"add": ["x"]})
         assert info.value.status == 409
+
+    run(manager, body, 1)
+
+
+def test_an_inline_trees_staged_catalog_goes_when_a_put_replaces_it(tokenizer, data_dir, client):
+    """The read of an inline tree's items stages its catalog in Redis (chunks with an expiry, named by no version)
+    for its first PATCH; a PUT that replaces the tree before any PATCH drops them."""
+    manager = make_manager(tokenizer, data_dir, client=client)
+    inline = {"type": "tree", "tree": {"start_token_id": START, "end_token_id": END,
+                                       "prefix_dict": {"1000": [10, 20], "1000_10": [11, 2]}}}
+
+    async def body(r0):
+        first = await manager.put("t", inline)
+        held = await asyncio.to_thread(manager.compiler.held_base, manager.store, "t")  # (read now, as a PATCH does)
+        staged = held.base[2]
+        key = manager.store.content_key(staged)
+        assert staged is not None and manager.store.client.ttl(key + ":0") > 0 and not manager.store.content(staged)
+        assert held.version == first["version"]
+        await manager.put("t", {**inline, "description": "again"})
+        for _ in range(100):  # (dropped on the compiler's threads)
+            if not manager.store.client.exists(key + ":0"):
+                break
+            await asyncio.sleep(0.05)
+        assert not manager.store.client.keys(key + "*")
 
     run(manager, body, 1)
 

@@ -461,14 +461,16 @@ def patched_tables(tables: Any, add: list[Any], remove: list[Any], overlay: bool
 def patch_stored_tree(name: str, body: dict[str, Any] | None, add: list[Any], remove: list[Any], store: Any,
                       prepared: tuple[Catalog, Any] | None = None, update: list[Any] | None = None) -> PatchResult:
     """A PATCH of a stored tree body (worker thread; :meth:`processors.kinds.base.ConstraintKind.apply_patch`).
-    ``store``: a :class:`~processors.kinds.patch.PatchStore`; ``prepared``: ``(items, catalog tables)`` of the
-    current version when it is a tree given inline that the store has read already (``body`` is not needed then).
-    A stored catalog is patched as the delta of its content; an inline tree or a tree file is read into its items
+    ``store``: a :class:`~processors.kinds.patch.PatchStore`; ``prepared``: ``(items, catalog tables, staged sha or
+    None)`` of the current version when it is a tree given inline that the store has read already (``body`` is not
+    needed then; its catalog's bytes staged in the store under that sha, :mod:`.inline_bases`). A stored (or
+    staged) catalog is patched as the delta of its content; an inline tree or a tree file is read into its items
     once and stored as a catalog."""
     from .file import load_tree
 
     if prepared is not None:
-        return _patch(name, body, add, remove, store, *prepared, update=update)
+        catalog, tables, staged = prepared
+        return _patch(name, body, add, remove, store, catalog, tables, base_sha=staged, update=update)
     assert body is not None
     sha = body.get("content_sha256")
     if body.get("content_format") == "items" and isinstance(sha, str):  # a stored catalog

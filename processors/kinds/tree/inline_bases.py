@@ -5,24 +5,33 @@ A tree PUT inline (a ``prefix_dict``) is served from tables built from its tree;
 catalog tables (``processors/kinds/tree/catalog_delta.py``). So that the first PATCH of such a tree is a delta too,
 without parsing and loading the stored body again, its items are read from the served tables
 (``processors/kinds/tree/item_list.py:tree_items``, array passes), their catalog tables built and their canonical
-bytes made, on the compiler's threads. At 10^6 items that is about a second of CPU: it starts only once no write has
-come for ``idle_s``, or at once when a PATCH asks for it (:meth:`held`). A write that comes while a read started by
-the idle timer runs stops it (at its next stage or checkpoint, its work dropped) and it starts again once the manager
-is idle: the next PUT never shares the CPU with it. A read a PATCH waits for is never stopped.
+bytes made (and the keys a PATCH looks items up by), on the compiler's threads. At 10^6 items that is about a
+second of CPU: it starts only once no write has come for ``idle_s``, or at once when a PATCH asks for it
+(:meth:`held`). A write that comes while a read started by the idle timer runs stops it (at its next stage or
+checkpoint, its work dropped) and it starts again once the manager is idle: the next PUT never shares the CPU with
+it. A read a PATCH waits for is never stopped.
+
+The read also stages those bytes in the store (``stage``: ``ScenarioStore.stage_content``, uploaded with an expiry
+and named by no version yet), so that the first PATCH stores only its delta of them, as every later PATCH does: the
+write names the staged catalog and the delta together. A base replaced before any PATCH used it is unstaged.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import threading
 from concurrent.futures import Executor, Future
 from typing import Any, Callable, NamedTuple
 
 __all__ = ["HeldBase", "InlineTreeBases"]
 
+_log = logging.getLogger(__name__)
+
 
 class HeldBase(NamedTuple):
     """The current version of a scenario as the compiler holds it for a PATCH: its number, its kind, the kind's own
-    form of it (a tree's: ``(Catalog, catalog tables)``) and its item count."""
+    form of it (a tree's: ``(Catalog, catalog tables, SHA-256 of its staged bytes or None)``) and its item count."""
 
     version: int
     kind: str
@@ -48,11 +57,17 @@ class InlineTreeBases:
         pool: the compiler's threads (lower priority).
         vocab_size: the served vocabulary (catalog tables are built for it).
         idle_s: seconds without a write before a read starts by itself.
+        stage: ``(sha, bytes) -> bool``: stage a catalog's bytes in the store for the first PATCH (True: a delta of
+            them may be written); None: the first PATCH stores the whole catalog.
+        unstage: ``sha -> None``: staged bytes no PATCH will use (their base was replaced).
     """
 
-    def __init__(self, pool: Executor, vocab_size: Callable[[], int], idle_s: float = 2.0):
+    def __init__(self, pool: Executor, vocab_size: Callable[[], int], idle_s: float = 2.0,
+                 stage: Callable[[str, bytes], bool] | None = None, unstage: Callable[[str], None] | None = None):
         self._pool = pool
         self._vocab_size = vocab_size
+        self._stage = stage
+        self._unstage = unstage
         self.idle_s = idle_s
         self._forms: dict[tuple[str, str], tuple[dict[str, Any], int]] = {}
         self._bases: dict[str, _Entry] = {}
@@ -81,12 +96,31 @@ class InlineTreeBases:
         tables = getattr(compiled, "constraint", None)
         form = self._forms.get((name, getattr(tables, "version", "")))
         with self._lock:
-            self._bases.pop(name, None)
+            replaced = [self._bases.pop(name, None)]
             if form is not None:
                 self._bases[name] = _Entry(int(version), (tables, *form))
                 while len(self._bases) > 2:
-                    self._bases.pop(next(iter(self._bases)))
+                    replaced.append(self._bases.pop(next(iter(self._bases))))
+        for entry in replaced:
+            self._unstage_of(entry)
         self.postpone()
+
+    def _unstage_of(self, entry: _Entry | None) -> None:
+        """The staged bytes of a replaced base, dropped on the pool once its read ended (nothing when a PATCH
+        stored them: the store keeps what a write named)."""
+        if entry is None or entry.future is None or self._unstage is None:
+            return
+        unstage = self._unstage
+
+        def drop(future: Future) -> None:
+            try:
+                sha = future.result()[2]
+                if sha is not None:
+                    self._pool.submit(unstage, sha)
+            except Exception:  # noqa: BLE001 - a read that failed or was stopped staged nothing to drop
+                pass
+
+        entry.future.add_done_callback(drop)
 
     def postpone(self) -> None:
         """A write came: the reads not started yet wait for ``idle_s`` more, and a running read no PATCH waits for
@@ -142,6 +176,7 @@ class InlineTreeBases:
         from config.cancel import checkpoint
 
         from .catalog import Catalog
+        from .catalog_delta import catalog_row_keys, index_row_keys
         from .catalog_tables import catalog_tables
         from .item_list import tree_items
 
@@ -151,10 +186,28 @@ class InlineTreeBases:
         checkpoint()
         built = catalog_tables(catalog, self._vocab_size())  # (its catalog tables, not the served ``tables``)
         checkpoint()
-        # its canonical bytes too: the first PATCH stores the catalog whole, its bytes spliced from these (at 10^6
-        # items about 0.3 s of that PATCH's 0.87 s made here instead)
-        catalog.content()
-        return catalog, built
+        # the keys a PATCH looks its items up by (and their index, for a large catalog): at 10^6 items 0.15 s of
+        # the first PATCH otherwise
+        catalog_row_keys(catalog)
+        index_row_keys(catalog)
+        checkpoint()
+        # its canonical bytes too, staged in the store: the first PATCH then stores its delta of them (at 10^6
+        # items, making, compressing and uploading them took about 0.6 s of that PATCH's 0.87 s)
+        content = catalog.content()
+        checkpoint()
+        return catalog, built, self._staged(content)
+
+    def _staged(self, content: bytes) -> str | None:
+        """``content`` staged in the store (:class:`InlineTreeBases`'s ``stage``): its SHA-256, or None when it is
+        not (no store, or it failed: the first PATCH then stores the whole catalog)."""
+        if self._stage is None:
+            return None
+        sha = hashlib.sha256(content).hexdigest()
+        try:
+            return sha if self._stage(sha, content) else None
+        except Exception:  # noqa: BLE001 - Redis away: the first PATCH stores the catalog whole, as it can
+            _log.warning("staging catalog content %s for a first PATCH failed", sha[:12], exc_info=True)
+            return None
 
     def held(self, name: str, current_version: int | None, log: Any) -> HeldBase | None:
         """The items of ``name``'s current version when it is a tree given inline (read now if the read has not
@@ -171,11 +224,11 @@ class InlineTreeBases:
             future = entry.future
         assert future is not None
         try:
-            catalog, tables = future.result()
+            catalog, tables, staged = future.result()
         except Exception:  # noqa: BLE001 - the PATCH then takes the stored body's way
             log.exception("scenario %r: reading the items of version %d failed", name, entry.version)
             return None
-        return HeldBase(entry.version, "tree", (catalog, tables), len(catalog))
+        return HeldBase(entry.version, "tree", (catalog, tables, staged), len(catalog))
 
     def close(self) -> None:
         with self._lock:

@@ -103,7 +103,8 @@ class TreeContent:
         # 6 touched paths an item, each ~50 states' worth of a full compile; docs/benchmarks.md, catalog PATCH)
         self.patch_states_per_item = 300
         # trees given inline: their items read for a first PATCH, once no write comes (see .inline_bases)
-        self.bases = InlineTreeBases(host.pool, host.vocab_size)
+        self.bases = InlineTreeBases(host.pool, host.vocab_size, stage=host.stage_content,
+                                     unstage=host.unstage_content)
         # catalogs' overlay tables folded into plain ones while no write comes (see .folds)
         self.folds = BackgroundFolds(host.pool, self._folded)
 
