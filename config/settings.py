@@ -29,6 +29,13 @@ class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024, description="Largest HTTP body accepted.")
+    max_upload_bytes: int = Field(
+        default=4 << 30, ge=1024,
+        description="Largest catalog upload (a PUT /admin/scenarios/{name} with Content-Type application/x-ndjson "
+                    "or a Parquet type), in place of max_body_bytes: the ingress streams it to the config manager "
+                    "in parts of 16 MiB, spooled to a file under data_dir and mapped there, so no process holds it "
+                    "whole; the manager's write_memory_mb still bounds what its compile may take.",
+    )
     max_prompt_tokens: int = Field(default=4096, ge=1, description="Longest prompt, in tokens.")
     max_new_tokens: int = Field(default=1024, ge=1, description="Largest max_new_tokens a request may ask for.")
     default_max_new_tokens: int = Field(default=64, ge=1, description="max_new_tokens when neither request nor scenario sets it.")

@@ -19,8 +19,7 @@ from deployments.ingress.models import (
 )
 from deployments.ingress.openapi import _patch_openapi_extra, _scenario_openapi_extra
 from deployments.json_body import ParsedJSONRoute
-from processors.kinds.tree.catalog import CATALOG_CONTENT_TYPES
-from processors.kinds.tree.parquet import PARQUET_CONTENT_TYPES
+from deployments.ingress.uploads import is_catalog_upload, upload_catalog, upload_format_of
 from deployments.protocol import ServiceError
 from deployments.storage.store import validate_name
 from deployments.storage.content import validate_idempotency_key
@@ -32,10 +31,6 @@ if TYPE_CHECKING:
 # Serve configures this logger in every replica (its files and the `serve run` console); a module logger
 # below WARNING would be dropped there.
 logger = logging.getLogger("ray.serve")
-
-
-def _content_type(request: Request) -> str:
-    return (request.headers.get("content-type") or "").split(";")[0].strip().lower()
 
 
 def _if_match_version(value: str | None) -> int | None:
@@ -129,14 +124,14 @@ def mount_admin(app: FastAPI, ingress: Ingress) -> Any:
         line, then one JSON array of token ids per line; see the README), an ``application/vnd.apache.parquet``
         body the same catalog as a Parquet file (an ``ids`` column, metadata columns, the header in the file's
         metadata under ``catalog``). The body goes to the config manager as
-        bytes, which parses and validates it once."""
-        raw = await request.body()
-        content_type = _content_type(request)
-        if content_type in CATALOG_CONTENT_TYPES or content_type in PARQUET_CONTENT_TYPES:
+        bytes, which parses and validates it once; a catalog (up to ``max_upload_bytes``) is streamed to it in
+        parts of 16 MiB as it arrives (never whole in one process's memory)."""
+        content_type = request.headers.get("content-type") or ""
+        if is_catalog_upload(content_type):
             key = checked_key(idempotency_key) if idempotency_key is not None else None
-            upload_format = "parquet" if content_type in PARQUET_CONTENT_TYPES else "ndjson"
-            result = await ingress.call(ingress.manager.put_items, name, raw, key, upload_format)
+            result = await upload_catalog(ingress, request, name, key, upload_format_of(content_type))
         else:
+            raw = await request.body()
             result = await ingress.call(ingress.manager.put, *idempotent((name, raw), idempotency_key))
         return write_answer(result)
 

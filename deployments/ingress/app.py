@@ -16,6 +16,7 @@ from deployments.guards import InflightPerClient, ProxyHeaderCheck, route_path
 from deployments.ingress.admin import _SCENARIOS_PREFIX, _admin_not_found, mount_admin
 from deployments.ingress.errors import _install_error_handlers
 from deployments.ingress.middleware import BodySizeLimit, RequestIdCheck
+from deployments.ingress.uploads import is_catalog_upload
 from deployments.ingress.models import _ERROR_RESPONSES, _SSE_RESPONSE, GenerateBody, HealthResponse, ScenarioList
 from deployments.ingress.openapi import _with_scenario_components
 from deployments.ingress.sse import _SSE_HEADERS
@@ -41,6 +42,18 @@ def _parse_body_here(ingress: Ingress, scope: dict) -> bool:
     return True
 
 
+def _streamed_upload_limit(ingress: Ingress, scope: dict) -> int | None:
+    """``max_upload_bytes`` for a catalog upload (a scenario PUT with a catalog Content-Type): its route streams the
+    body to the manager in parts (``ingress/uploads.py``) and counts it; None for any other request."""
+    if scope.get("method") != "PUT":
+        return None
+    path = route_path(scope)
+    if not path.startswith(_SCENARIOS_PREFIX) or "/" in path[len(_SCENARIOS_PREFIX):]:
+        return None
+    kind = next((v.decode("latin-1") for k, v in scope.get("headers") or [] if k == b"content-type"), "")
+    return ingress.limits.max_upload_bytes if is_catalog_upload(kind) else None
+
+
 def build_http_app(ingress: Ingress) -> FastAPI:
     """The FastAPI app for ``ingress``: public routes, the admin router, error handlers, the body limit."""
     app = FastAPI(
@@ -61,7 +74,8 @@ def build_http_app(ingress: Ingress) -> FastAPI:
                             redact=ingress.settings.redact_paths)
     # Outermost last: request id, proxy timeout headers, in-flight bound per client, body size, strict JSON.
     app.add_middleware(StrictJSONBody, admits=lambda scope: _parse_body_here(ingress, scope))
-    app.add_middleware(BodySizeLimit, max_bytes=ingress.limits.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=ingress.limits.max_body_bytes,
+                       streamed=lambda scope: _streamed_upload_limit(ingress, scope))
     settings = ingress.settings
     app.add_middleware(InflightPerClient, limit=settings.max_inflight_per_client, client_ip_header=settings.client_ip_header)
     app.add_middleware(ProxyHeaderCheck, request_timeout_s=settings.request_timeout_s)

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 from deployments.ingress.errors import _error_response
 from deployments.protocol import ServiceError
@@ -18,17 +18,22 @@ class BodySizeLimit:
 
     With a ``Content-Length`` header the check is up front. Without one (chunked upload) the body is read
     here, up to the limit, and replayed to the app: FastAPI turns errors raised while it reads a body into
-    a 400, so the limit cannot be enforced from inside ``receive``.
+    a 400, so the limit cannot be enforced from inside ``receive``. A request that ``streamed`` gives a limit for
+    (a catalog upload: its route streams the body on and counts it, ``ingress/uploads.py``) is checked against that
+    limit up front, and otherwise passed on unread.
     """
 
-    def __init__(self, app: Any, max_bytes: int):
+    def __init__(self, app: Any, max_bytes: int, streamed: Callable[[dict], int | None] | None = None):
         self.app = app
         self.max_bytes = int(max_bytes)
+        self.streamed = streamed
 
-    async def _reject(self, scope, receive, send) -> None:
+    async def _reject(self, scope, receive, send, limit: int | None = None) -> None:
+        limit_name = "max_body_bytes" if limit is None else "max_upload_bytes"
+        limit = self.max_bytes if limit is None else limit
         error = ServiceError(
-            413, f"request body: more than {self.max_bytes} bytes exceeds the limit max_body_bytes={self.max_bytes}",
-            {"field": "body", "limit_name": "max_body_bytes", "limit": self.max_bytes},
+            413, f"request body: more than {limit} bytes exceeds the limit {limit_name}={limit}",
+            {"field": "body", "limit_name": limit_name, "limit": limit},
         )
         await _error_response(error)(scope, receive, send)
 
@@ -36,13 +41,14 @@ class BodySizeLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = next((value for key, value in scope.get("headers") or [] if key == b"content-length"), None)
-        if length is not None:
+        upload_limit = self.streamed(scope) if self.streamed is not None else None
+        if length is not None or upload_limit is not None:
             try:
-                too_large = int(length) > self.max_bytes
+                too_large = length is not None and int(length) > (upload_limit or self.max_bytes)
             except ValueError:
                 too_large = False
             if too_large:
-                return await self._reject(scope, receive, send)
+                return await self._reject(scope, receive, send, upload_limit)
             return await self.app(scope, receive, send)
 
         chunks: list[bytes] = []

@@ -229,6 +229,16 @@ class StoredScenarioCompiler:
         with refused_as_service_error():
             return self.contents[self._upload_type].upload(data, upload_format)
 
+    def map_upload(self, path: str, upload_format: str = "ndjson") -> Any:
+        """A streamed upload's spool file, memory-mapped the way its kind reads its content format (for
+        :meth:`upload`); 400 when it cannot be read."""
+        if self._upload_type is None:
+            raise ServiceError(415, "no scenario type takes an upload")
+        try:
+            return self.contents[self._upload_type].map_upload(path, upload_format)
+        except OSError as exc:
+            raise ServiceError(400, f"catalog upload: its spool file cannot be read: {exc.strerror or exc}") from None
+
     def patch_store(self, type_name: str) -> Any:
         """What a PATCH of a ``type_name`` scenario works with (:class:`processors.kinds.patch.PatchStore`): its
         kind's stored content, or this compiler (validate, limits, vocabulary) for a kind without."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 from config import ServerSettings
@@ -45,6 +46,7 @@ from .memory_guard import PEAK_PER_BODY_BYTE, check_write_memory
 from .reconciler import StoreReconciler
 from .registry import ReplicaRegistry
 from .served import ServedScenarios
+from .uploads import UploadSpool
 from .write_flow import Draft, Write, WriteFlow, as_version, body_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -113,6 +115,9 @@ class ConfigManager:
                                           settings=self.settings, embedded=self._embedded,
                                           interval_s=reconcile_interval_s)
         self._writes = WriteFlow(self)  # every admin write: draft -> validate -> compile -> store -> publish -> ack
+        # catalog uploads streamed by the ingress in parts, spooled to files until their last part (.uploads)
+        self._uploads = UploadSpool(os.path.join(self.settings.data_dir, "uploads"),
+                                    lambda: self.settings.limits.max_upload_bytes)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.reconciler.load()
         try:
@@ -207,6 +212,27 @@ class ConfigManager:
         parsed and validated once, here; the canonical catalog is stored as tree content (chunked) and the stored
         body names it (``content_sha256``, ``content_format: items``). Returns ``{"name", "version", "items"}``."""
         return await self._writes.run(put_items_write(self, name, data, idempotency_key, upload_format))
+
+    async def upload_part(self, upload_id: str, offset: int, data: bytes) -> int:
+        """A part of a catalog upload streamed by the ingress (:mod:`deployments.manager.uploads`): appended to its
+        spool file at byte ``offset``; returns the bytes received so far. 413 past ``max_upload_bytes``, 429 when
+        too many uploads are under way, 409 for a part out of order."""
+        return await asyncio.to_thread(self._uploads.append, upload_id, int(offset), data)
+
+    async def put_upload(self, name: str, upload_id: str, size: int, idempotency_key: str | None = None,
+                         upload_format: str = "ndjson") -> dict[str, Any]:
+        """:meth:`put_items` of a streamed upload once its ``size`` bytes arrived (:meth:`upload_part`): its spool
+        file is mapped, not read into memory, and removed once stored or refused."""
+        path = await asyncio.to_thread(self._uploads.finished, upload_id, int(size))
+        try:
+            data = await asyncio.to_thread(self.compiler.map_upload, path, upload_format)
+            return await self._writes.run(put_items_write(self, name, data, idempotency_key, upload_format))
+        finally:
+            await asyncio.to_thread(self._uploads.drop, upload_id)
+
+    async def drop_upload(self, upload_id: str) -> None:
+        """A streamed upload that will not finish (its client went away): its spool file is removed."""
+        await asyncio.to_thread(self._uploads.drop, upload_id)
 
     async def patch(self, name: str, delta: Any, idempotency_key: str | None = None,
                     base_version: int | None = None) -> dict[str, Any]:

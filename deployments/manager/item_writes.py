@@ -41,7 +41,7 @@ def put_items_write(manager: Any, name: str, data: bytes, idempotency_key: str |
                     upload_format: str = "ndjson") -> Write:
     """The write of ``ConfigManager.put_items`` (what it does and answers: there)."""
     def fingerprint() -> str:
-        return request_fingerprint("put_items", name, hashlib.sha256(bytes(data)).hexdigest())
+        return request_fingerprint("put_items", name, hashlib.sha256(memoryview(data)).hexdigest())  # (no copy)
 
     async def draft(_fingerprint: str | None) -> Draft:
         return await asyncio.to_thread(upload_draft, manager, name, data, upload_format)

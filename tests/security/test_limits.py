@@ -35,6 +35,7 @@ TIMEOUT = 120
 # Limits field -> the tests that cover it (checked by test_every_limit_is_tested).
 COVERED = {
     "max_body_bytes": ["test_body_size_live", "test_body_size_in_process"],
+    "max_upload_bytes": ["test_upload_size_in_process"],  # more in tests/unit/test_upload_spool.py
     "max_prompt_tokens": ["test_prompt_tokens", "test_replica_limits"],
     "max_new_tokens": ["test_max_new_tokens", "test_scenario_max_new_tokens"],
     "default_max_new_tokens": ["test_replica_limits"],
@@ -244,6 +245,37 @@ def test_body_size_in_process(tmp_path):
     assert r.status_code == 413 and f"max_body_bytes={limit}" in r.json()["error"]["message"], r.text
     r = client.post("/v1/generate", content=chunks(body(limit)), headers=headers)
     assert r.status_code == 422, r.text
+
+
+def test_upload_size_in_process(tmp_path):
+    """A catalog upload (an NDJSON or Parquet PUT, streamed to the manager) is bounded by max_upload_bytes in place
+    of max_body_bytes: one byte over is a 413 naming it, with Content-Length (the middleware, before the body is
+    read) and without (chunked: counted as it streams, before a part reaches the manager); a catalog between the
+    two limits passes both checks; a JSON PUT keeps max_body_bytes; no token: a 401 before the body is read."""
+    from deployments.ingress import Ingress
+
+    token = "t" * 24
+    settings = ServerSettings(data_dir=str(tmp_path), admin_token=token,
+                              limits=Limits(max_body_bytes=2048, max_upload_bytes=8192))
+    client = TestClient(Ingress(settings, None, None).http_app, raise_server_exceptions=False)  # no backend
+
+    def chunks(data: bytes):
+        for i in range(0, len(data), 500):
+            yield data[i:i + 500]
+
+    for kind in ("application/x-ndjson", "application/vnd.apache.parquet"):
+        headers = {"Authorization": f"Bearer {token}", "content-type": kind}
+        for body in (b"x" * 8193, chunks(b"x" * 8193)):
+            r = client.put("/admin/scenarios/big", content=body, headers=headers)
+            assert r.status_code == 413 and "max_upload_bytes=8192" in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["limit_name"] == "max_upload_bytes"
+        r = client.put("/admin/scenarios/big", content=b"x" * 4000, headers=headers)
+        assert r.status_code != 413, r.text  # (past the size checks: no manager here to take it)
+        r = client.put("/admin/scenarios/big", content=chunks(b"x" * 8193), headers={"content-type": kind})
+        assert r.status_code == 401, r.text
+    r = client.put("/admin/scenarios/big", content=b" " * 4000,
+                   headers={"Authorization": f"Bearer {token}", "content-type": "application/json"})
+    assert r.status_code == 413 and "max_body_bytes=2048" in r.json()["error"]["message"], r.text
 
 
 # --------------------------------------------------------------------------------------------- scenario limits (live)

@@ -252,3 +252,86 @@ def test_a_catalog_file_named_by_path_is_read_by_the_manager(serve_app, tokenize
                         timeout=30).status_code == 404
     for name in (uploaded, by_parquet, by_ndjson):
         requests.delete(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=60)
+
+
+def test_a_catalog_larger_than_a_part_is_streamed_and_nothing_is_left_behind(serve_app, tokenizer):
+    """A catalog upload of more than one part (16 MiB) is streamed by the ingress to the manager as it arrives and
+    spooled there: chunked or with Content-Length, the version serves exactly the uploaded items, the spool directory
+    is empty after it, and another client's requests are answered all along. A client that goes away mid-upload
+    leaves nothing: its spool file is removed and the current version stays."""
+    import os
+    import socket
+    import threading
+    import time
+
+    import numpy as np
+
+    from deployments.manager.uploads import UPLOAD_PART_BYTES
+
+    rng = np.random.default_rng(3)  # 8-token items that share their first 7 (about one tree key an item)
+    rows = np.unique(np.column_stack([rng.integers(10_000, 10_002, size=(420_000, 7)),
+                                      rng.integers(10_000, 40_000, size=420_000)]), axis=0)
+    head = {"start_token_id": chat_root_token_id(tokenizer), "end_token_id": tokenizer.eos_token_id,
+            "max_new_tokens": 16}
+    body = (json.dumps(head) + "\n" + "\n".join(json.dumps(r) for r in rows.tolist()) + "\n").encode()
+    assert len(body) > UPLOAD_PART_BYTES
+    items = {tuple(r) for r in rows.tolist()}
+    spool = os.path.join(serve_app.data_dir, "uploads")
+    name = _name()
+
+    def chunks(data: bytes, size: int = 1 << 20):
+        for i in range(0, len(data), size):
+            yield data[i:i + size]
+
+    probes: list[tuple[int, float]] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            started = time.monotonic()
+            r = requests.get(f"{serve_app.url}/v1/scenarios", timeout=120)
+            probes.append((r.status_code, time.monotonic() - started))
+            stop.wait(0.1)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    try:
+        r = put_catalog(serve_app, name, chunks(body))  # chunked: no Content-Length
+        assert r.status_code == 200, r.text[:500]
+        assert r.json() == {"name": name, "version": 1, "items": len(items)}
+        r = put_catalog(serve_app, name, body)  # with Content-Length: the same catalog, a new version
+        assert r.status_code == 200 and r.json()["version"] == 2, r.text[:500]
+    finally:
+        stop.set()
+        prober.join(130)
+    assert probes and all(status == 200 for status, _ in probes), probes
+    print(f"other client during the uploads: {len(probes)} answers, slowest {max(t for _, t in probes):.3f} s")
+    assert os.listdir(spool) == []
+    r = serve_app.generate({"scenario": name, "prompt": "Item:", "n": 4, "temperature": 1.5})
+    assert r.status_code == 200, r.text
+    for out in r.json()["outputs"]:
+        check_item(out, items, tokenizer.eos_token_id)
+
+    # a client that goes away after two parts: its spool file goes, version 2 stays
+    sock = socket.create_connection(("127.0.0.1", serve_app.port), timeout=60)
+    request = (f"PUT /admin/scenarios/{name} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               f"Authorization: {serve_app.admin['Authorization']}\r\nContent-Type: application/x-ndjson\r\n"
+               "Transfer-Encoding: chunked\r\n\r\n").encode()
+    sock.sendall(request)
+    sent = 0
+    for chunk in chunks(body):
+        sock.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+        sent += len(chunk)
+        if sent > 2 * UPLOAD_PART_BYTES:
+            break
+    deadline = time.monotonic() + 60
+    while not os.listdir(spool) and time.monotonic() < deadline:  # (the parts reached the manager)
+        time.sleep(0.05)
+    assert os.listdir(spool), "no part of the upload reached the manager"
+    sock.close()
+    deadline = time.monotonic() + 60
+    while os.listdir(spool) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert os.listdir(spool) == []
+    r = requests.get(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=30)
+    assert r.json()["version"] == 2 and r.json()["scenario"]["items"] == len(items)

@@ -459,7 +459,7 @@ def patched_tables(tables: Any, add: list[Any], remove: list[Any], overlay: bool
 
 
 def patch_stored_tree(name: str, body: dict[str, Any] | None, add: list[Any], remove: list[Any], store: Any,
-                      prepared: tuple[Catalog, Any] | None = None, update: list[Any] | None = None) -> PatchResult:
+                      prepared: tuple[Catalog, Any, str | None] | None = None, update: list[Any] | None = None) -> PatchResult:
     """A PATCH of a stored tree body (worker thread; :meth:`processors.kinds.base.ConstraintKind.apply_patch`).
     ``store``: a :class:`~processors.kinds.patch.PatchStore`; ``prepared``: ``(items, catalog tables, staged sha or
     None)`` of the current version when it is a tree given inline that the store has read already (``body`` is not

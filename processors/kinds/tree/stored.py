@@ -203,15 +203,21 @@ class TreeContent:
                                        "type and path", {"name": name, "field": others[0]})
         source = self.resolve_path(name, body["path"])
         try:  # mapped, not read: the memory guard sees its size before anything is copied into the heap
-            if upload_format == "parquet":
-                import pyarrow as pa
-
-                with pa.memory_map(source, "r") as mapped:
-                    return mapped.read_buffer(), upload_format
-            return (_mapped(source) if os.path.getsize(source) else b""), upload_format
+            return self.map_upload(source, upload_format), upload_format
         except OSError as exc:
             raise ConstraintError(400, f"scenario {name!r}: catalog file {source}: {exc.strerror or exc}",
                                   {"name": name, "field": "path"}) from None
+
+    @staticmethod
+    def map_upload(path: str, upload_format: str) -> Any:
+        """A catalog file in ``upload_format`` (``ndjson`` / ``parquet``), memory-mapped for :meth:`upload` (bytes-
+        like; a Parquet file as an Arrow buffer): its pages are the file's, not the heap's. Raises ``OSError``."""
+        if upload_format == "parquet":
+            import pyarrow as pa
+
+            with pa.memory_map(path, "r") as mapped:
+                return mapped.read_buffer()
+        return _mapped(path) if os.path.getsize(path) else b""
 
     def content_file(self, name: str, sha: str) -> str:
         """The local copy of the tree content ``sha`` (checked against its hash), fetched from the store when

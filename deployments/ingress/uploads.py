@@ -1,0 +1,92 @@
+"""A catalog upload streamed to the config manager: the body of ``PUT /admin/scenarios/{name}`` with a catalog
+``Content-Type`` (NDJSON or Parquet) is read as it arrives and sent on in parts (``ConfigManager.upload_part``, then
+``put_upload``; the manager's side is ``deployments/manager/uploads.py``), so neither the ingress nor the manager
+holds it whole. An upload that fits in one part is sent whole (``put_items``), as any body. Its bound is
+``max_upload_bytes`` (the body size middleware checks a ``Content-Length`` against it; a chunked body is counted
+here). A client that goes away mid-upload, or any failure before the last part, removes the manager's spool file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+from starlette.requests import Request
+
+from deployments.manager.uploads import UPLOAD_PART_BYTES
+from deployments.protocol import ServiceError
+from processors.kinds.tree.catalog import CATALOG_CONTENT_TYPES
+from processors.kinds.tree.parquet import PARQUET_CONTENT_TYPES
+
+__all__ = ["is_catalog_upload", "upload_catalog", "upload_format_of"]
+
+logger = logging.getLogger(__name__)
+
+
+def _media_type(content_type: str) -> str:
+    return (content_type or "").split(";")[0].strip().lower()
+
+
+def is_catalog_upload(content_type: str) -> bool:
+    """Whether a PUT body of this ``Content-Type`` is a catalog upload (NDJSON or Parquet)."""
+    kind = _media_type(content_type)
+    return kind in CATALOG_CONTENT_TYPES or kind in PARQUET_CONTENT_TYPES
+
+
+def upload_format_of(content_type: str) -> str:
+    """The manager's ``upload_format`` of a catalog upload's ``Content-Type``."""
+    return "parquet" if _media_type(content_type) in PARQUET_CONTENT_TYPES else "ndjson"
+
+
+async def upload_catalog(ingress: Any, request: Request, name: str, key: str | None, upload_format: str,
+                         part_bytes: int = UPLOAD_PART_BYTES) -> Any:
+    """Store the catalog in ``request``'s body as a new version of ``name`` (what ``ConfigManager.put_items``
+    answers), streaming it to the manager in parts of ``part_bytes`` once it is larger than one."""
+    limit = int(ingress.limits.max_upload_bytes)
+    manager = ingress.manager
+    held: list[bytes] = []
+    held_bytes = sent = 0
+    upload_id: str | None = None
+    handed = False
+    try:
+        async for chunk in request.stream():
+            if sent + held_bytes + len(chunk) > limit:
+                raise ServiceError(413, f"request body: more than {limit} bytes exceeds the limit "
+                                        f"max_upload_bytes={limit}",
+                                   {"field": "body", "limit_name": "max_upload_bytes", "limit": limit})
+            if chunk:
+                held.append(chunk)
+                held_bytes += len(chunk)
+            if held_bytes >= part_bytes:
+                if upload_id is None:
+                    upload_id = uuid.uuid4().hex
+                part = b"".join(held)
+                held, held_bytes = [], 0
+                await ingress.call(manager.upload_part, upload_id, sent, part)
+                sent += len(part)
+        rest = b"".join(held)
+        if upload_id is None:  # (one part or less: sent whole, as any body)
+            return await ingress.call(manager.put_items, name, rest, key, upload_format)
+        if rest:
+            await ingress.call(manager.upload_part, upload_id, sent, rest)
+            sent += len(rest)
+        handed = True  # (from here the manager removes the spool file, whatever happens)
+        return await ingress.call(manager.put_upload, name, upload_id, sent, key, upload_format)
+    finally:
+        if upload_id is not None and not handed:  # the client went away, or a part was refused
+            drop = manager.drop_upload.remote(upload_id)
+
+            async def dropped() -> None:
+                try:
+                    await drop
+                except Exception:  # noqa: BLE001 - the manager sweeps idle uploads anyway
+                    logger.warning("dropping catalog upload %s failed", upload_id, exc_info=True)
+
+            task = asyncio.ensure_future(dropped())
+            _drops.add(task)  # (held until done: the event loop keeps only a weak reference)
+            task.add_done_callback(_drops.discard)
+
+
+_drops: set[asyncio.Future] = set()
