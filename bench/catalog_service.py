@@ -8,7 +8,8 @@ level, each level its own token range; the header in the file's metadata) is wri
 serve it; then one request with ``num_beams`` = ``n`` = ``--beams`` whose every output must be an item of the
 version it reports. A thread samples the resident memory of every process of the service (Ray's processes, the model
 replicas, the manager, the embedded Redis) every 0.5 s: ``peak_service_rss_gb`` is the largest sum, with each
-process's own peak beside it. The comparison in the run is the PUT against the PATCH of the same catalog
+process's own peak beside it; ``peak_service_pss_gb`` the largest sum of their proportional set sizes, where a page
+shared by several processes (Redis's forks while it saves, the tables both replicas map) is counted once in all. The comparison in the run is the PUT against the PATCH of the same catalog
 (``put_over_patch_p50``); the compile alone at these sizes is ``bench/catalog_scale.py``'s.
 
     .venv/bin/python bench/catalog_service.py [--items 10000000] [--rounds 5] [--beams 256] [--by-path] [--restart]
@@ -44,8 +45,23 @@ REPLICAS = 2
 VOCAB = 49_152
 
 
+def _pss(pid: int) -> int:
+    """The proportional set size of process ``pid`` in bytes (shared pages split among the processes that map them:
+    a fork's copy-on-write pages, the object store's tables mapped by several replicas, counted once in all), 0 when
+    it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as handle:
+            for line in handle:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 class MemorySampler(threading.Thread):
-    """The summed RSS of the service's processes (every process but this one and its parents), every ``period`` s."""
+    """The summed RSS of the service's processes (every process but this one and its parents), every ``period`` s;
+    and their summed PSS (``peak_pss``), which counts a page shared by several processes once in all."""
 
     def __init__(self, period: float = 0.5):
         super().__init__(daemon=True)
@@ -54,12 +70,12 @@ class MemorySampler(threading.Thread):
         self.psutil, self.period = psutil, period
         me = psutil.Process()
         self.skip = {me.pid, *(p.pid for p in me.parents())}
-        self.peak_sum, self.peak_by = 0, {}
+        self.peak_sum, self.peak_by, self.peak_pss = 0, {}, 0
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.is_set():
-            total = 0
+            total = pss = 0
             for proc in self.psutil.process_iter(["pid", "name", "cmdline", "memory_info"]):
                 info = proc.info
                 if info["pid"] in self.skip or info["memory_info"] is None:
@@ -69,12 +85,14 @@ class MemorySampler(threading.Thread):
                     continue
                 rss = int(info["memory_info"].rss)
                 total += rss
+                pss += _pss(info["pid"])
                 # a Ray worker retitles itself per call ("ray::...:ConfigManager.handle_request..."): one key per pid
                 label = (cmd.split()[0] if cmd.strip() else info["name"] or "?").split(".handle_")[0]
                 key = f"{label.removeprefix('ray::ServeReplica:constrained-bench:')} (pid {info['pid']})"
                 old = next((k for k in self.peak_by if k.endswith(f"(pid {info['pid']})")), key)
                 self.peak_by[old] = max(self.peak_by.get(old, 0), rss)
             self.peak_sum = max(self.peak_sum, total)
+            self.peak_pss = max(self.peak_pss, pss)
             self.stop.wait(self.period)
 
     def top(self, k: int = 8) -> dict[str, float]:
@@ -281,6 +299,7 @@ def main() -> None:
                          "beam_request_s": round(beam_s, 2), "beams": args.beams, "outputs": len(got),
                          "distinct_outputs": len(set(got)),
                          "peak_service_rss_gb": round(sampler.peak_sum / 2**30, 2),
+                         "peak_service_pss_gb": round(sampler.peak_pss / 2**30, 2),
                          "peak_rss_by_process_gb": sampler.top()})
             log(json.dumps(rows[-1]))
             r = bench.session.delete(f"{bench.url}/admin/scenarios/{name}", headers=bench.admin, timeout=600)

@@ -9,6 +9,7 @@ here). A client that goes away mid-upload, or any failure before the last part, 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import uuid
 from typing import Any
@@ -20,7 +21,7 @@ from deployments.protocol import ServiceError
 from processors.kinds.tree.catalog import CATALOG_CONTENT_TYPES
 from processors.kinds.tree.parquet import PARQUET_CONTENT_TYPES
 
-__all__ = ["is_catalog_upload", "upload_catalog", "upload_format_of"]
+__all__ = ["is_catalog_upload", "release_freed_memory", "upload_catalog", "upload_format_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,17 @@ def is_catalog_upload(content_type: str) -> bool:
     """Whether a PUT body of this ``Content-Type`` is a catalog upload (NDJSON or Parquet)."""
     kind = _media_type(content_type)
     return kind in CATALOG_CONTENT_TYPES or kind in PARQUET_CONTENT_TYPES
+
+
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere). Serve's proxy
+    passes a request body on as fast as the client sends it, in messages of about 64 KiB, whatever this process has
+    consumed; freed, they stay in the heap's arenas, and without this the ingress kept about twice a streamed
+    upload's size resident after it (1.2 GB for a 475 MB Parquet catalog) while the manager compiled it."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def upload_format_of(content_type: str) -> str:
@@ -72,6 +84,8 @@ async def upload_catalog(ingress: Any, request: Request, name: str, key: str | N
         if rest:
             await ingress.call(manager.upload_part, upload_id, sent, rest)
             sent += len(rest)
+        held = []
+        await asyncio.to_thread(release_freed_memory)
         handed = True  # (from here the manager removes the spool file, whatever happens)
         return await ingress.call(manager.put_upload, name, upload_id, sent, key, upload_format)
     finally:

@@ -41,19 +41,16 @@ both land in the history, and ``current`` always names the newest write. Names a
 
 Failures are raised by kind (:mod:`deployments.storage.errors`: Redis unreachable is :class:`StoreUnavailable`; a
 record that is not what this module writes, another tool's garbage, :class:`StoreCorrupt` naming the key); their
-HTTP statuses are chosen in one place, ``deployments/scenario_errors.py:STORE_ERROR_STATUS``. The module's parts:
-``store_content.py`` (names, fingerprints, packing and chunks), ``store_scripts.py`` (the Lua scripts),
-``store_errors.py`` (the failure kinds).
+HTTP statuses are chosen in one place, ``deployments/scenario_errors.py:STORE_ERROR_STATUS``. The package's other parts:
+``content.py`` (names, fingerprints, packing and chunks), ``chains.py`` (delta chains, content staged ahead of a write,
+the compaction behind the writes), ``scripts.py`` (the Lua scripts), ``records.py`` (stored records read back),
+``errors.py`` (the failure kinds).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import os
-import threading
-import time
 import uuid
 from datetime import datetime, timezone
 from typing import Any
@@ -61,9 +58,9 @@ from typing import Any
 import redis
 
 from deployments.storage.content import BODY_INLINE_BYTES, CHUNK_BYTES, IDEMPOTENCY_KEY_PATTERN, NAME_PATTERN
-from deployments.storage.content import ContentDelta, PackedBody, _SHA256_RE, content_sha256, pack_body, put_chunks
-from deployments.storage.content import WHOLE_PART, read_content
+from deployments.storage.content import ContentDelta, PackedBody, _SHA256_RE, content_sha256, pack_body, read_content
 from deployments.storage.content import request_fingerprint, validate_idempotency_key, validate_name
+from deployments.storage.chains import STAGED_MARGIN_S, STAGED_TTL_S, WHOLE_CHUNK_TTL_S, DeltaChains
 from deployments.storage.records import parse_idempotency_record, parse_version_record
 from deployments.storage.errors import BaseChanged, Gone, InvalidRequest, NotFound, StoreCorrupt, StoreError
 from deployments.storage.errors import StoreUnavailable, VersionConflict, key_reused, pruned_error, redis_errors
@@ -71,6 +68,7 @@ from deployments.storage.scripts import BASE_CHANGED, KEY_REUSED, NO_CONTENT, NO
 from deployments.storage.scripts import DROP_CHUNKS_SCRIPT, TOO_LATE, WHOLE_SCRIPT, WRITE_SCRIPT, WRITTEN
 
 __all__ = ["BODY_INLINE_BYTES", "BaseChanged", "CHUNK_BYTES", "ContentDelta", "DELTA_CHAIN", "Gone", "HISTORY_BODIES",
+           "STAGED_MARGIN_S", "STAGED_TTL_S", "WHOLE_CHUNK_TTL_S",
            "IDEMPOTENCY_KEY_PATTERN", "IDEMPOTENCY_TTL_S", "InvalidRequest", "NAME_PATTERN", "NotFound", "PackedBody",
            "ScenarioStore",
            "StoreCorrupt", "StoreError", "StoreUnavailable", "VersionConflict", "WriteResult", "content_sha256",
@@ -105,22 +103,13 @@ class WriteResult(int):
         return result
 
 
-_log = logging.getLogger(__name__)
-
-#: seconds the chunks of a compaction behind the writes live until its script names them (and lifts the expiry)
-WHOLE_CHUNK_TTL_S = 3600
-
-#: seconds staged content (:meth:`ScenarioStore.stage_content`) stays in Redis unless a write names it; the store
-#: offers it as a delta's base for this long less :data:`STAGED_MARGIN_S` (a write then finds every chunk there)
-STAGED_TTL_S = 3600
-STAGED_MARGIN_S = 300
 
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-class ScenarioStore:
+class ScenarioStore(DeltaChains):
     """Versioned scenario bodies in Redis (see the module docstring for the key layout).
 
     Args:
@@ -140,16 +129,7 @@ class ScenarioStore:
         self.client = redis_client
         self.prefix = prefix
         self.history_bodies = max(0, int(history_bodies or 0))
-        self.delta_chain = max(0, int(delta_chain))
-        # compaction behind the writes: content stored as a delta at the chain limit gets its whole bytes stored
-        # beside it on a thread of its own (compact_content), so the write past it is a delta too
-        self.compact_behind = bool(compact_behind)
-        self._compacting: threading.Thread | None = None
-        self._compact_lock = threading.Lock()
-        self.compactions = {"behind": 0, "in_write": 0, "failed": 0}
-        # content uploaded ahead of the write that names it (stage_content): sha -> (manifest, offered until)
-        self._staged: dict[str, tuple[list[str], float]] = {}
-        self._staged_lock = threading.Lock()
+        DeltaChains.__init__(self, delta_chain, compact_behind)
         self.idempotency_ttl_s = max(1.0, float(idempotency_ttl_s))
         self.channel = f"{prefix}changes"
         self._script = redis_client.register_script(WRITE_SCRIPT)
@@ -286,132 +266,6 @@ class ScenarioStore:
         if status == NOT_LIVE:
             return WriteResult(-1)
         return WriteResult(version, replayed=status == REPLAYED)
-
-    # ------------------------------------------------------------------ chunked content
-
-    def _drop_chunks(self, refs: list[list[Any]]) -> None:
-        """Remove the chunks a refused write uploaded (``refs`` entries with a manifest), each set only while no
-        manifest names it (``DROP_CHUNKS_SCRIPT``, atomic on the server)."""
-        for sha, manifest in refs:
-            if manifest:
-                self._drop_chunks_script(keys=[self.content_key(sha)], args=[manifest[1]], client=self.client)
-
-    def _put_chunks(self, sha: str, data: bytes, packed: PackedBody | None = None) -> list[str]:
-        """:func:`~deployments.storage.content.put_chunks` of content ``sha``: the chunks, not yet its manifest."""
-        return put_chunks(self.client, self.content_key(sha), data, packed)
-
-    @redis_errors
-    def stage_content(self, sha: str, data: bytes) -> bool:
-        """Upload ``data``, content ``sha``, ahead of the write that will name it: a catalog PATCH's delta of it
-        (a tree given inline is not stored as a catalog; its first PATCH would store the whole catalog, about 0.2 s
-        of it at 10^6 items: compressing and uploading, now done while the manager is idle). Its chunks carry an
-        expiry (:data:`STAGED_TTL_S`) that the write script lifts as it writes their manifest; until then no
-        version refers to them and readers do not see them. True when ``sha`` is stored or staged now (a delta
-        of it may be written); compressed on the calling thread, at its priority."""
-        if hashlib.sha256(data).hexdigest() != sha:
-            raise StoreCorrupt(f"staged content does not match its content_sha256 {sha}")
-        if self._content_stored(sha):
-            return True
-        manifest = put_chunks(self.client, self.content_key(sha), data, expire_s=STAGED_TTL_S, parallel=False)
-        with self._staged_lock:
-            now = time.monotonic()
-            self._staged = {k: v for k, v in self._staged.items() if v[1] > now}  # (drop the ones past their time)
-            self._staged[sha] = (manifest, now + STAGED_TTL_S - STAGED_MARGIN_S)
-        return True
-
-    @redis_errors
-    def unstage_content(self, sha: str) -> None:
-        """Content staged for a write that will not come (the scenario changed otherwise): its chunks are removed
-        now, unless a write named them (``DROP_CHUNKS_SCRIPT``)."""
-        with self._staged_lock:
-            entry = self._staged.pop(sha, None)
-        if entry is not None:
-            self._drop_chunks([[sha, entry[0]]])
-
-    def _staged_manifest(self, sha: str) -> list[str] | None:
-        with self._staged_lock:
-            entry = self._staged.get(sha)
-        return entry[0] if entry is not None and entry[1] > time.monotonic() else None
-
-    def _forget_staged(self, shas: list[str], status: int) -> None:
-        """After a write: staged content it stored (or found gone) is not offered again."""
-        if status in (WRITTEN, REPLAYED, NO_CONTENT):
-            with self._staged_lock:
-                for sha in shas:
-                    self._staged.pop(sha, None)
-
-    def _chain_limit(self) -> int:
-        """The deltas a chain may hold: ``delta_chain``; with ``compact_behind``, twice that (at most 64): the
-        compaction behind the writes starts at ``delta_chain`` and the chain is cut at the compacted base once it
-        ends, so only writes that outrun it (as many deltas again meanwhile) compact in the write."""
-        if self.compact_behind:
-            return max(self.delta_chain, min(2 * self.delta_chain, 64))
-        return self.delta_chain
-
-    def compact_content(self, sha: str, data: bytes) -> bool:
-        """Store ``data``, the whole bytes of content ``sha`` stored as a delta, beside it (``WHOLE_SCRIPT``): reads
-        and the next delta of it then start from them, not from its chain. False when the content is gone. The
-        chunks are written with an expiry (:data:`WHOLE_CHUNK_TTL_S`) the script lifts as it names them: a manager
-        that dies in between leaves nothing in Redis for long. Content whose whole bytes are named already: True."""
-        if hashlib.sha256(data).hexdigest() != sha:
-            raise StoreCorrupt(f"tree content does not match its content_sha256 {sha}")
-        key = self.content_key(sha)
-        if self.client.hget(key + ":m", "wchunks"):  # (its chunks are not written again: they hold no expiry now)
-            return True
-        size, chunks, encoding = put_chunks(self.client, key, data, part=WHOLE_PART, expire_s=WHOLE_CHUNK_TTL_S,
-                                            parallel=False)  # (on this thread, at its priority)
-        return bool(self._whole_script(keys=[key + ":m"], args=[size, chunks, encoding, f"{key}:{WHOLE_PART}"],
-                                       client=self.client))
-
-    def _compact_later(self, sha: str, whole: Any) -> None:
-        """:meth:`compact_content` of ``sha`` (``whole()`` its bytes) on a thread, unless one runs already."""
-        with self._compact_lock:
-            if self._compacting is not None and self._compacting.is_alive():
-                return
-            self._compacting = threading.Thread(target=self._compact, args=(sha, whole), name="content-compaction",
-                                                daemon=True)
-            self._compacting.start()
-
-    def _compact(self, sha: str, whole: Any) -> None:
-        try:  # (the lowest priority: the writes and their PATCHes take the CPU first)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
-        try:
-            if self.compact_content(sha, whole()):
-                self.compactions["behind"] += 1
-        except Exception:  # noqa: BLE001 - the write at the chain's limit compacts then
-            self.compactions["failed"] += 1
-            _log.warning("compaction of stored content %s failed; the next write at the chain limit stores it whole",
-                         sha[:12], exc_info=True)
-
-    def wait_compacted(self, timeout: float | None = None) -> bool:
-        """Wait for a compaction behind the writes to end; whether none runs now."""
-        thread = self._compacting
-        if thread is not None:
-            thread.join(timeout)
-        return thread is None or not thread.is_alive()
-
-    def _content_stored(self, sha: str) -> bool:
-        return bool(self.client.exists(self.content_key(sha) + ":m", self.content_key(sha)))
-
-    def _delta_chain(self, sha: str) -> list[str] | None:
-        """The bases under stored content ``sha`` (nearest first; empty for whole content), down to the first whose
-        whole bytes are stored beside its delta (:meth:`compact_content`); None when not stored."""
-        chain, manifest, whole = self.client.hmget(self.content_key(sha) + ":m", "chain", "size", "wchunks")
-        if manifest is None:
-            return [] if self.client.exists(self.content_key(sha)) else None
-        if not chain or whole:  # (its whole bytes stored beside it: a chain of none)
-            return []
-        bases = chain.split(",")
-        # the chain ends at the first base whose whole bytes a compaction behind the writes stored meanwhile
-        pipe = self.client.pipeline(transaction=False)
-        for one in bases:
-            pipe.hget(self.content_key(one) + ":m", "wchunks")
-        for i, whole in enumerate(pipe.execute()):
-            if whole:
-                return bases[:i + 1]
-        return bases
 
     @redis_errors
     def put(self, name: str, body: dict, *, idempotency_key: str | None = None, fingerprint: str | None = None,
