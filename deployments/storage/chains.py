@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from deployments.storage.content import PackedBody, WHOLE_PART, put_chunks
+from deployments.storage.content import PackedBody, STAGED_PART, WHOLE_PART, put_chunks
 from deployments.storage.errors import StoreCorrupt, redis_errors
 from deployments.storage.scripts import NO_CONTENT, REPLAYED, WRITTEN
 
@@ -52,7 +52,7 @@ class DeltaChains:
         self._compact_lock = threading.Lock()
         self.compactions = {"behind": 0, "in_write": 0, "failed": 0}
         # content uploaded ahead of the write that names it (stage_content): sha -> (manifest, offered until)
-        self._staged: dict[str, tuple[list[str], float]] = {}
+        self._staged: dict[str, tuple[list[Any], float]] = {}
         self._staged_lock = threading.Lock()
 
     def content_key(self, sha256: str) -> str:  # (the store's)
@@ -81,7 +81,8 @@ class DeltaChains:
             raise StoreCorrupt(f"staged content does not match its content_sha256 {sha}")
         if self._content_stored(sha):
             return True
-        manifest = put_chunks(self.client, self.content_key(sha), data, expire_s=STAGED_TTL_S, parallel=False)
+        manifest = [*put_chunks(self.client, self.content_key(sha), data, part=STAGED_PART, expire_s=STAGED_TTL_S,
+                                parallel=False), False, False, STAGED_PART]  # (no base, no chain; its chunks' infix)
         with self._staged_lock:
             now = time.monotonic()
             self._staged = {k: v for k, v in self._staged.items() if v[1] > now}  # (drop the ones past their time)
@@ -90,24 +91,34 @@ class DeltaChains:
 
     @redis_errors
     def unstage_content(self, sha: str) -> None:
-        """Content staged for a write that will not come (the scenario changed otherwise): its chunks are removed
-        now, unless a write named them (``DROP_CHUNKS_SCRIPT``)."""
+        """Content staged for a write that will not come (the scenario changed otherwise): its staged chunks are
+        removed now (a write that named them renamed them already)."""
         with self._staged_lock:
             entry = self._staged.pop(sha, None)
         if entry is not None:
-            self._drop_chunks([[sha, entry[0]]])
+            key = self.content_key(sha)
+            self.client.delete(*(f"{key}:{STAGED_PART}{i}" for i in range(int(entry[0][1]))))
 
-    def _staged_manifest(self, sha: str) -> list[str] | None:
+    def _staged_manifest(self, sha: str) -> list[Any] | None:
+        """The manifest (for the write script) of content ``sha`` staged and still offered, else None."""
+        if self._chain_limit() < 1:  # (every catalog stored whole: no delta will name it)
+            return None
         with self._staged_lock:
             entry = self._staged.get(sha)
         return entry[0] if entry is not None and entry[1] > time.monotonic() else None
 
-    def _forget_staged(self, shas: list[str], status: int) -> None:
-        """After a write: staged content it stored (or found gone) is not offered again."""
-        if status in (WRITTEN, REPLAYED, NO_CONTENT):
-            with self._staged_lock:
-                for sha in shas:
-                    self._staged.pop(sha, None)
+    def _settle_staged(self, refs: list[list[Any]], staged_ref: list[Any] | None, status: int) -> None:
+        """After a write with ``refs`` (``staged_ref`` among them: the staged content it named): content it stored
+        is not offered staged any more; the staged chunks it renamed are gone already, any other staged copy of
+        content it stored (or, when a staged chunk was found gone, of the staged content) is removed."""
+        if status not in (WRITTEN, REPLAYED, NO_CONTENT):
+            return
+        for ref in refs:
+            if ref is staged_ref and status != NO_CONTENT:
+                with self._staged_lock:
+                    self._staged.pop(ref[0], None)
+            else:
+                self.unstage_content(ref[0])
 
     def _chain_limit(self) -> int:
         """The deltas a chain may hold: ``delta_chain``; with ``compact_behind``, twice that (at most 64): the

@@ -194,6 +194,10 @@ def put_chunks(client: Any, base: str, data: bytes, packed: PackedBody | None = 
 #: the infix of the chunks of a delta's whole bytes, stored later beside its delta (``ScenarioStore``'s compaction
 #: behind the writes): ``<base>:w<i>``, named in its manifest by ``wsize``, ``wchunks`` and ``wencoding``
 WHOLE_PART = "w"
+#: the infix of the chunks of content staged ahead of the write that names it (``ScenarioStore.stage_content``):
+#: ``<base>:s<i>``, with an expiry; the write script renames them to ``<base>:<i>`` as it writes their manifest, so a
+#: staging never touches the chunks of content stored meanwhile by another write
+STAGED_PART = "s"
 
 
 def _read_chunks(client: Any, base: str, part: str, manifest: dict[str, str], fields: tuple[str, str, str]) -> bytes:

@@ -26,9 +26,10 @@ The keys they write (``P`` is the prefix, ``cs:`` by default; ``N`` a scenario n
                                    stored as a line delta (a catalog PATCH) also has base (the SHA-256 of the
                                    content it applies to) and chain (every base down to whole content, nearest
                                    first, comma separated): its chunks hold the delta, not the content
-    P c:<sha256>:<i>     STRING  chunk i of that content (compressed), at most CHUNK_BYTES (1 MiB) each; content
-                                   staged ahead of its write (ScenarioStore.stage_content: an inline tree's catalog,
-                                   the base of its first PATCH) has chunks with an expiry that the write lifts
+    P c:<sha256>:<i>     STRING  chunk i of that content (compressed), at most CHUNK_BYTES (1 MiB) each
+    P c:<sha256>:s<i>    STRING  chunk i of content staged ahead of the write that names it (ScenarioStore.
+                                   stage_content: an inline tree's catalog, the base of its first PATCH), with an
+                                   expiry; that write renames them to P c:<sha256>:<i> and lifts it
     P c:<sha256>:refs    SET     the versions ("N:n") whose bodies refer to it, directly or as a base of the
                                    delta chain of the content they refer to (listed in the version's refs too);
                                    when pruning empties it, the content is removed
@@ -122,19 +123,28 @@ end
 for _, ref in ipairs(refs) do
   local sha, manifest = ref[1], ref[2]
   if manifest and redis.call('EXISTS', cprefix .. sha .. ':m') == 0 then
+    local part = manifest[6] or ''  -- ('s': content staged ahead, its chunks renamed below)
     for i = 0, tonumber(manifest[2]) - 1 do
-      if redis.call('EXISTS', cprefix .. sha .. ':' .. i) == 0 then
-        return {-3, 0}  -- a chunk is gone (a refused write of the same content cleaned up): upload again
+      if redis.call('EXISTS', cprefix .. sha .. ':' .. part .. i) == 0 then
+        return {-3, 0}  -- a chunk is gone (a refused write of the same content cleaned up, staged ones expired)
       end
     end
   end
 end
 for _, ref in ipairs(refs) do
   local sha, manifest = ref[1], ref[2]
-  if manifest and redis.call('EXISTS', cprefix .. sha .. ':m') == 0 then
+  local staged = manifest and manifest[6]
+  if staged and redis.call('EXISTS', cprefix .. sha .. ':m') == 1 then
+    for i = 0, tonumber(manifest[2]) - 1 do  -- stored meanwhile by another write: the staged copy goes
+      redis.call('UNLINK', cprefix .. sha .. ':' .. staged .. i)
+    end
+  elseif manifest and redis.call('EXISTS', cprefix .. sha .. ':m') == 0 then
     redis.call('HSET', cprefix .. sha .. ':m', 'size', manifest[1], 'chunks', manifest[2], 'encoding', manifest[3])
-    for i = 0, tonumber(manifest[2]) - 1 do
-      redis.call('PERSIST', cprefix .. sha .. ':' .. i)  -- (content staged ahead was uploaded with an expiry)
+    if staged then  -- content staged ahead: its chunks take their place, kept for good
+      for i = 0, tonumber(manifest[2]) - 1 do
+        redis.call('RENAME', cprefix .. sha .. ':' .. staged .. i, cprefix .. sha .. ':' .. i)
+        redis.call('PERSIST', cprefix .. sha .. ':' .. i)
+      end
     end
     if manifest[4] then
       redis.call('HSET', cprefix .. sha .. ':m', 'base', manifest[4], 'chain', manifest[5])

@@ -340,7 +340,8 @@ def test_a_staged_base_is_stored_by_the_first_delta_that_names_it(client):
     body = {"type": "tree", "path": "catalog", "content_format": "items", "items": 3}
     store.put("t", {"type": "labels", "labels": ["x"]})  # (version 1: what the staged catalog will replace)
     assert store.stage_content(sha, base) is True
-    assert 0 < store.client.ttl(f"{key}:0") <= STAGED_TTL_S and not manifest(store, sha)
+    assert 0 < store.client.ttl(f"{key}:s0") <= STAGED_TTL_S and not manifest(store, sha)
+    assert not store.client.exists(f"{key}:0")  # (staged chunks have names of their own until a write names them)
     assert store.content(sha) is None  # not stored yet: no reader sees it
 
     def delta() -> ContentDelta:
@@ -348,10 +349,11 @@ def test_a_staged_base_is_stored_by_the_first_delta_that_names_it(client):
 
     with pytest.raises(BaseChanged):  # refused: nothing written, the staged chunks stay for the retry
         store.put("t", {**body, "content_sha256": new_sha}, content_delta=delta(), expect_current=7)
-    assert store.client.exists(f"{key}:0") and not stored_shas(store)
+    assert store.client.exists(f"{key}:s0") and not stored_shas(store)
     version = store.put("t", {**body, "content_sha256": new_sha}, content_delta=delta(), expect_current=1)
     assert manifest(store, new_sha)["base"] == sha and manifest(store, new_sha)["chain"] == sha
     assert "base" not in manifest(store, sha) and store.client.ttl(f"{key}:0") == -1  # stored for good
+    assert not store.client.exists(f"{key}:s0")
     assert set(store.client.hget(store.version_key("t", version), "refs").split(",")) == {sha, new_sha}
     assert store.content(new_sha) == new and store.content(sha) == base
     store.unstage_content(sha)  # (named by a write: kept)
@@ -360,7 +362,7 @@ def test_a_staged_base_is_stored_by_the_first_delta_that_names_it(client):
     # unstaged before any write named it: its chunks go
     other = canonical([(11,)])
     other_sha = hashlib.sha256(other).hexdigest()
-    assert store.stage_content(other_sha, other) is True and store.client.exists(store.content_key(other_sha) + ":0")
+    assert store.stage_content(other_sha, other) is True and store.client.exists(store.content_key(other_sha) + ":s0")
     store.unstage_content(other_sha)
     assert not store.client.keys(store.content_key(other_sha) + "*")
 
@@ -368,10 +370,40 @@ def test_a_staged_base_is_stored_by_the_first_delta_that_names_it(client):
     later = canonical([(11,), (12,)])
     later_sha = hashlib.sha256(later).hexdigest()
     assert store.stage_content(other_sha, other) is True
-    store.client.delete(store.content_key(other_sha) + ":0")
+    store.client.delete(store.content_key(other_sha) + ":s0")
     store.put("u", {**body, "content_sha256": later_sha, "items": 2},
               content_delta=ContentDelta(other_sha, line_delta([], [b"[12]"]), lambda: later))
     assert "base" not in manifest(store, later_sha) and store.content(later_sha) == later
     assert not store.client.keys(store.content_key(other_sha) + "*")
     # content stored already is not staged again (a delta of it may be written as it is)
     assert store.stage_content(later_sha, later) is True and store.client.ttl(store.content_key(later_sha) + ":0") == -1
+    assert not store.client.keys(store.content_key(later_sha) + ":s*")
+
+    # staged, then stored by another manager's write (the same catalog under another name) between this store's
+    # check and its script: the stored chunks keep no expiry, the script drops the staged copy and the write stores
+    # its delta of the stored content. (The race is made by hiding the other write from the check once: a stand-in
+    # for a timing that cannot be produced on demand.)
+    third = canonical([(20,), (21,)])
+    third_sha, fourth = hashlib.sha256(third).hexdigest(), canonical([(20,), (22,)])
+    fourth_sha = hashlib.sha256(fourth).hexdigest()
+    assert store.stage_content(third_sha, third) is True
+    ScenarioStore(client, delta_chain=8).put("v", {**body, "content_sha256": third_sha, "items": 2}, content=third)
+    tkey = store.content_key(third_sha)
+    assert store.client.ttl(f"{tkey}:0") == -1 and store.client.ttl(f"{tkey}:s0") > 0
+    check = store._delta_chain
+    store._delta_chain = lambda sha: None if sha == third_sha else check(sha)  # (checked before the other write)
+    try:
+        store.put("w", {**body, "content_sha256": fourth_sha, "items": 2},
+                  content_delta=ContentDelta(third_sha, line_delta([b"[21]"], [b"[22]"]), lambda: fourth))
+    finally:
+        store._delta_chain = check
+    assert manifest(store, fourth_sha)["base"] == third_sha and not store.client.exists(f"{tkey}:s0")
+    assert store.client.ttl(f"{tkey}:0") == -1 and store.content(fourth_sha) == fourth
+    # content stored already is not staged again, and a delta of it is written as usual
+    fifth = canonical([(20,), (23,)])
+    fifth_sha = hashlib.sha256(fifth).hexdigest()
+    assert store.stage_content(third_sha, third) is True  # (stored: nothing staged)
+    assert not store.client.exists(f"{tkey}:s0")
+    store.put("w", {**body, "content_sha256": fifth_sha, "items": 2},
+              content_delta=ContentDelta(third_sha, line_delta([b"[21]"], [b"[23]"]), lambda: fifth))
+    assert manifest(store, fifth_sha)["base"] == third_sha and store.content(fifth_sha) == fifth

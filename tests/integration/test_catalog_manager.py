@@ -241,7 +241,7 @@ def test_an_inline_trees_staged_catalog_goes_when_a_put_replaces_it(tokenizer, d
         held = await asyncio.to_thread(manager.compiler.held_base, manager.store, "t")  # (read now, as a PATCH does)
         staged = held.base[2]
         key = manager.store.content_key(staged)
-        assert staged is not None and manager.store.client.ttl(key + ":0") > 0 and not manager.store.content(staged)
+        assert staged is not None and manager.store.client.ttl(key + ":s0") > 0 and not manager.store.content(staged)
         assert held.version == first["version"]
         await manager.put("t", {**inline, "description": "again"})
         for _ in range(100):  # (dropped on the compiler's threads)
