@@ -52,6 +52,14 @@ class ServiceError(Exception):
         return body
 
 
+def body_too_large(limit_name: str, limit: int) -> ServiceError:
+    """The 413 of a request body over ``limit`` bytes, naming the ``Limits`` field (``max_body_bytes``, or
+    ``max_upload_bytes`` for a catalog upload): the body size middleware, the streamed upload and its spool say it
+    alike."""
+    return ServiceError(413, f"request body: more than {limit} bytes exceeds the limit {limit_name}={limit}",
+                        {"field": "body", "limit_name": limit_name, "limit": limit})
+
+
 def check_request_limits(
     limits,
     *,

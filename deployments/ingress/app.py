@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from deployments.console import mount_console
 from deployments.docs import mount_docs, plain_openapi
-from deployments.guards import InflightPerClient, ProxyHeaderCheck, route_path
+from deployments.guards import InflightPerClient, ProxyHeaderCheck, _header, route_path
 from deployments.ingress.admin import _SCENARIOS_PREFIX, _admin_not_found, mount_admin
 from deployments.ingress.errors import _install_error_handlers
 from deployments.ingress.middleware import BodySizeLimit, RequestIdCheck
@@ -29,12 +29,18 @@ if TYPE_CHECKING:
     from deployments.ingress.service import Ingress
 
 
+def _scenario_write(scope: dict, methods: tuple[str, ...]) -> bool:
+    """Whether the request is one of ``methods`` on ``/admin/scenarios/{name}`` itself."""
+    path = route_path(scope)
+    return scope.get("method") in methods and path.startswith(_SCENARIOS_PREFIX) and \
+        "/" not in path[len(_SCENARIOS_PREFIX):]
+
+
 def _parse_body_here(ingress: Ingress, scope: dict) -> bool:
     """Whether the strict JSON check reads this request's body: not for an admin route without the admin token
     (it gets its 401 without its body being read, as before)."""
     path = route_path(scope)
-    if path.startswith(_SCENARIOS_PREFIX) and "/" not in path[len(_SCENARIOS_PREFIX):] and \
-            scope.get("method") in ("PUT", "PATCH"):
+    if _scenario_write(scope, ("PUT", "PATCH")):
         return False  # a scenario write goes to the manager as bytes and is parsed there, once (as strictly)
     if path == "/admin" or path.startswith("/admin/"):
         header = next((v.decode("latin-1") for k, v in scope.get("headers") or [] if k == b"authorization"), None)
@@ -45,12 +51,9 @@ def _parse_body_here(ingress: Ingress, scope: dict) -> bool:
 def _streamed_upload_limit(ingress: Ingress, scope: dict) -> int | None:
     """``max_upload_bytes`` for a catalog upload (a scenario PUT with a catalog Content-Type): its route streams the
     body to the manager in parts (``ingress/uploads.py``) and counts it; None for any other request."""
-    if scope.get("method") != "PUT":
+    if not _scenario_write(scope, ("PUT",)):
         return None
-    path = route_path(scope)
-    if not path.startswith(_SCENARIOS_PREFIX) or "/" in path[len(_SCENARIOS_PREFIX):]:
-        return None
-    kind = next((v.decode("latin-1") for k, v in scope.get("headers") or [] if k == b"content-type"), "")
+    kind = (_header(scope, b"content-type") or b"").decode("latin-1")
     return ingress.limits.max_upload_bytes if is_catalog_upload(kind) else None
 
 

@@ -10,7 +10,7 @@ import re
 from typing import Any, Callable
 
 from deployments.ingress.errors import _error_response
-from deployments.protocol import ServiceError
+from deployments.protocol import ServiceError, body_too_large
 
 
 class BodySizeLimit:
@@ -28,13 +28,9 @@ class BodySizeLimit:
         self.max_bytes = int(max_bytes)
         self.streamed = streamed
 
-    async def _reject(self, scope, receive, send, limit: int | None = None) -> None:
-        limit_name = "max_body_bytes" if limit is None else "max_upload_bytes"
-        limit = self.max_bytes if limit is None else limit
-        error = ServiceError(
-            413, f"request body: more than {limit} bytes exceeds the limit {limit_name}={limit}",
-            {"field": "body", "limit_name": limit_name, "limit": limit},
-        )
+    async def _reject(self, scope, receive, send, upload_limit: int | None = None) -> None:
+        error = (body_too_large("max_body_bytes", self.max_bytes) if upload_limit is None
+                 else body_too_large("max_upload_bytes", upload_limit))
         await _error_response(error)(scope, receive, send)
 
     async def __call__(self, scope, receive, send):

@@ -17,7 +17,7 @@ from typing import Any
 from starlette.requests import Request
 
 from deployments.manager.uploads import UPLOAD_PART_BYTES
-from deployments.protocol import ServiceError
+from deployments.protocol import body_too_large
 from processors.kinds.tree.catalog import CATALOG_CONTENT_TYPES
 from processors.kinds.tree.parquet import PARQUET_CONTENT_TYPES
 
@@ -65,9 +65,7 @@ async def upload_catalog(ingress: Any, request: Request, name: str, key: str | N
     try:
         async for chunk in request.stream():
             if sent + held_bytes + len(chunk) > limit:
-                raise ServiceError(413, f"request body: more than {limit} bytes exceeds the limit "
-                                        f"max_upload_bytes={limit}",
-                                   {"field": "body", "limit_name": "max_upload_bytes", "limit": limit})
+                raise body_too_large("max_upload_bytes", limit)
             if chunk:
                 held.append(chunk)
                 held_bytes += len(chunk)

@@ -14,13 +14,14 @@ way (:data:`MAX_OPEN_UPLOADS`, 429).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
 import time
 from typing import Callable
 
-from deployments.protocol import ServiceError
+from deployments.protocol import ServiceError, body_too_large
 
 __all__ = ["MAX_OPEN_UPLOADS", "UPLOAD_ID_PATTERN", "UPLOAD_IDLE_S", "UPLOAD_PART_BYTES", "UploadSpool"]
 
@@ -31,6 +32,11 @@ MAX_OPEN_UPLOADS = 4
 #: seconds without a part after which an unfinished upload's file is removed
 UPLOAD_IDLE_S = 600.0
 UPLOAD_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):  # (gone already, or not ours to remove: nothing to do)
+        os.unlink(path)
 
 
 class UploadSpool:
@@ -51,10 +57,7 @@ class UploadSpool:
         os.makedirs(directory, exist_ok=True)
         for entry in os.listdir(directory):  # (a restarted manager: no upload of the old one can finish)
             if entry.endswith(".part"):
-                try:
-                    os.unlink(os.path.join(directory, entry))
-                except OSError:
-                    pass
+                _unlink(os.path.join(directory, entry))
 
     def _path(self, upload_id: str) -> str:
         if not isinstance(upload_id, str) or not UPLOAD_ID_PATTERN.fullmatch(upload_id):
@@ -67,9 +70,7 @@ class UploadSpool:
         path = self._path(upload_id)
         limit = int(self._limit())
         if offset + len(data) > limit:
-            raise ServiceError(413, f"catalog upload: more than {limit} bytes exceeds the limit "
-                                    f"max_upload_bytes={limit}",
-                               {"field": "body", "limit_name": "max_upload_bytes", "limit": limit})
+            raise body_too_large("max_upload_bytes", limit)
         with self._lock:
             self._sweep()
             if upload_id not in self._open:
@@ -116,20 +117,14 @@ class UploadSpool:
         path = self._path(upload_id)
         with self._lock:
             self._open.pop(upload_id, None)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        _unlink(path)
 
     def _sweep(self) -> None:  # (under the lock) uploads that stopped sending
         now = time.monotonic()
         for upload_id, last in list(self._open.items()):
             if now - last > self.idle_s:
                 del self._open[upload_id]
-                try:
-                    os.unlink(os.path.join(self.directory, f"{upload_id}.part"))
-                except OSError:
-                    pass
+                _unlink(self._path(upload_id))
 
     def under_way(self) -> int:
         with self._lock:

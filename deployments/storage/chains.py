@@ -107,10 +107,12 @@ class DeltaChains:
             entry = self._staged.get(sha)
         return entry[0] if entry is not None and entry[1] > time.monotonic() else None
 
-    def _settle_staged(self, refs: list[list[Any]], staged_ref: list[Any] | None, status: int) -> None:
-        """After a write with ``refs`` (``staged_ref`` among them: the staged content it named): content it stored
-        is not offered staged any more; the staged chunks it renamed are gone already, any other staged copy of
-        content it stored (or, when a staged chunk was found gone, of the staged content) is removed."""
+    def _settle_staged(self, refs: list[list[Any]], staged_ref: list[Any] | None, status: int,
+                       base: str | None) -> None:
+        """After a write with ``refs`` (``staged_ref`` among them: the staged content it named; ``base``: the base of
+        the delta it stored, if any): content it stored is not offered staged any more; the staged chunks it renamed
+        are gone already; any other staged copy of content it stored or found stored (a delta's base that another
+        write stored meanwhile), or of the staged content when a staged chunk was found gone, is removed."""
         if status not in (WRITTEN, REPLAYED, NO_CONTENT):
             return
         for ref in refs:
@@ -119,6 +121,8 @@ class DeltaChains:
                     self._staged.pop(ref[0], None)
             else:
                 self.unstage_content(ref[0])
+        if base is not None and staged_ref is None:
+            self.unstage_content(base)
 
     def _chain_limit(self) -> int:
         """The deltas a chain may hold: ``delta_chain``; with ``compact_behind``, twice that (at most 64): the

@@ -247,11 +247,9 @@ class ScenarioStore(DeltaChains):
             status, version = (int(x) for x in self._script(keys=keys, args=args, client=self.client))
             if status != WRITTEN:  # nothing names the chunks this call uploaded: they would stay in Redis for ever
                 self._drop_chunks([ref for ref in refs if ref is not staged_ref])
-            self._settle_staged(refs, staged_ref, status)
+            self._settle_staged(refs, staged_ref, status, None if content_delta is None else content_delta.base)
             if status != NO_CONTENT or (content is None and content_delta is None and not body_sha):
                 break
-        if status == WRITTEN and content_delta is not None:  # (its base staged, but stored meanwhile by another
-            self.unstage_content(content_delta.base)           # write: the staged copy is not needed any more)
         if status == WRITTEN and chained and self.compact_behind and chained >= max(1, self.delta_chain):
             assert content_delta is not None and sha is not None
             self._compact_later(sha, content_delta.whole)
