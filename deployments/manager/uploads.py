@@ -54,6 +54,9 @@ class UploadSpool:
         self.idle_s = idle_s
         self._lock = threading.Lock()
         self._open: dict[str, float] = {}  # upload id -> last part's instant (monotonic)
+        # upload id -> when it was dropped: a part still in flight then (a cancelled call goes on here) is refused,
+        # never a new file that nothing would remove
+        self._dropped: dict[str, float] = {}
         os.makedirs(directory, exist_ok=True)
         for entry in os.listdir(directory):  # (a restarted manager: no upload of the old one can finish)
             if entry.endswith(".part"):
@@ -73,6 +76,8 @@ class UploadSpool:
             raise body_too_large("max_upload_bytes", limit)
         with self._lock:
             self._sweep()
+            if upload_id in self._dropped:
+                raise ServiceError(404, f"upload {upload_id}: it was dropped; upload again", {"upload_id": upload_id})
             if upload_id not in self._open:
                 if offset != 0:
                     raise ServiceError(404, f"upload {upload_id}: no such upload under way (it was dropped, or "
@@ -83,13 +88,18 @@ class UploadSpool:
                 with open(path, "wb"):
                     pass
             self._open[upload_id] = time.monotonic()
-        size = os.path.getsize(path)
-        if offset + len(data) == size and offset < size:  # (sent again: it is there)
-            return size
-        if offset != size:
-            raise ServiceError(409, f"upload {upload_id}: a part at byte {offset}, the upload has {size}",
-                               {"upload_id": upload_id, "size": size})
-        with open(path, "ab") as out:
+        try:
+            out = open(path, "r+b")  # (never created here: a file dropped meanwhile stays gone)
+        except FileNotFoundError:
+            raise ServiceError(404, f"upload {upload_id}: it was dropped; upload again",
+                               {"upload_id": upload_id}) from None
+        with out:
+            size = out.seek(0, os.SEEK_END)
+            if offset + len(data) == size and offset < size:  # (sent again: it is there)
+                return size
+            if offset != size:
+                raise ServiceError(409, f"upload {upload_id}: a part at byte {offset}, the upload has {size}",
+                                   {"upload_id": upload_id, "size": size})
             out.write(data)
         return size + len(data)
 
@@ -117,10 +127,12 @@ class UploadSpool:
         path = self._path(upload_id)
         with self._lock:
             self._open.pop(upload_id, None)
+            self._dropped[upload_id] = time.monotonic()
         _unlink(path)
 
-    def _sweep(self) -> None:  # (under the lock) uploads that stopped sending
+    def _sweep(self) -> None:  # (under the lock) uploads that stopped sending; drops old enough to forget
         now = time.monotonic()
+        self._dropped = {k: t for k, t in self._dropped.items() if now - t <= self.idle_s}
         for upload_id, last in list(self._open.items()):
             if now - last > self.idle_s:
                 del self._open[upload_id]

@@ -65,3 +65,17 @@ def test_idle_uploads_are_swept_and_a_restart_removes_leftovers(tmp_path):
     (tmp_path / "unrelated.txt").write_text("kept")
     UploadSpool(str(tmp_path), lambda: 1 << 20)  # a manager starting again
     assert os.listdir(tmp_path) == ["unrelated.txt"]
+
+
+def test_a_part_that_arrives_after_its_upload_was_dropped_makes_no_file(tmp_path):
+    """A client gone mid-upload: the ingress drops the upload while a part may still be on its way (a cancelled call
+    goes on in the manager). That part, the upload's first or a later one, is a 404 and leaves no file: nothing
+    would ever remove one (it is under way for no one)."""
+    spool = UploadSpool(str(tmp_path), lambda: 1 << 20)
+    spool.append(_id(1), 0, b"abc")
+    spool.drop(_id(1))
+    assert _status(spool.append, _id(1), 3, b"def") == 404
+    assert _status(spool.append, _id(1), 0, b"abc") == 404  # (the first part overtaken by the drop)
+    assert os.listdir(tmp_path) == [] and spool.under_way() == 0
+    spool.drop(_id(2))  # dropped before its first part arrived
+    assert _status(spool.append, _id(2), 0, b"abc") == 404 and os.listdir(tmp_path) == []
