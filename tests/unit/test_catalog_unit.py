@@ -121,7 +121,7 @@ def test_a_patched_catalogs_bytes_are_spliced_from_its_bases_exactly():
 
 
 def test_a_patch_finds_its_items_by_row_key_and_the_result_keeps_the_keys_exact(monkeypatch):
-    """A PATCH looks its items up by a hash of each row (catalog_delta.row_keys): through chains of deltas the result's
+    """A PATCH looks its items up by a hash of each row (catalog_rows.row_keys): through chains of deltas the result's
     keys (its base's cut and appended) equal its own keys made afresh, and the report names exactly the items present
     and absent, found by the pass over every key or in the sorted key index, also when every row falls into one
     bucket (a collision on every key: the lines decide)."""
@@ -129,15 +129,16 @@ def test_a_patch_finds_its_items_by_row_key_and_the_result_keeps_the_keys_exact(
 
     import numpy as np
 
-    from processors.kinds.tree import catalog_delta
+    from processors.kinds.tree import catalog_rows
     from processors.kinds.tree.catalog import Catalog
-    from processors.kinds.tree.catalog_delta import apply_tree_delta, catalog_row_keys, row_keys
+    from processors.kinds.tree.catalog_delta import apply_tree_delta
+    from processors.kinds.tree.catalog_rows import catalog_row_keys, row_keys
 
     for colliding, indexed in ((False, False), (False, True), (True, False), (True, True)):
         if colliding:  # every key the same: the flags and the key compare pass every row, the lines tell them apart
-            monkeypatch.setattr(catalog_delta, "row_keys", lambda flat, lengths: np.zeros(lengths.size, np.uint64))
+            monkeypatch.setattr(catalog_rows, "row_keys", lambda flat, lengths: np.zeros(lengths.size, np.uint64))
         # every catalog found through its sorted key index (index_row_keys), or by the pass over every row's key
-        monkeypatch.setattr(catalog_delta, "INDEX_ROWS", 1 if indexed else 1 << 40)
+        monkeypatch.setattr(catalog_rows, "INDEX_ROWS", 1 if indexed else 1 << 40)
         rnd = random.Random(1)
         for trial in range(150):
             items = list({tuple(rnd.randint(3, 40) for _ in range(rnd.randint(0 if trial % 9 == 0 else 1, 4)))
@@ -163,7 +164,7 @@ def test_a_patch_finds_its_items_by_row_key_and_the_result_keeps_the_keys_exact(
                 if report.changed:
                     new.settle()
                     assert new._row_keys is not None
-                    assert np.array_equal(new._row_keys, catalog_delta.row_keys(new.flat, new.lengths)), (trial, step)
+                    assert np.array_equal(new._row_keys, catalog_rows.row_keys(new.flat, new.lengths)), (trial, step)
                 catalog = new
     # unequal rows, equal keys, would be rare: none among 200,000 random rows of 1-6 ids
     rng = np.random.default_rng(0)
@@ -275,30 +276,30 @@ def test_a_large_catalogs_key_index_finds_the_rows_the_pass_over_every_key_finds
     present, absent and of keys sharing their high bits are exactly those the pass over every row's key finds."""
     import numpy as np
 
-    from processors.kinds.tree import catalog_delta
+    from processors.kinds.tree import catalog_rows
     from processors.kinds.tree.catalog import Catalog
 
     rng = np.random.default_rng(7)
-    rows = catalog_delta.INDEX_ROWS
+    rows = catalog_rows.INDEX_ROWS
     lengths = rng.integers(3, 6, size=rows).astype(np.int32)  # (distinct: 49k^3 ids to draw from)
     flat = rng.integers(3, 49_152, size=int(lengths.sum())).astype(np.int32)
     catalog = Catalog.from_flat(5, 2, flat, lengths)
     picked = rng.choice(rows, size=3000, replace=False).tolist()
     items = catalog.rows(picked) + [(1, 2, 3, 4, 5, 6, 7), (49_151,) * 6]  # (ids no row has: 6+ of them, or > 48k)
-    found = catalog_delta._rows_of(catalog, items)
+    found = catalog_rows.rows_of(catalog, items)
     assert catalog._key_index is not None and catalog._key_index.size == rows
     assert np.all(np.diff(catalog._key_index.view(np.int64) ^ np.int64(-2 ** 63)) >= 0)  # (sorted as unsigned)
-    monkeypatch.setattr(catalog_delta, "INDEX_ROWS", rows + 1)
-    assert catalog_delta.index_row_keys(Catalog.from_flat(5, 2, flat, lengths)) is None  # (one row short: none)
-    scanned = catalog_delta._rows_of(Catalog.from_flat(5, 2, flat, lengths), items)
+    monkeypatch.setattr(catalog_rows, "INDEX_ROWS", rows + 1)
+    assert catalog_rows.index_row_keys(Catalog.from_flat(5, 2, flat, lengths)) is None  # (one row short: none)
+    scanned = catalog_rows.rows_of(Catalog.from_flat(5, 2, flat, lengths), items)
     assert found == scanned and len(found) == 3000
     assert all(catalog.rows([row])[0] == item for item, row in found.items())
     # a key's rows are all the entries under its high bits: rows made to share them are all found
-    keys = catalog_delta.catalog_row_keys(catalog)
-    low = np.uint64((1 << catalog_delta._index_bits(rows)) - 1)
+    keys = catalog_rows.catalog_row_keys(catalog)
+    low = np.uint64((1 << catalog_rows._index_bits(rows)) - 1)
     same = np.flatnonzero((keys & ~low) == (keys[picked[0]] & ~low))
-    assert picked[0] in catalog_delta._indexed_rows(catalog._key_index, rows, keys[same]).tolist()
-    assert set(same.tolist()) <= set(catalog_delta._indexed_rows(catalog._key_index, rows, keys[same]).tolist())
+    assert picked[0] in catalog_rows._indexed_rows(catalog._key_index, rows, keys[same]).tolist()
+    assert set(same.tolist()) <= set(catalog_rows._indexed_rows(catalog._key_index, rows, keys[same]).tolist())
 
 
 def test_a_patch_result_pending_on_its_base_equals_the_catalog_written_out(monkeypatch):
@@ -312,7 +313,7 @@ def test_a_patch_result_pending_on_its_base_equals_the_catalog_written_out(monke
     import numpy as np
 
     from deployments.storage.content import apply_line_delta, line_delta
-    from processors.kinds.tree import catalog_delta
+    from processors.kinds.tree import catalog_delta, catalog_rows
     from processors.kinds.tree.catalog import Catalog
     from processors.kinds.tree.catalog_delta import apply_tree_delta
 
@@ -320,7 +321,7 @@ def test_a_patch_result_pending_on_its_base_equals_the_catalog_written_out(monke
         monkeypatch.setattr(catalog_delta, "FOLD_ROWS", fold_rows)
         monkeypatch.setattr(catalog_delta, "FOLD_SHARE", fold_share)
         # bases found through their key index when small ones are folded often, by the pass over every key else
-        monkeypatch.setattr(catalog_delta, "INDEX_ROWS", 1 if fold_rows == 3 else 1 << 40)
+        monkeypatch.setattr(catalog_rows, "INDEX_ROWS", 1 if fold_rows == 3 else 1 << 40)
         rnd = random.Random(fold_rows)
         pending_seen = chained_seen = folded_seen = 0
         for trial in range(120):
@@ -363,8 +364,8 @@ def test_a_patch_result_pending_on_its_base_equals_the_catalog_written_out(monke
                     assert new.items == fresh, (trial, step)
                     assert new.content() == written.content()
                     assert np.array_equal(new.line_ends(), written.line_ends())
-                    assert np.array_equal(catalog_delta.catalog_row_keys(new),
-                                          catalog_delta.row_keys(written.flat, written.lengths))
+                    assert np.array_equal(catalog_rows.catalog_row_keys(new),
+                                          catalog_rows.row_keys(written.flat, written.lengths))
                 catalog, order = new, fresh
             assert first.content() == base_bytes and np.array_equal(first.flat, base_flat)  # the first base as it was
         if fold_rows == 3:  # results written out at the fold limit, and others pending
@@ -382,7 +383,7 @@ def test_a_catalog_whose_bytes_are_its_mapped_local_copy_patches_the_same(tmp_pa
 
     import numpy as np
 
-    from processors.kinds.tree import catalog_delta
+    from processors.kinds.tree import catalog_rows
     from processors.kinds.tree.catalog import Catalog
     from processors.kinds.tree.catalog_delta import apply_tree_delta
     from processors.kinds.tree.stored import _mapped
@@ -410,4 +411,4 @@ def test_a_catalog_whose_bytes_are_its_mapped_local_copy_patches_the_same(tmp_pa
             held.settle()
             assert bytes(mapped.content()) == held.content()
             assert np.array_equal(mapped.line_ends(), held.line_ends())
-            assert np.array_equal(catalog_delta.catalog_row_keys(mapped), catalog_delta.catalog_row_keys(held))
+            assert np.array_equal(catalog_rows.catalog_row_keys(mapped), catalog_rows.catalog_row_keys(held))

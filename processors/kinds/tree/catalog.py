@@ -84,7 +84,7 @@ class Catalog:
         self._content: bytes | None = None
         self._ends: np.ndarray | None = None
         self._row_keys: np.ndarray | None = None  # a key per item, what a PATCH looks items up by (catalog_delta.py)
-        self._key_index: np.ndarray | None = None  # those keys sorted, of a large catalog (catalog_delta.index_row_keys)
+        self._key_index: np.ndarray | None = None  # those keys sorted, of a large catalog (catalog_rows.index_row_keys)
 
     @classmethod
     def from_items(cls, start_token_id: int, end_token_id: int, items: list[tuple[int, ...]],

@@ -176,7 +176,7 @@ class InlineTreeBases:
         from config.cancel import checkpoint
 
         from .catalog import Catalog
-        from .catalog_delta import catalog_row_keys, index_row_keys
+        from .catalog_rows import catalog_row_keys, index_row_keys
         from .catalog_tables import catalog_tables
         from .item_list import tree_items
 

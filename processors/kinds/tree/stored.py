@@ -359,7 +359,7 @@ class TreeContent:
         ``(tables, start token, catalog)``. None: the kind compiles the scenario itself."""
         if sha is None or body.get("content_format") != "items":
             return None
-        from .catalog_delta import index_row_keys
+        from .catalog_rows import index_row_keys
         from .catalog_tables import catalog_tables
 
         catalog = self.catalog(name, sha)
