@@ -82,7 +82,7 @@ def held_bytes(catalog) -> int:
 
 
 def measure(n: int, delta: int, rounds: int) -> dict:
-    from processors.kinds.tree.catalog import parse_catalog
+    from processors.kinds.tree.catalog_parse import parse_catalog
     from processors.kinds.tree.catalog_delta import apply_tree_delta
 
     warm = semantic_ids(1000, seed=0)  # the modules loaded and warmed up before the RSS is read

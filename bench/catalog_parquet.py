@@ -47,7 +47,7 @@ def write_file(n: int, path: Path) -> int:
 
 
 def child(path: str, way: str) -> dict:
-    from processors.kinds.tree.catalog import parse_catalog
+    from processors.kinds.tree.catalog_parse import parse_catalog
     from processors.kinds.tree.parquet import parquet_catalog, parquet_items
 
     data = Path(path).read_bytes()

@@ -77,7 +77,7 @@ def prefix_dict_body(items: list[list[int]], start: int) -> bytes:
 def in_process_patch(items: list[list[int]], start: int, add: list, remove: list) -> dict:
     """The manager's work of one PATCH in this process: the delta applied to the item list, the new catalog's bytes
     and hash, and its tables along the changed paths against a full compile of the new items (checked equal)."""
-    from processors.kinds.tree.catalog import parse_catalog
+    from processors.kinds.tree.catalog_parse import parse_catalog
     from processors.kinds.tree.catalog_delta import apply_tree_delta
     from processors.kinds.tree.catalog_tables import catalog_tables
     from processors.kinds.tree.delta import patch_tables

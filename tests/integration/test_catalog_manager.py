@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from test_manager import FakeReplica, make_manager, ready
 
-from processors.kinds.tree.catalog import parse_catalog, tree_file_bytes
+from processors.kinds.tree.catalog import tree_file_bytes
+from processors.kinds.tree.catalog_parse import parse_catalog
 from config import ConstraintError
 from deployments.protocol import ServiceError
 from deployments.storage.redis_server import connect_redis

@@ -14,7 +14,7 @@ from test_item_filters import _random_filter, _random_item, _reachable_items
 
 from config import ConstraintError
 from processors.items import ItemRequest
-from processors.kinds.tree.catalog import parse_catalog
+from processors.kinds.tree.catalog_parse import parse_catalog
 from processors.kinds.tree.catalog_delta import apply_tree_delta
 from processors.kinds.tree.catalog_tables import catalog_tables
 from processors.kinds.tree.filters import FilterLimits

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from config import ConstraintError
-from processors.kinds.tree.catalog import parse_catalog
+from processors.kinds.tree.catalog_parse import parse_catalog
 from processors.kinds.tree.parquet import parquet_catalog
 
 HEADER = {"start_token_id": 5, "end_token_id": 2, "max_new_tokens": 6}

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from processors.kinds.tree.file import load_tree
-from processors.kinds.tree.catalog import Catalog, catalog_tables, parse_catalog, tree_file_bytes
+from processors.kinds.tree.catalog import Catalog, catalog_tables, tree_file_bytes
+from processors.kinds.tree.catalog_parse import parse_catalog
 from processors.tables import DONE, LEAF, build_tree_tables, item_metrics
 
 VOCAB = 49152

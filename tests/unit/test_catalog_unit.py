@@ -63,7 +63,7 @@ def test_labels_delta_keeps_order_and_reports_noops():
 def test_item_tokens_are_bounded_where_items_are_parsed():
     """``max_item_tokens``: a catalog line (fast and per-line parse) or a PATCH add longer than the limit is a 422
     naming it and the limit; at the limit it parses; a stored catalog (no limit given) is read as it is."""
-    from processors.kinds.tree.catalog import parse_catalog
+    from processors.kinds.tree.catalog_parse import parse_catalog
     from processors.kinds.tree.catalog_delta import apply_tree_delta
 
     header = b'{"start_token_id": 100, "end_token_id": 2}\n'
@@ -184,7 +184,8 @@ def test_a_parsed_catalog_is_arrays_and_its_canonical_bytes(monkeypatch):
     import numpy as np
 
     from processors.kinds.tree import item_lines
-    from processors.kinds.tree.catalog import parse_catalog, row_keys
+    from processors.kinds.tree.catalog import row_keys
+    from processors.kinds.tree.catalog_parse import parse_catalog
 
     rnd = random.Random(3)
     for trial in range(200):

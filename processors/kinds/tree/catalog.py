@@ -19,7 +19,7 @@ no item twice). Blank lines are skipped. An item may be a prefix of another (``[
 ``{"ids": [12, 40, 7], "metadata": {"region": ["eu"], "stock": 3}}`` (bare arrays and objects may be mixed; an item
 without metadata has every field missing).
 
-The manager parses it once (:func:`parse_catalog`), stores the canonical catalog (the header's two ids, then the
+The manager parses it once (:func:`~processors.kinds.tree.catalog_parse.parse_catalog`), stores the canonical catalog (the header's two ids, then the
 items in order, ``[a,b,c]`` per line) as tree content under its SHA-256, and compiles the tree it spells straight
 from the items (the tables: :mod:`processors.kinds.tree.catalog_tables`). The stored body::
 
@@ -38,21 +38,18 @@ from typing import Any
 
 import numpy as np
 
-from config import ConstraintError
 from processors.kinds.tree.catalog_tables import _row_order as _row_order  # re-exported (tests)
 from processors.kinds.tree.catalog_tables import catalog_tables, tree_file_bytes
 
-from .item_lines import _ID_BLOCK, fast_items, id_lines, id_text, id_text_ends, list_lines, offsets_at, row_keys
+from .item_lines import id_lines, id_text, id_text_ends, list_lines, offsets_at, row_keys
 
-__all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "canonical_meta", "catalog_body", "catalog_from_arrays", "check_items", "id_lines",
-           "id_text", "items_from_tree", "list_lines", "catalog_tables", "offsets_at", "parse_catalog", "row_keys",
-           "split_item", "tree_file_bytes"]
+__all__ = ["CATALOG_CONTENT_TYPES", "Catalog", "catalog_body", "id_lines", "id_text", "items_from_tree", "list_lines",
+           "catalog_tables", "offsets_at", "row_keys", "tree_file_bytes"]
 
 #: request content types read as a catalog (the first is the one documented)
 CATALOG_CONTENT_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
 CATALOG_PATH = "catalog"  # the ``path`` of a stored catalog body (where its content came from: an upload)
 _RESERVED = frozenset({"type", "tree", "path", "content_sha256", "content_format", "items", "metadata"})
-_SHOWN = 20  # bad lines named in one error
 
 
 class Catalog:
@@ -252,244 +249,6 @@ def _stored(line: bytes, meta: bytes | None) -> bytes:
 
 def _line(item: Any) -> bytes:
     return ("[" + ",".join(map(str, item)) + "]").encode("ascii")
-
-
-def _bad(message: str, field_name: str, **detail: Any) -> ConstraintError:
-    return ConstraintError(422, message, {"field": field_name, **detail})
-
-
-def _check_id(value: Any, what: str, vocab_size: int) -> int:
-    if type(value) is not int or not 0 <= value < vocab_size:
-        raise _bad(f"items: header: {what} must be a token id in [0, {vocab_size}), got {value!r}", f"header.{what}")
-    return value
-
-
-def check_items(items: list[Any], *, end_token_id: int, vocab_size: int, where: str, numbers: list[int] | None = None,
-                allow_empty: bool = False, max_item_tokens: int | None = None) -> list[tuple[int, ...]]:
-    """``items`` (decoded JSON values) as tuples, or a 422 naming the first bad ones (``where[i]`` or line numbers
-    from ``numbers``). The common case runs at C speed: one pass over the types, one numpy check of the ids.
-    ``allow_empty``: the empty item ``[]`` is valid (a stored catalog made from a tree whose root allows the end
-    token; a client's items are never empty). ``max_item_tokens``: an item longer than that is a 422 naming it and
-    the limit (``Limits.max_item_tokens``), checked first."""
-    def name(i: int) -> str:
-        return f"line {numbers[i]}" if numbers is not None else f"{where}[{i}]"
-
-    if max_item_tokens is not None:
-        too_long = _first_too_long(np.fromiter((len(item) if isinstance(item, list) else 0 for item in items),
-                                               dtype=np.int64, count=len(items)), max_item_tokens)
-        if too_long is not None:
-            raise _item_too_long(name(too_long), len(items[too_long]), max_item_tokens, where)
-    problems: list[str] = []
-    ok = set(map(type, items)) <= {list} and set(map(type, chain.from_iterable(items))) <= {int}
-    if ok:
-        lengths = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
-        flat = np.fromiter(chain.from_iterable(items), dtype=np.int64, count=int(lengths.sum()))
-        ok = bool(lengths.size == 0 or allow_empty or lengths.min() > 0) and bool(
-            flat.size == 0 or (flat.min() >= 0 and flat.max() < vocab_size and not (flat == end_token_id).any()))
-    if not ok:  # find and name them (the slow path runs only for a refusal)
-        for i, item in enumerate(items):
-            if not isinstance(item, list) or not (item or allow_empty):
-                problems.append(f"{name(i)}: an item is a non-empty JSON array of token ids, got {json.dumps(item)[:60]}")
-            elif any(type(t) is not int or not 0 <= t < vocab_size for t in item):
-                problems.append(f"{name(i)}: token ids must be integers in [0, {vocab_size}), got {json.dumps(item)[:60]}")
-            elif end_token_id in item:
-                problems.append(f"{name(i)}: an item holds the tokens after the root without the end token "
-                                f"{end_token_id}, got {json.dumps(item)[:60]}")
-            if len(problems) >= _SHOWN:
-                break
-        raise _bad(f"{where}: {len(problems)}{'+' if len(problems) >= _SHOWN else ''} invalid items: "
-                   + "; ".join(problems), where, problems=problems)
-    return [tuple(item) for item in items]
-
-
-def _first_too_long(lengths: np.ndarray, limit: int) -> int | None:
-    """The index of the first length over ``limit``, or None."""
-    over = np.flatnonzero(lengths > limit)
-    return int(over[0]) if over.size else None
-
-
-def _item_too_long(what: str, length: int, limit: int, field_name: str) -> ConstraintError:
-    return ConstraintError(422, f"{field_name}: {what}: an item of {length} tokens exceeds the limit "
-                             f"max_item_tokens={limit}",
-                        {"field": field_name, "limit_name": "max_item_tokens", "limit": limit})
-
-
-def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None, allow_empty: bool = False,
-                  max_item_tokens: int | None = None) -> Catalog:
-    """Parse and validate a catalog upload (see the module docstring); a 422 names the line. ``allow_empty``: the
-    line ``[]`` (the empty item) is valid, as in a catalog the manager stored for a patched tree whose root allows the
-    end token (:func:`items_from_tree`); an upload never has it. ``max_item_tokens``: an item line with more ids is
-    a 422 naming its line and ``max_item_tokens`` (an upload; a stored catalog is read without it)."""
-    if not isinstance(data, (bytes, bytearray)):
-        raise _bad("items: the body must be catalog text (one JSON value per line)", "body")
-    data = bytes(data)
-    pos, line_no = 0, 1
-    while True:  # the header: the first non-blank line
-        end = data.find(b"\n", pos)
-        first = data[pos:] if end < 0 else data[pos:end]
-        if first.strip() or end < 0:
-            break
-        pos, line_no = end + 1, line_no + 1
-    if not first.strip():
-        raise _bad("items: the body is empty; the first line is the header "
-                   '{"start_token_id": ..., "end_token_id": ...}', "body")
-    start, end_id, options = _header(first, line_no, vocab_size)
-    body = b"" if end < 0 else data[end + 1:]
-    fast = fast_items(body)
-    if fast is None:
-        return _slow_catalog(body, line_no + 1, start, end_id, options, vocab_size, max_items, allow_empty,
-                             max_item_tokens)
-    texts, flat, lengths, keys, ends = fast
-    if max_items is not None and lengths.size > max_items:
-        raise _too_many(int(lengths.size), max_items)
-    if max_item_tokens is not None:
-        too_long = _first_too_long(lengths, max_item_tokens)
-        if too_long is not None:  # its line number: the too_long-th non-blank line after the header
-            numbers = [line_no + 1 + i for i, line in enumerate(body.split(b"\n")) if line.strip()]
-            raise _item_too_long(f"line {numbers[too_long]}", int(lengths[too_long]), max_item_tokens, "items")
-    if not lengths.size:
-        raise _bad("items: the catalog has no items (one JSON array of token ids per line after the header)", "items")
-    if flat.max() >= vocab_size or (flat == end_id).any() or _repeats(flat, lengths, keys):
-        return _slow_catalog(body, line_no + 1, start, end_id, options, vocab_size, max_items,
-                             allow_empty, max_item_tokens)  # to name the lines
-    catalog = Catalog(start, end_id, flat, lengths, options)
-    head = catalog.header() + b"\n"
-    catalog._content = b"".join([head, *texts])  # canonical: the lines as read, spaces dropped
-    catalog._ends, catalog._row_keys = ends + len(head), keys
-    return catalog
-
-
-def catalog_from_arrays(header_line: bytes, flat: np.ndarray, lengths: np.ndarray, *, vocab_size: int,
-                        max_items: int | None = None, max_item_tokens: int | None = None) -> Catalog | None:
-    """The catalog of a header line and items given as arrays (a Parquet upload's ``ids`` column: no item text made
-    or parsed), checked as :func:`parse_catalog` checks an upload's text; ``None`` when an item breaks a rule that a
-    422 names by its line (an empty item, one too long, an id outside the vocabulary or the end token, an item
-    twice): the caller then parses the text form, which names it. Its canonical bytes are made when asked."""
-    start, end_id, options = _header(header_line, 1, vocab_size)
-    lengths = np.asarray(lengths, dtype=np.int32)
-    if max_items is not None and lengths.size > max_items:
-        raise _too_many(int(lengths.size), max_items)
-    if not lengths.size:
-        raise _bad("items: the catalog has no items (one JSON array of token ids per line after the header)", "items")
-    if int(lengths.min()) == 0 or (max_item_tokens is not None and int(lengths.max()) > max_item_tokens):
-        return None
-    flat = np.asarray(flat, dtype=np.int32)
-    if int(flat.max()) >= vocab_size or _holds(flat, end_id):
-        return None
-    keys = row_keys(flat, lengths)
-    if _repeats(flat, lengths, keys):
-        return None
-    catalog = Catalog(start, end_id, flat, lengths, options)
-    catalog._row_keys = keys
-    return catalog
-
-
-def _holds(flat: np.ndarray, value: int) -> bool:
-    """Whether ``value`` is among ``flat``, a block at a time (no boolean array the size of ``flat``)."""
-    return any(bool((flat[lo:lo + _ID_BLOCK] == value).any()) for lo in range(0, flat.size, _ID_BLOCK))
-
-
-def _header(first: bytes, line_no: int, vocab_size: int) -> tuple[int, int, dict[str, Any]]:
-    """The header line's root and end ids and its scenario fields; a 422 naming line ``line_no``."""
-    from config.strict_json import BodyRejected, parse_json
-
-    try:  # strict, as every admin body: no lone surrogates, no repeated keys, no NaN (a 422, never a 500 later)
-        header = parse_json(first, field="header")
-    except BodyRejected as error:
-        raise _bad(f"items: line {line_no}: {error}", error.field) from None
-    except (ValueError, RecursionError) as exc:
-        raise _bad(f"items: line {line_no}: the header is not JSON: {exc}", "header") from None
-    if not isinstance(header, dict):
-        raise _bad(f"items: line {line_no}: the first line is the header, a JSON object with start_token_id and "
-                   f"end_token_id; got {json.dumps(header)[:60]}", "header")
-    if header.get("format", "cs-items") != "cs-items":
-        raise _bad(f"items: header: format must be 'cs-items', got {header.get('format')!r}", "header.format")
-    for required in ("start_token_id", "end_token_id"):
-        if required not in header:
-            raise _bad(f"items: header: {required} is required", f"header.{required}")
-    start = _check_id(header["start_token_id"], "start_token_id", vocab_size)
-    end_id = _check_id(header["end_token_id"], "end_token_id", vocab_size)
-    reserved = sorted(_RESERVED & set(header))
-    if reserved:
-        raise _bad(f"items: header: {', '.join(reserved)} cannot be set in a catalog header", f"header.{reserved[0]}")
-    options = {k: v for k, v in header.items() if k not in ("format", "start_token_id", "end_token_id")}
-    return start, end_id, options
-
-
-def _repeats(flat: np.ndarray, lengths: np.ndarray, keys: np.ndarray) -> bool:
-    """Whether an item occurs twice: the rows whose key (:func:`row_keys`) another row shares, compared by their
-    ids (one sort of the keys, no set of every line)."""
-    ordered = np.sort(keys)
-    same = ordered[1:] == ordered[:-1]
-    if not same.any():
-        return False
-    rows = np.flatnonzero(np.isin(keys, ordered[1:][same])).tolist()
-    seen = Catalog(0, 0, flat, lengths).rows(rows)
-    return len(set(seen)) != len(seen)
-
-
-def _too_many(count: int, limit: int) -> ConstraintError:
-    return ConstraintError(422, f"items: {count} items exceeds the limit max_tree_keys={limit}",
-                        {"field": "items", "limit_name": "max_tree_keys", "limit": limit})
-
-
-def _slow_catalog(body: bytes, first_line: int, start: int, end: int, options: dict[str, Any], vocab_size: int,
-                  max_items: int | None, allow_empty: bool = False, max_item_tokens: int | None = None) -> Catalog:
-    """The item lines parsed one JSON value at a time: names the first bad lines (422)."""
-    raw_lines = body.split(b"\n")
-    numbers = [first_line + i for i, line in enumerate(raw_lines) if line.strip()]
-    texts = [line for line in raw_lines if line.strip()]
-    if max_items is not None and len(texts) > max_items:
-        raise _too_many(len(texts), max_items)
-    items = []
-    metas: list[Any] = []
-    for n, line in zip(numbers, texts):
-        try:
-            value = json.loads(line)
-        except (ValueError, RecursionError) as exc:
-            raise _bad(f"items: line {n}: not a JSON value: {exc}", "items", line=n) from None
-        ids, meta = split_item(value, f"line {n}", "items")
-        items.append(ids)
-        metas.append(meta)
-    if not items:
-        raise _bad("items: the catalog has no items (one JSON array of token ids per line after the header)", "items")
-    tuples = check_items(items, end_token_id=end, vocab_size=vocab_size, where="items", numbers=numbers,
-                         allow_empty=allow_empty, max_item_tokens=max_item_tokens)
-    seen: dict[tuple[int, ...], int] = {}
-    for n, item in zip(numbers, tuples):
-        if item in seen:
-            raise _bad(f"items: line {n}: item {list(item)} repeats line {seen[item]}", "items", line=n)
-        seen[item] = n
-    catalog = Catalog.from_items(start, end, tuples, options)
-    if any(m is not None for m in metas):
-        from .metadata import ItemMetadata, MetadataLimits
-
-        # checked first (a 422 naming the item and the limit: kinds, non-finite numbers, sizes), kept for the compile
-        metadata = ItemMetadata.from_objects(metas, MetadataLimits())
-        catalog.meta = [None if m is None else canonical_meta(m) for m in metas]
-        catalog._metadata = metadata
-    return catalog
-
-
-def split_item(value: Any, where: str, field_name: str) -> tuple[Any, dict[str, Any] | None]:
-    """``(ids, metadata)`` of one catalog item: a bare array of ids, or ``{"ids": [...], "metadata": {...}}``
-    (a 422 naming ``where`` for another object)."""
-    if not isinstance(value, dict):
-        return value, None
-    extra = sorted(set(value) - {"ids", "metadata"})
-    if "ids" not in value or extra:
-        raise _bad(f"{field_name}: {where}: an item with metadata is {{\"ids\": [...], \"metadata\": {{...}}}}"
-                   + (f"; unknown keys {extra}" if extra else "; ids is missing"), field_name)
-    meta = value.get("metadata")
-    if meta is not None and not isinstance(meta, dict):
-        raise _bad(f"{field_name}: {where}: metadata must be an object, got {type(meta).__name__}", field_name)
-    return value["ids"], meta or None
-
-
-def canonical_meta(meta: dict[str, Any]) -> bytes:
-    """The stored form of one item's metadata (keys sorted, compact, UTF-8)."""
-    return json.dumps(meta, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False).encode("utf-8")
 
 
 def items_from_tree(tree: Any) -> list[tuple[int, ...]]:

@@ -15,8 +15,8 @@ import numpy as np
 from config import ConstraintError
 
 from ..patch import DeltaReport, PatchResult, check_disjoint, check_unique, refused
-from .catalog import (_RESERVED, Catalog, _line, _stored, canonical_meta, catalog_body, check_items, items_from_tree,
-                      split_item)
+from .catalog import _RESERVED, Catalog, _line, _stored, catalog_body, items_from_tree
+from .catalog_parse import canonical_meta, check_items, split_item
 from .catalog_rows import catalog_row_keys, rows_of
 from .metadata import ItemMetadata
 

@@ -58,10 +58,10 @@ def _kind(pa: Any, column: str, typ: Any) -> str:
 
 def parquet_items(data: bytes, *, vocab_size: int, max_items: int, max_item_tokens: int | None = None):
     """The parsed catalog (:class:`~.catalog.Catalog`) of a Parquet upload. A file without metadata columns goes
-    straight from its ``ids`` column to the catalog's arrays (:func:`~.catalog.catalog_from_arrays`: no item text made
+    straight from its ``ids`` column to the catalog's arrays (:func:`~.catalog_parse.catalog_from_arrays`: no item text made
     or parsed, no Python object per row); a file with metadata, or one with an item that breaks a rule (named by its
     line), is read as the NDJSON it spells (:func:`parquet_catalog`) and parsed. Refusals as there."""
-    from .catalog import catalog_from_arrays, parse_catalog
+    from .catalog_parse import catalog_from_arrays, parse_catalog
 
     import pyarrow.compute as pc
 

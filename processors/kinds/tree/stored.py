@@ -272,7 +272,8 @@ class TreeContent:
         :mod:`.parquet`), parsed and validated once: the body to store (it names its content), the canonical
         content, and its SHA-256 when its local copy is new (a refused write discards it). The parsed catalog is
         kept for the next PATCH."""
-        from .catalog import catalog_body, parse_catalog
+        from .catalog import catalog_body
+        from .catalog_parse import parse_catalog
 
         limits = self.limits
         if upload_format == "parquet":
@@ -296,7 +297,7 @@ class TreeContent:
     def catalog(self, name: str, sha: str):
         """The stored catalog ``sha`` parsed (:class:`~processors.kinds.tree.catalog.Catalog`); the last few are
         kept in memory, so a PATCH does not parse its base again."""
-        from .catalog import parse_catalog
+        from .catalog_parse import parse_catalog
 
         cached = self._catalogs.get(sha)
         if cached is None:
