@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from itertools import chain
 from typing import Any
 
+from config.echo import shown_name
+
 __all__ = ["LimitExceeded", "json_depth", "regex_repeat", "schema_patterns"]
 
 
@@ -167,7 +169,7 @@ def schema_patterns(schema: Any, field: str = "schema"):
         for key, value in node.items():
             if key in _SCHEMA_DATA:
                 continue
-            where = f"{path}.{key}" if _PLAIN_KEY.fullmatch(str(key)) else f"{path}[{json.dumps(key)}]"
+            where = _child(path, key)
             if key == "pattern":
                 if isinstance(value, str):
                     yield where, value
@@ -175,13 +177,20 @@ def schema_patterns(schema: Any, field: str = "schema"):
                     children.append((value, where))
             elif key in _SCHEMA_MAPS and isinstance(value, Mapping):
                 for name, sub in value.items():
-                    sub_path = f"{where}.{name}" if _PLAIN_KEY.fullmatch(str(name)) else f"{where}[{json.dumps(name)}]"
+                    sub_path = _child(where, name)
                     if key == "patternProperties" and isinstance(name, str):
-                        yield f"{where}[{json.dumps(name)}]", name
+                        yield f"{where}[{json.dumps(shown_name(name))}]", name
                     children.append((sub, sub_path))
             elif isinstance(value, (Mapping, list)):
                 children.append((value, where))
         stack.extend(reversed(children))
+
+
+def _child(path: str, key: Any) -> str:
+    """The path of ``key`` under ``path`` (``a.b``, or ``a["b c"]`` for a key that is not a plain name), the key
+    shown bounded (:func:`config.echo.shown_name`)."""
+    shown = shown_name(key)
+    return f"{path}.{shown}" if _PLAIN_KEY.fullmatch(shown) else f"{path}[{json.dumps(shown)}]"
 
 
 _SCHEMA_DATA = frozenset({"const", "enum", "default", "examples"})

@@ -11,6 +11,8 @@
   Unicode text, they break the tokenizer and the Redis encoding;
 * an object that gives a key twice (``json.loads`` keeps the last silently; the tree-file loader reports it).
 
+A key in a path or a message is shown bounded (:func:`config.echo.shown_name`).
+
 Invalid JSON and bodies nested deeper than the parser can go are left to the caller (``json.JSONDecodeError`` and
 ``RecursionError`` as from ``json.loads``), so their existing errors stay as they were.
 
@@ -35,6 +37,8 @@ import re
 import sys
 from collections import Counter
 from typing import Any, Callable
+
+from config.echo import shown_name
 
 __all__ = ["BodyRejected", "parse_json"]
 
@@ -115,7 +119,7 @@ def _loads(text: bytes | str, hooks: _Parse, parse_int: Callable[[str], Any] | N
 
 
 def _join(path: str, part: Any) -> str:
-    return f"{path}.{part}" if path else str(part)
+    return f"{path}.{shown_name(part)}" if path else shown_name(part)
 
 
 def _surrogate_reason(text: str, what: str) -> str:
@@ -139,10 +143,11 @@ def _first_problem(value: Any, field: str) -> BodyRejected | None:
         elif isinstance(item, dict):
             if isinstance(item, _Duplicates):
                 key, times = next(iter(item.counts.items()))
-                return BodyRejected(where, f"duplicate key {json.dumps(key)} (appears {times} times; give each key once)")
+                return BodyRejected(where, f"duplicate key {json.dumps(shown_name(key))} (appears {times} times; give "
+                                           "each key once)")
             for key in item:
                 if _SURROGATE.search(key):
-                    return BodyRejected(where, _surrogate_reason(key, f"a key ({key[:40]!r})"))
+                    return BodyRejected(where, _surrogate_reason(key, f"a key ({shown_name(key)!r})"))
             stack.extend((child, _join(path, key)) for key, child in reversed(item.items()))
         elif isinstance(item, list):
             stack.extend((child, _join(path, i)) for i, child in reversed(list(enumerate(item))))

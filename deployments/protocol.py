@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from config.echo import shown_name
+
 __all__ = [
     "ChatMessage",
     "GenerateRequest",
@@ -121,16 +123,20 @@ def check_filter_size(value: Any, limits) -> None:
     """A request's ``filter`` bounded by its shape before it goes to a replica (which reads it against the
     catalog's fields: ``processors/kinds/tree/filters.py``): nesting past ``max_filter_depth`` levels of ``$and`` /
     ``$or`` or more JSON values than ``max_filter_clauses`` conditions of ``max_filter_values`` values could hold
-    is a 422 naming the limit. One pass with a stack, stopped at the bound (never recursion)."""
+    is a 422 naming the limit; an integer no float holds (a JSON number of 400 digits: a filter compares
+    finite numbers) is a 422 naming its path (``filter.stock.$gt``). One pass with a stack, stopped at the bound
+    (never recursion)."""
     if not isinstance(value, dict):
         raise ServiceError(422, f"filter: expected a JSON object of field conditions, got {type(value).__name__}",
                            {"field": "filter"})
     max_levels = 2 * limits.max_filter_depth + 2  # each $and / $or level is a list and an object; a field's operators
     max_nodes = limits.max_filter_clauses * (limits.max_filter_values + 8)
-    stack: list[tuple[Any, int]] = [(value, 1)]
+    # each entry: (node, level, where): where is "filter" or (the parent's where, the key or index), a path made
+    # only for an error
+    stack: list[tuple[Any, int, Any]] = [(value, 1, "filter")]
     nodes = 0
     while stack:
-        node, level = stack.pop()
+        node, level, where = stack.pop()
         nodes += 1
         if nodes > max_nodes:
             raise ServiceError(422, f"filter: more than {max_nodes} JSON values, over what max_filter_clauses="
@@ -142,9 +148,31 @@ def check_filter_size(value: Any, limits) -> None:
                                     "of $and / $or", {"field": "filter", "limit_name": "max_filter_depth",
                                                       "limit": limits.max_filter_depth})
         if isinstance(node, dict):
-            stack.extend((child, level + 1) for child in node.values())
+            stack.extend((child, level + 1, (where, key)) for key, child in node.items())
         elif isinstance(node, list):
-            stack.extend((child, level + 1) for child in node)
+            stack.extend((child, level + 1, (where, i)) for i, child in enumerate(node))
+        elif isinstance(node, int) and not isinstance(node, bool) and not _float_holds(node):
+            path = _filter_path(where)
+            raise ServiceError(422, f"{path}: an integer past the largest float (about 1.8e308); a filter compares "
+                                    "finite numbers", {"field": path})
+
+
+def _float_holds(number: int) -> bool:
+    try:
+        float(number)
+    except OverflowError:
+        return False
+    return True
+
+
+def _filter_path(where: Any) -> str:
+    """The path of a filter's value (``filter.$or[0].stock.$gt``, as the replica names it) from the ``(parent,
+    key)`` links of :func:`check_filter_size`'s walk; a key shown bounded (:func:`config.echo.shown_name`)."""
+    parts: list[str] = []
+    while isinstance(where, tuple):
+        where, key = where
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{shown_name(key)}")
+    return where + "".join(reversed(parts))
 
 
 def unwrap_service_error(exc: BaseException) -> ServiceError | None:
@@ -227,7 +255,9 @@ class GenerateRequest(_Strict):
         default=None,
         description="tree catalogs with item metadata: only items whose metadata pass this filter are produced, in "
                     "the vector databases' filter language: {\"region\": {\"$in\": [\"eu\"]}, \"stock\": {\"$gt\": "
-                    "0}} ($eq $ne $in $nin $gt $gte $lt $lte $and $or; fields side by side must all hold). A field "
+                    "0}} ($eq $ne $in $nin $contains $not_contains $gt $gte $lt $lte $and $or; fields side by side "
+                    "must all hold; a list field matches $eq / $in when any of its strings does, and $contains is "
+                    "$eq of one value, as in Chroma). A field "
                     "the catalog does not have, an unknown operator or a value of the wrong kind is a 422 naming the "
                     "field; a filter no item passes is a 422 saying so. Bounded by max_filter_clauses, "
                     "max_filter_depth and max_filter_values.",

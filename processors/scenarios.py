@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Union, get_args
 
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
+from config.echo import shown_path
 from config.limit_checks import LimitExceeded
 from config.scenario_base import ConstraintError, ScenarioBase, ScenarioError, read_scenario_file, scenario_to_dict
 from processors.kinds import kind_packages
@@ -157,7 +158,8 @@ def _join(parts: list[str]) -> str:
 
 
 def _invalid(body: Mapping[str, Any], error: ValidationError) -> ScenarioError:
-    """One :class:`ScenarioError` for pydantic's errors: each names its field inside the body."""
+    """One :class:`ScenarioError` for pydantic's errors: each names its field inside the body (a key the client gave
+    shown bounded, :func:`config.echo.shown_path`)."""
     errors: list[dict[str, Any]] = []
     locs: list[tuple] = []
     parts: list[str] = []
@@ -165,7 +167,7 @@ def _invalid(body: Mapping[str, Any], error: ValidationError) -> ScenarioError:
         loc = tuple(err.get("loc", ()))
         if loc and loc[0] == body.get("type"):  # the discriminated union puts the tag first
             loc = loc[1:]
-        where = ".".join(str(p) for p in loc)
+        where = shown_path(loc)
         if not where and str(err.get("type", "")).startswith("union_tag"):
             where = "type"
         msg = str(err.get("msg", "")).removeprefix("Value error, ")
@@ -253,10 +255,11 @@ def field_error(error: ScenarioError, field: str, main: str | None) -> Constrain
         return ConstraintError(status, f"{where}: {error.reason}", {**error.detail, "field": where})
     parts = []
     for loc, item in zip(error.locs, error.detail.get("errors", ())):
-        names = [str(p) for p in loc]
+        names = list(loc)
         if names and names[0] == main:  # `field` already names it
             names = names[1:]
-        parts.append(f"{'.'.join([field, *names])}: {item['message']}")
+        where = f"{field}.{shown_path(names)}" if names else field
+        parts.append(f"{where}: {item['message']}")
     message = "; ".join(parts[:5]) + (f"; and {len(parts) - 5} more" if len(parts) > 5 else "")
     return ConstraintError(status, message or f"{field}: {error.message}")
 

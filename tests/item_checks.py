@@ -56,16 +56,16 @@ def filter_passes(item: dict | None, flt: dict) -> bool:
 
 def _holds(item: dict, field: str, op: str, value) -> bool:
     if field not in item:
-        return op in ("$ne", "$nin")
+        return op in ("$ne", "$nin", "$not_contains")
     have = item[field]
     values = have if isinstance(have, list) else [have]
 
     def same(a, b):
         return type(a) is type(b) and a == b if isinstance(a, bool) or isinstance(b, bool) else a == b
 
-    if op == "$eq":
+    if op in ("$eq", "$contains"):  # $contains: the list holds the value (a single value: a list of one)
         return any(same(v, value) for v in values)
-    if op == "$ne":
+    if op in ("$ne", "$not_contains"):
         return not any(same(v, value) for v in values)
     if op == "$in":
         return any(same(v, w) for v in values for w in value)

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 from pydantic import ValidationError
 
 from config import Limits
+from config.echo import SHOWN_NAMES, shown_names, shown_path
 from processors.scenarios import SCENARIO_TYPES, scenario_model
 from deployments.json_body import BodyRejected, body_rejected, parse_json
 from deployments.openai.models import (  # noqa: F401  (the models are this module's API too)
@@ -56,7 +57,9 @@ def validation_error(errors: list[Any], rename: dict[str, str] | None = None) ->
     """A 422 whose message names each offending field (``messages.1.role: ...``).
 
     ``rename`` maps native field names to the ones the client sent (``max_new_tokens`` -> ``max_tokens``).
-    The ingress answers every request validation error with it too.
+    The ingress answers every request validation error with it too. A key the client gave is shown bounded
+    (:func:`config.echo.shown_path`), and the detail lists the first ``SHOWN_NAMES`` errors (the message counts
+    them all).
     """
     rename = rename or {}
     parts: list[str] = []
@@ -67,10 +70,11 @@ def validation_error(errors: list[Any], rename: dict[str, str] | None = None) ->
             loc = loc[1:]
         if loc:
             loc[0] = rename.get(loc[0], loc[0])
-        where = ".".join(loc) or "body"
+        where = shown_path(loc) or "body"
         msg = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
         parts.append(f"{where}: {msg}")
-        items.append({"field": where, "message": msg, "type": error.get("type")})
+        if len(items) < SHOWN_NAMES:
+            items.append({"field": where, "message": msg, "type": error.get("type")})
     message = "; ".join(parts[:5]) + (f" (and {len(parts) - 5} more)" if len(parts) > 5 else "")
     return ServiceError(422, message or "invalid request", {"errors": items})
 
@@ -143,14 +147,17 @@ def _same(value: Any, neutral: Any) -> bool:
 
 def refuse_unsupported_fields(unknown: list[str], not_neutral: list[str]) -> None:
     """The 400 for fields this service does not take (``unknown``) or takes only at their neutral value
-    (``not_neutral``), naming each; nothing when both lists are empty."""
+    (``not_neutral``), naming each (the first ``SHOWN_NAMES``, each bounded: :func:`config.echo.shown_names`);
+    nothing when both lists are empty."""
     problems = []
     if unknown:
-        problems.append(f"unknown field{'s' if len(unknown) > 1 else ''}: {', '.join(sorted(unknown))}")
+        shown, more = shown_names(sorted(unknown))
+        problems.append(f"unknown field{'s' if len(unknown) > 1 else ''}: {', '.join(shown)}{more}")
     if not_neutral:
-        problems.append(f"not supported here (only the neutral value is accepted): {', '.join(sorted(not_neutral))}")
+        shown, more = shown_names(sorted(not_neutral))
+        problems.append(f"not supported here (only the neutral value is accepted): {', '.join(shown)}{more}")
     if problems:
-        fields = sorted(unknown + not_neutral)
+        fields, _ = shown_names(sorted(unknown + not_neutral))
         raise ServiceError(400, "; ".join(problems), {"fields": fields, "type": "invalid_request_error",
                                                       "param": fields[0], "code": "unsupported_field"})
 

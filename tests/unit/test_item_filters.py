@@ -5,6 +5,7 @@ metadata and random filters against a brute-force evaluation of every item writt
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -38,17 +39,18 @@ def _random_item(rng: random.Random) -> dict | None:
 
 def _random_condition(rng: random.Random, field: str):
     if field == "region":
-        op = rng.choice(["$eq", "$ne", "$in", "$nin", None])
+        op = rng.choice(["$eq", "$ne", "$in", "$nin", "$contains", "$not_contains", None])
         if op is None:
             return rng.choice(REGIONS + ["mars"])
         return {op: rng.sample(REGIONS + ["mars"], rng.randint(1, 3)) if op in ("$in", "$nin")
                 else rng.choice(REGIONS + ["mars"])}
     if field == "tags":
-        op = rng.choice(["$eq", "$ne", "$in", "$nin"])
+        op = rng.choice(["$eq", "$ne", "$in", "$nin", "$contains", "$not_contains"])
         return {op: rng.sample(TAGS, rng.randint(1, 2)) if op in ("$in", "$nin") else rng.choice(TAGS)}
     if field == "active":
-        return rng.choice([True, False, {"$ne": True}])
-    ops = rng.sample(["$gt", "$gte", "$lt", "$lte", "$eq", "$ne", "$in", "$nin"], rng.randint(1, 2))
+        return rng.choice([True, False, {"$ne": True}, {"$contains": False}, {"$not_contains": True}])
+    ops = rng.sample(["$gt", "$gte", "$lt", "$lte", "$eq", "$ne", "$in", "$nin", "$contains", "$not_contains"],
+                     rng.randint(1, 2))
     out = {}
     for op in ops:
         if op in ("$in", "$nin"):
@@ -101,6 +103,11 @@ def test_summary_gives_kinds_counts_and_ranges():
     ({"stock": "many"}, "filter.stock", "numeric"),
     ({"stock": {"$in": ["1"]}}, "filter.stock.$in", "numeric"),
     ({"stock": {"$gt": float("nan")}}, "filter.stock.$gt", "finite"),
+    ({"stock": {"$gt": 10 ** 400}}, "filter.stock.$gt", "past the largest float"),
+    ({"stock": -10 ** 400}, "filter.stock", "past the largest float"),
+    ({"stock": {"$in": [1, 10 ** 400]}}, "filter.stock.$in", "past the largest float"),
+    ({"region": {"$contains": ["eu"]}}, "filter.region.$contains", "takes one value"),
+    ({"region": {"$not_contains": 3}}, "filter.region.$not_contains", "categorical"),
     ({"region": {"$in": []}}, "filter.region.$in", "non-empty list"),
     ({"region": 3}, "filter.region", "categorical"),
     ({"$or": []}, "filter.$or", "non-empty list"),
@@ -112,6 +119,51 @@ def test_a_bad_filter_is_a_422_naming_the_field(flt, field, words):
     with pytest.raises(ConstraintError) as info:
         parse_filter(flt, metadata)
     assert info.value.status == 422 and info.value.detail["field"] == field and words in info.value.message
+
+
+def test_contains_is_chromas_name_for_a_list_field_holding_the_value():
+    """``$contains`` / ``$not_contains``: the list holds the value / does not; a single value is a list of one (it
+    contains what it equals); an item without the field fails ``$contains`` and passes ``$not_contains``."""
+    metadata = ItemMetadata.from_objects([{"tags": ["eu", "us"]}, {"tags": "eu"}, {"tags": []}, {"tags": ["us"]},
+                                          {"stock": 3}, {"stock": 4}])
+    assert parse_filter({"tags": {"$contains": "eu"}}, metadata).mask(metadata).tolist() == [
+        True, True, False, False, False, False]
+    assert parse_filter({"tags": {"$not_contains": "eu"}}, metadata).mask(metadata).tolist() == [
+        False, False, True, True, True, True]
+    assert parse_filter({"stock": {"$contains": 3}}, metadata).mask(metadata).tolist() == [
+        False, False, False, False, True, False]
+    assert parse_filter({"stock": {"$not_contains": 3}}, metadata).mask(metadata).tolist() == [
+        True, True, True, True, False, True]
+
+
+@pytest.mark.parametrize("flt, words", [
+    ({"x" * 100_000: "eu"}, "unknown metadata field"),
+    ({"region": {"$" + "x" * 100_000: "eu"}}, "unknown operator"),
+    ({"$" + "x" * 100_000: []}, "unknown operator"),
+    ({"$or": [{"region": "eu"}, {"x" * 100_000: 1}]}, "unknown metadata field"),
+])
+def test_a_refusal_repeats_a_long_name_bounded(flt, words):
+    """A 100 KB field name or operator is named by its first 64 characters and its length, in the message and the
+    detail (the refusal stays a few hundred bytes)."""
+    metadata = ItemMetadata.from_objects([{"region": "eu", "stock": 1}])
+    with pytest.raises(ConstraintError) as info:
+        parse_filter(flt, metadata)
+    error = info.value
+    assert words in error.message and re.search(r"x\.\.\.\(10000[01] characters\)", error.message), error.message
+    assert len(error.message) < 600 and len(repr(error.detail)) < 600, (len(error.message), len(repr(error.detail)))
+    assert "x" * 63 in error.detail["field"] and "x" * 65 not in error.detail["field"], error.detail
+
+
+def test_metadata_refuses_a_long_field_name_bounded():
+    """A field name past max_name_length (64) is named by its first 64 characters and its length (a 100 KB one is
+    past max_item_bytes first, in an item; columns given whole have no such bound)."""
+    with pytest.raises(ConstraintError) as info:
+        ItemMetadata.from_objects([{"region": "eu"}, {"n" * 3000: 1}])
+    assert "item 1: field name" in info.value.message and "n...(3000 characters)" in info.value.message
+    assert len(info.value.message) < 400, len(info.value.message)
+    with pytest.raises(ConstraintError) as info:
+        ItemMetadata.from_columns(1, {"n" * 100_000: [1.0]})
+    assert "n...(100000 characters)" in info.value.message and len(info.value.message) < 400, info.value.message[:200]
 
 
 def test_filter_bounds_come_before_the_work():

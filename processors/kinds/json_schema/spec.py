@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from config.echo import shown_path
 from config.scenario_base import ScenarioBase
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class JsonSchemaScenario(ScenarioBase):
         try:
             validator_for(self.json_schema).check_schema(self.json_schema)
         except SchemaError as error:
-            where = "/".join(str(p) for p in error.absolute_path) or "<root>"
+            where = shown_path(error.absolute_path, "/") or "<root>"
             raise ValueError(f"schema: invalid JSON Schema at {where}: {error.message}") from None
         except RecursionError:  # the checker recurses per level; servers bound the depth first (Limits)
             raise ValueError("schema: nested too deeply to check") from None

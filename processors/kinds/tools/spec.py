@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
+from config.echo import shown_path
 from config.scenario_base import ConstraintError, ScenarioBase
 
 from .plan import NamedToolChoice, Tool, call_schema, tool_plan
@@ -90,7 +91,7 @@ class ToolsScenario(ScenarioBase):
     def _check_tools(self, info: ValidationInfo) -> ToolsScenario:
         def first(exc: ValidationError) -> str:
             err = exc.errors()[0]
-            where = ".".join(str(p) for p in err.get("loc", ()))
+            where = shown_path(err.get("loc", ()))
             return f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
 
         for i, tool in enumerate(self.tools):

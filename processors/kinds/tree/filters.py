@@ -2,15 +2,18 @@
 (Pinecone, Chroma): ``{"region": {"$in": ["eu"]}, "stock": {"$gt": 0}}``.
 
 * A field's condition is a value (``$eq`` of it) or an object of operators, all of which must hold: ``$eq $ne $in
-  $nin`` (categorical and numeric fields), ``$gt $gte $lt $lte`` (numeric fields). Fields side by side must all hold
-  (implicit AND); ``$and`` / ``$or`` take a list of filters.
+  $nin $contains $not_contains`` (categorical and numeric fields), ``$gt $gte $lt $lte`` (numeric fields). Fields
+  side by side must all hold (implicit AND); ``$and`` / ``$or`` take a list of filters.
 * A list field (an item's list of strings) matches ``$eq`` / ``$in`` when any of its strings is a value; ``$ne`` /
-  ``$nin`` when none is.
-* An item without the field fails ``$eq $in $gt $gte $lt $lte`` and passes ``$ne $nin``.
+  ``$nin`` when none is (Pinecone's rule). ``$contains`` / ``$not_contains`` (Chroma's names for a list field) take
+  one value and are ``$eq`` / ``$ne`` of it: the list holds it / does not; an item whose field is one value is a list
+  of that one value (it contains what it equals).
+* An item without the field fails ``$eq $in $contains $gt $gte $lt $lte`` and passes ``$ne $nin $not_contains``.
 
 :func:`parse_filter` checks a filter against the catalog's fields (a 422 naming the field: an unknown field or
-operator, a value of the wrong kind, bounds on size and depth) into a :class:`Filter`; :meth:`Filter.mask` gives
-the items that pass (a boolean per item, numpy passes over the columns, no Python per item).
+operator, a value of the wrong kind, bounds on size and depth; a name the client gave is repeated bounded,
+:func:`config.echo.shown_name`) into a :class:`Filter`; :meth:`Filter.mask` gives the items that pass (a boolean
+per item, numpy passes over the columns, no Python per item).
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ from typing import Any
 import numpy as np
 
 from config import ConstraintError
+from config.echo import shown_name
 
 from .metadata import CATEGORICAL, NUMERIC, Column, ItemMetadata
 
 __all__ = ["Filter", "FilterLimits", "filter_limits", "parse_filter"]
 
 EQUALITY = ("$eq", "$ne", "$in", "$nin")
+#: Chroma's operators of a list field, read as the equality they are (see the module docstring)
+CONTAINS = {"$contains": "$eq", "$not_contains": "$ne"}
 RANGE = ("$gt", "$gte", "$lt", "$lte")
 LOGICAL = ("$and", "$or")
 
@@ -126,7 +132,7 @@ class _Reader:
             raise _refused(path, f"expected an object, got {type(value).__name__}")
         parts: list[Filter | _Clause] = []
         for key, sub in value.items():
-            where = f"{path}.{key}"
+            where = f"{path}.{shown_name(key)}"
             if key in LOGICAL:
                 if not isinstance(sub, list) or not sub:
                     raise _refused(where, "expected a non-empty list of filters")
@@ -135,7 +141,7 @@ class _Reader:
                 parts.append(Filter(key[1:], tuple(self.read(f, f"{where}[{i}]", depth + 1)
                                                    for i, f in enumerate(sub))))
             elif isinstance(key, str) and key.startswith("$"):
-                raise _refused(where, f"unknown operator {key!r} at this level (fields, $and, $or)")
+                raise _refused(where, f"unknown operator {shown_name(key)!r} at this level (fields, $and, $or)")
             else:
                 parts.extend(self.field(key, sub, where))
         if not parts:
@@ -150,7 +156,8 @@ class _Reader:
         column = self.metadata.columns.get(name)
         if column is None:
             known = ", ".join(sorted(self.metadata.columns)) or "none"
-            raise _refused(where, f"unknown metadata field {name!r} (the catalog's fields: {known})", name=name)
+            raise _refused(where, f"unknown metadata field {shown_name(name)!r} (the catalog's fields: {known})",
+                           name=shown_name(name))
         ops = condition if isinstance(condition, dict) else {"$eq": condition}
         if not ops:
             raise _refused(where, "an empty condition")
@@ -159,13 +166,16 @@ class _Reader:
             self.clauses += 1
             if self.clauses > self.limits.max_clauses:
                 raise self._too_many(where)
-            out.append(_Clause(column, op, self.value(column, op, value, f"{where}.{op}" if op != "$eq" or
-                                                      isinstance(condition, dict) else where)))
+            at = f"{where}.{shown_name(op)}" if op != "$eq" or isinstance(condition, dict) else where
+            out.append(_Clause(column, CONTAINS.get(op, op), self.value(column, op, value, at)))
         return out
 
     def value(self, column: Column, op: str, value: Any, where: str) -> Any:
-        if op not in EQUALITY + RANGE:
-            raise _refused(where, f"unknown operator {op!r} (one of {', '.join(EQUALITY + RANGE)})")
+        if op not in EQUALITY + RANGE and op not in CONTAINS:
+            raise _refused(where, f"unknown operator {shown_name(op)!r} (one of "
+                                  f"{', '.join((*EQUALITY, *CONTAINS, *RANGE))})")
+        if op in CONTAINS and isinstance(value, list):
+            raise _refused(where, f"{op} takes one value (the list field holds it or not); $in / $nin take a list")
         if op in RANGE and column.kind != NUMERIC:
             raise _refused(where, f"{op} compares numbers; field {column.name!r} is {column.kind}", name=column.name)
         if op in ("$in", "$nin"):
@@ -179,15 +189,26 @@ class _Reader:
 
     def scalar(self, column: Column, value: Any, where: str) -> Any:
         if column.kind == NUMERIC:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise _refused(where, f"field {column.name!r} is numeric: compare it with a finite number, got "
-                                      f"{type(value).__name__}", name=column.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+                got = ("an integer past the largest float (about 1.8e308)"
+                       if isinstance(value, int) and not isinstance(value, bool) else type(value).__name__)
+                raise _refused(where, f"field {column.name!r} is numeric: compare it with a finite number, got {got}",
+                               name=column.name)
             return float(value)
         assert column.kind == CATEGORICAL
         if not isinstance(value, (str, bool)):
             raise _refused(where, f"field {column.name!r} is categorical: compare it with a string or a boolean, got "
                                   f"{type(value).__name__}", name=column.name)
         return value
+
+
+def _finite(value: int | float) -> bool:
+    """Whether ``value`` is a finite float: an integer past the largest float (a JSON number of 400 digits) is
+    not (``math.isfinite`` raises ``OverflowError`` on it)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def parse_filter(value: Any, metadata: ItemMetadata | None, limits: FilterLimits = FilterLimits(),

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from config import ConstraintError
+from config.echo import shown_name
 
 __all__ = ["CATEGORICAL", "NUMERIC", "Column", "ItemMetadata", "MetadataLimits"]
 
@@ -293,8 +294,8 @@ def _splice_categories(name: str, old: Column | None, keep: np.ndarray, n_keep: 
 
 def _kind_of(name: Any, value: Any, item: int, limits: MetadataLimits) -> tuple[str, bool]:
     if not isinstance(name, str) or not name or name.startswith("$") or len(name) > limits.max_name_length:
-        raise _refused(f"item {item}: field name {name!r}: 1-{limits.max_name_length} characters, not starting "
-                       "with '$'", item=item)
+        raise _refused(f"item {item}: field name {shown_name(name)!r}: 1-{limits.max_name_length} characters, not "
+                       "starting with '$'", item=item)
     if isinstance(value, (bool, str)):
         return CATEGORICAL, False
     if isinstance(value, (int, float)):

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from config import ConstraintError
+from config.echo import shown_name
 
 __all__ = ["HEADER_KEY", "PARQUET_CONTENT_TYPES", "parquet_catalog", "parquet_items", "parquet_shape"]
 
@@ -52,8 +53,8 @@ def _kind(pa: Any, column: str, typ: Any) -> str:
     if (pa.types.is_list(typ) or pa.types.is_large_list(typ)) and (
             pa.types.is_string(typ.value_type) or pa.types.is_large_string(typ.value_type)):
         return "list"
-    raise _refused(f"column {column!r} has type {typ}; metadata columns are strings, booleans, integers, floats or "
-                   "lists of strings", field=f"parquet.{column}")
+    raise _refused(f"column {shown_name(column)!r} has type {typ}; metadata columns are strings, booleans, integers, "
+                   "floats or lists of strings", field=f"parquet.{shown_name(column)}")
 
 
 def parquet_items(data: bytes, *, vocab_size: int, max_items: int, max_item_tokens: int | None = None):
