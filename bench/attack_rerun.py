@@ -10,6 +10,9 @@ PREFIX[,PREFIX]`` for the attacks whose names start so, ``--report 2``
 (the second's: guards, admin PATCH, catalogs; about 8 minutes; the manager's RSS too, and each row says what the
 report saw before the fixes) or ``--report 3`` (the third's: tools, grammar and prompt bounds; one replica with
 ``limits.max_num_beams: 1024`` as in that report; each row also counts /healthz checks that failed while it ran);
+``--report 4`` (the fourth's: wide beams on every
+generating route and many moderate beam requests, a Parquet file of one repeated 4,000-byte metadata value, four
+stalled chunked uploads and a fifth, a 400-digit integer in a filter; the third's setting);
 ``--engine vllm`` runs the model replica on vLLM (with ``.venv-vllm/bin/python``).
 The last line is one JSON object.
 """
@@ -465,6 +468,127 @@ def attacks_third(bench: ServeBench):
     ]
 
 
+WORDS = ("cat", "dog", "sun", "red", "blue", "tree", "fish")
+
+
+def attacks_fourth(bench: ServeBench):
+    """The fourth report's requests (one replica, ``limits.max_num_beams: 1024``): wide beams on every generating
+    route and many moderate beam requests, a Parquet catalog whose repeated metadata value decodes to gigabytes,
+    stalled chunked uploads, a 400-digit integer in a filter; each entry (name, what the report saw before the
+    fixes, the request)."""
+    url, admin = bench.url, bench.admin
+    long_text = " ".join(WORDS[i % len(WORDS)] for i in range(700))
+
+    def beams_chat():
+        return _post(url, "/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": long_text}],
+                                                   "num_beams": 1024, "n": 1, "max_tokens": 8})
+
+    def beams_completions():
+        return _post(url, "/v1/completions", {"model": "default", "prompt": long_text, "num_beams": 1024, "n": 1,
+                                              "max_tokens": 8})
+
+    def beams_generate_messages():
+        return _post(url, "/v1/generate", {"messages": [{"role": "user", "content": long_text}], "num_beams": 1024,
+                                           "max_new_tokens": 8})
+
+    def beams_moderate(filtered: bool):
+        catalog = b"".join([json.dumps({"start_token_id": 2000, "end_token_id": 2}).encode() + b"\n"] + [
+            json.dumps({"ids": [1000 + i // 1000, 3000 + (i // 10) % 100, 5000 + i % 10],
+                        "metadata": {"stock": i % 50}}).encode() + b"\n" for i in range(100_000)])
+        r = requests.put(f"{url}/admin/scenarios/a44-beams", data=catalog,
+                         headers={**admin, "Content-Type": "application/x-ndjson"}, timeout=600)
+        if r.status_code != 200:
+            return r.status_code, 0.0, r.text[:200]
+        stop = time.monotonic() + 40
+        counter = iter(range(10**9))
+
+        def client(c: int) -> list[int]:
+            codes = []
+            while time.monotonic() < stop:
+                body = {"scenario": "a44-beams", "prompt": "Pick an item:", "num_beams": 16, "n": 4,
+                        "max_new_tokens": 4}
+                if filtered:
+                    body["filter"] = {"stock": {"$gte": next(counter) % 40}}
+                codes.append(_post(url, "/v1/generate", body)[0])
+            return codes
+
+        with ThreadPoolExecutor(8) as pool:
+            codes = [c for cs in pool.map(client, range(8)) for c in cs]
+        counts = {str(c): codes.count(c) for c in sorted(set(codes))}
+        return 200 if set(codes) <= {200} else codes[0], 40.0, f"8 clients x num_beams 16 for 40 s: {counts}"
+
+    def parquet_repeated_value():
+        import io
+
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        rows = 200_000
+        table = pa.table({"ids": pa.array([[1000 + i // 1000, 2000 + i % 1000] for i in range(rows)]),
+                          "note": pa.array(["x" * 4000] * rows).dictionary_encode()})
+        buf = io.BytesIO()
+        pq.write_table(table, buf)
+        pq_bytes = buf.getvalue()
+        t0 = time.perf_counter()
+        r = requests.put(f"{url}/admin/scenarios/a44-parquet", data=pq_bytes,
+                         headers={**admin, "Content-Type": "application/vnd.apache.parquet"}, timeout=600)
+        return r.status_code, time.perf_counter() - t0, f"{len(pq_bytes) / 1e3:.0f} KB file: {r.text[:160]}"
+
+    def stalled_uploads():
+        import socket
+
+        host, port = url.split("//")[1].split(":")
+        socks = []
+        for _ in range(4):
+            s = socket.create_connection((host, int(port)))
+            s.sendall((f"PUT /admin/scenarios/a44-stalled HTTP/1.1\r\nHost: {host}\r\n"
+                       f"Authorization: {admin['Authorization']}\r\nContent-Type: application/x-ndjson\r\n"
+                       "Transfer-Encoding: chunked\r\n\r\n").encode())
+            s.sendall(f"{32 * 2**20:x}\r\n".encode())
+            header = json.dumps({"start_token_id": 2000, "end_token_id": 2}).encode() + b"\n"
+            line = b"[1000,1001]\n"
+            s.sendall(header + line * ((20 * 10**6 - len(header)) // len(line)))
+            socks.append(s)
+        time.sleep(2)
+        lines = [json.dumps({"start_token_id": 2000, "end_token_id": 2})] + [
+            f"[{1000 + i // 1000},{1000 + i % 1000}]" for i in range(1_600_000)]
+        body = ("\n".join(lines) + "\n").encode()  # about 19 MB: more than one 16 MiB part, so it needs the spool
+        t0 = time.perf_counter()
+        r = requests.put(f"{url}/admin/scenarios/a44-fifth", data=iter([body[i:i + 2**20] for i in
+                                                                        range(0, len(body), 2**20)]),
+                         headers={**admin, "Content-Type": "application/x-ndjson"}, timeout=600)
+        took = time.perf_counter() - t0
+        answered = 0
+        for s in socks:
+            s.settimeout(1.0)
+            try:
+                answered += 1 if s.recv(64) else 0
+            except OSError:
+                pass
+            s.close()
+        return r.status_code, took, f"fifth upload {r.text[:80]}; stalled clients answered or closed: {answered}/4"
+
+    def huge_integer_filter():
+        big = int("1" + "0" * 400)
+        body = {"scenario": "a44-beams", "prompt": "Pick an item:", "max_new_tokens": 4,
+                "filter": {"stock": {"$gt": big}}}
+        return _post(url, "/v1/generate", json.dumps(body))
+
+    return [
+        ("1a 1,024 beams, 700-word chat message (/v1/chat/completions)", "200 after 55 s, probe waited 55.0 s (275x)",
+         beams_chat),
+        ("1b 1,024 beams, 700-word prompt (/v1/completions)", None, beams_completions),
+        ("1c 1,024 beams, 700-word message (/v1/generate messages)", None, beams_generate_messages),
+        ("1d 8 clients of num_beams 16, no filter", "probe 15.7x", lambda: beams_moderate(False)),
+        ("1e 8 clients of num_beams 16, a new filter each time", "probe 18.7x", lambda: beams_moderate(True)),
+        ("3 Parquet 200,000 rows, one 4,000-byte metadata value", "200 after 76.7 s, manager +4.7 GB, probe 3.3x",
+         parquet_repeated_value),
+        ("5 four stalled chunked uploads, then a fifth", "no answer in 60 s, a 17 MB spool file each",
+         stalled_uploads),
+        ("6 a 400-digit integer in a filter", "500 (OverflowError)", huge_integer_filter),
+    ]
+
+
 class Health:
     """Polls /healthz every 0.5 s from its own address while an attack runs: (checks, failed)."""
 
@@ -499,7 +623,7 @@ def main() -> None:
     engine = ({"engine": "vllm", "vllm_enforce_eager": True, "vllm_kv_cache_gb": 0.5, "num_cpus_per_replica": 1}
               if "--engine" in sys.argv and sys.argv[sys.argv.index("--engine") + 1] == "vllm" else {})
     with ServeBench(num_cpus=4) as bench:
-        if report == 3:  # the report's setting: one replica, wide beams allowed
+        if report in (3, 4):  # the report's setting: one replica, wide beams allowed
             bench.deploy(bench.settings(num_replicas=1, torch_threads=2, limits={"max_num_beams": 1024}, **engine),
                          replicas=1, timeout=900)
         else:
@@ -510,7 +634,8 @@ def main() -> None:
         time.sleep(30)
         results = []
         runs = ([(name, None, fn) for name, fn in attacks(bench)] if report == 1 else
-                attacks_second(bench) if report == 2 else attacks_third(bench))
+                attacks_second(bench) if report == 2 else attacks_third(bench) if report == 3 else
+                attacks_fourth(bench))
         only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
         runs = [r for r in runs if only is None or any(r[0].startswith(prefix) for prefix in only)]
         for name, before, fn in runs:
