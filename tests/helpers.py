@@ -1,7 +1,8 @@
 """Small helpers shared by every test tier (unit, integration, serve, security, faults and the vLLM tier): a free
-port, a chat body, the prompt ids of a chat, polling until a condition holds, and the ``openai`` client on a running
-app. Imported as ``helpers``: pytest puts ``tests/`` on ``sys.path`` for ``tests/conftest.py`` (no ``__init__.py``);
-a script started in its own process (``tests/faults/two_nodes.py``) puts it there itself.
+port, a chat body, the prompt ids of a chat, polling until a condition holds, the ``openai`` client on a running
+app, how much a call grew this process's memory, a long string column that costs little memory. Imported as
+``helpers``: pytest puts ``tests/`` on ``sys.path`` for ``tests/conftest.py`` (no ``__init__.py``); a script started
+in its own process (``tests/faults/two_nodes.py``) puts it there itself.
 
 Nothing here imports the project or a heavy library at import time.
 """
@@ -14,7 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["chat_prompt_ids", "free_port", "openai_client", "user_messages", "wait_until", "wait_until_async"]
+__all__ = ["chat_prompt_ids", "free_port", "openai_client", "repeated_strings", "resident_growth", "user_messages",
+           "wait_until", "wait_until_async"]
 
 
 _RAY_WORKER_PORTS_END = 20000  # Ray's worker ports are 10002-19999 by default
@@ -78,6 +80,47 @@ def wait_until(fn: Callable[[], Any], *, timeout: float, what: str, interval: fl
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; last: {last!r}")
+
+
+def resident_growth(call: Callable[[], Any]) -> tuple[Any, int]:
+    """``(call(), bytes)``: what ``call`` returned and the most this process's resident memory grew above what it
+    held at the start while it ran (sampled every 2 ms from a thread). An exception of ``call`` propagates."""
+    import threading
+
+    import psutil
+
+    process = psutil.Process()
+    start = peak = process.memory_info().rss
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.wait(0.002):
+            peak = max(peak, process.memory_info().rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        result = call()
+    finally:
+        done.set()
+        sampler.join()
+        peak = max(peak, process.memory_info().rss)
+    return result, peak - start
+
+
+def repeated_strings(rows: int, value: str, odd: tuple[int, str] | None = None) -> Any:
+    """A pyarrow string column of ``rows`` rows of ``value``, made of one shared 10,000-row chunk (not ``rows``
+    copies in memory: a Parquet writer dictionary-encodes it into a small file); ``odd``: ``(row, another value)``."""
+    import pyarrow as pa
+
+    block = pa.array([value] * min(rows, 10_000))
+    column = pa.chunked_array([block] * (rows // len(block)) + [block.slice(0, rows % len(block))])
+    if odd is not None:
+        row, other = odd
+        assert 0 <= row < rows, (row, rows)
+        column = pa.chunked_array([*column.slice(0, row).chunks, pa.array([other]), *column.slice(row + 1).chunks])
+    return column
 
 
 async def wait_until_async(predicate: Callable[[], Any], *, timeout: float, what: str,

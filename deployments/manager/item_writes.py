@@ -14,10 +14,10 @@ from deployments.scenario_errors import refused_as_service_error
 from deployments.storage.content import ContentDelta
 from deployments.storage.store import BaseChanged, request_fingerprint
 from processors.kinds.patch import delta_updates, parse_delta
-from processors.kinds.tree.parquet import parquet_shape
+from processors.kinds.tree.parquet import parquet_shape, parquet_strings
 
 from .catalog_delta import apply_delta
-from .memory_guard import PATCH_BYTES_PER_ITEM, PEAK_PER_BODY_BYTE, catalog_need, check_write_memory
+from .memory_guard import PATCH_BYTES_PER_ITEM, PEAK_PER_BODY_BYTE, check_write_memory, parquet_need
 from .write_flow import Draft, Write, as_version, body_fingerprint
 
 __all__ = ["PATCH_ATTEMPTS", "patch_write", "put_items_write", "upload_draft"]
@@ -31,10 +31,19 @@ def upload_draft(manager: Any, name: str, data: Any, upload_format: str) -> Draf
     need, what = PEAK_PER_BODY_BYTE * len(data), f"a catalog upload of {len(data):,} bytes"
     shape = parquet_shape(data) if upload_format == "parquet" else None
     if shape is not None:  # (compressed bytes say little of a Parquet's items: its footer's counts instead)
-        need, what = catalog_need(*shape) + len(data), f"a Parquet catalog of {shape[0]:,} items ({shape[1]:,} ids)"
+        if shape.strings:  # the footer's first (the strings at their size in the file), then as they decode
+            check_write_memory(manager.settings, parquet_need(shape) + len(data), _parquet_what(shape), name=name)
+            with refused_as_service_error():  # (a row over the per-item metadata bound: 422)
+                shape = parquet_strings(data, shape)
+        need, what = parquet_need(shape) + len(data), _parquet_what(shape)
     check_write_memory(manager.settings, need, what, name=name)
     body, content, new_sha = manager.compiler.upload(data, upload_format)
     return Draft(body=body, content=content, new_content=new_sha, lookup_first=True)
+
+
+def _parquet_what(shape: Any) -> str:
+    text = f"; {shape.metadata_bytes:,} bytes of metadata as JSON" if shape.values else ""
+    return f"a Parquet catalog of {shape.rows:,} items ({shape.ids:,} ids{text})"
 
 
 def put_items_write(manager: Any, name: str, data: bytes, idempotency_key: str | None,

@@ -14,8 +14,12 @@ random 4-token ids) and rounded up:
   item list beside the old ones: 7.8 bytes per catalog byte held after a build, about 195 per 4-token item), unless
   the manager holds the catalog's items and tables: then what that PATCH makes (``TreeContent.patch_need``: its
   result pending on the held items, or a new base written out, and one copy of the tables);
-* a Parquet catalog: its compressed bytes say little of what it holds (10^7 4-token items in 48 MB), so its estimate
-  is taken from the file's footer instead (rows and ids, no column read): :func:`catalog_need`, plus the file.
+* a Parquet catalog: its compressed bytes say little of what it holds (10^7 4-token items in 48 MB; a dictionary page
+  holds a string once for every row that has it), so its estimate is taken from the file's footer instead
+  (:func:`parquet_need`: its rows and ids, :func:`catalog_need`; with metadata columns, which are read through the
+  NDJSON text they spell, also per row, per id, per value and per byte of that text, the strings counted as they
+  decode), plus the file. The footer's figures are checked first; then the string columns' decoded bytes, read as
+  dictionaries (``parquet.py:parquet_strings``), within what the first check allowed.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 from deployments.protocol import ServiceError
 
 __all__ = ["PATCH_BYTES_PER_ITEM", "PEAK_PER_BODY_BYTE", "SETTING", "catalog_need", "check_write_memory", "held_bytes",
-           "node_free_bytes", "write_limit"]
+           "node_free_bytes", "parquet_need", "write_limit"]
 
 SETTING = "write_memory_mb"
 #: peak bytes of a parse and compile per byte of the body (measured 28 on a 10^6-item catalog)
@@ -44,6 +48,16 @@ CATALOG_BYTES_PER_ID = 16
 #: ... per id of the compile's working set: a compile of more than ``catalog_chunks.CHUNK_IDS`` ids works on one chunk of
 #: that many ids at a time (the whole compile peaked at 69-86 bytes per id above the items at 10^6-10^7 4-token items)
 COMPILE_BYTES_PER_ID = 96
+#: a Parquet catalog with metadata columns, read through the NDJSON text it spells (``parquet.py:parquet_catalog``),
+#: above :func:`catalog_need`: per row (its objects, its line), per id (listed and parsed: about 32 past the small
+#: integers), per metadata value (a list's strings one by one) and per byte of the metadata's JSON text (8.0-9.6
+#: measured, ASCII or not: the strings as Arrow values, Python objects, the text and its parse). Fitted to the peak
+#: resident memory of ``parquet_items`` on files of 20,000-200,000 rows (one to four fields; strings of 2 to 4,000
+#: bytes, repeated or distinct, ASCII or not; lists of 10 strings): the estimate is 1.16-1.48x the peak measured
+TEXT_BYTES_PER_ROW = 640
+TEXT_BYTES_PER_ID = 32
+METADATA_BYTES_PER_VALUE = 160
+METADATA_BYTES_PER_BYTE = 10
 
 
 def held_bytes() -> int:
@@ -76,6 +90,16 @@ def catalog_need(rows: int, ids: int) -> int:
     from processors.kinds.tree.catalog_chunks import CHUNK_IDS
 
     return CATALOG_BYTES_PER_ROW * rows + CATALOG_BYTES_PER_ID * ids + COMPILE_BYTES_PER_ID * min(ids, CHUNK_IDS)
+
+
+def parquet_need(shape: Any) -> int:
+    """The estimated peak of reading, keeping and compiling a Parquet catalog (``shape``: its
+    ``parquet.py:ParquetShape``), the file itself not counted."""
+    need = catalog_need(shape.rows, shape.ids)
+    if shape.values:  # metadata columns: read through the NDJSON text they spell
+        need += (TEXT_BYTES_PER_ROW * shape.rows + TEXT_BYTES_PER_ID * shape.ids
+                 + METADATA_BYTES_PER_VALUE * shape.values + METADATA_BYTES_PER_BYTE * shape.metadata_bytes)
+    return need
 
 
 def check_write_memory(settings: Any, need: int, what: str, *, name: str) -> None:

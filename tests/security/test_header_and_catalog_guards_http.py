@@ -123,3 +123,89 @@ def test_an_exclude_item_longer_than_max_new_tokens_is_refused_at_the_ingress(se
     assert "not an item" in r.json()["error"]["message"], r.text[:300]
     r = requests.post(f"{serve_app.url}/v1/generate", json={**base, "exclude": [[5, 5]]}, timeout=TIMEOUT)
     assert r.status_code == 200 and r.json()["outputs"][0]["token_ids"] in ([5], [6], [5, 2], [6, 2]), r.text[:300]
+
+
+PARQUET = {"Content-Type": "application/vnd.apache.parquet"}
+
+
+def _parquet(columns: dict, header: str = '{"start_token_id": 1000, "end_token_id": 2}') -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = io.BytesIO()
+    pq.write_table(pa.table(columns).replace_schema_metadata({"catalog": header}), out)
+    return out.getvalue()
+
+
+def _put_parquet(app, name: str, data: bytes) -> requests.Response:
+    return requests.put(f"{app.url}/admin/scenarios/{name}", data=data, headers={**PARQUET, **app.admin},
+                        timeout=TIMEOUT)
+
+
+def test_parquet_ids_and_headers_the_ndjson_form_refuses_are_422s(serve_app):
+    """A null id inside an ``ids`` list (it became -2^31 and failed the compile: a 500), a ``catalog`` header nested
+    200,000 deep or holding NaN or 1e999 (500s) or giving a key twice (stored with the last value): each a 422
+    naming ``parquet.ids`` with the row or ``parquet.catalog``, nothing stored."""
+    import pyarrow as pa
+
+    ids = pa.array([[1000, 2000], [1001, 2001]], pa.list_(pa.int64()))
+    cases = [
+        (_parquet({"ids": pa.array([[1000, 2000], [1001, None, 2001]], pa.list_(pa.int64()))}), "parquet.ids",
+         "row 1: a null token id"),
+        (_parquet({"ids": ids}, '{"start_token_id": 1000, "end_token_id": 2, "x": ' + "[" * 200_000 + "]" * 200_000
+                  + "}"), "parquet.catalog", "not JSON"),
+        (_parquet({"ids": ids}, '{"start_token_id": 1000, "end_token_id": 2, "x": NaN}'), "parquet.catalog.x",
+         "NaN is not a finite number"),
+        (_parquet({"ids": ids}, '{"start_token_id": 1000, "end_token_id": 2, "x": 1e999}'), "parquet.catalog.x",
+         "overflows to infinity"),
+        (_parquet({"ids": ids}, '{"start_token_id": 1000, "end_token_id": 2, "end_token_id": 3}'), "parquet.catalog",
+         'duplicate key "end_token_id"'),
+    ]
+    for data, field, says in cases:
+        r = _put_parquet(serve_app, "pq-strict", data)
+        assert r.status_code == 422, (field, r.status_code, r.text[:300])
+        error = r.json()["error"]
+        assert error.get("field") == field and error["message"].startswith(f"{field}: "), error
+        assert says in error["message"], error
+        if field == "parquet.ids":
+            assert error.get("row") == 1, error
+    _not_stored(serve_app, "pq-strict")
+    r = _put_parquet(serve_app, "pq-strict", _parquet({"ids": ids}))  # the same file, well formed: stored
+    assert r.status_code == 200 and r.json()["items"] == 2, r.text[:300]
+
+
+def test_a_parquet_catalog_whose_strings_decode_past_the_memory_guard_is_a_507(serve_app):
+    """2,000,000 rows whose ``note`` is the same 4,000 bytes: under 1 MB of Parquet (one dictionary page) that
+    decodes to 8 GB of strings. Its estimate counts each row's string (about 77 GiB: more than the manager's
+    default ``write_memory_mb``, half of the machine's memory, or than the node has free): a 507 over HTTP,
+    answered before the strings are decoded, nothing stored. A row whose metadata is over the per-item bound
+    (``max_item_bytes``, as in NDJSON) is a 422 naming the row and the limit."""
+    import psutil
+    import pyarrow as pa
+
+    from deployments.manager.memory_guard import parquet_need
+    from helpers import repeated_strings
+    from processors.kinds.tree.metadata import MetadataLimits
+    from processors.kinds.tree.parquet import parquet_shape, parquet_strings
+
+    rows, note = 2_000_000, "x" * 4_000
+    data = _parquet({"ids": pa.array([[1000]] * rows, pa.list_(pa.int32())), "note": repeated_strings(rows, note)})
+    assert len(data) < 2**20
+    need = parquet_need(parquet_strings(data, parquet_shape(data)))
+    if need <= psutil.virtual_memory().total // 2:  # (a machine that large would rightly take it)
+        pytest.skip(f"this machine's memory would fit the estimate ({need / 2**30:.0f} GiB)")
+    r = _put_parquet(serve_app, "pq-decoded", data)
+    assert r.status_code == 507, (r.status_code, r.text[:300])
+    error = r.json()["error"]
+    assert f"{rows:,} items" in error["message"] and "bytes of metadata" in error["message"], error
+    assert error.get("setting") == "write_memory_mb" and error["estimate_mb"] > rows * len(note) / 2**20, error
+    limit = MetadataLimits().max_item_bytes
+    r = _put_parquet(serve_app, "pq-decoded", _parquet({"ids": pa.array([[1000], [1001], [1002]], pa.list_(pa.int32())),
+                                                        "note": ["a", "b", "y" * limit]}))
+    assert r.status_code == 422, (r.status_code, r.text[:300])
+    error = r.json()["error"]
+    assert error.get("row") == 2 and error.get("limit_name") == "max_item_bytes", error
+    assert "row 2:" in error["message"] and f"max_item_bytes={limit}" in error["message"], error
+    _not_stored(serve_app, "pq-decoded")

@@ -111,7 +111,7 @@ def test_a_parquet_catalog_is_estimated_by_its_items_not_its_compressed_bytes(ma
         return out.getvalue()
 
     big = parquet(600_000)
-    assert parquet_shape(big) == (600_000, 1_800_000)
+    assert parquet_shape(big)[:2] == (600_000, 1_800_000)
     assert PEAK_PER_BODY_BYTE * len(big) < HEADROOM_MB * MIB < catalog_need(600_000, 1_800_000)  # bytes would pass
     files = _content_files(manager)
     error = _refused(manager.put_items("parquet-big", big, None, "parquet"), manager)
@@ -123,6 +123,68 @@ def test_a_parquet_catalog_is_estimated_by_its_items_not_its_compressed_bytes(ma
     manager.settings.write_memory_mb = held_bytes() // MIB + HEADROOM_MB  # (what the manager holds grew meanwhile)
     small = manager.run(manager.put_items("parquet-small", parquet(1_000), None, "parquet"))
     assert small["items"] == 1_000 and "parquet-small" in manager.scenarios.served
+
+
+def _parquet_notes(rows: int, note: str, odd: tuple[int, str] | None = None) -> bytes:
+    """A Parquet catalog of ``rows`` distinct 3-token items whose ``note`` is ``note`` (``odd``: one row's another)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from helpers import repeated_strings
+
+    ids = [[10 + i // 10_000, 10 + (i // 100) % 100, 10 + i % 100] for i in range(rows)]
+    table = pa.table({"ids": pa.array(ids, pa.list_(pa.int32())), "note": repeated_strings(rows, note, odd)})
+    out = io.BytesIO()
+    pq.write_table(table.replace_schema_metadata(
+        {"catalog": json.dumps({"start_token_id": ROOT, "end_token_id": END})}), out)
+    return out.getvalue()
+
+
+def test_a_parquet_catalog_is_estimated_by_its_strings_as_they_decode(manager):
+    """200,000 rows whose ``note`` is the same 4,000 bytes: a file of about 0.6 MB (one dictionary page) that decodes
+    to 800 MB of strings, read through 800 MB of NDJSON (it took the manager 4.7 GB). Its estimate counts each row's
+    string: with room for what its rows and ids alone would need, it is a 507 naming its metadata bytes, refused
+    before its columns are decoded (the manager's memory grows by far less than their 800 MB), nothing stored; as a
+    file named by path too. A row over the per-item metadata bound is a 422 naming it, before the read, the same."""
+    from deployments.manager.memory_guard import catalog_need
+    from helpers import resident_growth
+    from processors.kinds.tree.metadata import MetadataLimits
+
+    rows, note = 200_000, "x" * 4_000
+    data = _parquet_notes(rows, note)
+    assert len(data) < 2**20
+    trees = os.path.join(manager.settings.data_dir, "trees")
+    os.makedirs(trees, exist_ok=True)
+    with open(os.path.join(trees, "notes.parquet"), "wb") as handle:
+        handle.write(data)
+    files = _content_files(manager)
+    try:
+        manager.settings.write_memory_mb = held_bytes() // MIB + 1024
+        assert catalog_need(rows, 3 * rows) + len(data) < 1024 * MIB  # the rows and ids alone would pass
+        for call in (lambda: manager.put_items("notes", data, None, "parquet"),
+                     lambda: manager.put("notes", json.dumps({"type": "tree", "path": "notes.parquet"}).encode())):
+            error, grown = resident_growth(lambda: _refused(call(), manager))
+            assert f"{rows:,} items" in error.message and "bytes of metadata" in error.message, error.message
+            assert error.detail["estimate_mb"] > rows * len(note) / MIB, error.detail
+            assert grown < rows * len(note) // 4, grown  # (the column read as a dictionary: a few MB)
+        limit = MetadataLimits().max_item_bytes
+        over = _parquet_notes(rows, "s" * 100, (150_001, "y" * limit))
+        with pytest.raises(ServiceError) as refused:
+            manager.run(manager.put_items("notes", over, None, "parquet"))
+        assert refused.value.status == 422 and refused.value.detail["row"] == 150_001, refused.value.message
+        assert refused.value.detail["limit_name"] == "max_item_bytes", refused.value.message
+        assert f"max_item_bytes={limit}" in refused.value.message, refused.value.message
+        with pytest.raises(ServiceError) as missing:
+            manager.run(manager.get("notes"))
+        assert missing.value.status == 404
+        assert _content_files(manager) == files
+        small = manager.run(manager.put_items("notes", _parquet_notes(1_000, note), None, "parquet"))
+        assert small["items"] == 1_000
+        assert manager.run(manager.get("notes"))["scenario"]["metadata"]["note"]["values"] == {note: 1_000}
+    finally:
+        manager.settings.write_memory_mb = held_bytes() // MIB + HEADROOM_MB
 
 
 def test_a_patch_of_a_held_catalog_is_estimated_by_what_it_copies(manager):

@@ -9,6 +9,7 @@ import io
 import json
 import random
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -142,3 +143,126 @@ def test_a_file_with_metadata_takes_the_text_path_and_keeps_it():
     got = parquet_items(_parquet(table), vocab_size=VOCAB, max_items=10)
     assert got.meta is not None and got.content() == parse_catalog(
         _ndjson([([11, 12], {"region": "eu"}), ([13], {})]), vocab_size=VOCAB).content()
+
+
+# -- the header and ids the NDJSON form refuses; the metadata the memory estimate counts --------------------------
+from helpers import repeated_strings, resident_growth  # noqa: E402
+from processors.kinds.tree.parquet import parquet_shape, parquet_strings  # noqa: E402
+
+IDS = pa.array([[11, 12], [13]], pa.list_(pa.int32()))
+
+
+def _with_header(table: pa.Table, raw: str) -> bytes:
+    out = io.BytesIO()
+    pq.write_table(table.replace_schema_metadata({"catalog": raw}), out)
+    return out.getvalue()
+
+
+def test_a_null_id_inside_a_row_is_a_422_naming_the_row():
+    """``[[100, 200], [101, null, 201]]``: the list is there, one id in it is null (read as a number it became
+    -2^31, and the compile failed on it)."""
+    for typ in (pa.list_(pa.int64()), pa.large_list(pa.int32()), pa.list_(pa.int64(), 3)):
+        fixed = pa.types.is_fixed_size_list(typ)
+        rows = [[100, 200, 300], [101, None, 201]] if fixed else [[100, 200], [101, None, 201]]
+        data = _parquet(pa.table({"ids": pa.array(rows, typ)}))
+        for read in (lambda: parquet_items(data, vocab_size=VOCAB, max_items=10),
+                     lambda: parquet_catalog(data, max_items=10)):
+            with pytest.raises(ConstraintError) as err:
+                read()
+            assert err.value.status == 422 and err.value.detail == {"field": "parquet.ids", "row": 1}, err.value.message
+            assert err.value.message.startswith("parquet.ids: row 1: a null token id"), err.value.message
+
+
+@pytest.mark.parametrize("raw, field, says", [
+    ('{"start_token_id": 5, "end_token_id": 2, "x": ' + "[" * 200_000 + "]" * 200_000 + "}", "parquet.catalog",
+     "not JSON"),
+    ('{"start_token_id": 5, "end_token_id": 2, "x": NaN}', "parquet.catalog.x", "NaN is not a finite number"),
+    ('{"start_token_id": 5, "end_token_id": 2, "x": {"y": 1e999}}', "parquet.catalog.x.y", "overflows to infinity"),
+    ('{"start_token_id": 5, "end_token_id": 2, "end_token_id": 3}', "parquet.catalog", 'duplicate key "end_token_id"'),
+])
+def test_the_header_is_read_by_the_strict_parser_of_the_ndjson_header(raw, field, says):
+    """A header nested 200,000 deep, with NaN or 1e999 (500s before) or a key given twice (stored with its last
+    value) is a 422 naming ``parquet.catalog``, as the same header line of an NDJSON upload is."""
+    data = _with_header(pa.table({"ids": IDS}), raw)
+    with pytest.raises(ConstraintError) as err:
+        parquet_items(data, vocab_size=VOCAB, max_items=10)
+    assert err.value.status == 422 and err.value.detail["field"] == field, err.value.message
+    assert err.value.message.startswith(f"{field}: ") and says in err.value.message, err.value.message
+    with pytest.raises(ConstraintError) as ndjson:
+        parse_catalog((raw + "\n[11, 12]\n[13]\n").encode(), vocab_size=VOCAB)
+    assert ndjson.value.status == 422 and ndjson.value.detail["field"].startswith("header"), ndjson.value.message
+
+
+def test_a_dictionary_value_counts_once_per_row_that_holds_it():
+    """200,000 rows whose ``note`` is the same 4,000 bytes: a file of well under 1 MB whose strings decode to
+    800 MB. The footer counts them at their size in the file (one dictionary page); :func:`parquet_strings` counts
+    them as they decode (each row's), reading the column as a dictionary: its memory does not grow by the 800 MB."""
+    rows, value = 200_000, "x" * 4_000
+    table = pa.table({"ids": pa.chunked_array([pa.array([[11, 12]] * rows, pa.list_(pa.int32()))]),
+                      "note": repeated_strings(rows, value), "stock": pa.array(np.arange(rows) % 10)})
+    data = _parquet(table)
+    del table
+    assert len(data) < 2**20
+    shape = parquet_shape(data)
+    assert (shape.rows, shape.ids, shape.values, shape.strings) == (rows, 2 * rows, 2 * rows, (1,))
+    assert shape.string_bytes < 2**20  # the footer: the dictionary page, once
+    decoded, grown = resident_growth(lambda: parquet_strings(data, shape))
+    assert decoded.string_bytes == rows * len(value)
+    assert decoded.metadata_bytes >= rows * len(json.dumps({"note": value, "stock": 1}, separators=(",", ":")))
+    assert grown < rows * len(value) // 4, grown  # (read as a dictionary: a few MB)
+
+
+def test_the_strings_and_lists_are_counted_as_their_json_and_the_per_item_bound_holds_per_row():
+    """``parquet_strings`` counts each row's strings and lists as their JSON text: a row at the per-item metadata
+    bound (4,096 bytes as JSON, ``MetadataLimits.max_item_bytes``) passes it and the NDJSON parse; one byte over,
+    it is a 422 naming the row and the limit before the file is read, where the parse of the NDJSON it spells
+    refuses the same item."""
+    from processors.kinds.tree.metadata import MetadataLimits
+
+    limit = MetadataLimits().max_item_bytes
+    rng = random.Random(7)
+    tags = [rng.choice([None, [], ["a"], ["é", "bb"]]) for _ in range(300)]
+    regions = [rng.choice([None, "eu", "ünder"]) for _ in range(300)]
+    table = pa.table({"ids": pa.array([[10 + i // 30, 10 + i % 30] for i in range(300)], pa.list_(pa.int32())),
+                      "region": regions, "tags": pa.array(tags, pa.list_(pa.string()))})
+    data = _parquet(table)
+    strings = [len((r or "").encode()) for r in regions] + [len(t.encode()) for tag in tags for t in (tag or [])]
+    assert parquet_strings(data, parquet_shape(data)).string_bytes == sum(strings)
+
+    def file(note: str) -> bytes:
+        notes = ["n"] * 5
+        notes[3] = note
+        return _parquet(pa.table({"ids": pa.array([[11 + i] for i in range(5)], pa.list_(pa.int32())),
+                                  "note": notes, "tags": pa.array([["a", "bb"]] * 5, pa.list_(pa.string()))}))
+
+    fixed = len(json.dumps({"note": "", "tags": ["a", "bb"]}, separators=(",", ":")))
+    at_limit = "é" * ((limit - fixed) // 2) + "x" * ((limit - fixed) % 2)  # (UTF-8 bytes count, as in NDJSON)
+    assert len(json.dumps({"note": at_limit, "tags": ["a", "bb"]}, separators=(",", ":"),
+                          ensure_ascii=False).encode()) == limit
+    data = file(at_limit)
+    parquet_strings(data, parquet_shape(data))
+    assert parquet_items(data, vocab_size=VOCAB, max_items=10).meta[3] is not None
+    data = file(at_limit + "x")
+    with pytest.raises(ConstraintError) as err:
+        parquet_strings(data, parquet_shape(data))
+    assert err.value.status == 422 and err.value.detail == {
+        "field": "parquet", "row": 3, "limit_name": "max_item_bytes", "limit": limit}, err.value.message
+    assert "row 3:" in err.value.message and f"{limit + 1:,} bytes" in err.value.message, err.value.message
+    with pytest.raises(ConstraintError) as ndjson:
+        parquet_items(data, vocab_size=VOCAB, max_items=10)
+    assert ndjson.value.detail["limit_name"] == "max_item_bytes" and ndjson.value.detail["item"] == 3
+
+
+def test_a_row_over_the_per_item_bound_is_refused_without_reading_the_strings_per_row():
+    """200,000 rows of a short ``note`` and one of 5,000 bytes (over the per-item bound): a 422 naming that row,
+    the column read as a dictionary (no 200,000 strings made)."""
+    rows, odd = 200_000, 123_456
+    table = pa.table({"ids": pa.chunked_array([pa.array([[11, 12]] * rows, pa.list_(pa.int32()))]),
+                      "note": repeated_strings(rows, "s" * 1_000, (odd, "y" * 5_000))})
+    data = _parquet(table)
+    del table
+    with pytest.raises(ConstraintError) as err:
+        parquet_strings(data, parquet_shape(data))
+    assert err.value.status == 422 and err.value.detail["row"] == odd, err.value.message
+    assert err.value.detail["limit_name"] == "max_item_bytes", err.value.message
+    assert err.value.message.startswith(f"parquet: row {odd}: its metadata is at least 5,011 bytes"), err.value.message
