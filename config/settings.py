@@ -95,6 +95,12 @@ class Limits(BaseModel):
         "max_regex_length and max_regex_repeat too.",
     )
     max_json_depth: int = Field(default=64, ge=4, description="Deepest nesting of a JSON request body.")
+    max_description_bytes: int = Field(
+        default=4096, ge=16,
+        description="Longest description of a scenario (UTF-8), every kind, whether given in a JSON body, an "
+                    "NDJSON catalog's header line or a Parquet catalog's header: it is stored with the scenario "
+                    "and every GET of it gives it back.",
+    )
     compile_timeout_s: float = Field(
         default=60.0, gt=0, allow_inf_nan=False,
         description="Longest time a scenario may take to compile. A JSON-schema or regex grammar is built in a "
@@ -124,6 +130,16 @@ class Limits(BaseModel):
         max_new = body.get("max_new_tokens")
         if isinstance(max_new, int) and not isinstance(max_new, bool) and max_new > self.max_new_tokens:
             raise LimitExceeded("max_new_tokens", str(max_new), "max_new_tokens", self.max_new_tokens)
+
+    def check_description(self, body: Mapping[str, Any]) -> None:
+        """Raise :class:`LimitExceeded` when a scenario body's ``description`` (a string; other types are left to
+        validation) is longer than ``max_description_bytes`` (UTF-8)."""
+        description = body.get("description")
+        if isinstance(description, str):
+            size = len(description.encode("utf-8", "surrogatepass"))
+            if size > self.max_description_bytes:
+                raise LimitExceeded("description", f"{size} bytes", "max_description_bytes",
+                                    self.max_description_bytes)
 
     def check_labels(self, count: int, field: str = "labels") -> None:
         """Raise :class:`LimitExceeded` when a label set has more than ``max_labels`` labels."""

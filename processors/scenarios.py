@@ -134,7 +134,8 @@ def check_limits(body: Any, limits: Limits) -> Any:
     """The cheap limit checks of a raw scenario body (before validation; wrongly typed fields are left to
     validation): those of its kind (the config model's :meth:`~config.ScenarioBase.check_limits`: label count,
     inline tree keys, schema nesting and size, regex length and repetition, also of the patterns in a schema),
-    then the scenario's own ``max_new_tokens`` (:meth:`config.Limits.check_max_new_tokens`). A tree given as a
+    then the scenario's ``description`` (:meth:`config.Limits.check_description`, every kind) and its own
+    ``max_new_tokens`` (:meth:`config.Limits.check_max_new_tokens`). A tree given as a
     ``path`` is counted when it is loaded (:meth:`config.Limits.check_tree_keys`). Returns what the kind's check
     built for the validation of this body to reuse (:func:`validate_scenario_body`'s ``prepared``), or None.
 
@@ -145,6 +146,7 @@ def check_limits(body: Any, limits: Limits) -> Any:
         return None
     model = scenario_model(body.get("type"))
     prepared = model.check_limits(body, limits) if model is not None else None
+    limits.check_description(body)
     limits.check_max_new_tokens(body)
     return prepared
 

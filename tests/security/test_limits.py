@@ -57,6 +57,7 @@ COVERED = {
     "max_regex_repeat": ["test_regex_repeat", "test_regex_repeat_measure", "test_grammar_limits"],
     "max_grammar_bytes": ["test_grammar_limits"],  # more in tests/unit/test_grammar_kind.py
     "max_json_depth": ["test_json_depth"],
+    "max_description_bytes": ["test_description_bytes"],  # more in tests/unit/test_scenarios.py
     "compile_timeout_s": ["test_compile_timeout"],
     "compile_memory_mb": ["test_compile_memory"],  # more in tests/security/test_compile_bounds.py
 }
@@ -279,6 +280,50 @@ def test_upload_size_in_process(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- scenario limits (live)
+
+
+def test_description_bytes(live, tokenizer):
+    """A scenario's description is bounded by max_description_bytes (UTF-8) however it is given: a JSON body, an
+    NDJSON catalog's header line, a Parquet catalog's header (its metadata under ``catalog``). One byte over is a
+    422 naming description and the limit, nothing stored; at the limit it is stored and GET gives it back."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from deployments.examples import chat_root_token_id
+
+    limit = DEFAULTS.max_description_bytes
+    ids = tokenizer.encode(" yes", add_special_tokens=False)
+    head = {"start_token_id": chat_root_token_id(tokenizer), "end_token_id": tokenizer.eos_token_id}
+
+    def parquet(header: dict) -> bytes:
+        sink = io.BytesIO()
+        pq.write_table(pa.table({"ids": pa.array([ids], pa.list_(pa.int32()))})
+                       .replace_schema_metadata({"catalog": json.dumps(header)}), sink)
+        return sink.getvalue()
+
+    bodies = {
+        "application/json": lambda d: json.dumps({**LABELS, "description": d}).encode(),
+        "application/x-ndjson": lambda d: (json.dumps({**head, "description": d}) + "\n" + json.dumps(ids)
+                                           + "\n").encode(),
+        "application/vnd.apache.parquet": lambda d: parquet({**head, "description": d}),
+    }
+    for i, (kind, body) in enumerate(bodies.items()):
+        name = f"sec-lim-d{i}"
+        url = f"{live.url}/admin/scenarios/{name}"
+        headers = {**live.admin, "Content-Type": kind}
+        over = "\u00e9" * (limit // 2) + "x"  # limit + 1 bytes, fewer characters
+        r = requests.put(url, data=body(over), headers=headers, timeout=TIMEOUT)
+        error = _refused(r, 422, "max_description_bytes", "description")
+        assert error["field"] == "description" and error["limit"] == limit, (kind, error)
+        assert f"description: {limit + 1} bytes" in error["message"], (kind, error)
+        assert _history(live, name)[0] == 404, kind
+        r = requests.put(url, data=body("d" * limit), headers=headers, timeout=TIMEOUT)
+        assert r.status_code == 200, (kind, r.text[:500])
+        got = requests.get(url, headers=live.admin, timeout=TIMEOUT).json()["scenario"]
+        assert got["description"] == "d" * limit, kind
+        assert requests.delete(url, headers=live.admin, timeout=TIMEOUT).status_code == 200
 
 
 def test_labels_live(live):

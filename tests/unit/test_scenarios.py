@@ -328,3 +328,50 @@ def test_scenario_types_name_every_member_of_the_union():
 
     members = typing.get_args(typing.get_args(Scenario)[0])
     assert tuple(typing.get_args(m.model_fields["type"].annotation)[0] for m in members) == SCENARIO_TYPES
+
+
+# -- the description's bound ------------------------------------------------------------------------------------
+
+DESCRIBED = {
+    "tree": {"type": "tree", "tree": TREE},
+    "labels": {"type": "labels", "labels": ["yes", "no"]},
+    "json_schema": {"type": "json_schema", "schema": {"enum": ["yes", "no"]}},
+    "json": {"type": "json"},
+    "regex": {"type": "regex", "pattern": "(yes|no)"},
+    "grammar": {"type": "grammar", "grammar": 'start: "yes" | "no"'},
+    "tools": {"type": "tools", "tools": [{"type": "function", "function": {"name": "ping"}}]},
+}
+
+
+def test_every_kind_has_a_body_for_the_description_bound():
+    from processors.scenarios import SCENARIO_TYPES
+
+    assert tuple(DESCRIBED) == SCENARIO_TYPES
+
+
+@pytest.mark.parametrize("kind", list(DESCRIBED))
+def test_a_description_past_max_description_bytes_is_refused_naming_it(kind):
+    """Every kind: a description of max_description_bytes (UTF-8) passes, one byte more is a limit error naming
+    the field and the limit (a 422 at the HTTP edge), counted in bytes, not characters."""
+    from config import Limits, ScenarioError
+    from processors.scenarios import parse_scenario
+
+    limits = Limits(max_description_bytes=32)
+    at = "\u00e9" * 16  # 16 characters, 32 bytes
+    assert parse_scenario({**DESCRIBED[kind], "description": at}, limits).description == at
+    with pytest.raises(ScenarioError) as excinfo:
+        parse_scenario({**DESCRIBED[kind], "description": at + "x"}, limits)
+    error = excinfo.value
+    assert (error.kind, error.field, ScenarioError.STATUS[error.kind]) == ("limit", "description", 422)
+    assert error.detail["limit_name"] == "max_description_bytes" and error.detail["limit"] == 32
+    assert error.message == "description: 33 bytes exceeds the limit max_description_bytes=32", error.message
+
+
+def test_a_20_mib_description_is_refused_by_default():
+    from config import Limits, ScenarioError
+    from processors.scenarios import parse_scenario
+
+    limits = Limits()
+    with pytest.raises(ScenarioError, match=f"max_description_bytes={limits.max_description_bytes}"):
+        parse_scenario({**DESCRIBED["labels"], "description": "x" * (20 << 20)}, limits)
+    assert parse_scenario({**DESCRIBED["labels"], "description": "x" * limits.max_description_bytes}, limits)
