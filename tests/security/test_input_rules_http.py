@@ -115,6 +115,55 @@ def test_booleans_are_not_integers(serve_app):
     _refused(_post(app, "/v1/completions", '{"prompt": "x", "max_tokens": true}'), "max_tokens")
 
 
+LONG = "k" * 100_000  # a client's field name of 100 KB
+SHOWN = "k" * 63 + "...(100000 characters)"  # how an error repeats it (its first 64 characters: config/echo.py)
+
+
+def _echoed_bounded(r: requests.Response, status: int, *words: str) -> None:
+    """The error names the long field by its first 64 characters and its length, and stays small (the name once
+    or twice in the message and the detail, not 100 KB each)."""
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    assert len(r.content) < 2048, (len(r.content), r.text[:300])
+    error = r.json()["error"]
+    assert SHOWN in error["message"], error["message"][:300]
+    for word in words:
+        assert word in error["message"], error["message"][:300]
+
+
+def test_a_100_kb_field_name_is_repeated_bounded_in_every_error(serve_app, tokenizer):
+    """A 100 KB key where the service refuses it: the request's body (an unknown field: pydantic at the ingress; a
+    NaN under it and the key given twice: the strict-JSON parse; an unknown OpenAI field), a request's filter
+    (read against the catalog's fields in a model replica), a scenario body and a catalog header (the manager), a
+    one-off JSON schema (its schema check)."""
+    from deployments.examples import chat_root_token_id
+
+    app = serve_app
+    _echoed_bounded(_post(app, "/v1/generate", json.dumps({"prompt": "x", LONG: 1})), 422, "Extra inputs")
+    _echoed_bounded(_post(app, "/v1/generate", '{"prompt": "x", "m": {"%s": NaN}}' % LONG), 422, "m." + "k" * 64 + "...", "finite")
+    _echoed_bounded(_post(app, "/v1/generate", '{"prompt": "x", "%s": 1, "%s": 2}' % (LONG, LONG)), 422, "duplicate")
+    _echoed_bounded(_post(app, "/v1/chat/completions", CHAT % f'"{LONG}": 1'), 400, "unknown field")
+    many = _post(app, "/v1/chat/completions", CHAT % ", ".join(f'"u{i}": 1' for i in range(5000)))
+    assert many.status_code == 400 and len(many.content) < 2048 and "(and 4980 more)" in many.text, many.text[:300]
+    head = {"start_token_id": chat_root_token_id(tokenizer), "end_token_id": tokenizer.eos_token_id}
+    catalog = "\n".join([json.dumps(head), json.dumps({"ids": [1000], "metadata": {"region": "eu"}}), ""])
+    r = requests.put(f"{app.url}/admin/scenarios/sec-echo", data=catalog, timeout=TIMEOUT,
+                     headers={**app.admin, "Content-Type": "application/x-ndjson"})
+    assert r.status_code == 200, r.text
+    ask = {"scenario": "sec-echo", "prompt": "x", "max_new_tokens": 2}
+    _echoed_bounded(_post(app, "/v1/generate", json.dumps({**ask, "filter": {LONG: "eu"}})), 422,
+                    "filter." + "k" * 64 + "...", "unknown metadata field")
+    _echoed_bounded(_post(app, "/v1/generate", json.dumps({**ask, "filter": {"region": {"$" + LONG[1:]: 1}}})), 422,
+                    "unknown operator")
+    _echoed_bounded(_put(app, "sec-echo-2", json.dumps({**LABELS, LONG: 1})), 422, "Extra inputs")
+    r = requests.put(f"{app.url}/admin/scenarios/sec-echo-2", data=catalog.replace("}", f', "{LONG}": 1}}', 1),
+                     timeout=TIMEOUT, headers={**app.admin, "Content-Type": "application/x-ndjson"})
+    _echoed_bounded(r, 422, "Extra inputs")
+    _not_stored(app, "sec-echo-2")
+    schema = {"type": "object", "properties": {LONG: {"type": 5}}}
+    _echoed_bounded(_post(app, "/v1/chat/completions", CHAT % '"response_format": %s' % json.dumps(
+        {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})), 422, "properties/" + "k" * 64 + "...")
+
+
 def test_duplicate_keys_in_an_inline_tree_are_refused(serve_app):
     raw = ('{"type": "tree", "tree": {"start_token_id": 1, "end_token_id": 2, '
            '"prefix_dict": {"1": [3], "1_3": [2], "1": [4]}}}')

@@ -68,6 +68,7 @@ FILTERS = [
     {"region": "eu", "stock": {"$gt": 3}},
     {"$or": [{"tags": {"$in": ["sale"]}}, {"stock": {"$lte": 0}}], "region": {"$ne": "us"}},
     {"tags": {"$nin": ["sale", "new"]}, "stock": {"$gte": 2, "$lt": 5}},
+    {"tags": {"$contains": "eco"}, "region": {"$not_contains": "apac"}},  # Chroma's names for list fields
 ]
 
 
@@ -145,6 +146,35 @@ def test_bad_filters_are_422_naming_the_field(serve_app, catalog, flt, field, wo
     error = r.json()["error"]
     named = error.get("field") or error["errors"][0]["field"]  # (a type error of the body: its list of errors)
     assert named.startswith(field) and words in error["message"], error
+
+
+@pytest.mark.parametrize("flt, field", [
+    ('{"stock": {"$gt": 1%s}}', "filter.stock.$gt"),
+    ('{"stock": -1%s}', "filter.stock"),
+    ('{"stock": {"$in": [1, 1%s]}}', "filter.stock.$in[1]"),
+    ('{"$or": [{"region": "eu"}, {"stock": {"$eq": -1%s}}]}', "filter.$or[1].stock.$eq"),
+])
+def test_an_integer_past_the_largest_float_is_a_422_naming_its_path(serve_app, tokenizer, catalog, flt, field):
+    """A 400-digit integer (JSON allows it; no float holds it) as a bound, an $eq value or in an $in, positive or
+    negative: a 422 naming its path, as 1e309 is (it was an OverflowError in the replica, a 500); in a stored
+    default filter, a 422 naming filter at the PUT, nothing stored."""
+    name, items = catalog
+    body = '{"scenario": %s, "prompt": "Item:", "filter": %s}' % (json.dumps(name), flt % ("0" * 400))
+    r = requests.post(f"{serve_app.url}/v1/generate", data=body, timeout=120,
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == 422, r.text[:300]
+    error = r.json()["error"]
+    assert error["field"] == field and "past the largest float" in error["message"], error
+    head = {"start_token_id": chat_root_token_id(tokenizer), "end_token_id": tokenizer.eos_token_id}
+    text = json.dumps({**head, "filter": "DEFAULT"}).replace('"DEFAULT"', flt % ("0" * 400))
+    lines = [text] + [json.dumps({"ids": list(ids), "metadata": meta}) for ids, meta in list(items.items())[:4]]
+    fresh = f"flt-{uuid.uuid4().hex[:8]}"
+    r = requests.put(f"{serve_app.url}/admin/scenarios/{fresh}", data="\n".join(lines) + "\n", timeout=240,
+                     headers={**serve_app.admin, "Content-Type": "application/x-ndjson"})
+    assert r.status_code == 422 and "past the largest float" in r.json()["error"]["message"], r.text[:300]
+    assert r.json()["error"]["field"] == "filter", r.text[:300]
+    assert requests.get(f"{serve_app.url}/admin/scenarios/{fresh}", headers=serve_app.admin,
+                        timeout=30).status_code == 404
 
 
 def test_filter_refusals_of_counts_and_kinds(serve_app, catalog):
