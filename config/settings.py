@@ -36,6 +36,15 @@ class Limits(BaseModel):
                     "in parts of 16 MiB, spooled to a file under data_dir and mapped there, so no process holds it "
                     "whole; the manager's write_memory_mb still bounds what its compile may take.",
     )
+    upload_part_timeout_s: float = Field(
+        default=30.0, gt=0, allow_inf_nan=False,
+        description="Longest time the ingress waits for each 16 MiB part of a catalog upload to arrive (an upload "
+                    "of one part or less: its whole body), the manager's time with the part before it not counted; "
+                    "past it the upload is a 408 and dropped, its spool file removed, so a client that stalls holds "
+                    "one of the 4 uploads under way for this long at most. A client must so send at least 16 MiB "
+                    "in each such time (the default: about 0.56 MB/s); request_timeout_s still bounds the whole "
+                    "request.",
+    )
     max_prompt_tokens: int = Field(default=4096, ge=1, description="Longest prompt, in tokens.")
     max_new_tokens: int = Field(default=1024, ge=1, description="Largest max_new_tokens a request may ask for.")
     default_max_new_tokens: int = Field(default=64, ge=1, description="max_new_tokens when neither request nor scenario sets it.")

@@ -1,8 +1,8 @@
 """Small helpers shared by every test tier (unit, integration, serve, security, faults and the vLLM tier): a free
 port, a chat body, the prompt ids of a chat, polling until a condition holds, the ``openai`` client on a running
-app, how much a call grew this process's memory, a long string column that costs little memory. Imported as
-``helpers``: pytest puts ``tests/`` on ``sys.path`` for ``tests/conftest.py`` (no ``__init__.py``); a script started
-in its own process (``tests/faults/two_nodes.py``) puts it there itself.
+app, how much a call grew this process's memory, a long string column that costs little memory, the HTTP answer
+a raw-socket client reads. Imported as ``helpers``: pytest puts ``tests/`` on ``sys.path`` for ``tests/conftest.py``
+(no ``__init__.py``); a script started in its own process (``tests/faults/two_nodes.py``) puts it there itself.
 
 Nothing here imports the project or a heavy library at import time.
 """
@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["chat_prompt_ids", "free_port", "openai_client", "repeated_strings", "resident_growth", "user_messages",
-           "wait_until", "wait_until_async"]
+__all__ = ["chat_prompt_ids", "free_port", "http_answer", "openai_client", "repeated_strings", "resident_growth",
+           "user_messages", "wait_until", "wait_until_async"]
 
 
 _RAY_WORKER_PORTS_END = 20000  # Ray's worker ports are 10002-19999 by default
@@ -49,6 +49,23 @@ def free_port() -> int:
     with socket.socket() as s:  # (no such range here: any free port)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def http_answer(sock: socket.socket) -> tuple[bytes, bytes]:
+    """The status line and headers, and the body (by its Content-Length), of the HTTP answer read from ``sock`` (a
+    raw-socket client's: what came before the connection closed)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        piece = sock.recv(65536)
+        if not piece:
+            return data, b""
+        data += piece
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length and (piece := sock.recv(65536)):
+        body += piece
+    return head, body
 
 
 def user_messages(text: str) -> list[dict]:

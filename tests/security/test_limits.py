@@ -1,7 +1,8 @@
 """Every limit in ``config.Limits``: just over it is a clear 4xx whose message names the limit, just under passes.
 
-The shared Serve app runs with the default limits; where a default makes the test cheap the request goes there
-over HTTP (stored scenarios, one-off constraints of the OpenAI routes, generation parameters, the prompt).
+The shared Serve app runs with the default limits (but a short ``upload_part_timeout_s``); where a default makes
+the test cheap the request goes there over HTTP (stored scenarios, one-off constraints of the OpenAI routes,
+generation parameters, the prompt).
 Where the default would need a huge input or a slow run (100,000 labels, 2,000,000 tree keys, a compile timeout,
 a 4096-token prefill) or a configuration of its own (a small body limit), the check runs in-process with real
 components and small limits: the config manager with its embedded Redis and the real tokenizer, the ingress
@@ -36,6 +37,8 @@ TIMEOUT = 120
 COVERED = {
     "max_body_bytes": ["test_body_size_live", "test_body_size_in_process"],
     "max_upload_bytes": ["test_upload_size_in_process"],  # more in tests/unit/test_upload_spool.py
+    # more (four stalled uploads over Serve, the spool's places freed) in tests/serve/test_catalog_http.py
+    "upload_part_timeout_s": ["test_upload_part_timeout_in_process"],
     "max_prompt_tokens": ["test_prompt_tokens", "test_replica_limits"],
     "max_new_tokens": ["test_max_new_tokens", "test_scenario_max_new_tokens"],
     "default_max_new_tokens": ["test_replica_limits"],
@@ -277,6 +280,48 @@ def test_upload_size_in_process(tmp_path):
     r = client.put("/admin/scenarios/big", content=b" " * 4000,
                    headers={"Authorization": f"Bearer {token}", "content-type": "application/json"})
     assert r.status_code == 413 and "max_body_bytes=2048" in r.json()["error"]["message"], r.text
+
+
+def test_upload_part_timeout_in_process(tmp_path):
+    """A catalog upload whose body stops arriving is a 408 naming upload_part_timeout_s once the part it is sending
+    is past the limit: the real ingress app under a real HTTP server (uvicorn; TestClient reads a body on the
+    app's event loop, so a stalled one would stall the app), a short limit, a body of less than one part (sent
+    whole, so the manager is never reached: there is none here), chunked and with Content-Length, NDJSON and
+    Parquet. Four stalled uploads of more than one part over Serve, with the manager's spool:
+    tests/serve/test_catalog_http.py."""
+    import socket
+    import threading
+
+    import uvicorn
+    from helpers import free_port, http_answer, wait_until
+
+    from deployments.ingress import Ingress
+
+    token = "t" * 24
+    limit = 0.5
+    settings = ServerSettings(data_dir=str(tmp_path), admin_token=token, limits=Limits(upload_part_timeout_s=limit))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(Ingress(settings, None, None).http_app, host="127.0.0.1", port=port,
+                                           lifespan="off", log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, timeout=60, what="uvicorn started", interval=0.05)
+        for kind in ("application/x-ndjson", "application/vnd.apache.parquet"):
+            for framing in (b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % (1 << 20),
+                            b"Content-Length: 1048576\r\n\r\n"):
+                with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+                    sock.sendall(f"PUT /admin/scenarios/slow HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {token}"
+                                 f"\r\nContent-Type: {kind}\r\n".encode() + framing + b"x" * 1000)
+                    status, text = http_answer(sock)
+                assert status.split(b"\r\n")[0].split(b" ")[1:2] == [b"408"], (kind, framing, status, text[:300])
+                error = json.loads(text)["error"]
+                assert (error["limit_name"], error["limit"], error["field"]) == ("upload_part_timeout_s", limit,
+                                                                                 "body"), error
+                assert f"upload_part_timeout_s={limit:g}" in error["message"] and "1000 bytes" in error["message"]
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 # --------------------------------------------------------------------------------------------- scenario limits (live)

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 import requests
-from helpers import user_messages
+from helpers import http_answer, user_messages
 from serve_app import swap_under_load
 from test_admin_cli import _ok, cli
 
@@ -335,3 +335,76 @@ def test_a_catalog_larger_than_a_part_is_streamed_and_nothing_is_left_behind(ser
     assert os.listdir(spool) == []
     r = requests.get(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=30)
     assert r.json()["version"] == 2 and r.json()["scenario"]["items"] == len(items)
+
+
+def test_stalled_catalog_uploads_are_a_408_and_free_their_places(serve_app, tokenizer):
+    """Four clients that stall mid-upload (a chunk header that claims 32 MiB, more than one part of it sent, then
+    nothing) hold the 4 uploads under way, each with its spool file, until the next part is past
+    upload_part_timeout_s (short in the shared app): then each is answered 408 naming it, and its file is removed. A
+    client that stalls within its first part (no spool file: the body is sent whole) gets the same answer. A fifth
+    upload of more than one part then succeeds and serves exactly its items."""
+    import os
+    import socket
+    import time
+
+    import numpy as np
+    from serve_app import UPLOAD_PART_TIMEOUT_S
+
+    from deployments.manager.uploads import MAX_OPEN_UPLOADS, UPLOAD_PART_BYTES
+
+    rng = np.random.default_rng(5)
+    rows = np.unique(np.column_stack([rng.integers(10_000, 10_002, size=(420_000, 7)),
+                                      rng.integers(10_000, 40_000, size=420_000)]), axis=0)
+    head = {"start_token_id": chat_root_token_id(tokenizer), "end_token_id": tokenizer.eos_token_id,
+            "max_new_tokens": 16}
+    body = (json.dumps(head) + "\n" + "\n".join(json.dumps(r) for r in rows.tolist()) + "\n").encode()
+    stall_at = UPLOAD_PART_BYTES + (1 << 20)
+    assert len(body) > stall_at
+    spool = os.path.join(serve_app.data_dir, "uploads")
+    name = _name()
+
+    def stalled(size: int) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", serve_app.port), timeout=UPLOAD_PART_TIMEOUT_S + 120)
+        sock.sendall((f"PUT /admin/scenarios/{name} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      f"Authorization: {serve_app.admin['Authorization']}\r\nContent-Type: application/x-ndjson\r\n"
+                      "Transfer-Encoding: chunked\r\n\r\n").encode() + b"%x\r\n" % (32 << 20))
+        sock.sendall(body[:size])
+        return sock
+
+    clients = [stalled(stall_at) for _ in range(MAX_OPEN_UPLOADS)]
+    clients.append(stalled(1 << 20))
+    try:
+        deadline = time.monotonic() + 60
+        while len(os.listdir(spool)) < MAX_OPEN_UPLOADS and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(os.listdir(spool)) == MAX_OPEN_UPLOADS, os.listdir(spool)  # every place taken
+        for sock in clients:
+            status, text = http_answer(sock)
+            assert status.split(b"\r\n")[0].split(b" ")[1:2] == [b"408"], (status, text[:300])
+            error = json.loads(text)["error"]
+            assert error["limit_name"] == "upload_part_timeout_s" and error["limit"] == UPLOAD_PART_TIMEOUT_S, error
+            assert f"upload_part_timeout_s={UPLOAD_PART_TIMEOUT_S:g}" in error["message"], error
+    finally:
+        for sock in clients:
+            sock.close()
+    deadline = time.monotonic() + 60
+    while os.listdir(spool) and time.monotonic() < deadline:  # (drop_upload runs beside the answer)
+        time.sleep(0.1)
+    assert os.listdir(spool) == []
+    assert requests.get(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin,
+                        timeout=30).status_code == 404
+
+    def chunks(size: int = 1 << 20):
+        for i in range(0, len(body), size):
+            yield body[i:i + size]
+
+    r = put_catalog(serve_app, name, chunks())  # chunked, more than one part: it needs a place in the spool
+    assert r.status_code == 200, r.text[:500]
+    assert r.json() == {"name": name, "version": 1, "items": len(rows)}
+    assert os.listdir(spool) == []
+    items = {tuple(r) for r in rows.tolist()}
+    r = serve_app.generate({"scenario": name, "prompt": "Item:", "n": 4, "temperature": 1.5})
+    assert r.status_code == 200, r.text
+    for out in r.json()["outputs"]:
+        check_item(out, items, tokenizer.eos_token_id)
+    requests.delete(f"{serve_app.url}/admin/scenarios/{name}", headers=serve_app.admin, timeout=60)
