@@ -302,6 +302,13 @@ class Output(BaseModel):
         default=1, description="How many times this output was generated: a JSON output that failed validation "
                                "against its schema is generated again (json_regenerate_attempts).",
     )
+    score: float | None = Field(
+        default=None,
+        description="Beam search (num_beams > 1): the score the output was ranked by, outputs best first: the sum of "
+                    "its tokens' log-probabilities (the model's distribution masked by the constraint, the end token "
+                    "included) divided by its number of tokens; at most 0. HF generate's sequences_scores "
+                    "(length_penalty 1). null for sampled outputs.",
+    )
     # present only when they apply (think scenarios; logprobs asked for)
     reasoning_content: str | None = Field(
         default=None, exclude_if=_absent, description="Think scenarios: the thinking text (before the end marker)."

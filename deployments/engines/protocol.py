@@ -6,7 +6,8 @@ the engine answers with typed events, in this order per request:
 
 * :class:`TokenEvent` for each sampled token of output ``index`` (sampled rows: as they are produced; beam
   search: for the returned sequences once the search ends),
-* :class:`FinishedEvent` once per output (its tokens, ``finish_reason`` ``stop`` / ``length`` / ``error``),
+* :class:`FinishedEvent` once per output (its tokens, ``finish_reason`` ``stop`` / ``length`` / ``error``; beam
+  search: the ``score`` it was ranked by),
 * :class:`DoneEvent` last; or a single :class:`ErrorEvent` instead when the request failed as a whole.
 
 After a cancel, a request still waiting, prefilling or searching beams ends with ``ErrorEvent("cancelled")``;
@@ -111,6 +112,10 @@ class FinishedEvent:
     #: ``(token_id, logprob, [(token_id, logprob), ...])``, the distribution the token was sampled from (after the
     #: constraint's mask); the alternatives best first, masked tokens left out
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    #: beam search: the score the output was ranked by, the sum of its tokens' log-probabilities (of the model's
+    #: distribution, masked by the constraint; the end token included) divided by its length in tokens (HF
+    #: ``generate``'s ``sequences_scores`` at ``length_penalty`` 1); ``None`` for sampled outputs
+    score: float | None = None
 
 
 @dataclass(frozen=True)

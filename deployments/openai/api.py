@@ -375,10 +375,11 @@ def openai_response(result: GenerateResponse | dict[str, Any], *, chat: bool, mo
 
 def _add_output_fields(choices: list[dict[str, Any]], response: GenerateResponse) -> None:
     """Extra fields on each choice: ``attempts`` (how many times the output was generated: a JSON output that
-    failed validation against its schema is generated again) and, for an output that ended with
-    ``finish_reason: "error"``, its ``error``."""
+    failed validation against its schema is generated again), ``score`` (beam search: the score the output was
+    ranked by; ``None`` when sampled) and, for an output that ended with ``finish_reason: "error"``, its ``error``."""
     for choice, output in zip(choices, response.outputs):
         choice["attempts"] = output.attempts
+        choice["score"] = output.score
         if output.error is not None:
             choice["error"] = output.error
 

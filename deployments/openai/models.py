@@ -222,6 +222,8 @@ class CompletionChoice(BaseModel):
     attempts: int = Field(default=1, description="Extra field: how many times this output was generated (a JSON "
                                                  "output that fails its schema is generated again).")
     error: str | None = Field(default=None, description="Extra field: why an output ended with finish_reason error.")
+    score: float | None = Field(default=None, description="Extra field: num_beams > 1, the score the choice was ranked "
+                                                          "by (as /v1/generate's outputs' score); null when sampled.")
 
 
 class CompletionResponse(_OpenAIResponse):
@@ -245,6 +247,8 @@ class ChatChoice(BaseModel):
     attempts: int = Field(default=1, description="Extra field: how many times this output was generated (a JSON "
                                                  "output that fails its schema is generated again).")
     error: str | None = Field(default=None, description="Extra field: why an output ended with finish_reason error.")
+    score: float | None = Field(default=None, description="Extra field: num_beams > 1, the score the choice was ranked "
+                                                          "by (as /v1/generate's outputs' score); null when sampled.")
 
 
 class ChatCompletionResponse(_OpenAIResponse):

@@ -180,7 +180,7 @@ class CheckedRun:
                                                        f"{'s' if attempt > 1 else ''}{why}: {error}")
                     left -= 1
                     yield CheckedFinished(index, ev.token_ids, ev.finish_reason, ev.error, ev.fell_back,
-                                          logprobs=ev.logprobs, attempts=attempt)
+                                          logprobs=ev.logprobs, score=ev.score, attempts=attempt)
                 elif isinstance(ev, ErrorEvent):
                     if source is None:  # the request failed as a whole
                         yield ev
@@ -195,7 +195,7 @@ class CheckedRun:
                     yield CheckedFinished(source, previous.token_ids, "error",
                                           f"invalid output after {self.attempts[source]} attempts (the next attempt "
                                           f"failed: {ev.message}): {self.output_error(previous.token_ids)}",
-                                          previous.fell_back, logprobs=previous.logprobs,
+                                          previous.fell_back, logprobs=previous.logprobs, score=previous.score,
                                           attempts=self.attempts[source])
             yield DoneEvent()
         finally:

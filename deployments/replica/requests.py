@@ -10,6 +10,7 @@ What it asks of a scenario's kind goes through the kind's hooks (:class:`process
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from contextlib import aclosing
 from typing import Any, AsyncIterator
@@ -196,7 +197,7 @@ class RequestHandler:
             reasoning, answer = split_thinking(text, think.end) if think is not None else (None, None)
             outs.append(Output(
                 text=text, token_ids=ids, finish_reason=ev.finish_reason, error=ev.error,
-                attempts=getattr(ev, "attempts", 1),
+                attempts=getattr(ev, "attempts", 1), score=ev.score,
                 reasoning_content=reasoning, answer=answer,
             ))
         usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion, total_tokens=len(prompt_ids) + completion)
@@ -221,11 +222,15 @@ class RequestHandler:
             async for ev in events:
                 if isinstance(ev, TokenEvent) and stops.active:
                     stops.token(ev.index, ev.token_id, outputs)
-                    if len(outputs) == engine_request.n and not engine_logprobs:
-                        break  # every output ended (some by a stop string): cancel what still decodes
+                    # every output ended (some by a stop string): cancel what still decodes (a beam request has
+                    # nothing left to decode once its tokens come; its outputs' scores follow)
+                    if len(outputs) == engine_request.n and not engine_logprobs and engine_request.num_beams == 1:
+                        break
                 elif isinstance(ev, FinishedEvent):
                     engine_ends[ev.index] = ev
-                    outputs.setdefault(ev.index, ev)
+                    cut = outputs.setdefault(ev.index, ev)
+                    if cut is not ev and ev.score is not None:  # a beam cut by a stop string keeps its beam's score
+                        outputs[ev.index] = dataclasses.replace(cut, score=ev.score)
                 elif isinstance(ev, DoneEvent):
                     break
                 elif isinstance(ev, ErrorEvent):

@@ -162,6 +162,11 @@ def test_stop_seed_n_and_max_completion_tokens(client, model):
 def test_beams_in_the_extra_body(client, model):
     r = _chat(client, model, n=2, extra_body={"structured_outputs": {"choice": CHOICES}, "num_beams": 2})
     assert sorted(c.message.content for c in r.choices) == sorted(CHOICES)
+    # each choice carries the score it was ranked by (an extra field), best first; a sampled choice carries null
+    scores = [c.model_extra["score"] for c in r.choices]
+    assert all(isinstance(s, float) and s <= 0 for s in scores) and scores == sorted(scores, reverse=True), scores
+    sampled = _chat(client, model, n=2, temperature=1.0, extra_body={"structured_outputs": {"choice": CHOICES}})
+    assert [c.model_extra["score"] for c in sampled.choices] == [None, None]
 
 
 def test_think_scenario_reasoning_apart(client, model, serve_app):

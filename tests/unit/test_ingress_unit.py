@@ -331,8 +331,8 @@ def test_completions_mapping_and_shape(setup):
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and isinstance(body["created"], int)
     assert body["model"] == served_model_name(None)
     assert body["choices"] == [
-        {"index": 0, "text": "out0", "finish_reason": "stop", "logprobs": None, "attempts": 1, "error": None},
-        {"index": 1, "text": "out1", "finish_reason": "stop", "logprobs": None, "attempts": 1, "error": None},
+        {"index": 0, "text": "out0", "finish_reason": "stop", "logprobs": None, "attempts": 1, "error": None, "score": None},
+        {"index": 1, "text": "out1", "finish_reason": "stop", "logprobs": None, "attempts": 1, "error": None, "score": None},
     ]
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
     assert body["scenario"] == "sentiment" and body["scenario_version"] == 3
@@ -357,7 +357,7 @@ def test_chat_shape_and_messages(setup):
     body = resp.json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "out0", "reasoning_content": None},
-                                "finish_reason": "stop", "logprobs": None, "attempts": 1, "error": None}]
+                                "finish_reason": "stop", "logprobs": None, "attempts": 1, "error": None, "score": None}]
     assert set(body["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
 
 

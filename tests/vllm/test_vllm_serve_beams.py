@@ -90,6 +90,8 @@ def test_beam_requests_run_on_the_transformers_replica_and_the_rest_on_vllm(beam
     for out in outs:
         check_label(out, LABELS)
     assert len({o["text"] for o in outs}) == 4  # beams end on different sequences
+    scores = [o["score"] for o in outs]  # the transformers replica's beam scores, best first
+    assert all(isinstance(s, float) and s <= 0 for s in scores) and scores == sorted(scores, reverse=True), scores
     beams_after = beam_app.replica_stats("BeamReplica")
     assert beams_after != beams_before and beam_app.replica_stats("ModelReplica")["requests"] == vllm_before
 
@@ -97,6 +99,7 @@ def test_beam_requests_run_on_the_transformers_replica_and_the_rest_on_vllm(beam
     assert r.status_code == 200, r.text
     for out in r.json()["outputs"]:
         check_label(out, LABELS)
+        assert out["score"] is None  # sampled on vLLM: no beam score
     assert beam_app.replica_stats("ModelReplica")["requests"] == vllm_before + 1
     assert beam_app.replica_stats("BeamReplica") == beams_after
 
@@ -125,6 +128,8 @@ def test_openai_route_with_beams_is_routed_too(beam_app):
     assert r.status_code == 200, r.text
     texts = [c["text"].strip() for c in r.json()["choices"]]
     assert len(texts) == 3 and all(t in LABELS for t in texts), texts
+    scores = [c["score"] for c in r.json()["choices"]]
+    assert all(isinstance(s, float) for s in scores) and scores == sorted(scores, reverse=True), scores
 
 
 def test_without_beam_replicas_beams_stay_a_400_naming_the_setting(app):

@@ -146,8 +146,9 @@ class BeamSearch:
 
     @staticmethod
     def emit(job: Job, beams: Beams) -> None:
-        for index, (_, tokens, reason) in enumerate(beams.hyps[: job.n]):
+        """The best ``n`` ended hypotheses, best first, each with the normalized score it was ranked by."""
+        for index, (score, tokens, reason) in enumerate(beams.hyps[: job.n]):
             for t in tokens:
                 job.on_event(TokenEvent(index, t))
-            job.on_event(FinishedEvent(index, tokens, reason))
+            job.on_event(FinishedEvent(index, tokens, reason, score=score))
         job.on_event(DoneEvent())

@@ -72,7 +72,9 @@ class Row:
 
 
 class Beams:
-    """Ended hypotheses of one beam request: ``(normalized score, tokens, finish_reason)``."""
+    """Ended hypotheses of one beam request: ``(normalized score, tokens, finish_reason)``, best first. The normalized
+    score is the summed log-probability divided by the number of tokens, the end token included (HF beam search's
+    ``sequences_scores`` at ``length_penalty`` 1); the request's outputs report it (``FinishedEvent.score``)."""
 
     __slots__ = ("hyps",)
 
