@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Union, get_args
 
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
-from config.echo import shown_path
+from config.echo import SHOWN_NAMES, shown_path
 from config.limit_checks import LimitExceeded
 from config.scenario_base import ConstraintError, ScenarioBase, ScenarioError, read_scenario_file, scenario_to_dict
 from processors.kinds import kind_packages
@@ -161,7 +161,8 @@ def _join(parts: list[str]) -> str:
 
 def _invalid(body: Mapping[str, Any], error: ValidationError) -> ScenarioError:
     """One :class:`ScenarioError` for pydantic's errors: each names its field inside the body (a key the client gave
-    shown bounded, :func:`config.echo.shown_path`)."""
+    shown bounded, :func:`config.echo.shown_path`); the detail lists the first ``SHOWN_NAMES`` (``locs`` and the
+    message count them all)."""
     errors: list[dict[str, Any]] = []
     locs: list[tuple] = []
     parts: list[str] = []
@@ -176,7 +177,8 @@ def _invalid(body: Mapping[str, Any], error: ValidationError) -> ScenarioError:
         if err.get("type") == "union_tag_not_found":
             msg = (f"missing: a scenario body needs \"type\", one of {', '.join(SCENARIO_TYPES)} (a bare tree file "
                    "goes under \"tree\": {\"type\": \"tree\", \"tree\": {...}}; cs-admin put --tree does that)")
-        errors.append({"field": where or None, "message": msg})
+        if len(errors) < SHOWN_NAMES:
+            errors.append({"field": where or None, "message": msg})
         locs.append(loc)
         parts.append(f"{where}: {msg}" if where else msg)
     return ScenarioError("invalid", _join(parts), detail={"errors": errors}, locs=locs)
@@ -262,7 +264,7 @@ def field_error(error: ScenarioError, field: str, main: str | None) -> Constrain
             names = names[1:]
         where = f"{field}.{shown_path(names)}" if names else field
         parts.append(f"{where}: {item['message']}")
-    message = "; ".join(parts[:5]) + (f"; and {len(parts) - 5} more" if len(parts) > 5 else "")
+    message = "; ".join(parts[:5]) + (f"; and {len(error.locs) - 5} more" if len(error.locs) > 5 else "")
     return ConstraintError(status, message or f"{field}: {error.message}")
 
 

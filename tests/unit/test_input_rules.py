@@ -98,6 +98,48 @@ def test_field_prefix_and_invalid_json_left_to_the_caller():
     assert isinstance(error, ServiceError) and error.status == 422 and error.detail["field"] == "structured_outputs.json.a"
 
 
+# --------------------------------------------------------------------------------------------- echoed names
+
+LONG = "k" * 100_000
+
+
+def test_a_long_key_is_shown_bounded_in_paths_and_messages():
+    from config.echo import shown_name, shown_names
+
+    assert shown_name("stock") == "stock" and shown_name(3) == "3" and shown_name("k" * 64) == "k" * 64
+    assert shown_name(LONG) == "k" * 64 + "...(100000 characters)"
+    assert shown_names([f"u{i}" for i in range(25)]) == ([f"u{i}" for i in range(20)], " (and 5 more)")
+    assert shown_names(["a"]) == (["a"], "")
+    error = _rejected(('{"a": {"%s": NaN}}' % LONG).encode(), "a." + shown_name(LONG), "finite")
+    assert len(str(error)) < 200
+    error = _rejected(('{"%s": 1, "%s": 2}' % (LONG, LONG)).encode(), "body", "duplicate key")
+    assert len(str(error)) < 200
+
+
+def test_validation_errors_list_twenty_names_and_count_the_rest():
+    from deployments.openai.api import refuse_unsupported_fields, validation_error
+    from processors.scenarios import checked_one_off, parse_scenario
+    from config import ConstraintError, ScenarioError
+
+    with pytest.raises(ValidationError) as caught:
+        GenerateRequest.model_validate({"prompt": "x", LONG: 1, **{f"u{i}": 1 for i in range(500)}})
+    error = validation_error(caught.value.errors())
+    assert len(error.detail["errors"]) == 20 and "(and 496 more)" in error.message, error.message[-80:]
+    assert len(json.dumps(error.to_json())) < 4000
+    with pytest.raises(ServiceError) as refused:
+        refuse_unsupported_fields([LONG, *(f"u{i}" for i in range(500))], [])
+    assert len(refused.value.detail["fields"]) == 20 and "(and 481 more)" in refused.value.message
+    assert len(json.dumps(refused.value.to_json())) < 2000
+    with pytest.raises(ScenarioError) as invalid:
+        parse_scenario({"type": "labels", "labels": ["a"], LONG: 1, **{f"u{i}": 1 for i in range(500)}})
+    assert len(invalid.value.detail["errors"]) == 20 and "; and 496 more" in invalid.value.message
+    assert len(invalid.value.message) < 1000 and len(json.dumps(invalid.value.detail)) < 4000
+    with pytest.raises(ConstraintError) as one_off:  # a one-off constraint's errors, named as the client sent them
+        checked_one_off({"type": "json", LONG: 1, **{f"u{i}": 1 for i in range(500)}}, "response_format")
+    assert "response_format." + "k" * 64 + "..." in one_off.value.message and "; and 496 more" in one_off.value.message
+    assert len(one_off.value.message) < 1000
+
+
 # --------------------------------------------------------------------------------------------- models
 
 
