@@ -1,5 +1,5 @@
 #!/bin/bash
-# The refactor benches before and after a change in one sitting, interleaved (issue 30's constraint):
+# The refactor benches before and after a change in one sitting, interleaved, so that both sides see the same machine:
 #   bash bench/before_after.sh BEFORE_DIR AFTER_DIR   (two checkouts; run on a quiet machine, ~25 minutes)
 # Each checkout runs on this repository's .venv with PYTHONPATH set to it; logs go to /tmp/sit_<bench>_<side>.log.
 set -u

@@ -2,7 +2,7 @@
 checkout and another one (``--other DIR``, a checkout of an earlier commit) in one run.
 
 Each (checkout, size) runs in its own process (its RSS its own): a catalog of ``--items`` distinct random
-4-token semantic ids (256 codes per level, the issue's shape) is written as the NDJSON upload, parsed the way the
+4-token semantic ids (256 codes per level) is written as the NDJSON upload, parsed the way the
 manager parses a PUT (``parse_catalog``, then its canonical bytes, ``Catalog.content``), then ``--rounds`` chained
 PATCHes of ``--delta`` items (half new items added, half present ones removed) apply the delta to the item list
 (``apply_tree_delta``: what the manager's log calls the items step) and hash the new catalog's bytes (the bytes

@@ -22,7 +22,7 @@ the full compile), the delta applied to the base's tables along the changed path
 (``processors.kinds.tree.delta.patch_tables``, what it did before), and a full compile of the new items
 (``catalog_tables``), checked equal.
 
-Targets (issue 31): a PATCH of 2,000 items with p95 at most 0.3 s at 10^6 items and 0.5 s at 10^7, for both forms.
+Targets: a PATCH of 2,000 items with p95 at most 0.3 s at 10^6 items and 0.5 s at 10^7, for both forms.
 
     python bench/catalog_patch.py [--quick] [--items 270000,1000000] [--rounds 5] [--delta 2000]
         [--forms catalog,prefix_dict] [--replica-table-delta auto|always|never] [--no-put] [--first-patches 1]
@@ -47,7 +47,7 @@ from bench._serve import ServeBench, percentile  # noqa: E402
 VOCAB = 49_152
 END = 2
 REPLICAS = 2
-TARGETS_S = {1_000_000: 0.3, 10_000_000: 0.5}  # items -> PATCH p95 target (issue 31)
+TARGETS_S = {1_000_000: 0.3, 10_000_000: 0.5}  # items -> PATCH p95 target
 
 
 def make_items(n: int, seed: int) -> list[list[int]]:

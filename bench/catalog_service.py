@@ -1,5 +1,5 @@
 """A catalog at scale through the service: PUT of a Parquet catalog, PATCHes of 2,000 items, a 256-beam request, and
-the whole service's memory, 2 model replicas (issue 31's service columns for ``bench/catalog_scale.py``'s sizes).
+the whole service's memory, 2 model replicas (the service's side of ``bench/catalog_scale.py``'s sizes).
 
 For each ``--items`` size a Parquet file of random distinct 4-token semantic ids (``list<int32>``, 256 codes per
 level, each level its own token range; the header in the file's metadata) is written once and uploaded by

@@ -1,4 +1,4 @@
-"""Schema compliance with and without the constraint (seed 004's table, measured for real).
+"""Schema compliance with and without the constraint (valid JSON documents out of the same prompts, measured).
 
 At least 50 prompts ask SmolLM2-135M-Instruct for a JSON document matching a given schema (the
 schema is in the prompt). Each prompt is answered twice with the same sampling settings and seed:

@@ -14,7 +14,7 @@ processor starts on a new prompt.
 Timed with ``time.perf_counter_ns``, each step, on the same logits and the same allowed sets:
 
 * ``chain``: ``ConstrainedLogitsProcessor.__call__`` (advancing per-row state + masking);
-* ``naive``: seed 002's processor (walk a Python dict trie from the generated tokens, then
+* ``naive``: a naive per-token processor (walk a Python dict trie from the generated tokens, then
   ``masked = torch.full_like(scores, -inf); for tid in valid: masked[row, tid] = scores[row, tid]``),
   on every k-th step only (``--naive-steps`` samples);
 * ``llguidance``: ``llguidance.torch.apply_token_bitmask_inplace`` with the packed int32 bitmask of
@@ -61,7 +61,7 @@ CHAIN_MAX_FLOOR = 2.0
 NAIVE_MIN_SPEEDUP = 20.0
 
 
-# --------------------------------------------------------------------------- the naive processor (seed 002)
+# --------------------------------------------------------------------------- the naive processor
 
 
 class TrieNode:
@@ -73,7 +73,7 @@ class TrieNode:
 
 
 class NaiveTrie:
-    """Seed 002's trie, with the tree rule that a state with nothing allowed allows the end token."""
+    """A Python dict trie, with the tree rule that a state with nothing allowed allows the end token."""
 
     def __init__(self, end_token_id: int):
         self.root = TrieNode()
@@ -123,7 +123,7 @@ class NaiveTrie:
 
 
 class NaiveProcessor:
-    """Seed 002's ``TrieLogitsProcessor`` over a batch: one trie walk and one Python loop per row."""
+    """A naive trie ``LogitsProcessor`` over a batch: one trie walk and one Python loop per row."""
 
     def __init__(self, trie: NaiveTrie):
         self.trie = trie

@@ -1,6 +1,6 @@
 """Tree decode: a ``prefix -> candidate tokens`` map as a hard constraint.
 
-Semantics (docs/design.md "Tree file format", compatible with the production engine of seeds 000/001): the state starts
+Semantics (docs/design.md "Tree file format", compatible with RTP-LLM's tree decode): the state starts
 at the root key ``str(start_token_id)``; the allowed tokens are the state's candidates; after token
 ``t`` the state is ``state + sep + str(t)``. A state that is missing or has an empty list allows
 only the end token (the row *falls back*); after the end token the row is finished and its state

@@ -133,7 +133,7 @@ def _assert_tree_path(tree, ids):
 @pytest.fixture(scope="module")
 def tree_case(tokenizer):
     # The chat template's generation prompt ends with "assistant\n": its last token is the root,
-    # so append_start_token is a no-op, as seeds 000/001 require.
+    # so append_start_token is a no-op, as in RTP-LLM's tree decode.
     tree = build_phrase_tree(
         tokenizer,
         ["red apple", "red apple pie", "green pear", "blue sky at night", "yellow sun", "purple rain"],
