@@ -140,6 +140,23 @@ def test_validation_errors_list_twenty_names_and_count_the_rest():
     assert len(one_off.value.message) < 1000
 
 
+def test_a_schema_error_that_repeats_the_value_is_bounded():
+    """jsonschema's message repeats the offending value whole (a 100 KB key inside it): an error shows its first 300
+    characters and its length, for a one-off schema and a tool's parameters."""
+    from processors.scenarios import checked_one_off, parse_scenario
+    from config import ConstraintError, ScenarioError
+
+    schema = {"type": "object", "properties": {"a": {"type": {LONG: 1}}}}
+    with pytest.raises(ConstraintError) as one_off:
+        checked_one_off({"type": "json_schema", "schema": schema}, "response_format")
+    assert "invalid JSON Schema at properties/a/type" in one_off.value.message and len(one_off.value.message) < 500
+    assert one_off.value.message.endswith("characters)"), one_off.value.message[-80:]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    with pytest.raises(ScenarioError) as tool:
+        parse_scenario({"type": "tools", "tools": tools})
+    assert "tools[0].function.parameters" in tool.value.message and len(tool.value.message) < 500, tool.value.message[:200]
+
+
 # --------------------------------------------------------------------------------------------- models
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from config.echo import shown_path
+from config.echo import shown_message, shown_path
 from config.scenario_base import ScenarioBase
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class JsonSchemaScenario(ScenarioBase):
             validator_for(self.json_schema).check_schema(self.json_schema)
         except SchemaError as error:
             where = shown_path(error.absolute_path, "/") or "<root>"
-            raise ValueError(f"schema: invalid JSON Schema at {where}: {error.message}") from None
+            raise ValueError(f"schema: invalid JSON Schema at {where}: {shown_message(error.message)}") from None
         except RecursionError:  # the checker recurses per level; servers bound the depth first (Limits)
             raise ValueError("schema: nested too deeply to check") from None
         return self

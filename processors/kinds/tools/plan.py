@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from config.echo import shown_path
+from config.echo import shown_message, shown_path
 from config.limit_checks import LimitExceeded
 from config.scenario_base import ConstraintError, ScenarioError, scenario_to_dict
 from processors.kinds.json_schema.spec import JsonSchemaScenario
@@ -194,7 +194,7 @@ def _check_in_call_dialect(params: dict[str, Any], where: str) -> None:
         Draft202012Validator.check_schema(params)
     except SchemaError as error:
         path = shown_path(error.absolute_path, "/") or "<root>"
-        raise _bad(where, f"schema: invalid JSON Schema at {path}: {error.message}", 422) from None
+        raise _bad(where, f"schema: invalid JSON Schema at {path}: {shown_message(error.message)}", 422) from None
 
 
 def _call_scenario(schema: dict[str, Any], field: str, limits: Limits | None) -> dict[str, Any]:
