@@ -25,7 +25,7 @@ import numpy as np
 from .base import Cursor, as_ids
 from .compile_worker import build_grammar
 from .masks import ALLOW, BITMASK, Step, bitmask_words
-from .schema_check import admits_repeated_keys, relax_schema, validator_for_schema
+from .schema_check import admits_repeated_keys, grammar_schema, validator_for_schema
 from .tables import content_hash
 from .tokenizer_info import TokenizerInfo
 
@@ -126,8 +126,10 @@ def compile_json_schema(schema: dict | None, tokenizer, *, eos_token_id: int, wo
     """Compile a JSON schema (``None`` or ``{}``: any JSON value) into a :class:`GrammarSpec`.
 
     The grammar is the schema's closest enforceable relaxation (``processors.schema_check``): keywords the
-    grammar library refuses are left out of it and listed in :attr:`GrammarSpec.unenforced`; finished outputs
-    are validated against the schema as written (:meth:`GrammarSpec.output_error`).
+    grammar library refuses are left out of it and listed in :attr:`GrammarSpec.unenforced`; an object schema
+    that declares its keys and says nothing of others generates only those
+    (:func:`~processors.schema_check.close_objects`); finished outputs are validated against the schema as written
+    (:meth:`GrammarSpec.output_error`).
 
     ``worker``: a :class:`~processors.compile_worker.GrammarWorker` to build and check the grammar in its
     process, within its time and memory limits; ``None``: in this process, unbounded.
@@ -137,7 +139,7 @@ def compile_json_schema(schema: dict | None, tokenizer, *, eos_token_id: int, wo
     grammar, notes = _grammar("json_schema", json.dumps(schema or {}), info, worker)
     return GrammarSpec(kind=kind, grammar=grammar, eos_token_id=int(eos_token_id), vocab_size=info.vocab_size,
                        schema=json.dumps(schema) if schema else None, unenforced=tuple(notes), validates=True,
-                       repeatable_keys=admits_repeated_keys(relax_schema(schema)[0] if schema else None))
+                       repeatable_keys=admits_repeated_keys(grammar_schema(schema)[0] if schema else None))
 
 
 def compile_regex(pattern: str, tokenizer, *, eos_token_id: int, worker=None) -> GrammarSpec:

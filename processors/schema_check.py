@@ -6,10 +6,14 @@ llguidance compiles a large part of JSON Schema into a grammar, but refuses some
 overlapping ``patternProperties`` and some ``multipleOf`` values; and its objects may repeat a key that no
 ``properties`` entry declares, so ``{"b":1,"b":2}`` passes ``minProperties: 2``.
 
-Two halves:
+The compile side (stdlib only: the grammar worker process imports this file on its own, without the package) in
+two steps, then the serving side:
 
-* :func:`relax_schema` (the compile side, stdlib only: the grammar worker process imports this file on its own,
-  without the package) turns a schema into the closest one the grammar library compiles: it removes or weakens
+* :func:`close_objects` gives each object schema that declares its keys and says nothing of others
+  ``additionalProperties: false`` where that is sound, so the grammar generates only declared keys (as xgrammar's
+  strict mode and OpenAI's function calling do): the one change that narrows what the grammar accepts, always to
+  outputs valid under the schema as written.
+* :func:`relax_schema` turns a schema into the closest one the grammar library compiles: it removes or weakens
   only what cannot be enforced (every removal makes the set of accepted documents larger, never smaller) and
   says what it changed, one note per keyword and place (``not at #/properties/a``). A schema that needed no note
   is enforced exactly by its grammar, apart from repeated undeclared keys.
@@ -32,7 +36,9 @@ __all__ = [
     "RELAX_ROUNDS",
     "admits_repeated_keys",
     "UNENFORCEABLE_KEYWORDS",
+    "close_objects",
     "compile_relaxed",
+    "grammar_schema",
     "parse_json_strict",
     "relax_schema",
     "validator_for_schema",
@@ -273,9 +279,10 @@ def relax_for_error(schema: Any, message: str) -> list[str]:
 
 def compile_relaxed(schema: Any, build: Callable[[str], str]) -> tuple[str, list[str]]:
     """Build a grammar for ``schema`` with ``build`` (schema JSON text -> grammar, ``ValueError`` on failure),
-    relaxing it first (:func:`relax_schema`) and then once per compile error a relaxation can fix. Returns the
+    closing its objects and relaxing it first (:func:`grammar_schema`) and then once per compile error a
+    relaxation can fix. Returns the
     grammar and the notes (what it does not enforce). Raises the first error no relaxation fixes."""
-    relaxed, notes = relax_schema(schema)
+    relaxed, notes = grammar_schema(schema)
     for _ in range(RELAX_ROUNDS):
         try:
             return build(json.dumps(relaxed)), notes
@@ -285,6 +292,147 @@ def compile_relaxed(schema: Any, build: Callable[[str], str]) -> tuple[str, list
                 raise
             notes.extend(more)
     return build(json.dumps(relaxed)), notes
+
+
+# ------------------------------------------------------------------------------------------------ closed objects
+
+#: where a subschema applies to a value inside the instance (a property's, an item's): evaluated there alone when its
+#: parent is evaluated alone
+_INSIDE_ONE = ("additionalProperties", "additionalItems", "unevaluatedProperties", "unevaluatedItems", "contains",
+               "propertyNames", "contentSchema")
+_INSIDE_MAP = ("properties", "patternProperties")
+#: keywords that evaluate the instance itself with other schemas (in place)
+_IN_PLACE = ("allOf", "anyOf", "oneOf", "$ref", "not", "if", "then", "else", "dependentSchemas", "dependencies")
+#: keywords by which a schema object says which keys its object has: where they sit beside an in-place applicator,
+#: closing the applicator's subschemas could contradict them
+_ABOUT_KEYS = ("properties", "patternProperties", "additionalProperties", "unevaluatedProperties", "required",
+               "minProperties", "dependentRequired", "propertyNames", "const", "enum")
+#: keywords that leave an object open to keys its ``properties`` do not name (or name keys it needs beyond them)
+_OPENERS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "propertyNames",
+            "dependentRequired")
+
+
+class _Unresolved(Exception):
+    """A reference :func:`close_objects` cannot follow (not a local JSON pointer, or a base URI that moves)."""
+
+
+def _pointer(root: Any, ref: str) -> Any:
+    """The subschema a local reference (``#`` or ``#/a/b``, ``~0``/``~1`` and percent escapes) names."""
+    from urllib.parse import unquote
+
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        raise _Unresolved(ref)
+    node = root
+    for part in ref[2:].split("/"):
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            raise _Unresolved(ref)
+    return node
+
+
+def _placed(node: dict, root: Any, alone: bool):
+    """The (subschema, evaluated alone) pairs of a schema object evaluated alone (``alone``) or not: a value inside
+    the instance inherits ``alone``; an in-place subschema is alone only as the single ``anyOf``/``oneOf`` branch
+    taken, the one schema of an ``allOf`` or the target of a ``$ref``, and only when its parent says nothing of
+    its object's keys (:data:`_ABOUT_KEYS`) and applies nothing else in place."""
+    for key in _INSIDE_ONE:
+        if isinstance(node.get(key), (dict, bool)):
+            yield node[key], alone
+    for key in ("items", "prefixItems"):
+        value = node.get(key)
+        for sub in value if isinstance(value, list) else [value]:
+            yield sub, alone
+    for key in _INSIDE_MAP:
+        if isinstance(node.get(key), dict):
+            for sub in node[key].values():
+                yield sub, alone
+    only = alone and sum(key in node for key in _IN_PLACE) == 1 and not any(key in node for key in _ABOUT_KEYS)
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(node.get(key), list):
+            for sub in node[key]:
+                yield sub, only and (key != "allOf" or len(node[key]) == 1)
+    if isinstance(node.get("$ref"), str):
+        yield _pointer(root, node["$ref"]), only
+    for key in ("not", "if", "then", "else"):
+        if key in node:
+            yield node[key], False
+    for key in ("dependentSchemas", "dependencies"):
+        if isinstance(node.get(key), dict):
+            for sub in node[key].values():
+                yield sub, False
+
+
+def _closable(node: dict) -> bool:
+    """Whether a schema object evaluated alone is an object schema that declares its keys and can be closed without
+    refusing every object it accepted: it has ``properties``, no keyword that allows (or requires) other keys
+    (:data:`_OPENERS`), no in-place applicator, its ``type`` allows an object, its ``required`` names are declared
+    and its ``minProperties`` can be met by declared keys."""
+    properties = node.get("properties")
+    if not isinstance(properties, dict) or any(key in node for key in _OPENERS + _IN_PLACE):
+        return False
+    kind = node.get("type", "object")
+    if "object" not in (kind if isinstance(kind, list) else [kind]):
+        return False
+    required = node.get("required", [])
+    if not isinstance(required, list) or not set(required) <= properties.keys():
+        return False
+    least = node.get("minProperties", 0)
+    return not isinstance(least, (int, float)) or least <= sum(sub is not False for sub in properties.values())
+
+
+def close_objects(schema: Any) -> Any:
+    """The schema its grammar generates: each object schema that declares its keys (``properties``, even empty)
+    and says nothing of others gets ``additionalProperties: false``, as xgrammar's strict mode and OpenAI's
+    function calling generate only the declared keys.
+
+    Left open: an object with ``additionalProperties`` (``true`` or a schema), ``patternProperties``,
+    ``unevaluatedProperties``, ``propertyNames`` or ``dependentRequired``; one without ``properties`` (``{"type":
+    "object"}`` asks for any object); and, where closing could contradict another schema evaluated on the same
+    object, one that applies others in place (``allOf``, ``anyOf``, ``oneOf``, ``$ref``, ``not``,
+    ``if``/``then``/``else``, ``dependentSchemas``), one that is a branch of an ``allOf`` of several schemas, or
+    of a combinator whose schema object also has keywords about keys (``required``, ``properties``, ...), with all
+    below them; one whose ``required`` names an undeclared key or whose ``minProperties`` the declared keys cannot
+    meet. A ``$ref`` target is closed when every reference to it is evaluated alone. A schema whose references
+    are not all local JSON pointers, or with an ``$id`` or anchor below its root, is generated as written. Every
+    output of the closed schema is valid under the schema as written: outputs are still validated against that
+    one. The input is not changed.
+    """
+    closed = copy.deepcopy(schema)
+    if not isinstance(closed, dict):
+        return closed
+    alone: dict[int, bool] = {}
+    nodes: dict[int, dict] = {}
+    seen: set[tuple[int, bool]] = set()
+    stack: list[tuple[Any, bool]] = [(closed, True)]
+    try:
+        while stack:
+            node, whole = stack.pop()
+            if not isinstance(node, dict) or (id(node), whole) in seen:
+                continue
+            seen.add((id(node), whole))
+            if node is not closed and any(key in node for key in ("$id", "$anchor", "$dynamicAnchor")) \
+                    or any(key in node for key in ("$dynamicRef", "$recursiveRef")):
+                return copy.deepcopy(schema)
+            alone[id(node)] = alone.get(id(node), True) and whole
+            nodes[id(node)] = node
+            stack.extend(_placed(node, closed, whole))
+    except _Unresolved:
+        return copy.deepcopy(schema)
+    for key, node in nodes.items():
+        if alone[key] and _closable(node):
+            node["additionalProperties"] = False
+    return closed
+
+
+def grammar_schema(schema: Any) -> tuple[Any, list[str]]:
+    """The schema a grammar is built from and its notes: :func:`close_objects`, then :func:`relax_schema`."""
+    return relax_schema(close_objects(schema))
 
 
 # ------------------------------------------------------------------------------------------------ serving side

@@ -236,6 +236,28 @@ def test_json_schema_outputs_validate(model, tokenizer):
     assert proc.errors == [None] * 8
 
 
+def test_json_objects_hold_only_the_declared_keys(model, tokenizer):
+    """A schema that sets no ``additionalProperties`` generates only the keys it declares (the prompt asks for more):
+    every finished row parses to an object whose keys are among ``properties``, and validates."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 130}}}
+    compiled = compile_scenario(load_scenario({"type": "json_schema", "schema": schema}), tokenizer)
+    prompt = chat_prompt_ids(tokenizer, "Describe one person as JSON with name, age, city, job and hobbies.", compiled)
+    rows, proc = _generate(model, tokenizer, compiled, [prompt] * 8, do_sample=True, temperature=1.0, max_new_tokens=48,
+                           seed=3)
+    finished = 0
+    for ids in rows:
+        body, ended = _until_stop(ids, {tokenizer.eos_token_id})
+        if not ended:
+            continue
+        finished += 1
+        value = json.loads(tokenizer.decode(body[:-1]))
+        assert isinstance(value, dict) and set(value) <= {"name", "age"}, value
+        jsonschema.validate(value, schema)
+    assert finished >= 4, f"only {finished}/8 rows finished within 48 tokens"
+    assert proc.errors == [None] * 8
+
+
 def test_think_mode_budget_then_constrained_answer(model, tokenizer):
     budget = 6
     compiled = compile_scenario(

@@ -1,7 +1,8 @@
 """Structured-output libraries against the shared app, each pointed at it with ``base_url`` and nothing else changed:
 instructor (``Mode.TOOLS``, its default, and ``Mode.JSON_SCHEMA``), langchain-openai (``with_structured_output``
 with ``method="function_calling"`` and its default), pydantic-ai (its default tool output and ``NativeOutput``),
-litellm (``tools`` and ``response_format``). Tool calls ride on ``tools`` / ``tool_choice``
+litellm (``tools`` and ``response_format``), and smolagents' ``ToolCallingAgent`` running a tool to its answer. Tool
+calls ride on ``tools`` / ``tool_choice``
 (``deployments/openai/tool_calls.py``), the other modes on ``response_format`` json_schema. Each answer is checked
 against its schema with ``jsonschema`` (the libraries validate too: an invalid answer would make them retry or
 raise).
@@ -116,3 +117,40 @@ def test_litellm_response_format(base_url, model, litellm):
                            messages=[{"role": "user", "content": PROMPT}], response_format=City)
     print(f"litellm response_format: {r.choices[0].message.content!r}")
     check(json.loads(r.choices[0].message.content))
+
+
+def test_smolagents_tool_calling_agent(base_url, model):
+    """A ``ToolCallingAgent`` with one ``@tool`` (its ``parameters`` set no ``additionalProperties``) runs its tool:
+    smolagents accepts every call (it refuses an argument its tool does not declare, "Argument ... is not in the
+    tool's input schema", as an ``AgentToolCallError``), the tool gets a city, and the agent ends with an answer.
+    One call per turn (``parallel_tool_calls=False``): the call to the tool comes before the final answer."""
+    from smolagents import ActionStep, OpenAIServerModel, ToolCallingAgent, tool
+    from smolagents.utils import AgentExecutionError
+
+    cities = []
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city.
+
+        Args:
+            city: The name of the city.
+        """
+        cities.append(city)
+        return f"The weather in {city} is sunny, 22 degrees."
+
+    llm = OpenAIServerModel(model_id=model, api_base=base_url, api_key="unused", max_tokens=120, temperature=0,
+                            parallel_tool_calls=False)
+    agent = ToolCallingAgent(tools=[get_weather], model=llm, max_steps=3, verbosity_level=0)
+    answer = agent.run("What is the weather in Paris? Use the get_weather tool, then give the final answer.")
+    steps = [step for step in agent.memory.steps if isinstance(step, ActionStep)]
+    for step in steps:
+        print(f"smolagents step {step.step_number}: {step.tool_calls!r} error={step.error!r}")
+    print(f"smolagents answer: {answer!r}, get_weather got {cities!r}")
+    assert not [step.error for step in steps if isinstance(step.error, AgentExecutionError)]  # no call refused
+    assert cities and all(isinstance(city, str) and city for city in cities)  # the round trip: the tool ran
+    declared = {"get_weather": {"city"}, "final_answer": {"answer"}}
+    for step in steps:
+        for call in step.tool_calls or []:
+            assert set(call.arguments) <= declared[call.name], call
+    assert answer is not None

@@ -15,7 +15,8 @@ import pytest
 
 from config import ScenarioError
 from processors import ScenarioCompiler, compile_json_schema
-from processors.schema_check import OutputValidator, admits_repeated_keys, parse_json_strict, relax_schema
+from processors.schema_check import (OutputValidator, admits_repeated_keys, close_objects, parse_json_strict,
+                                     relax_schema)
 from processors.tokenizer_info import TokenizerInfo
 
 
@@ -197,3 +198,89 @@ def test_schema_text_is_the_original(tokenizer):
     schema = CASES["uniqueItems"][0]
     spec = compile_(schema, tokenizer)
     assert json.loads(spec.schema) == schema
+
+
+# an object that declares its keys generates only them (processors.schema_check.close_objects)
+
+ADDRESS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+#: schema, a valid instance, an instance with an undeclared key (valid under the schema as written) the grammar refuses
+CLOSED = {
+    "tool arguments": ({"type": "object", "properties": {"city": {"type": "string", "description": "The city"}},
+                        "required": ["city"]}, '{"city":"Paris"}', '{"city":"Paris","description":"x"}'),
+    "nested": ({"type": "object", "properties": {"home": ADDRESS}}, '{"home":{"city":"a"}}',
+               '{"home":{"city":"a","zip":"1"}}'),
+    "$defs": ({"type": "object", "properties": {"home": {"$ref": "#/$defs/Address"}}, "required": ["home"],
+               "$defs": {"Address": ADDRESS}}, '{"home":{"city":"a"}}', '{"home":{"city":"a","zip":"1"}}'),
+    "optional model": ({"type": "object", "properties": {"home": {"anyOf": [{"$ref": "#/$defs/Address"},
+                                                                            {"type": "null"}], "default": None}},
+                        "$defs": {"Address": ADDRESS}}, '{"home":null}', '{"home":{"city":"a","zip":"1"}}'),
+    "allOf of one": ({"type": "object", "properties": {"home": {"allOf": [{"$ref": "#/$defs/Address"}],
+                                                                "description": "where"}},
+                      "$defs": {"Address": ADDRESS}}, '{"home":{"city":"a"}}', '{"home":{"city":"a","zip":"1"}}'),
+    "recursive": ({"$ref": "#/$defs/Node", "$defs": {"Node": {"type": "object", "properties": {
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}}}}}, '{"kids":[{"kids":[]}]}',
+        '{"kids":[{"x":1}]}'),
+    "array items": ({"type": "array", "items": ADDRESS}, '[{"city":"a"}]', '[{"city":"a","zip":"1"}]'),
+    "no keys declared": ({"type": "object", "properties": {}}, "{}", '{"x":1}'),
+    "empty key": (ADDRESS, '{"city":"a"}', '{"city":"a","":1}'),
+    # llguidance takes min/maxProperties beside optional properties only on a closed object
+    "minProperties": ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                       "minProperties": 1}, '{"b":1}', '{"a":1,"c":2}'),
+}
+#: schema, an instance with a key no ``properties`` entry declares, valid under the schema and accepted by the grammar
+OPEN = {
+    "additionalProperties true": ({"type": "object", "properties": {"a": {"type": "integer"}},
+                                   "additionalProperties": True}, '{"a":1,"b":2}'),
+    "additionalProperties schema": ({"type": "object", "properties": {"a": {"type": "integer"}},
+                                     "additionalProperties": {"type": "integer"}}, '{"a":1,"b":2}'),
+    "patternProperties": ({"type": "object", "properties": {"a": {"type": "integer"}},
+                           "patternProperties": {"^x": {"type": "integer"}}}, '{"a":1,"b":2}'),
+    "no properties": ({"type": "object"}, '{"b":2}'),
+    "allOf of two": ({"allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "integer"}}}]},
+                     '{"b":2}'),
+    "required undeclared": ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]},
+                            '{"b":2}'),
+    "branch beside required": ({"type": "object", "required": ["b"],
+                                "anyOf": [{"properties": {"a": {"type": "integer"}}}]}, '{"b":2}'),
+    "minProperties past the declared": ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                                         "minProperties": 2}, '{"a":1,"b":2}'),
+}
+
+
+@pytest.mark.parametrize("name", list(CLOSED))
+def test_an_object_that_declares_its_keys_generates_only_them(name, tokenizer):
+    schema, valid, undeclared = CLOSED[name]
+    spec = compile_(schema, tokenizer)
+    assert accepts(spec, tokenizer, valid) and spec.output_error(valid) is None
+    assert not accepts(spec, tokenizer, undeclared), "the grammar let an undeclared key through"
+    assert spec.output_error(undeclared) is None  # validated by the schema as written, which allows it
+    assert json.loads(spec.schema) == schema and spec.unenforced == ()
+    assert spec.exact  # closed objects cannot repeat a key: every output the grammar completes is valid
+
+
+@pytest.mark.parametrize("name", list(OPEN))
+def test_an_object_open_to_other_keys_stays_open(name, tokenizer):
+    schema, undeclared = OPEN[name]
+    spec = compile_(schema, tokenizer)
+    assert accepts(spec, tokenizer, undeclared) and spec.output_error(undeclared) is None
+    assert spec.repeatable_keys and not spec.exact
+
+
+def test_close_objects_where_sound():
+    schema = {"type": "object", "properties": {"x": {"$ref": "#/$defs/B"},
+                                               "y": {"allOf": [{"$ref": "#/$defs/B"}, {"properties": {"b": {}}}]}},
+              "$defs": {"B": {"properties": {"a": {}}}}}
+    closed = close_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert "additionalProperties" not in closed["$defs"]["B"]  # also a branch of an allOf of two: left open
+    assert "additionalProperties" not in schema  # the input is not changed
+    not_branch = {"type": "object", "properties": {"a": {}}, "not": {"type": "object", "properties": {"b": {}}}}
+    assert close_objects(not_branch) == not_branch  # beside an applicator, and inside not: as written
+    # references close_objects cannot follow: the schema as written
+    for schema in ({"properties": {"a": {"$ref": "#/$defs/missing"}}},
+                   {"properties": {"a": {"$ref": "other.json"}}},
+                   {"properties": {"a": {"$id": "http://example.com/a", "properties": {"b": {}}}}}):
+        assert close_objects(schema) == schema
+    assert close_objects({"$defs": {"a/b": ADDRESS}, "$ref": "#/$defs/a~1b"})["$defs"]["a/b"]["additionalProperties"] \
+        is False
+    assert close_objects(True) is True and close_objects({}) == {}

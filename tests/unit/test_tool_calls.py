@@ -66,6 +66,33 @@ def test_the_call_schema_takes_exactly_the_calls_asked_for(choice, parallel, goo
     assert compiled.constraint.output_error(json.dumps(good)) is None
 
 
+def test_call_arguments_hold_only_the_declared_keys(tokenizer):
+    """A tool whose ``parameters`` set no ``additionalProperties`` (smolagents' ``@tool``, most clients): its calls'
+    arguments carry only the keys it declares, as OpenAI's and xgrammar's (vLLM's) calls do; the check of a
+    finished call stays the schema as written."""
+    import llguidance
+
+    from processors.tokenizer_info import TokenizerInfo
+
+    params = {"type": "object", "properties": {"city": {"type": "string", "description": "The city"}},
+              "required": ["city"]}
+    plan, _ = tool_setup([{"type": "function", "function": {"name": "get_weather", "parameters": params}}],
+                         "required", False, Limits())
+    spec = ScenarioCompiler(tokenizer, Limits()).prepare_now(plan.scenario).constraint
+
+    def accepts(text):
+        matcher = llguidance.LLMatcher(TokenizerInfo.of(tokenizer).lltokenizer, spec.grammar, log_level=0)
+        return all(matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False)) \
+            and matcher.is_accepting()
+
+    assert accepts('{"name":"get_weather","arguments":{"city":"Paris"}}')
+    for extra in ('{"name":"get_weather","arguments":{"city":"Paris","description":"x"}}',
+                  '{"name":"get_weather","arguments":{"city":"Paris","":"x"}}'):
+        assert not accepts(extra), extra
+        assert spec.output_error(extra) is None  # the schema as written allows the key
+    assert spec.exact  # every call the grammar completes is valid
+
+
 def test_none_and_no_tools_leave_the_output_alone():
     assert tool_setup(TOOLS, "none")[0] is None and tool_setup(TOOLS, "none")[1]
     assert tool_setup(None, None) == (None, None)
