@@ -22,7 +22,7 @@ from .grammar_rows import GrammarRows
 from .jobs import Beams, Feed, Job, Row
 from .rows import cancelled
 from .shared_kv import SharedGroup
-from .wide import rank_chunk
+from .wide import rank_chunk, top_candidates
 
 logger = logging.getLogger(__name__)
 
@@ -60,20 +60,13 @@ class BeamSearch:
     def clear(self) -> None:
         self._beams.clear()
 
-    @staticmethod
-    def candidates(rows: list[Row], idxs: list[int], logprobs: torch.Tensor, failed: dict[int, str]):
-        """One beam request's best ``2 * num_beams`` candidates as (scores, flat ids), on the device."""
-        for k, i in enumerate(idxs):
-            if i in failed:  # a beam whose cursor failed is dropped; its request goes on with the others
-                logprobs[k] = float("-inf")
-        scores = logprobs + torch.tensor([rows[i].score for i in idxs], dtype=logprobs.dtype, device=logprobs.device)[:, None]
-        flat = scores.view(-1)
-        top_scores, top_ids = torch.topk(flat, min(2 * rows[idxs[0]].job.num_beams, flat.numel()))
-        return top_scores.double(), top_ids.double()
+    #: one beam request's best ``2 * num_beams`` candidates as (scores, flat ids), on the device
+    candidates = staticmethod(top_candidates)
 
     def chunk(self, rows: list[Row], logits: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The best ``2B`` candidates of rows ``first ..`` of a wide beam request (:func:`.wide.rank_chunk`)."""
-        return rank_chunk(self, rows, logits, first)
+        return rank_chunk(rows, logits, first, grammar=self.grammar, stats=self.stats, vector_lane=self.vector_lane,
+                          vocab_size=self.vocab_size)
 
     def select(self, rows: list[Row], idxs: list[int], top_scores: list[float], top_ids: list[int], vocab: int):
         """Rank one beam request's candidates; returns the rows that go on as ``(source, row, token)``."""
