@@ -279,7 +279,7 @@ def iter_tree(
 
 
 def tree_namespace(entries, *, start_token_id: int, end_token_id: int, sep: str = "_"):
-    """The ``processors.kinds.tree.file.TreeData`` shape (keys, CSR offsets, candidates) from ``(key, candidates)`` pairs."""
+    """The ``processors.kinds.tree.treefile.load.TreeData`` shape (keys, CSR offsets, candidates) from ``(key, candidates)`` pairs."""
     from types import SimpleNamespace
 
     import numpy as np

@@ -82,8 +82,8 @@ def held_bytes(catalog) -> int:
 
 
 def measure(n: int, delta: int, rounds: int) -> dict:
-    from processors.kinds.tree.catalog_parse import parse_catalog
-    from processors.kinds.tree.catalog_delta import apply_tree_delta
+    from processors.kinds.tree.catalog.parse import parse_catalog
+    from processors.kinds.tree.patch.items import apply_tree_delta
 
     warm = semantic_ids(1000, seed=0)  # the modules loaded and warmed up before the RSS is read
     apply_tree_delta(parse_catalog(upload_text(warm), vocab_size=VOCAB), [], warm[:1].tolist(), vocab_size=VOCAB)

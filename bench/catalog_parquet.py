@@ -47,8 +47,8 @@ def write_file(n: int, path: Path) -> int:
 
 
 def child(path: str, way: str) -> dict:
-    from processors.kinds.tree.catalog_parse import parse_catalog
-    from processors.kinds.tree.parquet import parquet_catalog, parquet_items
+    from processors.kinds.tree.catalog.parse import parse_catalog
+    from processors.kinds.tree.catalog.parquet import parquet_catalog, parquet_items
 
     data = Path(path).read_bytes()
     before = peak_rss_bytes()

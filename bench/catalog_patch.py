@@ -17,9 +17,9 @@ the PATCHes after it are deltas of a catalog. After the last round, one generati
 answer is an item of the current version.
 
 For comparison in the same run, the manager's table work of one PATCH is timed in this process: the overlay version
-(``processors.kinds.tree.overlay.overlay_tables``, what the manager does since 2026-12-01, its fold checked equal to
+(``processors.kinds.tree.tables.overlay.overlay_tables``, what the manager does since 2026-12-01, its fold checked equal to
 the full compile), the delta applied to the base's tables along the changed paths with every array renumbered
-(``processors.kinds.tree.delta.patch_tables``, what it did before), and a full compile of the new items
+(``processors.kinds.tree.tables.delta.patch_tables``, what it did before), and a full compile of the new items
 (``catalog_tables``), checked equal.
 
 Targets: a PATCH of 2,000 items with p95 at most 0.3 s at 10^6 items and 0.5 s at 10^7, for both forms.
@@ -68,7 +68,7 @@ def catalog_bytes(items: list[list[int]], start: int) -> bytes:
 
 def prefix_dict_body(items: list[list[int]], start: int) -> bytes:
     """An inline tree scenario whose ``prefix_dict`` spells ``items`` (the tree file text of the catalog)."""
-    from processors.kinds.tree.catalog import Catalog, tree_file_bytes
+    from processors.kinds.tree.catalog.catalog import Catalog, tree_file_bytes
 
     tree = tree_file_bytes(Catalog.from_items(start, END, [tuple(i) for i in items]))
     return b'{"type":"tree","max_new_tokens":8,"tree":' + tree + b"}"
@@ -77,11 +77,11 @@ def prefix_dict_body(items: list[list[int]], start: int) -> bytes:
 def in_process_patch(items: list[list[int]], start: int, add: list, remove: list) -> dict:
     """The manager's work of one PATCH in this process: the delta applied to the item list, the new catalog's bytes
     and hash, and its tables along the changed paths against a full compile of the new items (checked equal)."""
-    from processors.kinds.tree.catalog_parse import parse_catalog
-    from processors.kinds.tree.catalog_delta import apply_tree_delta
-    from processors.kinds.tree.catalog_tables import catalog_tables
-    from processors.kinds.tree.delta import patch_tables
-    from processors.kinds.tree.overlay import fold, overlay_tables
+    from processors.kinds.tree.catalog.parse import parse_catalog
+    from processors.kinds.tree.patch.items import apply_tree_delta
+    from processors.kinds.tree.tables.compile import catalog_tables
+    from processors.kinds.tree.tables.delta import patch_tables
+    from processors.kinds.tree.tables.overlay import fold, overlay_tables
 
     catalog = parse_catalog(catalog_bytes(items, start), vocab_size=VOCAB)
     base = catalog_tables(catalog, VOCAB)

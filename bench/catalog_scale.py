@@ -1,5 +1,5 @@
-"""Catalog tables at scale: the packed fixed-depth tables (``processors/kinds/tree/packed.py``) against today's
-``MaskTables`` (``processors.kinds.tree.catalog_tables.catalog_tables``) and a STATIC-style kernel, in one run.
+"""Catalog tables at scale: the service's ``MaskTables`` (``processors.kinds.tree.tables.compile.catalog_tables``)
+against a STATIC-style kernel, in one run.
 
 For each ``--items`` size, a random catalog of 4-token semantic ids (``--codebook`` codes per level, each level its
 own range of token ids below 49,152, as semantic-id tokens are added to a vocabulary) is built. Each table format is
@@ -12,8 +12,7 @@ items:
   (tokens and targets, what ``engines/transformers/tree_beams.py`` does) and advancing every row by one of its
   children (what the cursors do), for ``MaskTables`` (CSR gather; ``MaskTables.find_edges``, the service's batched
   search inside each row's edges, and beside it the global ``state * V + token`` keys searchsorted that the service
-  used before it dropped that array, the keys built here outside the timing), the packed tables
-  (:meth:`PackedTree.children`, :meth:`PackedTree.advance`) and a STATIC-style kernel written here from the paper's
+  used before it dropped that array, the keys built here outside the timing) and a STATIC-style kernel written here from the paper's
   description (the first two levels dense: a ``codebook x codebook`` table of child ids; deeper levels CSR with an
   explicit target per edge);
 * the whole candidate ranking of the step on top (the children's logits gathered from a ``beams x 49,152`` logits
@@ -25,7 +24,7 @@ The result is one JSON object (``rows``: one per size); progress on stderr.
         [--whole-max 10000000] [--no-step]
 
 ``MaskTables`` are compiled as the service compiles them (``catalog_tables``: in chunks of the root's subtrees above
-``catalog_chunks.CHUNK_IDS`` ids) at every size, and up to ``--whole-max`` items also whole, every item at once (the
+``tables.chunks.CHUNK_IDS`` ids) at every size, and up to ``--whole-max`` items also whole, every item at once (the
 compile before the chunked one: about 260 bytes per item at its peak, 26 GB at 10^8), so the two compare in one run.
 """
 
@@ -66,15 +65,11 @@ class _Items:
 
 
 def build(fmt: str, ids: np.ndarray):
-    if fmt == "packed":
-        from processors.kinds.tree.packed import PackedTree
-
-        return PackedTree.from_items(ids, END, VOCAB)
     if fmt == "whole":  # every item compiled at once: the service's compile before the chunked one
-        from processors.kinds.tree.catalog_tables import whole_tables
+        from processors.kinds.tree.tables.trie import whole_tables
 
         return whole_tables(_Items(ids), VOCAB)
-    from processors.kinds.tree.catalog_tables import catalog_tables
+    from processors.kinds.tree.tables.compile import catalog_tables
 
     return catalog_tables(_Items(ids), VOCAB)  # the items deduplicated by the caller (as a catalog's are)
 
@@ -93,14 +88,12 @@ def mask_tables_bytes(tables) -> tuple[int, int]:
 
 def compile_child(fmt: str, n: int, codebook: int) -> dict:
     """In a subprocess: compile one format, report its time and this process's peak memory above the items."""
-    ids = make_ids(n, codebook)
-    if fmt != "packed":  # a catalog's items are distinct before its tables are compiled; the packed build sorts anyway
-        ids = _distinct(ids)
+    ids = _distinct(make_ids(n, codebook))  # a catalog's items are distinct before its tables are compiled
     before = peak_rss_bytes()
     t0 = time.perf_counter()
     tables = build(fmt, ids)
     seconds = time.perf_counter() - t0
-    nbytes, manager_bytes = (tables.nbytes,) * 2 if fmt == "packed" else mask_tables_bytes(tables)
+    nbytes, manager_bytes = mask_tables_bytes(tables)
     return {"compile_s": round(seconds, 3), "peak_rss_mb": round(peak_rss_bytes() / 2**20),
             "peak_above_items_mb": round((peak_rss_bytes() - before) / 2**20), "bytes": nbytes,
             "manager_bytes": manager_bytes}
@@ -228,12 +221,9 @@ def rank(row: np.ndarray, token: np.ndarray, logits, scores, k: int):
 def step_rows(n: int, codebook: int, beams: int, repeat: int) -> dict:
     import torch
 
-    from processors.kinds.tree.packed import PackedTree
-
     ids = make_ids(n, codebook)
     old = build("old", _distinct(ids))
     keys = global_keys(old)
-    packed = PackedTree.from_items(ids, END, VOCAB)
     static = StaticKernel(ids, codebook)
     rng = np.random.default_rng(1)
     logits = torch.randn(beams, VOCAB)
@@ -243,41 +233,29 @@ def step_rows(n: int, codebook: int, beams: int, repeat: int) -> dict:
         # the same `beams` paths in each format: the states reached by random items' first `level` tokens
         pick = ids[rng.integers(0, n, size=beams)]
         o_states = np.full(beams, old.root, dtype=np.int64)
-        p_states = np.zeros(beams, dtype=np.int64)
         s_states = np.zeros(beams, dtype=np.int64)
         for d in range(level):
             o_states = np.asarray([old.step(int(s), int(t)) for s, t in zip(o_states, pick[:, d])])
-            p_states = packed.advance(p_states, pick[:, d])
             if d == 0:
                 s_states = pick[:, 0] - static.base[0]
             elif d == 1:
                 s_states = static.dense2[s_states, pick[:, 1] - static.base[1]].astype(np.int64)
         o_row, o_tok, _ = old_children(old, o_states)
-        p_row, p_tok, _ = packed.children(p_states)
-        assert np.array_equal(o_tok, p_tok) and np.array_equal(o_row, p_row), "formats disagree"
         nxt_tok = pick[:, level]
         t_old = timed(lambda: old_children(old, o_states), repeat)
-        t_packed = timed(lambda: packed.children(p_states), repeat)
         t_old_adv = timed(lambda: old_advance(old, o_states, nxt_tok), repeat)
         t_keys_adv = timed(lambda: keys_advance(old, keys, o_states, nxt_tok), repeat)
         assert np.array_equal(old_advance(old, o_states, nxt_tok), keys_advance(old, keys, o_states, nxt_tok))
-        t_packed_adv = timed(lambda: packed.advance(p_states, nxt_tok), repeat)
-        assert np.array_equal(np.maximum(old_advance(old, o_states, nxt_tok), -1) >= 0,
-                              packed.advance(p_states, nxt_tok) >= 0)
         row = {"children": int(o_tok.size),
-               "gather_ms": {"mask_tables": round(t_old * 1e3, 3), "packed": round(t_packed * 1e3, 3)},
-               "advance_ms": {"mask_tables": round(t_old_adv * 1e3, 3), "packed": round(t_packed_adv * 1e3, 3),
-                              "global_keys": round(t_keys_adv * 1e3, 3)},
-               "find_edges_vs_global_keys": ratio(t_old_adv, t_keys_adv),
-               "packed_vs_mask_tables": {"gather": ratio(t_packed, t_old), "advance": ratio(t_packed_adv, t_old_adv)}}
+               "gather_ms": {"mask_tables": round(t_old * 1e3, 3)},
+               "advance_ms": {"mask_tables": round(t_old_adv * 1e3, 3), "global_keys": round(t_keys_adv * 1e3, 3)},
+               "find_edges_vs_global_keys": ratio(t_old_adv, t_keys_adv)}
         if level < 2:
             t_static = timed(lambda: static.children(level, s_states), repeat)
             row["gather_ms"]["static"] = round(t_static * 1e3, 3)
-            row["packed_vs_mask_tables"]["static_gather"] = ratio(t_static, t_old)
+            row["static_vs_mask_tables_gather"] = ratio(t_static, t_old)
         t_rank_old = timed(lambda: rank(*old_children(old, o_states)[:2], logits, scores, 2 * beams), repeat)
-        t_rank_packed = timed(lambda: rank(*packed.children(p_states)[:2], logits, scores, 2 * beams), repeat)
-        row["step_ms"] = {"mask_tables": round(t_rank_old * 1e3, 3), "packed": round(t_rank_packed * 1e3, 3)}
-        row["packed_vs_mask_tables"]["step"] = ratio(t_rank_packed, t_rank_old)
+        row["step_ms"] = {"mask_tables": round(t_rank_old * 1e3, 3)}
         out[f"depth_{level}"] = row
         log(f"  depth {level}: {row}")
     # the STATIC kernel's CSR levels, timed on its own state numbering (random states of each level)
@@ -307,7 +285,7 @@ def main() -> None:
     for n in [int(x) for x in args.items.split(",")]:
         log(f"{n:,} items")
         row: dict = {"items": n}
-        formats = ["mask_tables", "packed"] + (["whole"] if n <= args.whole_max else [])
+        formats = ["mask_tables"] + (["whole"] if n <= args.whole_max else [])
         for fmt in formats:
             res = run_json_subprocess([__file__, "--child", fmt, str(n), str(args.codebook)], timeout=3600)
             res["bytes_per_item"] = round(res.pop("bytes") / n, 2)
@@ -320,8 +298,6 @@ def main() -> None:
             row["chunked_vs_whole"] = {"compile": ratio(row["mask_tables"]["compile_s"], row["whole"]["compile_s"]),
                                        "peak_above_items": ratio(row["mask_tables"]["peak_above_items_mb"],
                                                                  row["whole"]["peak_above_items_mb"])}
-        row["bytes_ratio"] = ratio(row["packed"]["bytes_per_item"], row["mask_tables"]["bytes_per_item"])
-        row["compile_ratio"] = ratio(row["packed"]["compile_s"], row["mask_tables"]["compile_s"])
         if not args.no_step:
             row["step"] = step_rows(n, args.codebook, args.beams, args.repeat)
         rows.append(row)

@@ -94,9 +94,9 @@ def phase_tree(kind: str, path: str, vocab: int) -> dict:
             out["seconds"], out["cpu_seconds"] = time.perf_counter() - t0, time.process_time() - c0
         out["keys"] = len(prefix)
     else:
-        from processors.kinds.tree.file import load_tree
+        from processors.kinds.tree.treefile.load import load_tree
         import processors
-        from processors.kinds.tree import file as tree_file
+        from processors.kinds.tree.treefile import load as tree_file
         from processors.tables import _build_by_strings
 
         if kind == "exact":  # the ijson parser and the dict-of-strings build

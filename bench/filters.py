@@ -164,10 +164,10 @@ def beam_plan_seconds(tables, ids: np.ndarray, beams: int, request, repeats: int
 
 def run_size(n: int, codebook: int, rows: int, steps: int) -> dict:
     from processors.items import ItemBook, ItemRequest
-    from processors.kinds.tree.catalog_tables import catalog_tables
-    from processors.kinds.tree.filter_edges import filter_book, item_terminals
-    from processors.kinds.tree.filters import parse_filter
-    from processors.kinds.tree.metadata import ItemMetadata
+    from processors.kinds.tree.tables.compile import catalog_tables
+    from processors.kinds.tree.filters.edges import filter_book, item_terminals
+    from processors.kinds.tree.filters.language import parse_filter
+    from processors.kinds.tree.filters.metadata import ItemMetadata
 
     log(f"{n:,} items: catalog and metadata")
     ids, columns = make_catalog(n, codebook)
@@ -180,7 +180,7 @@ def run_size(n: int, codebook: int, rows: int, steps: int) -> dict:
     terminals = item_terminals(tables, items.flat, items.lengths)
     terminals_s = time.perf_counter() - t0
     assert (terminals >= 0).all()
-    from processors.kinds.tree.filter_edges import TreeParents
+    from processors.kinds.tree.filters.edges import TreeParents
 
     t0 = time.perf_counter()
     TreeParents.of(tables)  # each state's parent edge, once per tables (the walk up from the passing items)

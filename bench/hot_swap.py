@@ -12,7 +12,7 @@ after each PUT to check that both replicas report it. After the PUTs of a size, 
 (500 removed, 500 added: token-id paths after the root) are timed the same way, and one generation checks that the
 answer is a path of the last version. With ``--exact-too`` each timed inline PUT is preceded by a PUT of the same
 tree in a body that the manager parses whole (an escaped character in its description keeps it off the split way of
-``processors/kinds/tree/inline.py``): the two ways of reading a large inline tree compared in one run.
+``processors/kinds/tree/store/inline.py``): the two ways of reading a large inline tree compared in one run.
 
 Memory: after the first PUT of a size and after the last one, the resident set (RSS), proportional
 (PSS) and unique (USS) memory of every model replica process (``/proc/<pid>/smaps_rollup``), against the same
@@ -47,7 +47,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import emit, iter_tree, log, ratio, write_tree_json  # noqa: E402
-from processors.kinds.tree.file import is_tree_path  # noqa: E402
+from processors.kinds.tree.treefile.load import is_tree_path  # noqa: E402
 from bench._serve import APP_NAME, ServeBench, cpu_delta, percentile, replica_versions, serve_process_cpu  # noqa: E402
 
 VOCAB = 49_152  # SmolLM2's vocabulary: every id stays below it

@@ -60,7 +60,7 @@ def check_output(body: dict[str, Any], out: dict[str, Any]) -> str | None:
     """Why ``out`` does not satisfy scenario ``body``, or None when it does."""
     import jsonschema
 
-    from processors.kinds.tree.file import is_tree_path
+    from processors.kinds.tree.treefile.load import is_tree_path
 
     kind = body["type"]
     if kind == "labels":

@@ -112,7 +112,7 @@ def main() -> None:
 
     import ray
 
-    from processors.kinds.tree.file import load_tree
+    from processors.kinds.tree.treefile.load import load_tree
     import processors
 
     t_start = time.perf_counter()

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``cs-tree`` console script; returns the exit code."""
     args = make_parser().parse_args(argv)
     # The loader logs a missing root entry as a warning; lint reports it itself, as an error.
-    logging.getLogger("processors.kinds.tree.file").setLevel(logging.ERROR)
+    logging.getLogger("processors.kinds.tree.treefile.load").setLevel(logging.ERROR)
     try:
         return _build(args) if args.command == "build" else _lint(args)
     except UserError as error:

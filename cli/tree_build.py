@@ -265,7 +265,7 @@ def _trie(paths: list[list[int]], start: int, end: int, sep: str) -> dict[str, d
 def write_tree_atomic(path: str, prefix_dict: dict[str, Any], *, start: int, end: int, sep: str, vocab: int,
                       show_progress: bool = False) -> None:
     """Write a tree file key by key into a temporary file next to ``path``, check it loads, then rename it."""
-    from processors.kinds.tree.file import load_tree
+    from processors.kinds.tree.treefile.load import load_tree
 
     target = Path(path)
     directory = target.parent if str(target.parent) else Path(".")
@@ -303,7 +303,7 @@ def write_tree_atomic(path: str, prefix_dict: dict[str, Any], *, start: int, end
 def check_sep(sep: str) -> None:
     """Refuse a key separator a strict load would refuse (checked by loading an empty tree with it): the files
     this tool writes load under ``strict: true`` too."""
-    from processors.kinds.tree.file import TreeFileError, load_tree
+    from processors.kinds.tree.treefile.load import TreeFileError, load_tree
 
     try:
         load_tree({"start_token_id": 0, "end_token_id": 0, "sep": sep, "prefix_dict": {"0": []}}, strict=True)

@@ -1,6 +1,6 @@
 """``cs-tree lint``: check a tree file against a tokenizer, by the decode rules of the tree file format.
 
-The file is loaded with ``processors.kinds.tree.file.load_tree`` (the service's loader), so format problems (bad JSON, malformed
+The file is loaded with ``processors.kinds.tree.treefile.load.load_tree`` (the service's loader), so format problems (bad JSON, malformed
 keys, duplicate keys, ids outside the vocabulary) are reported with its exact messages. On a tree that loads,
 the decode graph is walked from the root the way the service decodes it: after token ``t`` the state ``s``
 becomes ``s + sep + t``; a state that is missing or has an empty list allows only the end token, so it is a
@@ -124,7 +124,7 @@ def _classify(problem: str) -> str:
 
 def _load(path: str, vocab: int, report: LintReport, strict: bool = False):
     """Load with the vocabulary check; when only that fails, load again without it so the walk still runs."""
-    from processors.kinds.tree.file import TreeFileError, load_tree
+    from processors.kinds.tree.treefile.load import TreeFileError, load_tree
 
     try:
         tree = load_tree(path, vocab_size=vocab, strict=strict)

@@ -1,5 +1,5 @@
 """Configuration models for the constrained-decoding service: settings and limits and the base of the scenario
-models (tree files are the tree kind's: ``processors/kinds/tree/file.py``).
+models (tree files are the tree kind's: ``processors/kinds/tree/treefile/load.py``).
 
 Pure Python (pydantic, numpy, ijson, jsonschema, pyyaml): nothing here imports Ray or torch, nor the packages
 above it (``processors``, ``deployments``). The ``Scenario`` union of every kind's config model is

@@ -1,5 +1,5 @@
 """Where a top-level field's object value lies in a JSON body, found with array passes (the config manager cuts a
-large inline tree out of its PUT body this way: ``processors/kinds/tree/inline.py``)."""
+large inline tree out of its PUT body this way: ``processors/kinds/tree/store/inline.py``)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def object_field_span(raw: bytes, field: str) -> tuple[int, int] | None:
     ``raw`` not one object, the field absent, given twice, or not an object.
 
     A ``Some`` answer does not make ``raw`` valid JSON: the caller parses what is outside the span and the
-    value itself (:func:`processors.kinds.tree.scan.scan_tree_bytes`), each strictly. Quotes are paired in order (no escapes), so a
+    value itself (:func:`processors.kinds.tree.treefile.scan.scan_tree_bytes`), each strictly. Quotes are paired in order (no escapes), so a
     bracket is inside a string exactly when an odd number of quotes precede it."""
     a = np.frombuffer(raw, dtype=np.uint8)
     if not a.size or np.count_nonzero(a == 0x5C):

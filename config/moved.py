@@ -1,5 +1,5 @@
-"""Public names that moved out of ``config``, still importable from their old places, with a ``DeprecationWarning``
-that names the new place.
+"""Public names that moved (out of ``config``; the tree file loader into ``processors.kinds.tree.treefile``), still
+importable from their old places, with a ``DeprecationWarning`` that names the new place.
 
 ``config`` is the floor of the layering (it imports neither ``processors`` nor ``deployments``), so it never imports
 these names itself: :data:`MOVED` names each old place and the module that defines the name now, and
@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["MOVED", "forward"]
 
 _SCENARIOS = "processors.scenarios"
-_TREE_FILE = "processors.kinds.tree.file"
+_TREE_FILE = "processors.kinds.tree.treefile.load"
 
 #: the old module -> {name: the module that defines it now}
 MOVED: dict[str, dict[str, str]] = {
@@ -43,6 +43,9 @@ MOVED: dict[str, dict[str, str]] = {
         "SCENARIO_TYPES", "Scenario", "ScenarioAdapter", "check_scenario_body", "load_scenario", "parse_scenario",
         "scenario_model", "validate_scenario_body")},
     "config.tree_file": {name: _TREE_FILE for name in (
+        "DEFAULT_SEP", "MAX_REPORTED_PROBLEMS", "TreeData", "TreeFileError", "fits_vocab", "is_tree_path",
+        "load_tree")},
+    "processors.kinds.tree.file": {name: _TREE_FILE for name in (
         "DEFAULT_SEP", "MAX_REPORTED_PROBLEMS", "TreeData", "TreeFileError", "fits_vocab", "is_tree_path",
         "load_tree")},
 }

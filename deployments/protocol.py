@@ -121,7 +121,7 @@ def check_request_limits(
 
 def check_filter_size(value: Any, limits) -> None:
     """A request's ``filter`` bounded by its shape before it goes to a replica (which reads it against the
-    catalog's fields: ``processors/kinds/tree/filters.py``): nesting past ``max_filter_depth`` levels of ``$and`` /
+    catalog's fields: ``processors/kinds/tree/filters/language.py``): nesting past ``max_filter_depth`` levels of ``$and`` /
     ``$or`` or more JSON values than ``max_filter_clauses`` conditions of ``max_filter_values`` values could hold
     is a 422 naming the limit; an integer no float holds (a JSON number of 400 digits: a filter compares
     finite numbers) is a 422 naming its path (``filter.stock.$gt``). One pass with a stack, stopped at the bound

@@ -115,7 +115,7 @@ class DenseBook:
     """A fixed set of items left out, as arrays over the whole tables (a request's ``filter``: the items that do not
     pass): ``counts[s]`` items below state ``s``, ``ends`` their terminals. Read like an :class:`ItemBook` (the item
     controls treat a filtered-out item as an excluded one), never written: one is shared by every row and request
-    with the same filter. Built by :func:`processors.kinds.tree.filter_edges.passing_counts`."""
+    with the same filter. Built by :func:`processors.kinds.tree.filters.edges.passing_counts`."""
 
     __slots__ = ("counts_array", "ends", "_padded", "_edge_ok")
 

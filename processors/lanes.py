@@ -80,7 +80,7 @@ def _lane_info(tables: MaskTables) -> tuple[Any, int]:
     if info is None:
         base = tables.__dict__.get("overlay_base")
         if base is not None:  # an overlay version: its base's counts (kept on the base) and the appended states'
-            from processors.kinds.tree.overlay import Stacked
+            from processors.kinds.tree.tables.stacked import Stacked
 
             tail = tables.__dict__["offsets"].tail
             lens: Any = Stacked(_lane_info(base)[0], np.diff(tail, prepend=base.offsets[-1]).astype(np.int64))

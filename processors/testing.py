@@ -5,7 +5,7 @@ byte-level pieces (GPT-2 style ``Ġ`` for a space, ``Ċ`` for a newline) with th
 (no regex split, so ``<think>`` is one token) and the ByteLevel decoder, so ``encode``/``decode`` round-trip
 for every text the pieces cover. A character it has no piece for becomes ``<unk>`` (and does not round-trip).
 
-:func:`tree_data` builds a ``processors.kinds.tree.file.TreeData``-like namespace from a prefix dict, and :func:`drive` runs a
+:func:`tree_data` builds a ``processors.kinds.tree.treefile.load.TreeData``-like namespace from a prefix dict, and :func:`drive` runs a
 processor the way ``generate`` does: call it, pick a token per row, append the column, repeat.
 """
 
@@ -73,7 +73,7 @@ def decode(tok, ids) -> str:
 
 
 def tree_data(prefix_dict: dict[str, list[int]], start_token_id: int, end_token_id: int, sep: str = "_"):
-    """A ``processors.kinds.tree.file.TreeData``-like object (keys in dict order, CSR offsets, candidates in file order)."""
+    """A ``processors.kinds.tree.treefile.load.TreeData``-like object (keys in dict order, CSR offsets, candidates in file order)."""
     keys = list(prefix_dict)
     lens = [len(prefix_dict[k]) for k in keys]
     offsets = np.zeros(len(keys) + 1, dtype=np.int64)

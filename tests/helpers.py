@@ -165,13 +165,13 @@ def openai_client(url: str, timeout: float) -> Any:
 
 
 def assert_answers_as(over, ref):
-    """Tables ``over`` (an overlay version of a catalog's tables, ``processors/kinds/tree/overlay.py``) answer as
+    """Tables ``over`` (an overlay version of a catalog's tables, ``processors/kinds/tree/tables/overlay.py``) answer as
     ``ref`` (plain tables of the same items): both walked from the root in step, the same edges (tokens, kinds of
     target) and item metrics everywhere, the batched edge search as the scalar one, the same items read back."""
     import numpy as np
 
-    from processors.kinds.tree.delta import max_remaining
-    from processors.kinds.tree.item_list import tree_items
+    from processors.kinds.tree.tables.delta import max_remaining
+    from processors.kinds.tree.tables.items import tree_items
     from processors.tables import DONE, LEAF, _item_metrics, item_metrics
 
     o_min, o_items, o_uniform, o_deep = item_metrics(over)

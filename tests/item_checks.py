@@ -39,7 +39,7 @@ def items_of(tokens: list[int], eos: int, sep: int | None, width: int = 3) -> li
 
 def filter_passes(item: dict | None, flt: dict) -> bool:
     """Whether an item's metadata (``None``: none) passes ``flt``, by the filter language's rules as documented
-    (``processors/kinds/tree/filters.py``), written apart from the code under test."""
+    (``processors/kinds/tree/filters/language.py``), written apart from the code under test."""
     item = item or {}
     for key, cond in flt.items():
         if key == "$and":

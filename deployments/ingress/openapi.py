@@ -8,8 +8,8 @@ from typing import Any
 from fastapi import FastAPI
 
 from processors.scenarios import ScenarioAdapter
-from processors.kinds.tree.catalog import CATALOG_CONTENT_TYPES
-from processors.kinds.tree.parquet import PARQUET_CONTENT_TYPES
+from processors.kinds.tree.catalog.catalog import CATALOG_CONTENT_TYPES
+from processors.kinds.tree.catalog.parquet import PARQUET_CONTENT_TYPES
 
 
 def _scenario_openapi_extra() -> dict[str, Any]:

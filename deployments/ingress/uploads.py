@@ -22,8 +22,8 @@ from starlette.requests import Request
 
 from deployments.manager.uploads import UPLOAD_PART_BYTES
 from deployments.protocol import ServiceError, body_too_large
-from processors.kinds.tree.catalog import CATALOG_CONTENT_TYPES
-from processors.kinds.tree.parquet import PARQUET_CONTENT_TYPES
+from processors.kinds.tree.catalog.catalog import CATALOG_CONTENT_TYPES
+from processors.kinds.tree.catalog.parquet import PARQUET_CONTENT_TYPES
 
 __all__ = ["is_catalog_upload", "release_freed_memory", "upload_catalog", "upload_format_of"]
 

@@ -9,7 +9,7 @@ process, each kind's limits on the compiled form). ``_compile_now`` is the one p
 
 A kind that keeps stored content (a tree's file pinned to its SHA-256 at the PUT, a catalog's items and tables,
 a large inline tree read its own way) does so in its package (:meth:`processors.kinds.base.ConstraintKind.stored_content`,
-the tree's :class:`processors.kinds.tree.stored.TreeContent`); the compiler lends it a
+the tree's :class:`processors.kinds.tree.store.content.TreeContent`); the compiler lends it a
 :class:`~processors.kinds.patch.ContentHost` (its data directory, the store's bytes, its threads) and asks it by the
 body's type, naming no kind.
 """
@@ -69,7 +69,7 @@ def lower_manager_priority(nice: int) -> None:
 
 def compile_warnings(compiled) -> list[str]:
     """What a compile accepted but reports (a lenient tree load: keys outside the root, unknown fields, skipped ids;
-    see ``processors.kinds.tree.file.load_tree``): the admin PUT returns them as ``warnings``."""
+    see ``processors.kinds.tree.treefile.load.load_tree``): the admin PUT returns them as ``warnings``."""
     return list(getattr(getattr(compiled, "constraint", None), "warnings", ()) or ())
 
 
@@ -116,7 +116,7 @@ class StoredScenarioCompiler:
             stage_content=store.stage_content, unstage_content=store.unstage_content)
         from processors import registry
 
-        # each kind's stored content, by type (the tree's: processors/kinds/tree/stored.py); kinds without: none
+        # each kind's stored content, by type (the tree's: processors/kinds/tree/store/content.py); kinds without: none
         self.contents: dict[str, Any] = {}
         self._upload_type: str | None = None  # the kind an upload is of (ConstraintKind.upload_format)
         self._formats: dict[str, str] = {}  # content_format -> the kind whose upload format it is
@@ -163,7 +163,7 @@ class StoredScenarioCompiler:
             if not isinstance(sha, str) or not _SHA256_HEX.fullmatch(sha):
                 raise ServiceError(422, "invalid scenario: content_sha256: expected 64 lowercase hex digits",
                                    {"name": name, "field": "content_sha256"})
-            if "content_format" in body:  # an upload (a catalog: processors/kinds/tree/catalog.py), not a file
+            if "content_format" in body:  # an upload (a catalog: processors/kinds/tree/catalog/catalog.py), not a file
                 fmt = body.pop("content_format")
                 if self._formats.get(fmt) != body.get("type"):
                     known = " or ".join(repr(f) for f in self._formats)
@@ -256,7 +256,7 @@ class StoredScenarioCompiler:
 
     def held_base(self, store: ScenarioStore, name: str):
         """What a kind's stored content holds of the current version of ``name`` for a PATCH (a
-        :class:`~processors.kinds.tree.inline_bases.HeldBase`: a tree given inline, its items); ``None`` when
+        :class:`~processors.kinds.tree.store.inline_bases.HeldBase`: a tree given inline, its items); ``None`` when
         nothing: the PATCH then reads the stored body."""
         version = store.current_version(name)
         for content in self.contents.values():

@@ -141,7 +141,7 @@ class ConfigManager:
     async def put(self, name: str, body: dict, idempotency_key: str | None = None) -> dict[str, Any]:
         """Validate, compile, store a new version of ``name`` and wait until every live replica
         serves it. Returns ``{"name", "version"}``, plus ``warnings`` when the compile accepted something it reports
-        (a lenient tree load: keys outside the root, unknown fields, skipped ids; see ``processors.kinds.tree.file.load_tree``; not kept
+        (a lenient tree load: keys outside the root, unknown fields, skipped ids; see ``processors.kinds.tree.treefile.load.load_tree``; not kept
         for an idempotent replay). 422: invalid name or body; 400: does not compile (nothing stored in either case);
         503: Redis down; 504: replicas did not ack.
 
@@ -206,8 +206,8 @@ class ConfigManager:
 
     async def put_items(self, name: str, data: bytes, idempotency_key: str | None = None,
                         upload_format: str = "ndjson") -> dict[str, Any]:
-        """Store a catalog (the items format of :mod:`processors.kinds.tree.catalog`: a header line, then one JSON
-        array of token ids per line; ``upload_format`` ``"parquet"``: a Parquet file, :mod:`processors.kinds.tree.parquet`)
+        """Store a catalog (the items format of :mod:`processors.kinds.tree.catalog.catalog`: a header line, then one JSON
+        array of token ids per line; ``upload_format`` ``"parquet"``: a Parquet file, :mod:`processors.kinds.tree.catalog.parquet`)
         as a new version of tree scenario ``name``, like :meth:`put`. The bytes are
         parsed and validated once, here; the canonical catalog is stored as tree content (chunked) and the stored
         body names it (``content_sha256``, ``content_format: items``). Returns ``{"name", "version", "items"}``."""

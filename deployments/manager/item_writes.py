@@ -14,7 +14,7 @@ from deployments.scenario_errors import refused_as_service_error
 from deployments.storage.content import ContentDelta
 from deployments.storage.store import BaseChanged, request_fingerprint
 from processors.kinds.patch import delta_updates, parse_delta
-from processors.kinds.tree.parquet import parquet_shape, parquet_strings
+from processors.kinds.tree.catalog.parquet import parquet_shape, parquet_strings
 
 from .catalog_delta import apply_delta
 from .memory_guard import PATCH_BYTES_PER_ITEM, PEAK_PER_BODY_BYTE, check_write_memory, parquet_need

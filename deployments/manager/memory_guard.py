@@ -87,7 +87,7 @@ def node_free_bytes() -> int:
 
 def catalog_need(rows: int, ids: int) -> int:
     """The estimated peak of parsing, keeping and compiling a catalog of ``rows`` items and ``ids`` ids in all."""
-    from processors.kinds.tree.catalog_chunks import CHUNK_IDS
+    from processors.kinds.tree.tables.chunks import CHUNK_IDS
 
     return CATALOG_BYTES_PER_ROW * rows + CATALOG_BYTES_PER_ID * ids + COMPILE_BYTES_PER_ID * min(ids, CHUNK_IDS)
 

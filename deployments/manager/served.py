@@ -37,7 +37,7 @@ def object_ref(compiled):
 
 def _overlay_base(compiled) -> Any:
     """The base tables of ``compiled``'s overlay version of a catalog's tables, else None."""
-    from processors.kinds.tree.overlay import is_overlay, overlay_base
+    from processors.kinds.tree.tables.overlay import is_overlay, overlay_base
 
     tables = getattr(compiled, "constraint", None)
     return overlay_base(tables) if is_overlay(tables) else None

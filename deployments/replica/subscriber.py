@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 from processors import CompiledScenario
-from processors.kinds.tree.overlay import missing_base, resolve
+from processors.kinds.tree.tables.overlay import missing_base, resolve
 
 from .table_delta import apply_table_delta, delta_wanted
 

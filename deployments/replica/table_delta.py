@@ -4,7 +4,7 @@ version's whole tables from the object store.
 The config manager publishes a patched version with the delta it was made by (``deployments/manager/served.py``:
 ``{"base", "add", "remove", "tables"}``). A replica serving ``base`` updates its own tables along the changed paths
 (its kind's :meth:`~processors.kinds.base.ConstraintKind.patch_compiled`: the tree's
-:func:`processors.kinds.tree.delta.patch_tables`, the manager's own step) and keeps the result only when its ``version``
+:func:`processors.kinds.tree.tables.delta.patch_tables`, the manager's own step) and keeps the result only when its ``version``
 (the content hash of the arrays) is the announced ``tables``: then it holds the very tables a fetch would give. Any
 other case (no delta, another version served, a hash that differs, an error) fetches the whole tables as before.
 

@@ -199,7 +199,7 @@ class ConstraintKind(ABC):
         read its own way), ``upload(data)`` (a kind with an :attr:`upload_format`),
         ``installed``, ``held``, ``postpone``, ``write_started`` / ``write_ended`` (around every write but a PATCH),
         ``close``; it is the kind's
-        :class:`~processors.kinds.patch.PatchStore` too (the tree's: :class:`processors.kinds.tree.stored.TreeContent`)."""
+        :class:`~processors.kinds.patch.PatchStore` too (the tree's: :class:`processors.kinds.tree.store.content.TreeContent`)."""
         return None
 
     def patch_compiled(self, constraint: Any, add: list[Any], remove: list[Any]) -> Any | None:

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from test_manager import FakeReplica, make_manager, ready
 
-from processors.kinds.tree.catalog import tree_file_bytes
-from processors.kinds.tree.catalog_parse import parse_catalog
+from processors.kinds.tree.catalog.catalog import tree_file_bytes
+from processors.kinds.tree.catalog.parse import parse_catalog
 from config import ConstraintError
 from deployments.protocol import ServiceError
 from deployments.storage.redis_server import connect_redis
@@ -384,7 +384,7 @@ def test_a_catalog_compiles_to_the_tree_file_tables_with_its_header_fields(token
     """The manager builds a catalog's tables straight from its items (catalog_tables): the replicas get the tables
     the tree file it spells would give, and the header's scenario fields still apply (settings, start token, the
     multi-item checks)."""
-    from processors.kinds.tree.file import load_tree
+    from processors.kinds.tree.treefile.load import load_tree
     from processors.tables import build_tree_tables
 
     manager = make_manager(tokenizer, data_dir, client=client)

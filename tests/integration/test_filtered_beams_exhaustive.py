@@ -19,8 +19,8 @@ from deployments.engines import EngineRequest, EventCollector, SamplingParams
 from deployments.engines.transformers import DecodeEngine
 from processors import build_prompt_ids, compile_scenario
 from processors.items import ItemRequest
-from processors.kinds.tree.catalog_parse import parse_catalog
-from processors.kinds.tree.catalog_tables import catalog_tables
+from processors.kinds.tree.catalog.parse import parse_catalog
+from processors.kinds.tree.tables.compile import catalog_tables
 from processors.scenarios import load_scenario
 
 pytestmark = pytest.mark.integration

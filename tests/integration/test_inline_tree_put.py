@@ -1,5 +1,5 @@
 """Large inline trees at the config manager (real Redis, real tokenizer, replicas speaking the real protocol): a PUT
-body of over 1 MiB is split at its tree's braces (processors/kinds/tree/inline.py) and the tree read by the tree
+body of over 1 MiB is split at its tree's braces (processors/kinds/tree/store/inline.py) and the tree read by the tree
 loader's scan. What a client sees must not change: the served tables are those the exact way (the whole body
 parsed, pydantic, the loader) compiles, the warnings and every refusal are the same, a GET gives back the tree as
 sent, a retry with an Idempotency-Key replays, and a restart compiles the stored body to the same tables."""
@@ -15,7 +15,7 @@ from test_manager import make_manager
 from deployments.manager.compiler import compile_warnings
 from deployments.protocol import ServiceError
 from deployments.storage.redis_server import connect_redis
-from processors.kinds.tree.inline import INLINE_TREE_MIN_BYTES
+from processors.kinds.tree.store.inline import INLINE_TREE_MIN_BYTES
 
 pytestmark = pytest.mark.integration
 

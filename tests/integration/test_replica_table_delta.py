@@ -16,10 +16,10 @@ from test_catalog_manager import END, START, catalog_text
 from test_catalog_patch_tables import assert_full_compile
 
 from config import ServerSettings
-from processors.kinds.tree.catalog import Catalog
+from processors.kinds.tree.catalog.catalog import Catalog
 from deployments.storage.redis_server import connect_redis
 from deployments.replica.table_delta import delta_wanted
-from processors.kinds.tree.catalog_tables import catalog_tables
+from processors.kinds.tree.tables.compile import catalog_tables
 from tests.manager_helpers import make_manager
 
 pytestmark = pytest.mark.integration

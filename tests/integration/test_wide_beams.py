@@ -180,8 +180,8 @@ def test_filtered_beams_ranked_from_the_tables_equal_the_masked_path(model, toke
     from deployments.engines.transformers import engine as engine_module
     from deployments.engines.transformers import wide as wide_module
     from processors.items import ItemRequest
-    from processors.kinds.tree.catalog import Catalog
-    from processors.kinds.tree.filter_edges import filter_book, item_terminals
+    from processors.kinds.tree.catalog.catalog import Catalog
+    from processors.kinds.tree.filters.edges import filter_book, item_terminals
 
     eos = tokenizer.eos_token_id
     items = sorted(CATALOG)

@@ -187,8 +187,8 @@ def test_a_parquet_catalog_whose_strings_decode_past_the_memory_guard_is_a_507(s
 
     from deployments.manager.memory_guard import parquet_need
     from helpers import repeated_strings
-    from processors.kinds.tree.metadata import MetadataLimits
-    from processors.kinds.tree.parquet import parquet_shape, parquet_strings
+    from processors.kinds.tree.filters.metadata import MetadataLimits
+    from processors.kinds.tree.catalog.parquet import parquet_shape, parquet_strings
 
     rows, note = 2_000_000, "x" * 4_000
     data = _parquet({"ids": pa.array([[1000]] * rows, pa.list_(pa.int32())), "note": repeated_strings(rows, note)})

@@ -129,7 +129,7 @@ def test_patch_serves_exactly_before_plus_adds_minus_removes(manager, case):
 
 def test_patch_keeps_to_max_tree_keys(manager):
     """A PATCH past max_tree_keys is the 422 a PUT of the same catalog gets; nothing is stored."""
-    from processors.kinds.tree.catalog import Catalog
+    from processors.kinds.tree.catalog.catalog import Catalog
 
     items = [(3, i) for i in range(10, 10 + MAX_KEYS)]
     too_many = Catalog.from_items(ROOT, END, items + [(4,)]).content()

@@ -100,7 +100,7 @@ def test_a_parquet_catalog_is_estimated_by_its_items_not_its_compressed_bytes(ma
     import pyarrow.parquet as pq
 
     from deployments.manager.memory_guard import catalog_need
-    from processors.kinds.tree.parquet import parquet_shape
+    from processors.kinds.tree.catalog.parquet import parquet_shape
 
     def parquet(n: int) -> bytes:
         ids = [[10 + i // 10_000, 10 + (i // 100) % 100, 10 + i % 100] for i in range(n)]
@@ -150,7 +150,7 @@ def test_a_parquet_catalog_is_estimated_by_its_strings_as_they_decode(manager):
     file named by path too. A row over the per-item metadata bound is a 422 naming it, before the read, the same."""
     from deployments.manager.memory_guard import catalog_need
     from helpers import resident_growth
-    from processors.kinds.tree.metadata import MetadataLimits
+    from processors.kinds.tree.filters.metadata import MetadataLimits
 
     rows, note = 200_000, "x" * 4_000
     data = _parquet_notes(rows, note)

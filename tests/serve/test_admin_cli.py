@@ -256,7 +256,7 @@ def test_timeout_is_named(serve_app):
 
 
 def test_put_tree_stores_a_bare_tree_file_as_a_tree_scenario(serve_app, tokenizer, tmp_path):
-    from processors.kinds.tree.file import is_tree_path
+    from processors.kinds.tree.treefile.load import is_tree_path
     from deployments.examples import build_phrase_tree, chat_root_token_id
 
     tree = build_phrase_tree(tokenizer, ["red apple", "green pear"], root=chat_root_token_id(tokenizer),

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import requests
 
-from processors.kinds.tree.file import is_tree_path
+from processors.kinds.tree.treefile.load import is_tree_path
 from deployments.examples import build_phrase_tree, chat_root_token_id
 from helpers import user_messages
 from serve_app import check_label, labels_hot_swap_under_load

@@ -8,7 +8,7 @@ import uuid
 import pytest
 import requests
 
-from processors.kinds.tree.file import is_tree_path
+from processors.kinds.tree.treefile.load import is_tree_path
 from deployments.examples import chat_root_token_id
 
 pytestmark = pytest.mark.serve

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from processors.kinds.tree.catalog_chunks import chunked_tables
-from processors.kinds.tree.catalog_tables import whole_tables
+from processors.kinds.tree.tables.chunks import chunked_tables
+from processors.kinds.tree.tables.trie import whole_tables
 from processors.tables import DONE, LEAF, item_metrics
 
 VOCAB = 300
@@ -87,7 +87,7 @@ def test_tiny_catalogs(items):
 
 
 def test_row_keys_in_blocks_are_the_keys_at_once(monkeypatch):
-    from processors.kinds.tree import item_lines
+    from processors.kinds.tree.catalog import lines as item_lines
 
     rng = np.random.default_rng(3)
     lengths = rng.integers(0, 9, size=5_000).astype(np.int32)
@@ -99,7 +99,7 @@ def test_row_keys_in_blocks_are_the_keys_at_once(monkeypatch):
 
 
 def test_id_text_in_blocks_is_the_text_at_once(monkeypatch):
-    from processors.kinds.tree import item_lines
+    from processors.kinds.tree.catalog import lines as item_lines
 
     rng = np.random.default_rng(4)
     lengths = rng.integers(1, 9, size=3_000).astype(np.int32)

@@ -14,10 +14,10 @@ from test_item_filters import _random_filter, _random_item, _reachable_items
 
 from config import ConstraintError
 from processors.items import ItemRequest
-from processors.kinds.tree.catalog_parse import parse_catalog
-from processors.kinds.tree.catalog_delta import apply_tree_delta
-from processors.kinds.tree.catalog_tables import catalog_tables
-from processors.kinds.tree.filters import FilterLimits
+from processors.kinds.tree.catalog.parse import parse_catalog
+from processors.kinds.tree.patch.items import apply_tree_delta
+from processors.kinds.tree.tables.compile import catalog_tables
+from processors.kinds.tree.filters.language import FilterLimits
 from processors.registry import get as kind_for_type
 from processors.tree import TreeCursor
 
@@ -200,7 +200,7 @@ def _columns(metadata) -> dict:
 def test_a_patch_splices_the_metadata_columns_as_a_full_parse_gives_them(seed):
     """A PATCH's metadata columns are the base's with rows cut and the new ones appended (no parse of every
     item): exactly what parsing every item of the result gives, values and fields no row holds any more dropped."""
-    from processors.kinds.tree.metadata import ItemMetadata
+    from processors.kinds.tree.filters.metadata import ItemMetadata
 
     rng = random.Random(seed)
     items: dict[tuple[int, ...], dict | None] = {}

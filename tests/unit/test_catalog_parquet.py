@@ -1,4 +1,4 @@
-"""Catalogs uploaded as Parquet (``processors/kinds/tree/parquet.py``): a file with an ``ids`` column and metadata
+"""Catalogs uploaded as Parquet (``processors/kinds/tree/catalog/parquet.py``): a file with an ``ids`` column and metadata
 columns spells the same catalog as the NDJSON lines written here for the same items (same canonical content, same
 metadata), nulls leave a field out, fixed-size and large lists read alike; every malformed file is a 422 naming what
 is wrong (not Parquet, no header, no or a wrong ``ids`` column, a null row, a column of another type, too many rows)."""
@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from config import ConstraintError
-from processors.kinds.tree.catalog_parse import parse_catalog
-from processors.kinds.tree.parquet import parquet_catalog
+from processors.kinds.tree.catalog.parse import parse_catalog
+from processors.kinds.tree.catalog.parquet import parquet_catalog
 
 HEADER = {"start_token_id": 5, "end_token_id": 2, "max_new_tokens": 6}
 VOCAB = 1000
@@ -103,7 +103,7 @@ def test_the_row_count_is_checked_before_reading():
 
 
 # -- the array path (no metadata columns): parquet_items reads the ids column straight into the catalog's arrays ---
-from processors.kinds.tree.parquet import parquet_items  # noqa: E402
+from processors.kinds.tree.catalog.parquet import parquet_items  # noqa: E402
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -147,7 +147,7 @@ def test_a_file_with_metadata_takes_the_text_path_and_keeps_it():
 
 # -- the header and ids the NDJSON form refuses; the metadata the memory estimate counts --------------------------
 from helpers import repeated_strings, resident_growth  # noqa: E402
-from processors.kinds.tree.parquet import parquet_shape, parquet_strings  # noqa: E402
+from processors.kinds.tree.catalog.parquet import parquet_shape, parquet_strings  # noqa: E402
 
 IDS = pa.array([[11, 12], [13]], pa.list_(pa.int32()))
 
@@ -217,7 +217,7 @@ def test_the_strings_and_lists_are_counted_as_their_json_and_the_per_item_bound_
     bound (4,096 bytes as JSON, ``MetadataLimits.max_item_bytes``) passes it and the NDJSON parse; one byte over,
     it is a 422 naming the row and the limit before the file is read, where the parse of the NDJSON it spells
     refuses the same item."""
-    from processors.kinds.tree.metadata import MetadataLimits
+    from processors.kinds.tree.filters.metadata import MetadataLimits
 
     limit = MetadataLimits().max_item_bytes
     rng = random.Random(7)

@@ -1,5 +1,5 @@
 """The direct compile of a catalog (``catalog_tables``: items -> MaskTables) against the reference path it replaces
-(the tree file text of ``tree_file_bytes`` -> ``processors.kinds.tree.file.load_tree`` -> ``build_tree_tables``): equal tables."""
+(the tree file text of ``tree_file_bytes`` -> ``processors.kinds.tree.treefile.load.load_tree`` -> ``build_tree_tables``): equal tables."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from processors.kinds.tree.file import load_tree
-from processors.kinds.tree.catalog import Catalog, catalog_tables, tree_file_bytes
-from processors.kinds.tree.catalog_parse import parse_catalog
+from processors.kinds.tree.treefile.load import load_tree
+from processors.kinds.tree.catalog.catalog import Catalog, catalog_tables, tree_file_bytes
+from processors.kinds.tree.catalog.parse import parse_catalog
 from processors.tables import DONE, LEAF, build_tree_tables, item_metrics
 
 VOCAB = 49152
@@ -103,7 +103,7 @@ def test_a_large_fixed_depth_catalog(tmp_path):
 @pytest.mark.parametrize("high, width", [(1, 5), (3, 1), (VOCAB, 7), (2**31 - 2, 3), (2**40, 2)])
 def test_row_order_is_lexsort_of_the_columns(high, width):
     """The packed sort of catalog_tables orders distinct padded rows as np.lexsort of their columns does."""
-    from processors.kinds.tree.catalog import _row_order
+    from processors.kinds.tree.catalog.catalog import _row_order
 
     rng = np.random.default_rng(width)
     matrix = rng.integers(0, high + 1, size=(3000, width), dtype=np.int64)

@@ -12,9 +12,10 @@ import random
 import numpy as np
 import pytest
 
-from processors.kinds.tree.catalog import Catalog
-from processors.kinds.tree.catalog_tables import CatalogItems, catalog_tables, tree_file_bytes
-import processors.kinds.tree.catalog_tables as catalog_tables_module
+from processors.kinds.tree.catalog.catalog import Catalog
+from processors.kinds.tree.tables.compile import catalog_tables
+from processors.kinds.tree.tables.trie import CatalogItems, tree_file_bytes
+import processors.kinds.tree.tables.trie as catalog_tables_module
 from processors.tables import DONE, LEAF, MaskTables
 
 VOCAB = 49152

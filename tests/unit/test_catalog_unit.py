@@ -63,8 +63,8 @@ def test_labels_delta_keeps_order_and_reports_noops():
 def test_item_tokens_are_bounded_where_items_are_parsed():
     """``max_item_tokens``: a catalog line (fast and per-line parse) or a PATCH add longer than the limit is a 422
     naming it and the limit; at the limit it parses; a stored catalog (no limit given) is read as it is."""
-    from processors.kinds.tree.catalog_parse import parse_catalog
-    from processors.kinds.tree.catalog_delta import apply_tree_delta
+    from processors.kinds.tree.catalog.parse import parse_catalog
+    from processors.kinds.tree.patch.items import apply_tree_delta
 
     header = b'{"start_token_id": 100, "end_token_id": 2}\n'
     assert len(parse_catalog(header + b"[5,6,7]\n[5]\n", vocab_size=1000, max_item_tokens=3)) == 2
@@ -93,8 +93,8 @@ def test_a_patched_catalogs_bytes_are_spliced_from_its_bases_exactly():
 
     import numpy as np
 
-    from processors.kinds.tree.catalog import Catalog
-    from processors.kinds.tree.catalog_delta import apply_tree_delta
+    from processors.kinds.tree.catalog.catalog import Catalog
+    from processors.kinds.tree.patch.items import apply_tree_delta
 
     rnd = random.Random(0)
     for trial in range(300):
@@ -129,14 +129,16 @@ def test_a_patch_finds_its_items_by_row_key_and_the_result_keeps_the_keys_exact(
 
     import numpy as np
 
-    from processors.kinds.tree import catalog_rows
-    from processors.kinds.tree.catalog import Catalog
-    from processors.kinds.tree.catalog_delta import apply_tree_delta
-    from processors.kinds.tree.catalog_rows import catalog_row_keys, row_keys
+    from processors.kinds.tree.catalog import catalog as catalog_module
+    from processors.kinds.tree.catalog.catalog import Catalog
+    from processors.kinds.tree.patch import rows as catalog_rows
+    from processors.kinds.tree.patch.items import apply_tree_delta
+    from processors.kinds.tree.patch.rows import catalog_row_keys, row_keys
 
     for colliding, indexed in ((False, False), (False, True), (True, False), (True, True)):
         if colliding:  # every key the same: the flags and the key compare pass every row, the lines tell them apart
-            monkeypatch.setattr(catalog_rows, "row_keys", lambda flat, lengths: np.zeros(lengths.size, np.uint64))
+            for module in (catalog_module, catalog_rows):  # (the catalog's rows' keys, and the wanted items')
+                monkeypatch.setattr(module, "row_keys", lambda flat, lengths: np.zeros(lengths.size, np.uint64))
         # every catalog found through its sorted key index (index_row_keys), or by the pass over every row's key
         monkeypatch.setattr(catalog_rows, "INDEX_ROWS", 1 if indexed else 1 << 40)
         rnd = random.Random(1)
@@ -183,9 +185,9 @@ def test_a_parsed_catalog_is_arrays_and_its_canonical_bytes(monkeypatch):
 
     import numpy as np
 
-    from processors.kinds.tree import item_lines
-    from processors.kinds.tree.catalog import row_keys
-    from processors.kinds.tree.catalog_parse import parse_catalog
+    from processors.kinds.tree.catalog import lines as item_lines
+    from processors.kinds.tree.catalog.catalog import row_keys
+    from processors.kinds.tree.catalog.parse import parse_catalog
 
     rnd = random.Random(3)
     for trial in range(200):
@@ -225,7 +227,7 @@ def test_the_catalog_fast_path_agrees_with_json_in_blocks_of_any_size(monkeypatc
 
     import numpy as np
 
-    from processors.kinds.tree import item_lines
+    from processors.kinds.tree.catalog import lines as item_lines
 
     monkeypatch.setattr(item_lines, "_BLOCK", block)
     rnd = random.Random(block)
@@ -277,8 +279,8 @@ def test_a_large_catalogs_key_index_finds_the_rows_the_pass_over_every_key_finds
     present, absent and of keys sharing their high bits are exactly those the pass over every row's key finds."""
     import numpy as np
 
-    from processors.kinds.tree import catalog_rows
-    from processors.kinds.tree.catalog import Catalog
+    from processors.kinds.tree.patch import rows as catalog_rows
+    from processors.kinds.tree.catalog.catalog import Catalog
 
     rng = np.random.default_rng(7)
     rows = catalog_rows.INDEX_ROWS
@@ -314,9 +316,10 @@ def test_a_patch_result_pending_on_its_base_equals_the_catalog_written_out(monke
     import numpy as np
 
     from deployments.storage.content import apply_line_delta, line_delta
-    from processors.kinds.tree import catalog_delta, catalog_rows
-    from processors.kinds.tree.catalog import Catalog
-    from processors.kinds.tree.catalog_delta import apply_tree_delta
+    from processors.kinds.tree.patch import items as catalog_delta
+    from processors.kinds.tree.patch import rows as catalog_rows
+    from processors.kinds.tree.catalog.catalog import Catalog
+    from processors.kinds.tree.patch.items import apply_tree_delta
 
     for fold_rows, fold_share in ((3, 2), (catalog_delta.FOLD_ROWS, catalog_delta.FOLD_SHARE)):
         monkeypatch.setattr(catalog_delta, "FOLD_ROWS", fold_rows)
@@ -384,10 +387,10 @@ def test_a_catalog_whose_bytes_are_its_mapped_local_copy_patches_the_same(tmp_pa
 
     import numpy as np
 
-    from processors.kinds.tree import catalog_rows
-    from processors.kinds.tree.catalog import Catalog
-    from processors.kinds.tree.catalog_delta import apply_tree_delta
-    from processors.kinds.tree.stored import _mapped
+    from processors.kinds.tree.patch import rows as catalog_rows
+    from processors.kinds.tree.catalog.catalog import Catalog
+    from processors.kinds.tree.patch.items import apply_tree_delta
+    from processors.kinds.tree.store.content import _mapped
 
     rnd = random.Random(5)
     items = list({tuple(rnd.randint(3, 90) for _ in range(rnd.randint(1, 4))) for _ in range(3000)})

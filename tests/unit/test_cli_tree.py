@@ -1,7 +1,7 @@
 """``cs-tree build`` and ``cs-tree lint`` with the tiny hand-built tokenizer, saved to disk and loaded by path.
 
 Every test runs the real command (``cli.tree.main``) on real files and checks the files it writes with the
-service's own loader (``processors.kinds.tree.file.load_tree``) and the spec-level path oracle (``processors.kinds.tree.file.is_tree_path``).
+service's own loader (``processors.kinds.tree.treefile.load.load_tree``) and the spec-level path oracle (``processors.kinds.tree.treefile.load.is_tree_path``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 import pytest
 
 from cli.tree import main
-from processors.kinds.tree.file import is_tree_path, load_tree
+from processors.kinds.tree.treefile.load import is_tree_path, load_tree
 from processors.testing import decode, tid
 
 EOS_ID = 2

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from processors.scenarios import load_scenario
-from processors.kinds.tree.file import is_tree_path
+from processors.kinds.tree.treefile.load import is_tree_path
 from processors import (
     ALLOW, BAN, BITMASK, FREE, CompiledScenario, ConstrainedLogitsProcessor, GrammarCursor, LabelCursor, RowCursor,
     ThinkCursor, TreeCursor, apply_steps, bitmask_to_ids, build_label_tables, build_tree_tables, compile_json_schema,

@@ -1,4 +1,4 @@
-"""Item metadata and request filters (``processors/kinds/tree/metadata.py``, ``filters.py``): random catalogs'
+"""Item metadata and request filters (``processors/kinds/tree/filters/metadata.py``, ``filters.py``): random catalogs'
 metadata and random filters against a brute-force evaluation of every item written from the filter language's rules
 (not from the code under test), and every refusal a 422 naming the field."""
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from config import ConstraintError
-from processors.kinds.tree.filters import FilterLimits, parse_filter
-from processors.kinds.tree.metadata import ItemMetadata, MetadataLimits
+from processors.kinds.tree.filters.language import FilterLimits, parse_filter
+from processors.kinds.tree.filters.metadata import ItemMetadata, MetadataLimits
 
 from item_checks import filter_passes as _passes
 
@@ -224,9 +224,9 @@ def _walk_edges(tables, item) -> list[int] | None:
 
 @pytest.mark.parametrize("seed", range(24))
 def test_the_edge_mask_allows_exactly_the_edges_of_passing_items(seed):
-    from processors.kinds.tree.catalog import Catalog
-    from processors.kinds.tree.catalog_tables import catalog_tables
-    from processors.kinds.tree.filter_edges import edge_mask, filter_book, item_terminals
+    from processors.kinds.tree.catalog.catalog import Catalog
+    from processors.kinds.tree.tables.compile import catalog_tables
+    from processors.kinds.tree.filters.edges import edge_mask, filter_book, item_terminals
 
     rng = random.Random(seed)
     end, start, vocab = 2, 5, 1000
@@ -281,9 +281,9 @@ def _reachable_items(cursor, end: int, limit: int = 20) -> set[tuple[int, ...]]:
 @pytest.mark.parametrize("seed", range(16))
 def test_rows_under_a_filter_complete_exactly_the_items_that_pass(seed):
     from processors.items import ItemRequest
-    from processors.kinds.tree.catalog import Catalog
-    from processors.kinds.tree.catalog_tables import catalog_tables
-    from processors.kinds.tree.filter_edges import filter_book, item_terminals
+    from processors.kinds.tree.catalog.catalog import Catalog
+    from processors.kinds.tree.tables.compile import catalog_tables
+    from processors.kinds.tree.filters.edges import filter_book, item_terminals
     from processors.tree import TreeCursor
 
     rng = random.Random(1000 + seed)

@@ -4,11 +4,14 @@ logits and every row's state are identical after every step."""
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 import torch
 
 from processors import CompiledScenario, ConstrainedLogitsProcessor, build_label_tables, build_tree_tables
+from processors import lanes
 from processors.lanes import BUDGET, OFF, PLAIN, lane_of
 from processors.testing import build_tokenizer, tid, tree_data
 
@@ -77,8 +80,31 @@ def test_lane_codes(scenarios):
     assert lane_of(object()) == OFF
 
 
+def all_tables(scenarios):
+    out = []
+    for sc in scenarios:
+        c = None if sc is None else sc.constraint
+        for t in (c, getattr(c, "tables", None), getattr(getattr(c, "bare_form", None), "tables", None)):
+            if hasattr(t, "find_edges"):
+                out.append(t)
+    return out
+
+
+@pytest.fixture(params=["keys", "find_edges"])
+def search(request, monkeypatch, scenarios):
+    """How the lane advances: by its keys of small tables (``lanes._lane_keys``), or by ``MaskTables.find_edges``
+    as for tables past ``lanes._LANE_KEYS_EDGES`` (made so here by a bound of 0)."""
+    if request.param == "find_edges":
+        monkeypatch.setattr(lanes, "_LANE_KEYS_EDGES", 0)
+    for t in all_tables(scenarios):
+        t.__dict__.pop("_lane_keys", None)
+    yield request.param
+    for t in all_tables(scenarios):
+        t.__dict__.pop("_lane_keys", None)
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_vector_lane_equals_per_row_path(scenarios, seed):
+def test_vector_lane_equals_per_row_path(scenarios, seed, search):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(2, 24))
     per_row = [scenarios[int(rng.integers(0, len(scenarios)))] for _ in range(n)]
@@ -107,6 +133,22 @@ def test_vector_lane_equals_per_row_path(scenarios, seed):
                 tokens.append(int(allowed[int(rng.integers(0, allowed.numel()))]))
         ids = torch.cat([ids, torch.tensor(tokens)[:, None]], dim=1)
     assert lanes_seen > 0
+    made = [t.__dict__["_lane_keys"] for t in all_tables(scenarios) if "_lane_keys" in t.__dict__]
+    assert made and all((k is not None) == (search == "keys") for k in made)  # the search the test meant
+
+
+def test_lane_keys_stay_in_the_process_that_made_them(scenarios):
+    """The lane's keys of small tables are made at the first advance and never pickled with the tables."""
+    tables = scenarios[0].constraint
+    tables.__dict__.pop("_lane_keys", None)
+    proc = ConstrainedLogitsProcessor([scenarios[0]] * 2, tokenizer=TOK, prompt_len=1, vectorized=True)
+    for ids in (torch.full((2, 1), S), torch.tensor([[S, NEW], [S, NEW]])):
+        proc(ids, torch.zeros(2, V))
+    keys = tables.__dict__["_lane_keys"]
+    assert keys.tolist() == sorted(s * V + int(tables.tokens[e]) for s in range(tables.n_states)
+                                   for e in range(tables.offsets[s], tables.offsets[s + 1]))
+    back = pickle.loads(pickle.dumps(tables))
+    assert "_lane_keys" not in back.__dict__ and back.version == tables.version
 
 
 def test_vector_lane_in_a_reordered_batch_falls_back_to_the_base_sync(scenarios):
@@ -168,7 +210,7 @@ def test_vector_lane_with_filters_equals_per_row_path(scenarios, seed):
     only ever finishes an item that passes."""
     from processors import RowCursor
     from processors.items import ItemRequest
-    from processors.kinds.tree.filter_edges import filter_book
+    from processors.kinds.tree.filters.edges import filter_book
     from processors.lanes import FILTER, advance_rows, mask_rows
 
     rng = np.random.default_rng(300 + seed)

@@ -1,4 +1,4 @@
-"""processors.kinds.tree.scan.ordered_map: the threaded map that reads a large tree's blocks on two cores."""
+"""processors.kinds.tree.treefile.scan.ordered_map: the threaded map that reads a large tree's blocks on two cores."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from processors.kinds.tree.scan import ordered_map
+from processors.kinds.tree.treefile.scan import ordered_map
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])

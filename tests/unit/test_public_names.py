@@ -37,7 +37,7 @@ LISTED = _listed()
 def test_the_list_is_read():
     modules = {m for m, _ in LISTED}
     assert {"processors", "processors.scenarios", "config", "deployments.engines"} <= modules
-    assert ("processors.kinds.tree.file", "load_tree") in LISTED and len(LISTED) > 60
+    assert ("processors.kinds.tree.treefile.load", "load_tree") in LISTED and len(LISTED) > 60
 
 
 @pytest.mark.parametrize("module,name", LISTED, ids=[f"{m}.{n}" for m, n in LISTED])

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 import config
 from config import ThinkConfig, scenario_to_dict
-from processors.kinds.tree.file import load_tree
+from processors.kinds.tree.treefile.load import load_tree
 from processors.kinds.json_schema.spec import JsonSchemaScenario, JsonScenario
 from processors.kinds.labels.spec import LabelsScenario
 from processors.kinds.regex.spec import RegexScenario

@@ -271,6 +271,33 @@ def test_batched_edge_search_matches_a_scan_of_each_state(seed):
     assert t.find_edges(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)).size == 0
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_edge_search_of_narrow_and_wide_states(seed):
+    """find_edges on batches that take each of its two batched searches, against :meth:`MaskTables.edge` per row:
+    narrow states (few edges in all: every edge of every row compared at once) and wide ones (past that bound:
+    the bisection inside each row's slice), with absent tokens, ids outside the vocabulary and non-states mixed in."""
+    rng = np.random.default_rng(seed)
+    vocab, n_states = 6000, 40
+    counts = rng.integers(0, 4, size=n_states)
+    wide = rng.choice(n_states, size=6, replace=False)
+    counts[wide] = rng.integers(1500, 4000, size=wide.size)
+    offsets = np.concatenate(([0], np.cumsum(counts)))
+    tokens = np.concatenate([np.sort(rng.choice(vocab, size=c, replace=False)) for c in counts]).astype(np.int32)
+    t = MaskTables(offsets=offsets, tokens=tokens, next_state=np.full(tokens.size, LEAF, dtype=np.int32), root=0,
+                   end_token_id=0, vocab_size=vocab)
+    narrow = np.flatnonzero((counts > 0) & (counts < 4))
+    for pool, n_rows in ((narrow, 200), (wide, 60)):
+        states = rng.choice(pool, size=n_rows)
+        present = tokens[offsets[states] + rng.integers(0, counts[states])]
+        want = np.where(rng.random(n_rows) < 0.7, present, rng.integers(-2, vocab + 2, size=n_rows))
+        states[rng.random(n_rows) < 0.1] = rng.choice([LEAF, DONE, n_states, n_states + 5])
+        edges_in_all = int(counts[states[(states >= 0) & (states < n_states)]].sum())
+        assert (edges_in_all <= 4096) == (pool is narrow)  # which search the batch takes (tables._GATHER_EDGES)
+        got = t.find_edges(states, want)
+        assert got.tolist() == [t.edge(s, w) for s, w in zip(states.tolist(), want.tolist())]
+        assert (got >= 0).sum() > n_rows // 2
+
+
 def test_unsorted_edges_inside_a_state_are_refused_and_state_boundaries_are_not():
     ok = MaskTables(offsets=np.array([0, 2, 2, 4]), tokens=np.array([3, 7, 1, 5]), next_state=np.array([-1] * 4),
                     root=0, end_token_id=0, vocab_size=10)  # 7 then 1: a new state, not a descent

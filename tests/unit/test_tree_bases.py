@@ -1,4 +1,4 @@
-"""The manager's read of a served inline tree's items for its first PATCH (``processors/kinds/tree/inline_bases.py``):
+"""The manager's read of a served inline tree's items for its first PATCH (``processors/kinds/tree/store/inline_bases.py``):
 it waits while writes keep coming, starts by itself once none has come for ``idle_s``, starts at once when a PATCH
 asks first, and gives the tree's exact items. Real tokenizer, a real compiled tree, real threads."""
 
@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from deployments.examples import build_phrase_tree, chat_root_token_id
-from processors.kinds.tree.inline_bases import InlineTreeBases
+from processors.kinds.tree.store.inline_bases import InlineTreeBases
 from processors import compile_scenario
 from processors.scenarios import load_scenario
 
@@ -76,8 +76,8 @@ def test_a_write_stops_a_running_idle_read_and_it_starts_again_when_idle(tokeniz
 
     import numpy as np
 
-    from processors.kinds.tree.catalog import Catalog
-    from processors.kinds.tree.catalog_tables import catalog_tables
+    from processors.kinds.tree.catalog.catalog import Catalog
+    from processors.kinds.tree.tables.compile import catalog_tables
 
     rng = np.random.default_rng(5)
     rows = np.unique(rng.integers(1000, 40000, size=(400_000, 4)), axis=0)

@@ -1,4 +1,4 @@
-"""Tables after a delta (``processors/kinds/tree/delta.py:patch_tables``) against an independent full compile of the new
+"""Tables after a delta (``processors/kinds/tree/tables/delta.py:patch_tables``) against an independent full compile of the new
 items (``catalog_tables``): the same arrays byte for byte (same ``version``) and the same item metrics, after any
 sequence of deltas: random catalogs, removals that empty a whole subtree, adds under new prefixes, items that are
 prefixes of other items (an inner state that ends an item), the empty item's neighbours, no-ops."""
@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from processors.kinds.tree.catalog import Catalog
-from processors.kinds.tree.catalog_tables import catalog_tables
+from processors.kinds.tree.catalog.catalog import Catalog
+from processors.kinds.tree.tables.compile import catalog_tables
 from processors.tables import _item_metrics, item_metrics
-from processors.kinds.tree.delta import max_remaining, patch_tables
+from processors.kinds.tree.tables.delta import max_remaining, patch_tables
 
 VOCAB = 64
 END = 2
@@ -129,14 +129,14 @@ def test_a_wide_root_uses_big_token_ids():
 
 @pytest.mark.parametrize("seed", range(8))
 def test_the_items_read_from_a_trees_tables_are_those_of_the_loaded_tree(seed, tmp_path):
-    """processors/kinds/tree/item_list.py against items_from_tree of the loaded tree file (keys no path reaches, empty lists,
+    """processors/kinds/tree/tables/items.py against items_from_tree of the loaded tree file (keys no path reaches, empty lists,
     the end token at the root and inside, candidates given twice or out of order)."""
     import json
 
-    from processors.kinds.tree.file import load_tree
-    from processors.kinds.tree.catalog import items_from_tree
+    from processors.kinds.tree.treefile.load import load_tree
+    from processors.kinds.tree.catalog.catalog import items_from_tree
     from processors.tables import build_tree_tables
-    from processors.kinds.tree.item_list import tree_items
+    from processors.kinds.tree.tables.items import tree_items
 
     rnd = random.Random(seed)
     prefix = {}

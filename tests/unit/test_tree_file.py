@@ -9,9 +9,9 @@ import pickle
 import numpy as np
 import pytest
 
-from processors.kinds.tree.file import TreeData, TreeFileError, load_tree
+from processors.kinds.tree.treefile.load import TreeData, TreeFileError, load_tree
 from processors.kinds.tree.spec import TreeSpec
-from processors.kinds.tree.file import MAX_REPORTED_PROBLEMS
+from processors.kinds.tree.treefile.load import MAX_REPORTED_PROBLEMS
 
 SEED_TREE = {
     "start_token_id": 225,
@@ -74,7 +74,7 @@ def test_top_level_fields_in_any_order(tmp_path):
 
 def test_missing_root_is_a_warning_not_an_error(tmp_path, caplog):
     body = tree_json(prefix_dict={"225_5": [2]})
-    with caplog.at_level(logging.WARNING, logger="processors.kinds.tree.file"):
+    with caplog.at_level(logging.WARNING, logger="processors.kinds.tree.treefile.load"):
         tree = load_tree(write(tmp_path, body))
     expected = "no entry for the root key '225': the first step will force the end token"
     assert tree.warnings == (expected,)
@@ -313,7 +313,7 @@ def test_error_is_a_value_error_and_pickles():
 
 
 def test_is_tree_path_follows_the_spec_rules():
-    from processors.kinds.tree.file import is_tree_path
+    from processors.kinds.tree.treefile.load import is_tree_path
 
     tree = {"start_token_id": 1, "end_token_id": 2, "sep": "-", "prefix_dict": {"1": [5, 6], "1-5": [2], "1-6": []}}
     assert is_tree_path(tree, [5, 2])

@@ -1,4 +1,4 @@
-"""Background folds of catalog overlay tables (``processors/kinds/tree/folds.py``): none while a write runs, the newest
+"""Background folds of catalog overlay tables (``processors/kinds/tree/store/folds.py``): none while a write runs, the newest
 overlay of a chain only, the result kept only where the overlay still is, and byte for byte the full compile."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from processors.kinds.tree.folds import BackgroundFolds
-from processors.kinds.tree.overlay import is_overlay, overlay_tables
+from processors.kinds.tree.store.folds import BackgroundFolds
+from processors.kinds.tree.tables.overlay import is_overlay, overlay_tables
 
 from test_tree_delta import assert_same, full
 

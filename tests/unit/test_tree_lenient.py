@@ -9,10 +9,10 @@ import random
 import numpy as np
 import pytest
 
-from processors.kinds.tree.file import TreeFileError, load_tree
+from processors.kinds.tree.treefile.load import TreeFileError, load_tree
 from processors.scenarios import load_scenario
-from processors.kinds.tree import builder as tree_builder
-from processors.kinds.tree import file as tree_file
+from processors.kinds.tree.treefile import builder as tree_builder
+from processors.kinds.tree.treefile import load as tree_file
 from processors.tables import DONE, LEAF, _build_by_strings, build_tree_tables
 
 BASE = {"start_token_id": 225, "end_token_id": 2, "sep": "_",
@@ -189,7 +189,7 @@ def test_invalid_json_is_refused_whichever_parser_reads_it(tmp_path, text):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_scan_reads_a_tree_across_blocks(tmp_path, monkeypatch, threads):
-    from processors.kinds.tree import scan as tree_fast
+    from processors.kinds.tree.treefile import scan as tree_fast
 
     monkeypatch.setattr(tree_fast, "SCAN_THREADS", threads)  # blocks read on this many threads
     monkeypatch.setattr(tree_fast, "CHUNK_BYTES", 64)  # many blocks, cut at "]," boundaries

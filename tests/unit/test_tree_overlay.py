@@ -1,4 +1,4 @@
-"""Overlay versions of a catalog's tables (``processors/kinds/tree/overlay.py``) against an independent full compile of
+"""Overlay versions of a catalog's tables (``processors/kinds/tree/tables/overlay.py``) against an independent full compile of
 the same items (``catalog_tables``): from the root, every reachable state of the overlay answers as the full
 compile's (allowed tokens in order, targets, item metrics), after any chain of deltas (an overlay of an overlay),
 through pickling (what a replica gets), and the fold is the full compile byte for byte."""
@@ -13,10 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from processors.kinds.tree.catalog import Catalog
-from processors.kinds.tree.catalog_tables import catalog_tables
-from processors.kinds.tree.filter_edges import TreeParents
-from processors.kinds.tree.overlay import Stacked, fold, is_overlay, needs_fold, overlay_tables
+from processors.kinds.tree.catalog.catalog import Catalog
+from processors.kinds.tree.tables.compile import catalog_tables
+from processors.kinds.tree.filters.edges import TreeParents
+from processors.kinds.tree.tables.overlay import fold, is_overlay, needs_fold, overlay_tables
+from processors.kinds.tree.tables.stacked import Stacked
 from processors.tables import item_metrics
 
 from helpers import assert_answers_as
@@ -182,7 +183,7 @@ def test_stacked_reads_as_the_concatenation():
 
 
 def test_an_overlay_travels_without_its_base_and_waits_for_it_where_it_is_not_held():
-    from processors.kinds.tree import overlay as overlay_module
+    from processors.kinds.tree.tables import overlay as overlay_module
 
     rnd = np.random.default_rng(5)
     items = {tuple(r) for r in rnd.integers(3, 60, size=(3000, 3)).tolist()}

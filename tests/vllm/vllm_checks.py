@@ -66,7 +66,7 @@ def check_output(kind: str, body: dict, text: str, token_ids: list[int], finish_
     """Assert that one output satisfies the scenario ``body`` (``kind`` its type); ``text`` without special tokens."""
     import jsonschema
 
-    from processors.kinds.tree.file import is_tree_path
+    from processors.kinds.tree.treefile.load import is_tree_path
 
     eos = tokenizer.eos_token_id
     think = body.get("think")

@@ -6,7 +6,7 @@ import copy
 
 import numpy as np
 
-from processors.kinds.tree.file import load_tree
+from processors.kinds.tree.treefile.load import load_tree
 from config import ConstraintError, ScenarioError
 from config.settings import LimitExceeded
 
@@ -14,8 +14,8 @@ from ...registry import register
 from ...tables import DONE, MaskTables, build_tree_tables, content_hash, item_metrics
 from ...tree import TreeCursor
 from ..base import Capabilities, CompileResult, ConstraintKind
-from .filters import filter_limits
-from .item_filter import ItemFilterIndex
+from processors.kinds.tree.filters.language import filter_limits
+from processors.kinds.tree.filters.index import ItemFilterIndex
 from .spec import TreeScenario
 
 
@@ -55,7 +55,7 @@ class TreeKind(ConstraintKind):
     upload_format = "items"  # a catalog (.catalog)
 
     def stored_content(self, host):
-        from .stored import TreeContent
+        from processors.kinds.tree.store.content import TreeContent
 
         return TreeContent(host)
 
@@ -111,7 +111,7 @@ class TreeKind(ConstraintKind):
                                 exc.limit) from None
 
     def patch_compiled(self, constraint, add, remove):
-        from .catalog_delta import patched_tables
+        from processors.kinds.tree.patch.items import patched_tables
 
         # (a catalog with metadata is never published with a delta: its replicas fetch the version whole)
         return patched_tables(constraint, add, remove, overlay=getattr(constraint, "item_filters", None) is None)
@@ -124,7 +124,7 @@ class TreeKind(ConstraintKind):
 
     def apply_patch(self, name, body, add, remove, store, prepared=None, update=None):
         """Items of any tree form added and removed; the result is stored as a catalog (``catalog_delta.py``)."""
-        from .catalog_delta import patch_stored_tree
+        from processors.kinds.tree.patch.items import patch_stored_tree
 
         return patch_stored_tree(name, body, add, remove, store, prepared, update or [])
 

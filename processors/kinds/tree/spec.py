@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, StrictInt, WithJsonSchema, model_validator
 
-from processors.kinds.tree.file import DEFAULT_SEP, TreeData, fits_vocab, load_tree
+from processors.kinds.tree.treefile.load import DEFAULT_SEP, TreeData, fits_vocab, load_tree
 from config.scenario_base import ConfigModel, ScenarioBase, ScenarioError
 
 if TYPE_CHECKING:

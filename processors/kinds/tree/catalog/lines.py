@@ -3,7 +3,7 @@ in blocks on two threads), written by Arrow's string kernels (:func:`id_lines`, 
 and what the arrays of items give per row without a Python object per item (:func:`row_keys`, :func:`offsets_at`).
 
 The items are ``flat`` / ``lengths``: every item's token ids concatenated, and each item's length
-(:class:`~processors.kinds.tree.catalog.Catalog` holds them so)."""
+(:class:`~processors.kinds.tree.catalog.catalog.Catalog` holds them so)."""
 
 from __future__ import annotations
 
@@ -121,9 +121,9 @@ def fast_items(body: bytes) -> tuple[list[bytes], np.ndarray, np.ndarray, np.nda
     None when anything else is there (the JSON parse then names the problem).
 
     The lines are read in blocks of about ``_BLOCK`` bytes cut at newlines, on two threads
-    (:func:`~processors.kinds.tree.scan.ordered_map`; numpy releases the GIL in its passes): the passes' temporary
+    (:func:`~processors.kinds.tree.treefile.scan.ordered_map`; numpy releases the GIL in its passes): the passes' temporary
     arrays (several bytes per byte of text) are a block's, not the whole body's, and the blocks stay in cache."""
-    from .scan import ordered_map, release_free_memory
+    from processors.kinds.tree.treefile.scan import ordered_map, release_free_memory
 
     if b" " in body or b"\t" in body or b"\r" in body:  # (a canonical upload has none: no regex pass over it)
         if _SPACE_IN_NUMBER.search(body):

@@ -10,7 +10,7 @@ default ``filter``, ...) is a JSON object in the file's key-value metadata under
 
 :func:`parquet_items` reads such a file into the parsed catalog: a file without metadata columns straight from its
 ``ids`` column's arrays (checked by the rules of the NDJSON form, no item text made: what a 10^7-10^8-item upload
-needs), any other through the catalog's NDJSON form (:func:`parquet_catalog`, :mod:`.catalog`), parsed like any
+needs), any other through the catalog's NDJSON form (:func:`parquet_catalog`, :mod:`processors.kinds.tree.catalog.catalog`), parsed like any
 upload: one set of rules and limits. The row count and the
 columns' types are checked from the file's footer before any column is read.
 
@@ -66,11 +66,11 @@ def _kind(pa: Any, column: str, typ: Any) -> str:
 
 
 def parquet_items(data: bytes, *, vocab_size: int, max_items: int, max_item_tokens: int | None = None):
-    """The parsed catalog (:class:`~.catalog.Catalog`) of a Parquet upload. A file without metadata columns goes
-    straight from its ``ids`` column to the catalog's arrays (:func:`~.catalog_parse.catalog_from_arrays`: no item text made
+    """The parsed catalog (:class:`~processors.kinds.tree.catalog.catalog.Catalog`) of a Parquet upload. A file without metadata columns goes
+    straight from its ``ids`` column to the catalog's arrays (:func:`~processors.kinds.tree.catalog.parse.catalog_from_arrays`: no item text made
     or parsed, no Python object per row); a file with metadata, or one with an item that breaks a rule (named by its
     line), is read as the NDJSON it spells (:func:`parquet_catalog`) and parsed. Refusals as there."""
-    from .catalog_parse import catalog_from_arrays, parse_catalog
+    from processors.kinds.tree.catalog.parse import catalog_from_arrays, parse_catalog
 
     import pyarrow.compute as pc
 
@@ -167,7 +167,7 @@ def parquet_strings(data: Any, shape: ParquetShape) -> ParquetShape:
         source = pq.ParquetFile(pa.BufferReader(data), read_dictionary=paths)
     except Exception:  # noqa: BLE001 - the footer was read: the read names what is wrong
         return shape
-    from .metadata import MetadataLimits
+    from processors.kinds.tree.filters.metadata import MetadataLimits
 
     limit = MetadataLimits().max_item_bytes
     keys = [len(json.dumps(name, ensure_ascii=False).encode()) + 1 for name in names]  # '"name":'
@@ -233,7 +233,7 @@ def _string_lengths(pa: Any, strings: Any) -> np.ndarray:
 
 
 def parquet_catalog(data: bytes, *, max_items: int) -> bytes:
-    """The NDJSON catalog (:mod:`.catalog`) a Parquet upload spells. 422 naming the problem: not a Parquet file, no
+    """The NDJSON catalog (:mod:`processors.kinds.tree.catalog.catalog`) a Parquet upload spells. 422 naming the problem: not a Parquet file, no
     header or one the strict parser of the NDJSON header refuses (``config.strict_json.parse_json``: a repeated key,
     ``NaN``, ``1e999``, nested too deep), no ``ids`` column or one that is not a list of integers, a null ``ids`` or
     a null id in one (with its row), a column of another type, more rows than ``max_items``; 415 when pyarrow is not
@@ -305,7 +305,7 @@ def _read(data: bytes, max_items: int) -> tuple[Any, dict, Any, dict[str, str], 
 
 
 def _text(pa: Any, header: dict, table: Any, kinds: dict[str, str], ids: Any) -> bytes:
-    from .catalog import list_lines
+    from processors.kinds.tree.catalog.catalog import list_lines
 
     texts = list_lines(ids.cast(pa.large_list(pa.int64()))).to_pylist()  # each row's catalog line ("[12,40,7]")
     lines = [_header_line(header).decode()]

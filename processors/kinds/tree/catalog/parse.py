@@ -1,5 +1,5 @@
-"""Reading a catalog upload (the format: :mod:`processors.kinds.tree.catalog`) into a
-:class:`~processors.kinds.tree.catalog.Catalog`, every rule checked: its text (:func:`parse_catalog`: array passes over
+"""Reading a catalog upload (the format: :mod:`processors.kinds.tree.catalog.catalog`) into a
+:class:`~processors.kinds.tree.catalog.catalog.Catalog`, every rule checked: its text (:func:`parse_catalog`: array passes over
 blocks of lines, ``json`` per line only to name a bad one), its items given as arrays (:func:`catalog_from_arrays`: a
 Parquet ``ids`` column), and the items of a PATCH (:func:`check_items`, :func:`split_item`); a 422 names the line or
 the field."""
@@ -14,8 +14,8 @@ import numpy as np
 
 from config import ConstraintError
 
-from .catalog import _RESERVED, Catalog
-from .item_lines import _ID_BLOCK, fast_items, row_keys
+from processors.kinds.tree.catalog.catalog import _RESERVED, Catalog
+from processors.kinds.tree.catalog.lines import _ID_BLOCK, fast_items, row_keys
 
 __all__ = ["canonical_meta", "catalog_from_arrays", "check_items", "parse_catalog", "split_item"]
 
@@ -230,7 +230,7 @@ def _slow_catalog(body: bytes, first_line: int, start: int, end: int, options: d
         seen[item] = n
     catalog = Catalog.from_items(start, end, tuples, options)
     if any(m is not None for m in metas):
-        from .metadata import ItemMetadata, MetadataLimits
+        from processors.kinds.tree.filters.metadata import ItemMetadata, MetadataLimits
 
         # checked first (a 422 naming the item and the limit: kinds, non-finite numbers, sizes), kept for the compile
         metadata = ItemMetadata.from_objects(metas, MetadataLimits())

@@ -1,6 +1,6 @@
 """What a resolved filter means for the decode step: a boolean per edge of the served tables.
 
-A filter (:mod:`.filters`) passes some of the catalog's items. A row may take an edge only while an item that passes
+A filter (:mod:`processors.kinds.tree.filters.language`) passes some of the catalog's items. A row may take an edge only while an item that passes
 lies below it (or the edge ends such an item): :func:`edge_mask` gives that ``bool`` per edge, so a step's work is
 one gather per row (``edge_ok[offsets[s]:offsets[s+1]]``), whatever the catalog's size or the filter's clauses.
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from processors.items import DenseBook
 from processors.tables import LEAF, MaskTables, item_metrics
-from .overlay import overlay_base
+from processors.kinds.tree.tables.overlay import overlay_base
 
 __all__ = ["TreeLevels", "TreeParents", "edge_mask", "filter_book", "item_terminals", "passing_counts"]
 
@@ -44,7 +44,7 @@ class TreeParents:
         nxt = tables.next_state.astype(np.int64)
         inner = np.flatnonzero(nxt >= 0)
         base_edges = overlay_base(tables).n_edges
-        # every state has one edge into it, except under an overlay version (processors/kinds/tree/overlay.py): a
+        # every state has one edge into it, except under an overlay version (processors/kinds/tree/tables/overlay.py): a
         # state below a touched path is also the target of its superseded parents' edges; the latest copy's edge,
         # appended last, is the one a walk from the root takes
         first = inner[inner < base_edges]

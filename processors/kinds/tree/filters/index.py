@@ -1,10 +1,10 @@
 """A catalog version's item metadata joined to its tables: what a request's ``filter`` resolves against.
 
 Built once per compiled version (the config manager's compile, :meth:`ItemFilterIndex.build`): the metadata by
-column (:mod:`.metadata`) and each item's terminal in the tables (:func:`.filter_edges.item_terminals`). It travels
-with the compiled tables to the replicas. A request's filter is checked (:func:`.filters.parse_filter`, a 422 naming
+column (:mod:`processors.kinds.tree.filters.metadata`) and each item's terminal in the tables (:func:`processors.kinds.tree.filters.edges.item_terminals`). It travels
+with the compiled tables to the replicas. A request's filter is checked (:func:`processors.kinds.tree.filters.language.parse_filter`, a 422 naming
 the field), evaluated over the columns (numpy passes) and turned into a :class:`~processors.items.DenseBook` of the
-items that do not pass (:func:`.filter_edges.filter_book`): the item controls then treat those as excluded, so
+items that do not pass (:func:`processors.kinds.tree.filters.edges.filter_book`): the item controls then treat those as excluded, so
 ``n``, ``distinct``, beams, multi-item rows and the token budget all count only items that pass. The resolved book
 is cached per filter (its canonical JSON) for this version: a repeated filter costs a dictionary lookup.
 """
@@ -20,9 +20,9 @@ import numpy as np
 
 from config import ConstraintError
 
-from .filter_edges import filter_book, item_terminals
-from .filters import FilterLimits, parse_filter
-from .metadata import ItemMetadata
+from processors.kinds.tree.filters.edges import filter_book, item_terminals
+from processors.kinds.tree.filters.language import FilterLimits, parse_filter
+from processors.kinds.tree.filters.metadata import ItemMetadata
 
 __all__ = ["ItemFilterIndex", "ResolvedFilter"]
 
@@ -61,7 +61,7 @@ class ItemFilterIndex:
 
     @classmethod
     def build(cls, tables, catalog, default: dict[str, Any] | None = None) -> "ItemFilterIndex | None":
-        """The index of ``catalog`` (a :class:`~processors.kinds.tree.catalog.Catalog`) over its ``tables``; None when
+        """The index of ``catalog`` (a :class:`~processors.kinds.tree.catalog.catalog.Catalog`) over its ``tables``; None when
         no item carries metadata. ``default``: the scenario's filter, checked here (a
         :class:`~config.ConstraintError` naming ``filter`` when it names what the catalog lacks or passes no item)."""
         metadata = catalog.metadata()

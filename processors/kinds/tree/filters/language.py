@@ -1,4 +1,4 @@
-"""A request's ``filter`` over item metadata (:mod:`.metadata`), in the vector databases' filter language
+"""A request's ``filter`` over item metadata (:mod:`processors.kinds.tree.filters.metadata`), in the vector databases' filter language
 (Pinecone, Chroma): ``{"region": {"$in": ["eu"]}, "stock": {"$gt": 0}}``.
 
 * A field's condition is a value (``$eq`` of it) or an object of operators, all of which must hold: ``$eq $ne $in
@@ -27,7 +27,7 @@ import numpy as np
 from config import ConstraintError
 from config.echo import shown_name
 
-from .metadata import CATEGORICAL, NUMERIC, Column, ItemMetadata
+from processors.kinds.tree.filters.metadata import CATEGORICAL, NUMERIC, Column, ItemMetadata
 
 __all__ = ["Filter", "FilterLimits", "filter_limits", "parse_filter"]
 

@@ -1,8 +1,8 @@
-"""Item metadata of a catalog, by column: what a request's ``filter`` is evaluated on (:mod:`.filters`).
+"""Item metadata of a catalog, by column: what a request's ``filter`` is evaluated on (:mod:`processors.kinds.tree.filters.language`).
 
 Each item may carry metadata: a field is *categorical* (a string or a boolean, or a list of strings: an item
 matches a value when any of its strings is that value) or *numeric* (an int or a float). One field has one kind
-across the catalog; an item may leave a field out (it is then *missing* there: see :mod:`.filters` for what a
+across the catalog; an item may leave a field out (it is then *missing* there: see :mod:`processors.kinds.tree.filters.language` for what a
 missing field passes).
 
 Stored by column, one entry per item in the catalog's order:

@@ -1,4 +1,4 @@
-"""A PATCH of a tree's items: a catalog (:class:`~processors.kinds.tree.catalog.Catalog`) with items added and
+"""A PATCH of a tree's items: a catalog (:class:`~processors.kinds.tree.catalog.catalog.Catalog`) with items added and
 removed, order kept, its canonical bytes spliced from the base's (:func:`apply_tree_delta`); and the tree kind's
 PATCH of a stored body of any tree form (:func:`patch_stored_tree`: the result stored as a catalog, its tables
 updated from the base's along the changed paths when the delta is small for the catalog)."""
@@ -14,52 +14,22 @@ import numpy as np
 
 from config import ConstraintError
 
-from ..patch import DeltaReport, PatchResult, check_disjoint, check_unique, refused
-from .catalog import _RESERVED, Catalog, _line, _stored, catalog_body, items_from_tree
-from .catalog_parse import canonical_meta, check_items, split_item
-from .catalog_rows import catalog_row_keys, rows_of
-from .metadata import ItemMetadata
+from processors.kinds.patch import DeltaReport, PatchResult, check_disjoint, check_unique, refused
+from processors.kinds.tree.catalog.catalog import (
+    _RESERVED, Catalog, _cut_keys, _cut_rows, _line, _spliced_content, _stored, catalog_body, items_from_tree,
+    whole_content,
+)
+from processors.kinds.tree.catalog.parse import canonical_meta, check_items, split_item
+from processors.kinds.tree.filters.metadata import ItemMetadata
+from processors.kinds.tree.patch.rows import rows_of
 
-__all__ = ["apply_tree_delta", "patch_stored_tree", "patched_tables", "pending_need", "pending_pieces", "settle_pending",
-           "whole_content"]
+__all__ = ["apply_tree_delta", "patch_stored_tree", "patched_tables", "pending_need"]
 
 
 def _too_many_after_patch(count: int, limit: int) -> ConstraintError:
     return ConstraintError(422, f"add: the PATCH would give {count} items, over the limit max_tree_keys={limit} "
                              "(the limit of a catalog PUT)",
                         {"field": "add", "limit_name": "max_tree_keys", "limit": limit})
-
-
-def _cut_rows(catalog: Catalog, rows: list[int], extra: Catalog | None) -> tuple[np.ndarray, np.ndarray]:
-    """``(flat, lengths)`` of ``catalog`` less the rows ``rows`` (ascending), with ``extra``'s appended: each array
-    written once, by slices between the removed rows (one filtering pass per array when they are many); the
-    catalog's own arrays when there is neither."""
-    flat, lengths = catalog.flat, catalog.lengths
-    if not rows and extra is None:
-        return flat, lengths
-    tail = [extra.flat] if extra else []
-    if len(rows) * 16 > lengths.size:
-        keep = np.ones(lengths.size, dtype=bool)
-        keep[rows] = False
-        flat = np.concatenate((flat[np.repeat(keep, lengths)], *tail))
-    else:
-        starts = catalog.starts(rows)  # where each removed row's ids start in flat, and end
-        ends = starts + lengths[rows]
-        flat = np.concatenate([flat[x:y] for x, y in zip([0, *ends.tolist()], [*starts.tolist(), flat.size])] + tail)
-    lengths = np.delete(lengths, rows)
-    if extra:
-        lengths = np.concatenate((lengths, extra.lengths))
-    return flat, lengths
-
-
-def _cut_keys(catalog: Catalog, rows: Any, extra: Catalog | None) -> np.ndarray | None:
-    """``catalog``'s row keys less the rows ``rows`` with ``extra``'s appended, as :func:`_cut_rows` cuts its rows
-    (equal to the result's own keys, with no pass over its ids); None when ``catalog`` has made none."""
-    keys = catalog._row_keys
-    if keys is None:
-        return None
-    keys = np.delete(keys, rows) if len(rows) else keys
-    return np.concatenate((keys, catalog_row_keys(extra))) if extra is not None else keys
 
 
 def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, vocab_size: int,
@@ -165,7 +135,7 @@ def _writes_out(base: Catalog, cut: int, appended: int) -> bool:
 def pending_need(catalog: Catalog, delta_items: int) -> int:
     """The bytes a PATCH of ``delta_items`` items of ``catalog`` (no metadata) makes beside it: a pending result's
     delta (its cut rows and appended items, about 100 bytes an item at most) and, when the store keeps this version
-    whole (every ``catalog_delta_chain``-th PATCH: :func:`whole_content`), its bytes joined and compressed (1.5 times
+    whole (every ``catalog_delta_chain``-th PATCH: :func:`~processors.kinds.tree.catalog.catalog.whole_content`), its bytes joined and compressed (1.5 times
     the base's bytes); or, when the result is written out (:func:`_writes_out`, counting every item of the PATCH as cut
     or appended), a copy of the item list and half again for its bytes spliced beside it."""
     base, cut, appended = catalog._pending or (catalog, np.zeros(0, dtype=np.int64), None)
@@ -246,81 +216,6 @@ def _updates(update: list[Any], catalog: Catalog, vocab_size: int, elsewhere: se
     return out
 
 
-def _pieces(base: Catalog, rows: Any, added: list[bytes]) -> tuple[list[Any], np.ndarray]:
-    """The bytes of ``base`` less its rows ``rows`` (ascending) with the lines ``added`` appended, as pieces in order
-    (the header, the base's bytes between the removed lines as views, no copy, then the added lines), and the size of
-    each removed line."""
-    data, ends = memoryview(base.content()), base.line_ends()
-    head = len(base.header()) + 1
-    rows = np.asarray(rows, dtype=np.int64)
-    cut_to = ends[rows]
-    sizes = cut_to - np.where(rows > 0, ends[np.maximum(rows - 1, 0)], head)
-    cut_from = (cut_to - sizes).tolist()
-    pieces: list[Any] = [data[:head]]
-    pieces += [data[a:b] for a, b in zip([head, *cut_to.tolist()], [*cut_from, len(data)]) if b > a]
-    pieces.append(b"".join(line + b"\n" for line in added))
-    return pieces, sizes
-
-
-def _lines_of(appended: Catalog | None) -> list[bytes]:
-    """The lines of a pending catalog's appended items (a few: one ``_line`` each; many: Arrow's kernels)."""
-    if appended is None:
-        return []
-    return appended.lines if len(appended) > 4096 else [_line(item) for item in appended.items]
-
-
-def pending_pieces(catalog: Catalog) -> list[Any]:
-    """The bytes of a pending catalog (``Catalog.pending``) as pieces, in order (what its SHA-256 is made over)."""
-    assert catalog._pending is not None
-    base, cut, appended = catalog._pending
-    return _pieces(base, cut, _lines_of(appended))[0]
-
-
-def _spliced_content(base: Catalog, rows: Any, added: list[bytes]) -> tuple[bytes, np.ndarray]:
-    """``(content, line_ends)`` of ``base`` less its rows ``rows`` (ascending) with the lines ``added`` appended:
-    the base's bytes between the removed lines, copied as they are (one copy of the bytes, no join of a million
-    lines: ~0.02 s at 10^6 items instead of ~0.05-0.1 s, ~0.2 s at 10^7 instead of 1.7 s)."""
-    pieces, sizes = _pieces(base, rows, added)
-    content = b"".join(pieces)
-    ends = base.line_ends()
-    rows = np.asarray(rows, dtype=np.int64)
-    # the kept lines' ends, each less the bytes removed before it (one copy of the array, a slice per removed row)
-    kept = np.delete(ends, rows)
-    shift = np.cumsum(sizes)
-    bounds = rows - np.arange(rows.size)  # where each removed row was, among the kept
-    for k, (a, b) in enumerate(zip(bounds.tolist(), [*bounds[1:].tolist(), kept.size])):
-        if b > a:
-            kept[a:b] -= shift[k]
-    added_ends = len(content) - len(pieces[-1]) + np.cumsum(
-        np.fromiter(map(len, added), dtype=np.int64, count=len(added)) + 1)
-    return content, np.concatenate((kept, added_ends))
-
-
-def whole_content(catalog: Catalog) -> bytes:
-    """``catalog``'s canonical bytes as one object, for a store that keeps them whole (a delta chain at its limit):
-    of a pending catalog, its pieces joined, without writing its arrays out (at 10^8 items the bytes are 2.2 GB, its
-    arrays and keys another 3.5 GB)."""
-    return b"".join(pending_pieces(catalog)) if catalog._pending is not None else catalog.content()
-
-
-def settle_pending(catalog: Catalog) -> None:
-    """Write a pending catalog (``Catalog.pending``) out, in place: its ids, lengths and row keys cut from its base's
-    with the appended ones after them, and its bytes and line ends spliced from its base's when the base has them
-    (what :func:`apply_tree_delta` made of a PATCH before results were pending)."""
-    pending = catalog._pending
-    if pending is None:  # (written out meanwhile by another thread)
-        return
-    base, cut, appended = pending
-    flat, lengths = _cut_rows(base, cut.tolist(), appended)
-    keys = _cut_keys(base, cut, appended)
-    content = ends = None
-    if base._content is not None:
-        content, ends = _spliced_content(base, cut, _lines_of(appended))
-    catalog._flat, catalog._lengths = np.asarray(flat, dtype=np.int32), np.asarray(lengths, dtype=np.int32)
-    catalog._row_keys, catalog._content, catalog._ends = keys, content, ends
-    catalog._pending = None
-
-
 class _Hashing(threading.Thread):
     """``catalog.content_sha256()`` on its own thread (:meth:`result` waits for it; ``took``: its seconds)."""
 
@@ -346,14 +241,14 @@ class _Hashing(threading.Thread):
 
 
 def patched_tables(tables: Any, add: list[Any], remove: list[Any], overlay: bool = True) -> Any:
-    """The tables of a PATCH's result from its base's: an overlay version over them (:mod:`.overlay`: the work
+    """The tables of a PATCH's result from its base's: an overlay version over them (:mod:`processors.kinds.tree.tables.overlay`: the work
     follows the touched paths), folded into plain tables once its appended part has grown past its share of the
-    base (:func:`~.overlay.needs_fold`), or without ``overlay`` (a catalog with metadata: its filter index reads
-    plain tables) the plain tables :func:`~.delta.patch_tables` gives. The manager and a replica applying the same
+    base (:func:`~processors.kinds.tree.tables.overlay.needs_fold`), or without ``overlay`` (a catalog with metadata: its filter index reads
+    plain tables) the plain tables :func:`~processors.kinds.tree.tables.delta.patch_tables` gives. The manager and a replica applying the same
     delta (``deployments/replica/table_delta.py``) call this, so both reach the same version. None: the base's
     tables cannot tell their items (the caller compiles in full)."""
-    from .delta import patch_tables
-    from .overlay import fold, needs_fold, overlay_tables
+    from processors.kinds.tree.tables.delta import patch_tables
+    from processors.kinds.tree.tables.overlay import fold, needs_fold, overlay_tables
 
     if overlay:
         new = overlay_tables(tables, add, remove)
@@ -367,10 +262,10 @@ def patch_stored_tree(name: str, body: dict[str, Any] | None, add: list[Any], re
     """A PATCH of a stored tree body (worker thread; :meth:`processors.kinds.base.ConstraintKind.apply_patch`).
     ``store``: a :class:`~processors.kinds.patch.PatchStore`; ``prepared``: ``(items, catalog tables, staged sha or
     None)`` of the current version when it is a tree given inline that the store has read already (``body`` is not
-    needed then; its catalog's bytes staged in the store under that sha, :mod:`.inline_bases`). A stored (or
+    needed then; its catalog's bytes staged in the store under that sha, :mod:`processors.kinds.tree.store.inline_bases`). A stored (or
     staged) catalog is patched as the delta of its content; an inline tree or a tree file is read into its items
     once and stored as a catalog."""
-    from .file import load_tree
+    from processors.kinds.tree.treefile.load import load_tree
 
     if prepared is not None:
         catalog, tables, staged = prepared

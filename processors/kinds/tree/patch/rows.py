@@ -1,4 +1,4 @@
-"""Finding a catalog's rows by item, for a PATCH (:mod:`.catalog_delta`): a 64-bit key per row
+"""Finding a catalog's rows by item, for a PATCH (:mod:`processors.kinds.tree.patch.items`): a 64-bit key per row
 (:func:`catalog_row_keys`, ``item_lines.row_keys`` of its ids, made once per catalog), and either the sorted index of
 those keys of a large catalog (:func:`index_row_keys`: two binary searches per wanted item) or one pass over every
 row's key against a table of the wanted keys' flags (:func:`_scanned_rows`); rows whose keys collide are told apart
@@ -8,23 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .catalog import Catalog, row_keys
+from processors.kinds.tree.catalog.catalog import Catalog, catalog_row_keys, row_keys
 
 __all__ = ["INDEX_MAX_ROWS", "INDEX_ROWS", "catalog_row_keys", "index_row_keys", "row_keys", "rows_of"]
 
 _BUCKET_BITS = 22  # the wanted rows' keys marked in a table of 2^22 flags (4 MiB): one gather over every row
 _SCAN_BLOCK = 1 << 16  # rows' keys gathered a block at a time
-
-
-def catalog_row_keys(catalog: Catalog) -> np.ndarray:
-    """:func:`row_keys` of ``catalog``'s items, made once per catalog (a PATCH's result gets its base's, cut and
-    appended like its lines: no pass over every item's ids)."""
-    catalog.settle()
-    keys = catalog._row_keys
-    if keys is None:
-        keys = row_keys(catalog.flat, catalog.lengths)
-        catalog._row_keys = keys
-    return keys
 
 
 #: a catalog of at least this many rows (and at most INDEX_MAX_ROWS) gets a sorted index of its row keys, 8 bytes a

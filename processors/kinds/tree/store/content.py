@@ -5,10 +5,10 @@ A tree's tokens must not change under a version, so a tree given by ``path`` is 
 copy named by its SHA-256 (:meth:`TreeContent.pin`); the stored body then carries ``content_sha256`` and every
 compile of that version, now and after any restart, reads the copy, fetched from the store when this host has none
 (:meth:`TreeContent.content_file`), never the file again. A catalog (``content_format: items``,
-:mod:`.catalog`) is stored content too: its parsed items and their tables are kept in memory for the next PATCH
+:mod:`processors.kinds.tree.catalog.catalog`) is stored content too: its parsed items and their tables are kept in memory for the next PATCH
 (the newest few), and its tables are compiled straight from the items (:meth:`TreeContent.prebuilt`). A large tree
-given inline is split out of its PUT body (:mod:`.inline`) and its items read for a first PATCH once the manager
-is idle (:mod:`.inline_bases`).
+given inline is split out of its PUT body (:mod:`processors.kinds.tree.store.inline`) and its items read for a first PATCH once the manager
+is idle (:mod:`processors.kinds.tree.store.inline_bases`).
 
 Refusals are :class:`config.ConstraintError` with their status (422 invalid, 400 does not compile, 500 a stored
 copy that does not match its hash); the manager answers them as they are. Methods run on the compiler's threads.
@@ -24,10 +24,10 @@ from typing import Any
 
 from config import ConstraintError
 
-from ..patch import ContentHost
-from .inline import InlineTree, split_inline_tree
-from .folds import BackgroundFolds
-from .inline_bases import HeldBase, InlineTreeBases
+from processors.kinds.patch import ContentHost
+from processors.kinds.tree.store.inline import InlineTree, split_inline_tree
+from processors.kinds.tree.store.folds import BackgroundFolds
+from processors.kinds.tree.store.inline_bases import HeldBase, InlineTreeBases
 
 __all__ = ["INLINE_TREE_PATH", "TreeContent"]
 
@@ -62,7 +62,7 @@ def _mapped(path: str) -> Any:
 
 
 def catalog_file_format(path: str) -> str | None:
-    """The upload format of a catalog file by its name (``.parquet``; ``.ndjson`` / ``.jsonl``), None for a tree
+    """The upload format of a catalog file by its name (``processors.kinds.tree.catalog.parquet``; ``.ndjson`` / ``.jsonl``), None for a tree
     file."""
     lower = path.strip().lower()
     if lower.endswith(".parquet"):
@@ -186,7 +186,7 @@ class TreeContent:
 
     def catalog_file(self, name: str, body: Any) -> tuple[Any, str] | None:
         """For a body ``{"type": "tree", "path": "<file under the tree directory>"}`` whose file is a catalog (a name
-        ending in ``.parquet``, or ``.ndjson`` / ``.jsonl``): ``(its bytes, upload format)``, read here (a Parquet
+        ending in ``processors.kinds.tree.catalog.parquet``, or ``.ndjson`` / ``.jsonl``): ``(its bytes, upload format)``, read here (a Parquet
         file memory-mapped, not copied into the process: the data pipeline's file never crosses the ingress or sits
         whole in this process's heap), for :meth:`upload`. None for any other body. 422 for fields besides ``type``
         and ``path`` (a catalog's scenario fields are its header's); 400 for a file that cannot be read."""
@@ -268,16 +268,16 @@ class TreeContent:
     # -- catalogs ----------------------------------------------------------------------------------------------
 
     def upload(self, data: bytes, upload_format: str = "ndjson") -> tuple[dict[str, Any], bytes, str | None]:
-        """A catalog upload (the items format, :mod:`.catalog`; ``upload_format`` ``"parquet"``: a Parquet file,
-        :mod:`.parquet`), parsed and validated once: the body to store (it names its content), the canonical
+        """A catalog upload (the items format, :mod:`processors.kinds.tree.catalog.catalog`; ``upload_format`` ``"parquet"``: a Parquet file,
+        :mod:`processors.kinds.tree.catalog.parquet`), parsed and validated once: the body to store (it names its content), the canonical
         content, and its SHA-256 when its local copy is new (a refused write discards it). The parsed catalog is
         kept for the next PATCH."""
-        from .catalog import catalog_body
-        from .catalog_parse import parse_catalog
+        from processors.kinds.tree.catalog.catalog import catalog_body
+        from processors.kinds.tree.catalog.parse import parse_catalog
 
         limits = self.limits
         if upload_format == "parquet":
-            from .parquet import parquet_items
+            from processors.kinds.tree.catalog.parquet import parquet_items
 
             catalog = parquet_items(data, vocab_size=self.vocab_size, max_items=limits.max_tree_keys,
                                     max_item_tokens=limits.max_item_tokens)
@@ -295,9 +295,9 @@ class TreeContent:
         return catalog_body(catalog, sha), content, sha if new else None
 
     def catalog(self, name: str, sha: str):
-        """The stored catalog ``sha`` parsed (:class:`~processors.kinds.tree.catalog.Catalog`); the last few are
+        """The stored catalog ``sha`` parsed (:class:`~processors.kinds.tree.catalog.catalog.Catalog`); the last few are
         kept in memory, so a PATCH does not parse its base again."""
-        from .catalog_parse import parse_catalog
+        from processors.kinds.tree.catalog.parse import parse_catalog
 
         cached = self._catalogs.get(sha)
         if cached is None:
@@ -316,7 +316,7 @@ class TreeContent:
             self._catalogs.pop(next(iter(self._catalogs)))
 
     def catalog_tables(self, sha: str):
-        """The tables of catalog ``sha`` when built here lately (a PATCH updates them: :mod:`.delta`)."""
+        """The tables of catalog ``sha`` when built here lately (a PATCH updates them: :mod:`processors.kinds.tree.tables.delta`)."""
         return self._tables.get(sha)
 
     def patch_need(self, body: Any, delta_items: int = 0) -> int | None:
@@ -325,7 +325,7 @@ class TreeContent:
         delta's bytes, ``catalog_delta.pending_need``; a copy of the item list, half again for the bytes spliced
         beside it, when the result is written out as a new base) and at most one copy of its tables (an overlay's
         arrays read whole, or its fold). None otherwise (the PATCH then compiles in full)."""
-        from .catalog_delta import pending_need
+        from processors.kinds.tree.patch.items import pending_need
 
         sha = body.get("content_sha256") if isinstance(body, dict) else None
         if not isinstance(sha, str):
@@ -360,8 +360,8 @@ class TreeContent:
         ``(tables, start token, catalog)``. None: the kind compiles the scenario itself."""
         if sha is None or body.get("content_format") != "items":
             return None
-        from .catalog_rows import index_row_keys
-        from .catalog_tables import catalog_tables
+        from processors.kinds.tree.patch.rows import index_row_keys
+        from processors.kinds.tree.tables.compile import catalog_tables
 
         catalog = self.catalog(name, sha)
         tables = self._tables.get(sha)  # a PATCH's, updated from its base's along the changed paths
@@ -373,12 +373,12 @@ class TreeContent:
         return tables, catalog.start_token_id, catalog
 
     def compiled(self, name: str, compiled: Any, fields: dict[str, Any], scenario: Any) -> None:
-        """A body was compiled: a tree given inline is remembered for its first PATCH (:mod:`.inline_bases`)."""
+        """A body was compiled: a tree given inline is remembered for its first PATCH (:mod:`processors.kinds.tree.store.inline_bases`)."""
         if scenario.tree is not None:
             self.bases.note_form(name, compiled, fields, getattr(scenario.tree, "start_token_id", None))
 
     def split(self, raw: bytes) -> InlineTree | None:
-        """A large PUT body with an inline tree, split at the tree's braces (:mod:`.inline`); None: parse it whole."""
+        """A large PUT body with an inline tree, split at the tree's braces (:mod:`processors.kinds.tree.store.inline`); None: parse it whole."""
         return split_inline_tree(raw, self.host.parse_body)
 
     def compile_split(self, name: str, inline: InlineTree, parse: Any, compile_now: Any) -> Any:
@@ -386,8 +386,8 @@ class TreeContent:
         left out, its path :data:`INLINE_TREE_PATH`, a name only), its tree's text through the tree loader's scan,
         the tables from that one load (``compile_now(name, scenario, prebuilt)``). Raises on anything refused: the
         exact way then parses the whole body and names the problem as for any inline tree."""
-        from ...tables import build_tree_tables
-        from .file import load_tree
+        from processors.tables import build_tree_tables
+        from processors.kinds.tree.treefile.load import load_tree
 
         scenario = parse({**inline.rest, "tree": None, "path": INLINE_TREE_PATH})
         tree = load_tree(inline.tree, vocab_size=self.vocab_size, strict=bool(scenario.strict))

@@ -1,10 +1,10 @@
 """Folding a catalog's overlay version into plain tables in the background (:class:`BackgroundFolds`, part of the tree
-kind's stored content on the config manager, :class:`.stored.TreeContent`).
+kind's stored content on the config manager, :class:`processors.kinds.tree.store.content.TreeContent`).
 
-Each PATCH of a catalog appends to its overlay version (``processors/kinds/tree/overlay.py``); the PATCH that takes the
-appended part past its hard limit (:func:`~.overlay.needs_fold`, a quarter of the base) folds it itself, which costs
+Each PATCH of a catalog appends to its overlay version (``processors/kinds/tree/tables/overlay.py``); the PATCH that takes the
+appended part past its hard limit (:func:`~processors.kinds.tree.tables.overlay.needs_fold`, a quarter of the base) folds it itself, which costs
 what a PATCH cost before overlays (about a second at 10^7 items). So that no PATCH pays it, a version past half that
-limit is folded on the compiler's threads once no write has come for ``idle_s``: :func:`~.overlay.fold` (the base
+limit is folded on the compiler's threads once no write has come for ``idle_s``: :func:`~processors.kinds.tree.tables.overlay.fold` (the base
 patched by the net delta, byte for byte a full compile). The result replaces the remembered tables of that catalog
 (``TreeContent.remember_tables``) when they are still the ones folded, so the next PATCH starts an overlay on the
 folded tables; the version served does not change (the same items, the same answers). A write that comes while a fold
@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from config.cancel import CompileStopped, run_stoppable
 
-from .overlay import FOLD_SHARE, fold, needs_fold, overlay_base
+from processors.kinds.tree.tables.overlay import FOLD_SHARE, fold, needs_fold, overlay_base
 
 logger = logging.getLogger(__name__)
 

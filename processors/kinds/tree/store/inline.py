@@ -14,7 +14,7 @@ scenario object); anything else, and any refusal on this way, goes the exact way
 (the config manager's compile of the whole body), which names the problem as for any
 inline tree.
 
-Part of the tree kind's stored content (:class:`.stored.TreeContent`): the config manager hands a large PUT body to
+Part of the tree kind's stored content (:class:`processors.kinds.tree.store.content.TreeContent`): the config manager hands a large PUT body to
 its kinds' content (:meth:`~processors.kinds.base.ConstraintKind.stored_content`) before parsing it.
 """
 

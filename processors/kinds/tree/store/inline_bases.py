@@ -1,10 +1,10 @@
 """The items of trees given inline, read for their first PATCH: :class:`InlineTreeBases`, part of the tree kind's
-stored content on the config manager (:class:`.stored.TreeContent`).
+stored content on the config manager (:class:`processors.kinds.tree.store.content.TreeContent`).
 
 A tree PUT inline (a ``prefix_dict``) is served from tables built from its tree; a PATCH works on items and their
-catalog tables (``processors/kinds/tree/catalog_delta.py``). So that the first PATCH of such a tree is a delta too,
+catalog tables (``processors/kinds/tree/patch/items.py``). So that the first PATCH of such a tree is a delta too,
 without parsing and loading the stored body again, its items are read from the served tables
-(``processors/kinds/tree/item_list.py:tree_items``, array passes), their catalog tables built and their canonical
+(``processors/kinds/tree/tables/items.py:tree_items``, array passes), their catalog tables built and their canonical
 bytes made (and the keys a PATCH looks items up by), on the compiler's threads. At 10^6 items that is about a
 second of CPU: it starts only once no write has come for ``idle_s``, or at once when a PATCH asks for it
 (:meth:`held`). A write that comes while a read started by the idle timer runs stops it (at its next stage or
@@ -79,7 +79,7 @@ class InlineTreeBases:
 
     def note_form(self, name: str, compiled, fields: dict[str, Any], start_token_id: Any) -> None:
         """A tree given inline was compiled (``fields``: its body's other fields)."""
-        from .catalog import _RESERVED
+        from processors.kinds.tree.catalog.catalog import _RESERVED
 
         tables: Any = getattr(compiled, "constraint", None)
         if start_token_id is None or not hasattr(tables, "offsets"):
@@ -175,10 +175,10 @@ class InlineTreeBases:
     def _read(self, tables, fields: dict[str, Any], start_token_id: int):
         from config.cancel import checkpoint
 
-        from .catalog import Catalog
-        from .catalog_rows import catalog_row_keys, index_row_keys
-        from .catalog_tables import catalog_tables
-        from .item_list import tree_items
+        from processors.kinds.tree.catalog.catalog import Catalog
+        from processors.kinds.tree.patch.rows import catalog_row_keys, index_row_keys
+        from processors.kinds.tree.tables.compile import catalog_tables
+        from processors.kinds.tree.tables.items import tree_items
 
         flat, lengths = tree_items(tables)
         checkpoint()

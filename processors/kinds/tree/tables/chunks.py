@@ -1,6 +1,6 @@
 """The tables of a large catalog compiled in bounded memory: the trie cut under its root into subtrees.
 
-A whole compile (:func:`processors.kinds.tree.catalog_tables.catalog_tables` on every item at once) peaks at a few
+A whole compile (:func:`processors.kinds.tree.tables.trie.whole_tables` on every item at once) peaks at a few
 hundred bytes per item (the padded matrix and its sort, or a level of ``_Trie``): 2.6 GB at 10^7 items, beyond this
 machine's memory at 10^8. The subtrees under the root's edges are independent, and the tables number states in
 preorder with siblings by token, so the tables of a catalog are its root's edges followed by the tables of each
@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from config.cancel import checkpoint
+from processors.kinds.tree.tables.trie import whole_tables
 from processors.tables import DONE, LEAF, MaskTables, _freeze, item_metrics
 
 __all__ = ["CHUNK_IDS", "chunked_tables"]
@@ -41,7 +42,7 @@ class _Items:
 
 
 def chunked_tables(catalog, vocab_size: int, chunk_ids: int = CHUNK_IDS) -> MaskTables:
-    """The tables of ``catalog`` (a :class:`~processors.kinds.tree.catalog_tables.CatalogItems` of distinct items),
+    """The tables of ``catalog`` (a :class:`~processors.kinds.tree.tables.trie.CatalogItems` of distinct items),
     compiled in chunks of at most about ``chunk_ids`` ids: byte for byte what ``catalog_tables`` gives."""
     flat = np.asarray(catalog.flat)
     lengths = np.asarray(catalog.lengths)
@@ -60,8 +61,6 @@ class _Builder:
 
     # -- the pieces ------------------------------------------------------------------------------------------
     def _whole(self, flat: np.ndarray, lengths: np.ndarray) -> MaskTables:
-        from processors.kinds.tree.catalog_tables import whole_tables
-
         return whole_tables(_Items(self.start, self.end, flat, lengths), self.vocab)
 
     def _append(self, tables: MaskTables, first: int) -> int:

@@ -1,6 +1,6 @@
 """A catalog's tables after a delta, updated along the changed paths only (``PATCH /admin/scenarios/{name}``).
 
-:func:`patch_tables` takes the tables of a catalog as :func:`~processors.kinds.tree.catalog_tables.catalog_tables` builds them
+:func:`patch_tables` takes the tables of a catalog as :func:`~processors.kinds.tree.tables.compile.catalog_tables` builds them
 (the trie's nodes with a continuation are the states, numbered in preorder: a prefix before its extensions,
 siblings by token) and the items added and removed, and gives the tables :func:`catalog_tables` would build from
 the new item set: **byte for byte the same arrays** (``offsets``, ``tokens``, ``next_state``, ``root``,
@@ -50,8 +50,8 @@ def max_remaining(tables: MaskTables) -> np.ndarray:
     """The longest way to an end per state (end token included): kept by :func:`item_metrics` where the tables
     were built (it does not travel with pickled tables); computed again when missing."""
     cached = tables.__dict__.get("_max_remaining")
-    if cached is None and "_max_tail" in tables.__dict__:  # an unpickled overlay (processors/kinds/tree/overlay.py)
-        from .overlay import Stacked
+    if cached is None and "_max_tail" in tables.__dict__:  # an unpickled overlay (processors/kinds/tree/tables/overlay.py)
+        from processors.kinds.tree.tables.stacked import Stacked
 
         cached = Stacked(max_remaining(tables.__dict__["overlay_base"]), tables.__dict__["_max_tail"])
         object.__setattr__(tables, "_max_remaining", cached)
@@ -119,7 +119,7 @@ class _Old:
 
 def patch_tables(tables: MaskTables, add: Iterable[Sequence[int]], remove: Iterable[Sequence[int]]) -> MaskTables | None:
     """The tables of the catalog ``tables`` was built from, with ``add`` added and ``remove`` removed (an add
-    already present and a remove not present are no-ops), equal to :func:`~processors.kinds.tree.catalog_tables.catalog_tables`
+    already present and a remove not present are no-ops), equal to :func:`~processors.kinds.tree.tables.compile.catalog_tables`
     of the new items (see the module). ``tables`` must be a catalog's tables in that form (states in preorder).
     ``None`` where the old tables cannot tell their items (no state: an empty catalog and the catalog of the empty
     item give the same tables): the caller compiles the new items in full."""

@@ -3,7 +3,7 @@ decoding may end with the end token. The PATCH of a tree given inline or by file
 PATCH turns it into a catalog, ``deployments/manager/catalog_delta.py``), read from the tables the manager already
 holds instead of parsing and loading the stored body again.
 
-The same items as ``processors.kinds.tree.catalog.items_from_tree`` of the loaded tree (a state without edges and a
+The same items as ``processors.kinds.tree.catalog.catalog.items_from_tree`` of the loaded tree (a state without edges and a
 ``LEAF`` target allow only the end token: an item ends there; a ``DONE`` edge ends one at its state; states no
 path reaches give none; a tree whose root allows only the end token gives the empty item), in another order:
 ``tests/unit/test_tree_delta.py`` compares both."""

@@ -1,6 +1,6 @@
 """Overlay versions of a catalog's tables: a PATCH's result as the tables it patched plus the changed paths only.
 
-:func:`~processors.kinds.tree.delta.patch_tables` gives the new tables byte for byte as a full compile would (states
+:func:`~processors.kinds.tree.tables.delta.patch_tables` gives the new tables byte for byte as a full compile would (states
 renumbered in preorder), which makes every PATCH copy and renumber every array: seconds at 10^7 items. An overlay
 version instead keeps every state of the tables it patched under its number and appends a new copy of each touched
 state (path copying: the prefixes of the added and removed items, closed under their ancestors):
@@ -9,7 +9,7 @@ state (path copying: the prefixes of the added and removed items, closed under t
   ``LEAF`` / ``DONE``; untouched states and their edges are the old arrays themselves, not copied;
 * the root is the root's copy, so the superseded states (the touched paths' old copies) are not reachable any more:
   their rows in the arrays stay, read by nothing a row or an item walk reaches;
-* each array is a :class:`Stacked`: the base's array followed by the appended part (``base`` is the first version
+* each array is a :class:`~processors.kinds.tree.tables.stacked.Stacked`: the base's array followed by the appended part (``base`` is the first version
   of the chain, a plain :class:`~processors.tables.MaskTables`); the arrays a consumer indexes read through it
   without a copy (a gather splits its indices at the seam), a whole-array numpy operation reads their concatenation
   (made once per array and kept);
@@ -34,126 +34,18 @@ import weakref
 from typing import Any, Iterable, Sequence
 
 import numpy as np
-from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from config.cancel import checkpoint
 from processors.tables import _UNSET, DONE, LEAF, MaskTables, content_hash, item_metrics
 
-from .delta import ABSENT, max_remaining, patch_tables, settle
+from processors.kinds.tree.tables.delta import ABSENT, max_remaining, patch_tables, settle
+from processors.kinds.tree.tables.stacked import Stacked
 
 __all__ = ["Stacked", "fold", "is_overlay", "missing_base", "needs_fold", "overlay_base", "overlay_tables", "pickled",
            "register_base", "resolve", "restored"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 FOLD_SHARE = 0.25  # needs_fold: the appended edges past this share of the base's
-
-
-class Stacked(NDArrayOperatorsMixin):
-    """A read-only 1-d array that is ``head`` followed by ``tail``, without a copy of either.
-
-    Indexing by an integer, by a slice inside one part, or by an integer array (``a[idx]``, ``take``, also with
-    ``mode="clip"``) reads the parts directly; anything else (a numpy function, an operator, a method such as
-    ``astype``) works on the concatenation, made at the first such use and kept. Pickled as its two parts."""
-
-    __slots__ = ("head", "tail", "_n", "_whole")
-    ndim = 1
-    _whole: np.ndarray | None
-
-    def __init__(self, head: np.ndarray, tail: np.ndarray):
-        if tail.dtype != head.dtype:
-            tail = tail.astype(head.dtype)
-        tail.setflags(write=False)
-        self.head, self.tail, self._n, self._whole = head, tail, int(head.size), None
-
-    def __reduce__(self):
-        return Stacked, (self.head, self.tail)
-
-    @property
-    def size(self) -> int:
-        return self._n + int(self.tail.size)
-
-    @property
-    def shape(self) -> tuple[int]:
-        return (self.size,)
-
-    @property
-    def dtype(self):
-        return self.head.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.head.nbytes + self.tail.nbytes)
-
-    def __len__(self) -> int:
-        return self.size
-
-    def whole(self) -> np.ndarray:
-        """The concatenation (made once, read-only)."""
-        whole = self._whole
-        if whole is None:
-            whole = np.concatenate((self.head, self.tail))
-            whole.setflags(write=False)
-            self._whole = whole
-        return whole
-
-    def __array__(self, dtype=None, copy=None):
-        whole = self.whole()
-        return whole if dtype is None else whole.astype(dtype, copy=False)
-
-    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        inputs = tuple(x.whole() if isinstance(x, Stacked) else x for x in inputs)
-        return getattr(ufunc, method)(*inputs, **kwargs)
-
-    def __getattr__(self, name: str):  # astype, tolist, sum, ...: the concatenation's
-        if name.startswith("_") or name in ("head", "tail"):
-            raise AttributeError(name)
-        return getattr(self.whole(), name)
-
-    def max(self, *args, **kwargs):
-        parts = [p.max() for p in (self.head, self.tail) if p.size]
-        return max(parts) if parts and not args and not kwargs else self.whole().max(*args, **kwargs)
-
-    def min(self, *args, **kwargs):
-        parts = [p.min() for p in (self.head, self.tail) if p.size]
-        return min(parts) if parts and not args and not kwargs else self.whole().min(*args, **kwargs)
-
-    def __getitem__(self, key):
-        n = self._n
-        if isinstance(key, (int, np.integer)):
-            k = int(key)
-            if k < 0:
-                k += self.size
-            if k < n:
-                return self.head[k]
-            return self.tail[k - n]
-        if isinstance(key, slice):
-            start, stop, step = key.indices(self.size)
-            if step == 1:
-                if stop <= n:
-                    return self.head[start:stop]
-                if start >= n:
-                    return self.tail[start - n:stop - n]
-            return self.whole()[key]
-        idx = np.asarray(key)
-        if idx.dtype == bool or idx.dtype.kind not in "iu":
-            return self.whole()[key]
-        return self.take(idx)
-
-    def take(self, indices, mode: str = "raise") -> np.ndarray:
-        idx = np.asarray(indices, dtype=np.int64)
-        size, n = self.size, self._n
-        if mode == "clip":
-            idx = np.clip(idx, 0, size - 1)
-        elif idx.size:
-            if int(idx.min()) < -size or int(idx.max()) >= size:
-                raise IndexError(f"index out of bounds for a stacked array of size {size}")
-            idx = np.where(idx < 0, idx + size, idx)
-        if not self.tail.size:
-            return self.head.take(idx)
-        if not n:
-            return self.tail.take(idx)
-        in_head = idx < n
-        return np.where(in_head, self.head.take(np.minimum(idx, n - 1)), self.tail.take(np.maximum(idx - n, 0)))
 
 
 # -- travel: an overlay is pickled without its base ----------------------------------------------------------
@@ -238,7 +130,7 @@ def needs_fold(tables: MaskTables, share: float = FOLD_SHARE) -> bool:
 
 def fold(tables: MaskTables) -> MaskTables:
     """The plain tables of an overlay version's items: its base patched by the net delta
-    (:func:`~processors.kinds.tree.delta.patch_tables`, byte for byte the full compile); a plain version as it is."""
+    (:func:`~processors.kinds.tree.tables.delta.patch_tables`, byte for byte the full compile); a plain version as it is."""
     if not is_overlay(tables):
         return tables
     d = tables.__dict__
@@ -264,7 +156,7 @@ def _gather_metric(values, at: np.ndarray, tail: np.ndarray, start: int) -> np.n
 
 def overlay_tables(tables: MaskTables, add: Iterable[Sequence[int]], remove: Iterable[Sequence[int]]) -> MaskTables | None:
     """The tables of ``tables``' items with ``add`` added and ``remove`` removed, as an overlay version over
-    ``tables`` (see the module): the same answers from the root as :func:`~processors.kinds.tree.delta.patch_tables`
+    ``tables`` (see the module): the same answers from the root as :func:`~processors.kinds.tree.tables.delta.patch_tables`
     gives. ``tables`` itself when nothing changes; ``None`` when no overlay can say it (the root would not be a
     state any more, or ``tables`` has no root): the caller patches or compiles in full."""
     if tables.root < 0:

@@ -1,9 +1,9 @@
 """The tables of a catalog (a token tree given as its items), built straight from the items with array passes.
 
-A catalog (``processors/kinds/tree/catalog.py``: the items format of ``PUT /admin/scenarios/{name}`` with
+A catalog (``processors/kinds/tree/catalog/catalog.py``: the items format of ``PUT /admin/scenarios/{name}`` with
 ``Content-Type: application/x-ndjson``) is a list of items, each the token ids after the root, without the end
-token. :func:`catalog_tables` gives the compiled :class:`~processors.tables.MaskTables` of the tree those items
-spell; :func:`tree_file_bytes` gives that tree in the tree file format (:mod:`processors.kinds.tree.file`). Both build the
+token. :func:`whole_tables` gives the compiled :class:`~processors.tables.MaskTables` of the tree those items
+spell; :func:`tree_file_bytes` gives that tree in the tree file format (:mod:`processors.kinds.tree.treefile.load`). Both build the
 same trie (:class:`_Trie`: built level by level over the flat ids, no padded matrix, so time and memory follow the
 total number of ids rather than items x longest item; nodes numbered in preorder, so a parent comes before its
 children), so the tables equal those of the tree file once loaded (``tests/unit/test_catalog_tables.py`` compares
@@ -24,11 +24,11 @@ import numpy as np
 from config.cancel import checkpoint
 from processors.tables import DONE, LEAF, MaskTables
 
-__all__ = ["CatalogItems", "catalog_tables", "tree_file_bytes", "whole_tables"]
+__all__ = ["CatalogItems", "tree_file_bytes", "whole_tables"]
 
 
 class CatalogItems(Protocol):
-    """The items of a catalog as arrays (``processors.kinds.tree.catalog.Catalog`` is one)."""
+    """The items of a catalog as arrays (``processors.kinds.tree.catalog.catalog.Catalog`` is one)."""
 
     start_token_id: int
     end_token_id: int
@@ -166,17 +166,6 @@ def tree_file_bytes(catalog: CatalogItems) -> bytes:
                                      cand_code[first:last], counts, final=lo + _TEXT_BLOCK >= internal.size))
     blocks.append(b"}}")
     return b"".join(blocks)
-
-
-def catalog_tables(catalog: CatalogItems, vocab_size: int) -> MaskTables:
-    """The compiled tables of ``catalog`` (:func:`whole_tables`); a catalog of more than
-    ``catalog_chunks.CHUNK_IDS`` ids is compiled in chunks of its root's subtrees, in bounded memory and to the same
-    bytes (:func:`processors.kinds.tree.catalog_chunks.chunked_tables`)."""
-    from processors.kinds.tree.catalog_chunks import CHUNK_IDS, chunked_tables
-
-    if np.asarray(catalog.flat).size > CHUNK_IDS:
-        return chunked_tables(catalog, vocab_size)
-    return whole_tables(catalog, vocab_size)
 
 
 def whole_tables(catalog: CatalogItems, vocab_size: int) -> MaskTables:

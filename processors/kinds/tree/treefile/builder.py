@@ -1,7 +1,7 @@
-"""Checking and assembling a token tree as it is read (``processors/kinds/tree/file.py`` feeds it): :class:`_TreeBuilder`
+"""Checking and assembling a token tree as it is read (``processors/kinds/tree/treefile/load.py`` feeds it): :class:`_TreeBuilder`
 takes a scanned file, a mapping or ijson events, checks every rule (keys, separator, candidate ids, duplicates,
-the vocabulary) and returns a :class:`~processors.kinds.tree.data.TreeData`, or raises one
-:class:`~processors.kinds.tree.data.TreeFileError` naming every problem found."""
+the vocabulary) and returns a :class:`~processors.kinds.tree.treefile.data.TreeData`, or raises one
+:class:`~processors.kinds.tree.treefile.data.TreeFileError` naming every problem found."""
 
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ from typing import Any
 import numpy as np
 
 from config.cancel import checkpoint
-from processors.kinds.tree.scan import ScannedTree, ordered_map, parse_keys
+from processors.kinds.tree.treefile.scan import ScannedTree, ordered_map, parse_keys
 
-from processors.kinds.tree.data import (
+from processors.kinds.tree.treefile.data import (
     _FOREIGN, _INT32_MAX, _PLACEHOLDER, _REQUIRED_FIELDS, DEFAULT_SEP, MAX_REPORTED_PROBLEMS, TOP_LEVEL_FIELDS, TreeData,
     TreeFileError, _Container, _describe, _is_int, _key_problem, _kref, _Problems, _sep_problem,
 )
 
-logger = logging.getLogger("processors.kinds.tree.file")
+logger = logging.getLogger("processors.kinds.tree.treefile.load")
 
 _KEY_BLOCK = 1 << 20  # keys per block when hashing a list of keys
 _BLOB_BLOCK = 4 << 20  # bytes per block when hashing scanned keys
@@ -49,7 +49,7 @@ class _TreeBuilder:
         self._candidates_np: np.ndarray | None = None
         self._max_key_part = -2
 
-    # -- input from a numpy scan (processors.kinds.tree.scan) -----------------------------------------------------------
+    # -- input from a numpy scan (processors.kinds.tree.treefile.scan) -----------------------------------------------------------
     def add_scan(self, scan: ScannedTree) -> None:
         for name in scan.duplicate_fields:
             self.problems.add(f"duplicate top-level field {json.dumps(name)}")
@@ -262,7 +262,7 @@ class _TreeBuilder:
         return blob[begin : int(ends[i])].decode("utf-8", "surrogatepass")
 
     def _blocks(self, blob: bytes | None, sep: str) -> Iterator[np.ndarray]:
-        """The keys in blocks for :func:`processors.kinds.tree.scan.parse_keys` (each ended by 0, the separator as 1)."""
+        """The keys in blocks for :func:`processors.kinds.tree.treefile.scan.parse_keys` (each ended by 0, the separator as 1)."""
         if blob is not None:  # a scanned file: printable ASCII only, so 0 and 1 occur nowhere else
             sep_bytes = sep.encode("utf-8")
             view = memoryview(blob)

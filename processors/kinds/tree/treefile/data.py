@@ -1,5 +1,5 @@
 """The loaded form of a token tree (:class:`TreeData`), its error type, and the tree file format's constants and
-per-key rules (``processors/kinds/tree/file.py`` loads trees; ``processors/kinds/tree/builder.py`` checks and assembles them)."""
+per-key rules (``processors/kinds/tree/treefile/load.py`` loads trees; ``processors/kinds/tree/treefile/builder.py`` checks and assembles them)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class TreeData:
         warnings: non-fatal findings (no entry for the root key; what a lenient load accepted or skipped).
         key_list / key_blob: the keys, as a list of strings or as UTF-8 bytes each ended by ``\\x00``
             (a scanned file); :attr:`keys` gives the list either way, built on first use.
-        key_h1, key_h2: two 64-bit hashes of each key's parts (``processors.kinds.tree.scan``), 0 for keys that cannot
+        key_h1, key_h2: two 64-bit hashes of each key's parts (``processors.kinds.tree.treefile.scan``), 0 for keys that cannot
             be a decode state; None when the keys were not hashed (a separator holding control characters).
         targetable: which keys a decode step can reach by their parts (well formed, starting at the root).
         root_index: the index of the root key, or -1.

@@ -28,10 +28,10 @@ from collections.abc import Mapping
 from typing import Any
 
 
-from processors.kinds.tree.scan import scan_tree_bytes, scan_tree_file
+from processors.kinds.tree.treefile.scan import scan_tree_bytes, scan_tree_file
 
-from processors.kinds.tree.builder import _TreeBuilder
-from processors.kinds.tree.data import (  # noqa: F401  (DEFAULT_SEP, MAX_REPORTED_PROBLEMS, TreeData: this module's API too)
+from processors.kinds.tree.treefile.builder import _TreeBuilder
+from processors.kinds.tree.treefile.data import (  # noqa: F401  (DEFAULT_SEP, MAX_REPORTED_PROBLEMS, TreeData: this module's API too)
     DEFAULT_SEP, MAX_REPORTED_PROBLEMS, TOP_LEVEL_FIELDS, TreeData, TreeFileError, _is_int)
 
 __all__ = ["DEFAULT_SEP", "MAX_REPORTED_PROBLEMS", "TreeData", "TreeFileError", "fits_vocab", "is_tree_path",
