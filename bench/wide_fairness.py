@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--quiet", type=int, default=20, help="probes with the engine otherwise idle")
     ap.add_argument("--alone", action="store_true", help="also time the wide request with no probe beside it")
     ap.add_argument("--wide-step-rows", type=int, default=None, help="engine setting (default: the engine's)")
+    ap.add_argument("--wide-step-rows-shared", type=int, default=None,
+                    help="engine setting: wide rows per forward beside one-row rows (default: the engine's)")
     ap.add_argument("--narrow-reserve", type=float, default=None, help="engine setting (default: the engine's)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
@@ -69,6 +71,8 @@ def main() -> None:
     settings = {}
     if args.wide_step_rows is not None:
         settings["wide_step_rows"] = args.wide_step_rows
+    if args.wide_step_rows_shared is not None:
+        settings["wide_step_rows_shared"] = args.wide_step_rows_shared
     if args.narrow_reserve is not None:
         settings["narrow_reserve"] = args.narrow_reserve
     engine = DecodeEngine(model, tokenizer, **settings).start()
@@ -105,6 +109,7 @@ def main() -> None:
 
     result = {"settings": {"beams": args.beams, "history": len(wide_ids), "max_new_tokens": args.max_new_tokens,
                            "tree": args.tree, "wide_step_rows": getattr(engine, "wide_step_rows", None),
+                           "wide_step_rows_shared": getattr(engine.batch, "wide_step_rows_shared", None),
                            "narrow_reserve": getattr(engine, "narrow_reserve", None),
                            "torch_threads": torch.get_num_threads()}}
     if args.alone:

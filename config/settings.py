@@ -281,6 +281,14 @@ class ServerSettings(BaseModel):
                     "(0 = all). A wider step is read in chunks over several forwards with the one-row requests' rows "
                     "in every one, so their tokens come at the pace of a forward of at most this many more rows.",
     )
+    wide_step_rows_shared: int = Field(
+        default=8, ge=1,
+        description="engine transformers: the most rows of requests of several rows read in one forward pass while "
+                    "one-row requests decode beside them (at most wide_step_rows): a forward of this many more rows "
+                    "costs a few one-row forwards on a CPU, so one-row requests keep their pace under wide load; "
+                    "wide requests then take more forwards per step. Also, while one-row requests decode, the "
+                    "prefills of requests of several rows take at most half of the engine's time.",
+    )
     prefix_cache_tokens: int = Field(default=8192, ge=0, description="Prompt-prefix key/value cache per replica, in tokens (0 = off).")
     prefill_chunk_tokens: int = Field(
         default=256, ge=16,

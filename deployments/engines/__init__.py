@@ -41,5 +41,5 @@ def create_engine(settings, model, tokenizer) -> Engine:
         model, tokenizer, max_batch_size=settings.max_batch_size, prefix_cache_tokens=settings.prefix_cache_tokens,
         prefill_chunk_tokens=settings.prefill_chunk_tokens, kv_memory_mb=settings.kv_memory_mb,
         narrow_reserve=settings.narrow_reserve, wide_step_rows=settings.wide_step_rows,
-        mask_step_budget_ms=settings.mask_step_budget_ms,
+        wide_step_rows_shared=settings.wide_step_rows_shared, mask_step_budget_ms=settings.mask_step_budget_ms,
     )

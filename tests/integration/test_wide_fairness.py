@@ -161,3 +161,46 @@ def test_chunked_beams_rank_as_unchunked(model, tokenizer, tree):
     for outputs in results[0].values():
         items = {tuple(t[:-1]) for t in outputs.values()}
         assert len(items) == len(outputs) and items <= CATALOG
+
+
+class ForwardSizes:
+    """Wraps the engine's model (the real one, called through): for every decode forward of the running batch, the
+    one-row rows then in the batch and the rows the forward reads."""
+
+    def __init__(self, engine):
+        self.engine, self.model = engine, engine.batch.model
+        self.decodes: list[tuple[int, int]] = []
+        engine.batch.model = self
+
+    def __call__(self, *args, **kwargs):
+        if "cs_step" in kwargs:  # a decode step (prefills carry no step context)
+            self.decodes.append((self.engine.batch.narrow_rows, kwargs["input_ids"].shape[0]))
+        return self.model(*args, **kwargs)
+
+
+def test_a_forward_reads_fewer_wide_rows_while_one_row_requests_decode(model, tokenizer):
+    """While one-row requests decode, each forward reads at most ``wide_step_rows_shared`` rows of wide requests
+    (a forward of 32 more rows cost about six one-row forwards on this CPU, so a one-row request decoding beside
+    128 beams got a token at a sixth of its pace); with none in the batch, up to ``wide_step_rows``."""
+    engine = DecodeEngine(model, tokenizer, prefix_cache_tokens=0, wide_step_rows=32, wide_step_rows_shared=8)
+    sizes = ForwardSizes(engine)
+    engine.start()
+    try:
+        log = Log()
+        engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Count from 1 to 10000: 1, 2, 3,"), compiled=None,
+                                    max_new_tokens=6, n=2, num_beams=128, sampling=SamplingParams(temperature=0)),
+                      log.collector("wide"))
+        _wait_decoding(engine)
+        engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Count from 1 to 500, separated by commas."),
+                                    compiled=None, max_new_tokens=12, sampling=SamplingParams(temperature=0)),
+                      log.collector("narrow"))
+        log.wait()
+    finally:
+        engine.stop()
+    assert len(log.outputs["narrow"][0]) == 12 and len(log.outputs["wide"]) == 2
+    beside = [rows - narrow for narrow, rows in sizes.decodes if narrow and rows > narrow]
+    alone = [rows for narrow, rows in sizes.decodes if not narrow]
+    assert len(beside) >= 11, sizes.decodes  # the one-row request's 11 decode steps each read wide rows too
+    assert max(beside) <= 8, sizes.decodes
+    assert max(alone) == 32, sizes.decodes  # without one-row rows the wide request is read 32 rows at a time
+    assert log.first("narrow", DoneEvent) < log.first("wide", DoneEvent)

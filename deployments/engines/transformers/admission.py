@@ -119,9 +119,12 @@ class Admission:
         turns = sorted(queues.values(), key=lambda q: running.get(q[0].job.request.client, 0))  # stable
         return [q[i] for i in range(max(map(len, turns))) for q in turns if i < len(q)]
 
-    def admit(self) -> None:
+    def admit(self, hold_wide: bool = False) -> bool:
         """Offer the waiting requests room in :meth:`fair_order`: those that fit join the batch (one prefill), one
-        whose uncached prompt is longer than ``prefill_chunk_tokens`` starts its chunked prefill, the rest wait."""
+        whose uncached prompt is longer than ``prefill_chunk_tokens`` starts its chunked prefill, the rest wait.
+        ``hold_wide``: requests of several rows wait too (the engine's prefill share, while one-row requests
+        decode); the one-row requests behind them are still admitted. Returns whether a request of several rows
+        was prefilled now."""
         batch = self.batch
         room = self.max_batch_size - batch.narrow_rows - (batch.padded_width(batch.chunking.job) if batch.chunking else 0)
         memory = wide = 0
@@ -140,7 +143,7 @@ class Admission:
                     p.rows.cancel()
                 cancelled(job, self._stats)
                 continue
-            if not p.ready():
+            if not p.ready() or (hold_wide and job.width > 1):
                 keep.append(p)
                 continue
             need = self.job_bytes(job.request)
@@ -180,3 +183,4 @@ class Admission:
         self._waiting = keep
         if admitted:
             batch.prefill(admitted)
+        return any(p.job.width > 1 for p, _ in admitted)

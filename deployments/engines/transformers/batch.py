@@ -53,10 +53,12 @@ class Batch:
         shared_prompt: hold the prompt of a several-row request once (a :class:`.shared_kv.SharedGroup`).
         prefill_chunk_tokens: a chunked prefill reads this many prompt tokens per chunk.
         wide_step_rows: the most rows of wide requests read in one forward (0: all).
+        wide_step_rows_shared: the most of them while the padded batch has rows (one-row requests decode).
     """
 
     def __init__(self, model, beams: BeamSearch, prefix_cache: PrefixCache, stats: dict, *, device, pad_id: int,
-                 shared_prompt: bool, prefill_chunk_tokens: int, wide_step_rows: int):
+                 shared_prompt: bool, prefill_chunk_tokens: int, wide_step_rows: int,
+                 wide_step_rows_shared: int = 8):
         self.model = model
         self.beams = beams
         self.prefix_cache = prefix_cache
@@ -66,6 +68,7 @@ class Batch:
         self.shared_prompt = shared_prompt
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.wide_step_rows = wide_step_rows
+        self.wide_step_rows_shared = wide_step_rows_shared
         self.rows: list[Row] = []
         self.groups: list[SharedGroup] = []
         self.cache: DynamicCache | None = None
@@ -412,8 +415,11 @@ class Batch:
     # -- wide requests' steps in chunks -----------------------------------------------------------
     def wide_chunks(self) -> list[tuple[SharedGroup, int, int]]:
         """The wide requests' rows this forward reads, as ``(group, first row, end)``: at most ``wide_step_rows``
-        rows (0: all), the groups in their queue's order. A cancelled request whose step is being read leaves now."""
+        rows (0: all), or ``wide_step_rows_shared`` while one-row requests decode in it; the groups in their queue's
+        order. A cancelled request whose step is being read leaves now."""
         budget = self.wide_step_rows or float("inf")
+        if self.narrow_rows:
+            budget = min(budget, self.wide_step_rows_shared)
         chunks = []
         for g in list(self.groups):
             feed = g.feed

@@ -114,6 +114,11 @@ class DecodeEngine(Engine):
             is read in chunks over several forwards, the one-row requests' rows in every one of them (their tokens
             come at the pace of a forward of at most this many more rows); a beam request is ranked once all its
             rows were read, its candidates gathered chunk by chunk.
+        wide_step_rows_shared: the most such rows in one forward while one-row requests decode (at most
+            ``wide_step_rows``): on a CPU a forward of 32 more rows costs about six one-row forwards, of 8 about
+            two. While one-row requests decode, a request of several rows is also prefilled only once the decode
+            steps since the last such prefill took at least as long as it did, so those prefills take at most half
+            of the engine's time.
         mask_step_budget_ms: the CPU time one row's grammar mask may take in one step (0: no budget, masks computed
             on the decode thread). The step's masks are computed in parallel off the decode thread
             (:class:`processors.mask_budget.MaskBudget`); a row whose mask is late ends with ``finish_reason:
@@ -134,7 +139,7 @@ class DecodeEngine(Engine):
         prefix_cache_tokens: int = 8192, prefill_chunk_tokens: int = 256, prepare_threads: int = 2,
         vector_lane: bool = False, kv_memory_mb: int = 4096, shared_prompt: bool = True,
         mask_step_budget_ms: float = 200.0,
-        narrow_reserve: float = 0.25, wide_step_rows: int = 32,
+        narrow_reserve: float = 0.25, wide_step_rows: int = 32, wide_step_rows_shared: int = 8,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -146,6 +151,8 @@ class DecodeEngine(Engine):
             raise ValueError(f"narrow_reserve must be in [0, 1), got {narrow_reserve}")
         if wide_step_rows < 0:
             raise ValueError(f"wide_step_rows must be >= 0, got {wide_step_rows}")
+        if wide_step_rows_shared < 1:
+            raise ValueError(f"wide_step_rows_shared must be >= 1, got {wide_step_rows_shared}")
         install(model)
         self.model = model
         self.wide_step_rows = wide_step_rows
@@ -167,6 +174,7 @@ class DecodeEngine(Engine):
         self._thread: threading.Thread | None = None
         self._prepare = ThreadPoolExecutor(max_workers=max(1, prepare_threads), thread_name_prefix="cursor-prepare")
         self._chunk_debt = 0.0  # seconds of decoding owed to the running rows after the last prefill chunk
+        self._wide_prefill_debt = 0.0  # the same after the last prefill of requests of several rows
         self.prefix_cache = PrefixCache(max_tokens=prefix_cache_tokens)
         self._stats = {
             "steps": 0, "held_row_steps": 0, "step_seconds": 0.0, "chain_seconds": 0.0, "rows_decoded": 0, "prefills": 0,
@@ -181,7 +189,7 @@ class DecodeEngine(Engine):
                                 device=self.device)
         self.batch = Batch(model, self.beams, self.prefix_cache, self._stats, device=self.device, pad_id=self.pad_id,
                            shared_prompt=shared_prompt, prefill_chunk_tokens=prefill_chunk_tokens,
-                           wide_step_rows=wide_step_rows)
+                           wide_step_rows=wide_step_rows, wide_step_rows_shared=wide_step_rows_shared)
         self.admission = Admission(
             self.batch, self.prefix_cache, self._stats, kv_budget=kv_memory_mb * 2**20, narrow_reserve=narrow_reserve,
             token_bytes=2 * cfg.num_hidden_layers * kv_heads * head_dim * elem,  # keys + values, all layers
@@ -277,7 +285,12 @@ class DecodeEngine(Engine):
                         self._accept(self._queue.get_nowait())
                 except queue.Empty:
                     pass
-                admission.admit()
+                # requests of several rows are prefilled while one-row requests decode only once the decode steps
+                # since the last such prefill took as long as it did: at most half of the engine's time
+                hold_wide = self._wide_prefill_debt > 0 and batch.narrow_rows > 0
+                t0 = time.perf_counter()
+                if admission.admit(hold_wide=hold_wide):
+                    self._wide_prefill_debt = time.perf_counter() - t0
                 # A long prompt is read in chunks, each followed by decode steps of the running rows lasting at
                 # least as long as the chunk did: prefill takes at most half of the engine's time while others
                 # decode, so their steps slow down at most 2x and the prompt still moves at half speed.
@@ -288,7 +301,9 @@ class DecodeEngine(Engine):
                 if batch.decoding:
                     t0 = time.perf_counter()
                     self._step()
-                    self._chunk_debt -= time.perf_counter() - t0
+                    spent = time.perf_counter() - t0
+                    self._chunk_debt -= spent
+                    self._wide_prefill_debt -= spent
                 else:
                     batch.release_if_due()
             except Exception as exc:  # a failed forward must not kill the replica
