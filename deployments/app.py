@@ -12,7 +12,8 @@ Three deployments, each a plain class made a deployment here (so each stays cons
   replica (scenario versions, acks).
 * ``Ingress`` (no CPU reserved): the FastAPI app, handed to Serve through ``__serve_build_asgi_app__``.
 
-Settings travel to every constructor as ``ServerSettings.model_dump()`` dicts.
+Settings travel to every constructor as ``ServerSettings.model_dump()`` dicts; each deployment's options (replicas,
+requests taken at once, resources) are ``deployments/options.py``'s.
 """
 
 from __future__ import annotations
@@ -23,52 +24,12 @@ from typing import Any
 from ray import serve
 
 from config import ServerSettings
+from deployments.options import (
+    INGRESS_MAX_ONGOING_REQUESTS, MANAGER_MAX_ONGOING_REQUESTS, REPLICA_REQUESTS_PER_BATCH_SLOT, deployment_options,
+)
 
-__all__ = ["MANAGER_MAX_ONGOING_REQUESTS", "INGRESS_MAX_ONGOING_REQUESTS", "build_app", "deployment_options"]
-
-# Long polls from every model replica plus admin calls; the manager's methods are async and cheap to hold.
-MANAGER_MAX_ONGOING_REQUESTS = 1000
-# The ingress only awaits other deployments; Serve's default (5) would cap the whole service at 5 requests.
-INGRESS_MAX_ONGOING_REQUESTS = 1000
-# Requests a model replica accepts per batch slot: queued rows wait there for the next step, not at the proxy.
-REPLICA_REQUESTS_PER_BATCH_SLOT = 4
-
-
-def deployment_options(settings: ServerSettings) -> dict[str, dict[str, Any]]:
-    """The ``.options(...)`` of each deployment for ``settings`` (separate so it can be inspected and tested)."""
-    options: dict[str, dict[str, Any]] = {
-        "manager": {
-            "name": "ConfigManager",
-            "num_replicas": 1,
-            "max_ongoing_requests": MANAGER_MAX_ONGOING_REQUESTS,
-            "ray_actor_options": {"num_cpus": 0},
-        },
-        "model": {
-            "name": "ModelReplica",
-            "num_replicas": settings.num_replicas,
-            "max_ongoing_requests": REPLICA_REQUESTS_PER_BATCH_SLOT * settings.max_batch_size,
-            "ray_actor_options": {
-                "num_cpus": settings.num_cpus_per_replica,
-                "num_gpus": settings.num_gpus_per_replica,
-            },
-        },
-        "ingress": {
-            "name": "Ingress",
-            "num_replicas": 1,
-            "max_ongoing_requests": INGRESS_MAX_ONGOING_REQUESTS,
-            "ray_actor_options": {"num_cpus": 0},
-        },
-    }
-    if settings.max_replicas_per_node is not None:
-        options["model"]["max_replicas_per_node"] = settings.max_replicas_per_node
-    for key, resources in settings.custom_resources.items():
-        if resources:
-            options[key]["ray_actor_options"]["resources"] = dict(resources)
-    if settings.engine == "vllm" and settings.beam_replicas > 0:  # the model's options, its own name and count
-        beams = {**options["model"], "name": "BeamReplica", "num_replicas": settings.beam_replicas}
-        beams["ray_actor_options"] = dict(options["model"]["ray_actor_options"])
-        options["beams"] = beams
-    return options
+__all__ = ["MANAGER_MAX_ONGOING_REQUESTS", "INGRESS_MAX_ONGOING_REQUESTS", "REPLICA_REQUESTS_PER_BATCH_SLOT", "build_app",
+           "deployment_options"]
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

@@ -238,9 +238,10 @@ def _page_file(name: str) -> Response:
     return Response(path.read_bytes(), media_type=media_type, headers=_HEADERS)
 
 
-def build_console_router(ingress: Any, require_admin: Any) -> APIRouter:
+def build_console_router(ingress: Any, require_admin: Any, error_body: type[BaseModel]) -> APIRouter:
     """The console's routes: the page and its files (public, not in the OpenAPI schema) and the admin inspect
-    route (``require_admin``: the ingress's bearer-token dependency)."""
+    route (``require_admin``: the ingress's bearer-token dependency; ``error_body``: the ingress's error answer
+    model, documented for the route's errors)."""
     router = APIRouter()
 
     @router.get("/console", include_in_schema=False)
@@ -255,9 +256,7 @@ def build_console_router(ingress: Any, require_admin: Any) -> APIRouter:
     async def console_file(file: str):
         return _page_file(file)
 
-    from deployments.ingress import ErrorBody  # here: the ingress module imports this one
-
-    errors = {code: {"model": ErrorBody} for code in (401, 404, 409, 422, 503)}
+    errors = {code: {"model": error_body} for code in (401, 404, 409, 422, 503)}
 
     @router.post("/admin/scenarios/{name}/inspect", response_model=InspectResponse, tags=["admin"],
                  dependencies=[Depends(require_admin)], responses=errors)
@@ -280,6 +279,6 @@ def build_console_router(ingress: Any, require_admin: Any) -> APIRouter:
     return router
 
 
-def mount_console(app: FastAPI, ingress: Any, require_admin: Any) -> None:
-    """Add the console to the ingress's app (``build_http_app`` calls this)."""
-    app.include_router(build_console_router(ingress, require_admin))
+def mount_console(app: FastAPI, ingress: Any, require_admin: Any, error_body: type[BaseModel]) -> None:
+    """Add the console to the ingress's app (``build_http_app`` calls this with its error answer model)."""
+    app.include_router(build_console_router(ingress, require_admin, error_body))

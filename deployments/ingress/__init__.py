@@ -29,14 +29,16 @@ bodies, and their mapping to and from the native API, are in ``deployments/opena
 Modules, one job each:
 
 ================= ==========================================================================================
-``service.py``    :class:`Ingress`: settings, handles, per-process state, admin token, limits, the OpenAI flow
+``service.py``    :class:`Ingress`: settings, handles, admin token, limits, the OpenAI flow; it holds the parts below
 ``app.py``        :func:`build_http_app`: the FastAPI app, its middlewares and the public routes
+``seams.py``      what the app and the admin routes use of an ingress (Protocols)
 ``admin.py``      the admin routes, and the admin answers to a routing 404 / 405
 ``models.py``     the ingress's request/response models and documented error answers
 ``errors.py``     any exception -> :class:`~deployments.protocol.ServiceError`; the JSON error handlers
-``replicas.py``   calls into the model replicas: liveness (503), the retry after a replica death, held rows
-``sse.py``        server-sent event streams (native, OpenAI chunks, Responses API events)
-``health.py``     ``GET /healthz``
+``replicas.py``   calls into the model replicas (``ingress.replicas``): liveness (503), the retry after a replica
+                  death, held rows
+``sse.py``        server-sent event streams (``ingress.streams``: native, OpenAI chunks, Responses API events)
+``health.py``     ``GET /healthz`` (``ingress.health_check``)
 ``middleware.py`` body size limit, ``X-Request-Id`` check
 ``openapi.py``    OpenAPI patches for the bodies the admin routes read as bytes
 ================= ==========================================================================================

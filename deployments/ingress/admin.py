@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.encoders import jsonable_encoder
@@ -18,15 +18,13 @@ from deployments.ingress.models import (
     ScenarioPatchOut, ScenarioVersionOut, ScenarioVersionsOut,
 )
 from deployments.ingress.openapi import _patch_openapi_extra, _scenario_openapi_extra
+from deployments.ingress.seams import AdminIngress
 from deployments.json_body import ParsedJSONRoute
 from deployments.ingress.uploads import is_catalog_upload, upload_catalog, upload_format_of
 from deployments.protocol import ServiceError
 from deployments.storage.store import validate_name
 from deployments.storage.content import validate_idempotency_key
 from deployments.storage.errors import InvalidRequest
-
-if TYPE_CHECKING:
-    from deployments.ingress.service import Ingress
 
 # Serve configures this logger in every replica (its files and the `serve run` console); a module logger
 # below WARNING would be dropped there.
@@ -49,7 +47,7 @@ def _if_match_version(value: str | None) -> int | None:
 
 
 
-def _admin_refusal(ingress: Ingress, request: Request) -> ServiceError | None:
+def _admin_refusal(ingress: AdminIngress, request: Request) -> ServiceError | None:
     """The 401 for a request without the admin token (logged without the header), or None."""
     header = request.headers.get("authorization")
     if ingress.check_admin(header):
@@ -62,7 +60,7 @@ def _admin_refusal(ingress: Ingress, request: Request) -> ServiceError | None:
 _SCENARIOS_PREFIX = "/admin/scenarios/"
 
 
-def _admin_not_found(ingress: Ingress, request: Request, status: int = 404) -> JSONResponse | None:
+def _admin_not_found(ingress: AdminIngress, request: Request, status: int = 404) -> JSONResponse | None:
     """Answer a routing 404 or 405 under ``/admin``: 401 without the token (as on every admin route, so the
     admin routes cannot be probed without it); then, for a 404 under ``/admin/scenarios/``, a name no route
     could hold (one with a '/': ``../x``, ``a%2Fb``) is a 422 naming the naming rule, like any other bad name."""
@@ -95,7 +93,7 @@ def checked_key(key: str) -> str:
                             "param": "Idempotency-Key"}) from None
 
 
-def mount_admin(app: FastAPI, ingress: Ingress) -> Any:
+def mount_admin(app: FastAPI, ingress: AdminIngress) -> Any:
     """Include the admin router (every route behind the admin token) in ``app``; returns the token check, a
     dependency for other admin routes (the console's inspect)."""
 

@@ -1,10 +1,10 @@
 """The FastAPI app of an :class:`~deployments.ingress.service.Ingress`: public routes, the admin router, error
-handlers, middlewares, the console and ``/docs``."""
+handlers, middlewares, the console and ``/docs``. Typed against what it uses of the ingress
+(:class:`~deployments.ingress.seams.IngressApp`)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
@@ -17,16 +17,16 @@ from deployments.ingress.admin import _SCENARIOS_PREFIX, _admin_not_found, mount
 from deployments.ingress.errors import _install_error_handlers
 from deployments.ingress.middleware import BodySizeLimit, RequestIdCheck
 from deployments.ingress.uploads import is_catalog_upload
-from deployments.ingress.models import _ERROR_RESPONSES, _SSE_RESPONSE, GenerateBody, HealthResponse, ScenarioList
+from deployments.ingress.models import (
+    _ERROR_RESPONSES, _SSE_RESPONSE, ErrorBody, GenerateBody, HealthResponse, ScenarioList,
+)
 from deployments.ingress.openapi import _with_scenario_components
+from deployments.ingress.seams import AdminIngress, IngressApp
 from deployments.ingress.sse import _SSE_HEADERS
 from deployments.json_body import ParsedJSONRoute, StrictJSONBody
 from deployments.openai.api import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelList
 from deployments.protocol import GenerateResponse
 from deployments.openai.responses import ResponseObject, ResponsesRequest
-
-if TYPE_CHECKING:
-    from deployments.ingress.service import Ingress
 
 
 def _scenario_write(scope: dict, methods: tuple[str, ...]) -> bool:
@@ -36,7 +36,7 @@ def _scenario_write(scope: dict, methods: tuple[str, ...]) -> bool:
         "/" not in path[len(_SCENARIOS_PREFIX):]
 
 
-def _parse_body_here(ingress: Ingress, scope: dict) -> bool:
+def _parse_body_here(ingress: AdminIngress, scope: dict) -> bool:
     """Whether the strict JSON check reads this request's body: not for an admin route without the admin token
     (it gets its 401 without its body being read, as before)."""
     path = route_path(scope)
@@ -48,7 +48,7 @@ def _parse_body_here(ingress: Ingress, scope: dict) -> bool:
     return True
 
 
-def _streamed_upload_limit(ingress: Ingress, scope: dict) -> int | None:
+def _streamed_upload_limit(ingress: AdminIngress, scope: dict) -> int | None:
     """``max_upload_bytes`` for a catalog upload (a scenario PUT with a catalog Content-Type): its route streams the
     body to the manager in parts (``ingress/uploads.py``) and counts it; None for any other request."""
     if not _scenario_write(scope, ("PUT",)):
@@ -57,7 +57,7 @@ def _streamed_upload_limit(ingress: Ingress, scope: dict) -> int | None:
     return ingress.limits.max_upload_bytes if is_catalog_upload(kind) else None
 
 
-def build_http_app(ingress: Ingress) -> FastAPI:
+def build_http_app(ingress: IngressApp) -> FastAPI:
     """The FastAPI app for ``ingress``: public routes, the admin router, error handlers, the body limit."""
     app = FastAPI(
         title="constrained-serve",
@@ -89,15 +89,15 @@ def build_http_app(ingress: Ingress) -> FastAPI:
         """Generate under a stored scenario (or unconstrained). ``stream: true`` gives SSE ``data: {event}`` lines."""
         request = body.to_request()  # validated once (as GenerateBody), here and on the replica
         await asyncio.to_thread(ingress.check_limits, request)  # linear in the request, off the event loop
-        release = await ingress.hold_rows(http, request)
+        release = await ingress.replicas.hold_rows(http, request)
         try:
             if request.stream:
-                first, stream = await ingress.open_stream(request)
-                response = StreamingResponse(ingress.native_sse(first, stream, release), media_type="text/event-stream",
+                first, stream = await ingress.replicas.open_stream(request)
+                response = StreamingResponse(ingress.streams.native_sse(first, stream, release), media_type="text/event-stream",
                                              headers=_SSE_HEADERS)
                 release = None  # the stream gives the rows back when it ends
                 return response
-            return await ingress.generate(request)  # a GenerateResponse: FastAPI serializes it without validating it again
+            return await ingress.replicas.generate(request)  # a GenerateResponse: FastAPI serializes it without validating it again
         finally:
             if release is not None:
                 release()
@@ -131,13 +131,13 @@ def build_http_app(ingress: Ingress) -> FastAPI:
     async def healthz():
         """200 while generation works (``status: degraded`` when the manager or Redis is not well); 503 with
         ``status: unavailable`` when no model replica answers or none is registered."""
-        report = await ingress.health()
+        report = await ingress.health_check.health()
         if report.get("status") == "unavailable":
             return JSONResponse(jsonable_encoder(HealthResponse.model_validate(report)), status_code=503)
         return report
 
     require_admin = mount_admin(app, ingress)
-    mount_console(app, ingress, require_admin)  # /console and POST /admin/scenarios/{name}/inspect
+    mount_console(app, ingress, require_admin, ErrorBody)  # /console and POST /admin/scenarios/{name}/inspect
     mount_docs(app)  # /docs: Swagger UI from this service
     _with_scenario_components(app)
     plain_openapi(app)  # Markdown, not Sphinx markup, in the descriptions /docs shows

@@ -1,38 +1,45 @@
 """``GET /healthz``: the manager's health, the replicas' scenario versions and whether a model replica is alive.
 
-:class:`HealthCheck` is a part of :class:`deployments.ingress.service.Ingress`.
+:class:`HealthCheck` is held by :class:`deployments.ingress.service.Ingress` (``ingress.health_check``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Callable
 
-from config import ServerSettings
 from deployments.ingress.errors import redact_json
-from deployments.ingress.replicas import NO_REPLICA_MESSAGE
+from deployments.ingress.replicas import NO_REPLICA_MESSAGE, ReplicaCalls, call
 from deployments.protocol import ServiceError
 
 HEALTH_TIMEOUT_S = 5.0
 
 
 class HealthCheck:
-    """The ingress's health report."""
+    """The ingress's health report.
 
-    settings: ServerSettings
-    manager: Any
+    Args:
+        manager: handle to the config manager (``health``, ``replica_versions``).
+        replicas: the ingress's calls into the model replicas (whether one is alive).
+        redact: what the report's texts become before a client sees them (``ServerSettings.redact_paths``).
+    """
+
+    def __init__(self, manager: Any, replicas: ReplicaCalls, redact: Callable[[str], str]):
+        self.manager = manager
+        self.replicas = replicas
+        self.redact = redact
 
     async def health(self) -> dict[str, Any]:
         async def ask(method: Any) -> tuple[dict[str, Any] | None, str | None]:
             try:
-                return await asyncio.wait_for(self.call(method), HEALTH_TIMEOUT_S), None
+                return await asyncio.wait_for(call(method), HEALTH_TIMEOUT_S), None
             except ServiceError as error:
                 return None, error.message
             except asyncio.TimeoutError:
                 return None, f"no answer within {HEALTH_TIMEOUT_S:g} s"
 
         (manager, manager_error), (replicas, replicas_error), alive = await asyncio.gather(
-            ask(self.manager.health), ask(self.manager.replica_versions), self.replica_alive(fresh=True)
+            ask(self.manager.health), ask(self.manager.replica_versions), self.replicas.replica_alive(fresh=True)
         )
         if manager is None:
             manager = {"status": "unreachable", "error": manager_error}
@@ -51,7 +58,7 @@ class HealthCheck:
                                "no model replica is registered with the config manager (none running, or one starting)")
         if replicas_error is not None:
             report["replicas_error"] = replicas_error
-        return redact_json(report, self.settings.redact_paths)  # public: no internal paths (Redis socket, data dir)
+        return redact_json(report, self.redact)  # public: no internal paths (Redis socket, data dir)
 
 
 

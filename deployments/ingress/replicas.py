@@ -1,7 +1,8 @@
 """Calls from the ingress into the model replicas: liveness checks (503 at once when none is alive), the retry
 after a replica death (:class:`DeathMemory`), streams opened up to their first event, and rows held per client.
 
-:class:`ReplicaCalls` is a part of :class:`deployments.ingress.service.Ingress` (which sets its attributes).
+:class:`ReplicaCalls` is held by :class:`deployments.ingress.service.Ingress` (``ingress.replicas``); it keeps its
+own state (the deaths, the rows per client, the last liveness checks). :func:`call` is any handle's call.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any
 
 from fastapi import Request
 
-from config import ServerSettings
 from deployments.guards import CLIENT_SCOPE_KEY, RELEASE_SCOPE_KEY, RowBudget
 from deployments.ingress.errors import to_service_error
 from deployments.protocol import GenerateRequest, GenerateResponse, ServiceError, unwrap_service_error
@@ -114,33 +114,41 @@ def _cancel(call: Any) -> None:
             logger.debug("cancelling a backend call failed", exc_info=True)
 
 
-class ReplicaCalls:
-    """The ingress's calls into the model replicas (and ``call`` for any handle)."""
+async def call(method: Any, *args: Any) -> Any:
+    """``await method.remote(*args)`` (a method of any handle) with any failure turned into a :class:`ServiceError`."""
+    try:
+        return await method.remote(*args)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        raise to_service_error(exc) from None
 
-    settings: ServerSettings
-    model: Any
-    beams: Any
-    deaths: DeathMemory
-    rows: RowBudget
-    _no_replica_at: float | None
-    _probe: asyncio.Future | None
-    _alive_at: float | None
-    _calls: int
+
+class ReplicaCalls:
+    """The ingress's calls into the model replicas.
+
+    Args:
+        model: handle to the model replicas (``generate``, ``generate_stream``, ``ping``).
+        beams: handle to the replicas that run beam requests beside vLLM replicas, or ``None``.
+        slots: the requests the model replicas take at once, all of them (their ``max_ongoing_requests``).
+        rows_per_client: ``max_inflight_rows_per_client`` (:class:`RowBudget`).
+    """
+
+    def __init__(self, model: Any, beams: Any, *, slots: int, rows_per_client: int):
+        self.model = model
+        self.beams = beams
+        self.slots = slots
+        self.deaths = DeathMemory()  # requests in flight at a model replica's death: retried once, never again
+        self.rows = RowBudget(rows_per_client)  # work per client, in rows
+        self._no_replica_at: float | None = None  # when a check last found no live model replica (None: none did)
+        self._probe: asyncio.Future | None = None  # the check in progress, shared by the requests that wait on it
+        self._alive_at: float | None = None  # when a check last found a live replica
+        self._calls = 0  # generation requests of this ingress on the model replicas (held rows), streams included
 
     def model_for(self, request: GenerateRequest) -> Any:
         """The replicas that run ``request``: with ``engine: vllm`` and ``beam_replicas``, a beam request goes to the
         transformers-engine ones (``BeamReplica``, see deployments/app.py), everything else to the model replicas."""
-        beams = getattr(self, "beams", None)
-        return beams if beams is not None and request.num_beams > 1 else self.model
-
-    async def call(self, method: Any, *args: Any) -> Any:
-        """``await method.remote(*args)`` with any failure turned into a :class:`ServiceError`."""
-        try:
-            return await method.remote(*args)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            raise to_service_error(exc) from None
+        return self.beams if self.beams is not None and request.num_beams > 1 else self.model
 
     async def _ping_some_replica(self) -> bool:
         """Whether some model replica answers a ping within ``REPLICA_PROBE_TIMEOUT_S`` (a ping that reached a dead
@@ -157,7 +165,7 @@ class ReplicaCalls:
                 return True
             except asyncio.TimeoutError:
                 _cancel(call)
-                if self._calls >= self._replica_slots() - 1:
+                if self._calls >= self.slots - 1:
                     # every replica may be full (max_ongoing_requests), so Serve's router queues the ping: a busy
                     # service, not a dead one; the calls keep waiting as before
                     logger.warning("no model replica answered a ping within %g s, with %d requests in flight (the "
@@ -172,12 +180,6 @@ class ReplicaCalls:
                     logger.warning("model replica ping failed: %s: %s", type(exc).__name__, exc)
                     return False
         return False
-
-    def _replica_slots(self) -> int:
-        """Requests the model replicas take at once (their ``max_ongoing_requests``, all replicas)."""
-        from deployments.app import REPLICA_REQUESTS_PER_BATCH_SLOT
-
-        return self.settings.num_replicas * REPLICA_REQUESTS_PER_BATCH_SLOT * self.settings.max_batch_size
 
     async def replica_alive(self, *, fresh: bool = False) -> bool:
         """Whether a model replica is alive. Not checked (True) while nothing suggested otherwise, unless ``fresh``;

@@ -1,7 +1,9 @@
-"""The :class:`Ingress` class: settings, handles and per-process state, the admin token check, request limits and
-the OpenAI routes' flow. Its other parts: :class:`~deployments.ingress.replicas.ReplicaCalls`,
-:class:`~deployments.ingress.sse.Streams`, :class:`~deployments.ingress.health.HealthCheck`; its app:
-:func:`~deployments.ingress.app.build_http_app`.
+"""The :class:`Ingress` class: settings, handles, the admin token check, request limits and the OpenAI routes'
+flow. It holds its other parts: ``replicas`` (:class:`~deployments.ingress.replicas.ReplicaCalls`, with the
+per-process state of the calls into the model replicas), ``streams`` (:class:`~deployments.ingress.sse.Streams`),
+``health_check`` (:class:`~deployments.ingress.health.HealthCheck`); its app:
+:func:`~deployments.ingress.app.build_http_app`, typed against what it uses of an ingress
+(:class:`~deployments.ingress.seams.IngressApp`).
 """
 
 from __future__ import annotations
@@ -15,21 +17,21 @@ from fastapi.responses import StreamingResponse
 
 from config import ServerSettings
 from deployments.auth import check_bearer, resolve_admin_token
-from deployments.guards import RowBudget
 from deployments.ingress.app import build_http_app
 from deployments.ingress.health import HealthCheck
-from deployments.ingress.replicas import DeathMemory, ReplicaCalls
+from deployments.ingress.replicas import ReplicaCalls, call
 from deployments.ingress.sse import _SSE_HEADERS, Streams
 from deployments.metrics import _in_serve_replica, route_logs_to_serve
 from deployments.openai.api import (
     ChatCompletionRequest, CompletionRequest, openai_mapping, openai_response, served_model_name,
 )
+from deployments.options import replica_slots
 from deployments.protocol import GenerateRequest, ServiceError, check_request_limits
 from deployments.openai.responses import ResponsesRequest, chat_to_response, renamed_error, responses_to_chat
 from deployments.openai.tool_calls import ToolPlan, check_tool_fields
 
 
-class Ingress(ReplicaCalls, Streams, HealthCheck):
+class Ingress:
     """HTTP front of the service; a plain class (``deployments/app.py`` turns it into a Serve deployment).
 
     Args:
@@ -49,12 +51,10 @@ class Ingress(ReplicaCalls, Streams, HealthCheck):
         self.manager = manager_handle
         self.model_name = self.settings.served_model_name or served_model_name(self.settings.model)
         self.created = int(time.time())
-        self.deaths = DeathMemory()  # requests in flight at a model replica's death: retried once, never again
-        self.rows = RowBudget(self.settings.max_inflight_rows_per_client)  # work per client, in rows
-        self._no_replica_at: float | None = None  # when a check last found no live model replica (None: none did)
-        self._probe: asyncio.Future | None = None  # the check in progress, shared by the requests that wait on it
-        self._alive_at: float | None = None  # when a check last found a live replica
-        self._calls = 0  # generation requests of this ingress on the model replicas (held rows), streams included
+        self.replicas = ReplicaCalls(model_handle, beam_handle, slots=replica_slots(self.settings),
+                                     rows_per_client=self.settings.max_inflight_rows_per_client)
+        self.streams = Streams(self.settings.redact_paths, self.model_name)
+        self.health_check = HealthCheck(manager_handle, self.replicas, self.settings.redact_paths)
         route_logs_to_serve()
         self._admin_token = resolve_admin_token(self.settings)
         self.http_app = build_http_app(self)
@@ -68,7 +68,12 @@ class Ingress(ReplicaCalls, Streams, HealthCheck):
         return self.http_app
 
     def check_admin(self, authorization: str | None) -> bool:
+        """Whether ``authorization`` (an ``Authorization`` header) carries the admin token."""
         return check_bearer(authorization, self._admin_token)
+
+    async def call(self, method: Any, *args: Any) -> Any:
+        """``await method.remote(*args)`` (e.g. a method of ``self.manager``), any failure a :class:`ServiceError`."""
+        return await call(method, *args)
 
     def check_limits(self, request: GenerateRequest, rename: dict[str, str] | None = None) -> None:
         """422 naming the field when a request asks for more than ``settings.limits`` allows (its tool parts
@@ -91,20 +96,20 @@ class Ingress(ReplicaCalls, Streams, HealthCheck):
         # off the event loop: the tools' and one-off schemas' checks are linear but may take seconds (a schema
         # of max_schema_bytes against the JSON-schema meta-schema); other requests are answered meanwhile
         request, tools = await asyncio.to_thread(self._openai_request, body)
-        release = await self.hold_rows(http, request)
+        release = await self.replicas.hold_rows(http, request)
         try:
             if request.stream:
-                first, stream = await self.open_stream(request)
+                first, stream = await self.replicas.open_stream(request)
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 response = StreamingResponse(
-                    self.openai_sse(first, stream, chat=chat, n=request.n, include_usage=include_usage, release=release,
+                    self.streams.openai_sse(first, stream, chat=chat, n=request.n, include_usage=include_usage, release=release,
                                     tools=tools),
                     media_type="text/event-stream",
                     headers=_SSE_HEADERS,
                 )
                 release = None  # the stream gives the rows back when it ends
                 return response
-            result = await self.generate(request)
+            result = await self.replicas.generate(request)
             return openai_response(result, chat=chat, model=self.model_name, tools=tools)
         finally:
             if release is not None:
@@ -123,15 +128,15 @@ class Ingress(ReplicaCalls, Streams, HealthCheck):
             request, tools = await asyncio.to_thread(prepare)  # off the event loop, as openai_generate's
         except ServiceError as error:
             raise renamed_error(error) from None
-        release = await self.hold_rows(http, request)
+        release = await self.replicas.hold_rows(http, request)
         try:
             if request.stream:
-                first, stream = await self.open_stream(request)
-                response = StreamingResponse(self.responses_sse(first, stream, body, release, tools=tools),
+                first, stream = await self.replicas.open_stream(request)
+                response = StreamingResponse(self.streams.responses_sse(first, stream, body, release, tools=tools),
                                              media_type="text/event-stream", headers=_SSE_HEADERS)
                 release = None  # the stream gives the rows back when it ends
                 return response
-            result = await self.generate(request)
+            result = await self.replicas.generate(request)
             chat = openai_response(result, chat=True, model=self.model_name, **({"tools": tools} if tools is not None else {}))
             return chat_to_response(chat, body, model=self.model_name)
         finally:

@@ -2,16 +2,15 @@
 or as OpenAI chunks, then ``data: [DONE]``; or as the Responses API's named events (``event: <type>``, no
 ``[DONE]``).
 
-:class:`Streams` is a part of :class:`deployments.ingress.service.Ingress`.
+:class:`Streams` is held by :class:`deployments.ingress.service.Ingress` (``ingress.streams``).
 """
 
 from __future__ import annotations
 
 import json
 from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
-from config import ServerSettings
 from deployments.ingress.errors import to_service_error
 from deployments.ingress.replicas import _cancel, _log_generated
 from deployments.openai.api import openai_stream_chunks
@@ -28,14 +27,20 @@ def sse(data: dict[str, Any]) -> str:
 
 
 class Streams:
-    """The ingress's server-sent event streams."""
+    """The ingress's server-sent event streams.
 
-    settings: ServerSettings
-    model_name: str
+    Args:
+        redact: what an error message becomes before a client sees it (``ServerSettings.redact_paths``).
+        model_name: the served model's name, in the OpenAI chunks and Responses events.
+    """
+
+    def __init__(self, redact: Callable[[str], str], model_name: str):
+        self.redact = redact
+        self.model_name = model_name
 
     async def events(self, first: dict[str, Any] | None, stream: Any, release: Any = None) -> AsyncIterator[dict[str, Any]]:
         """``first`` and the rest of the stream; a failure mid-stream becomes a last ``error`` event. ``release``
-        (from :meth:`hold_rows`) is called when the stream ends, however it ends."""
+        (from :meth:`.replicas.ReplicaCalls.hold_rows`) is called when the stream ends, however it ends."""
         done = False
         try:
             if first is not None:
@@ -48,7 +53,7 @@ class Streams:
         except Exception as exc:
             done = True
             error = to_service_error(exc)
-            yield {"type": "error", "index": 0, "error": self.settings.redact_paths(error.message), "status": error.status}
+            yield {"type": "error", "index": 0, "error": self.redact(error.message), "status": error.status}
         finally:
             if not done:  # client went away: stop generating for it
                 _cancel(stream)
