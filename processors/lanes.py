@@ -314,18 +314,19 @@ def _lane_advance(lane_rows: list, lane: np.ndarray, toks: np.ndarray) -> list[i
             simple[pos], new_state[pos], edges[pos] = _group_advance(
                 tables, lane_rows[int(pos[0])], states[pos], toks[pos], done[pos])
     codes = np.fromiter(map(_lane_code, lane_rows), dtype=np.int8, count=m)
-    budget = codes == BUDGET
-    tracked = budget.copy()  # rows whose cursor keeps its path and last edge (budget and filter rows)
-    if (codes == FILTER).any():
-        tracked |= codes == FILTER
-        for k in np.flatnonzero(codes == FILTER).tolist():
-            budget[k] = cons[k].remaining is not None
+    tracked = codes >= BUDGET  # rows whose cursor keeps its path and last edge (budget and filter rows)
+    any_tracked = bool(tracked.any())  # (plain rows only: no more passes for any of this)
     left = None
-    if budget.any():
-        left = np.full(m, _INT64_MAX, dtype=np.int64)
-        at = np.flatnonzero(budget)
-        left[at] = np.fromiter(map(_remaining, [cons[k] for k in at.tolist()]), dtype=np.int64, count=at.size)
-        simple &= left > 1  # the budget runs out with this token: the cursor settles the item
+    if any_tracked:
+        budget = codes == BUDGET
+        if (codes == FILTER).any():
+            for k in np.flatnonzero(codes == FILTER).tolist():
+                budget[k] = cons[k].remaining is not None
+        if budget.any():
+            left = np.full(m, _INT64_MAX, dtype=np.int64)
+            at = np.flatnonzero(budget)
+            left[at] = np.fromiter(map(_remaining, [cons[k] for k in at.tolist()]), dtype=np.int64, count=at.size)
+            simple &= left > 1  # the budget runs out with this token: the cursor settles the item
     go = np.flatnonzero(simple)
     if go.size:
         if go.size == m:
@@ -343,8 +344,8 @@ def _lane_advance(lane_rows: list, lane: np.ndarray, toks: np.ndarray) -> list[i
                 bl = np.flatnonzero(b)
                 b_cons = [g_cons[k] for k in bl.tolist()]
                 list(map(setattr, b_cons, repeat("remaining"), (left[go][bl] - 1).tolist()))
-        t = tracked[go]
-        if t.any():
+        t = tracked[go] if any_tracked else None
+        if t is not None and t.any():
             tl = np.flatnonzero(t)
             t_cons = [g_cons[k] for k in tl.tolist()]
             list(map(setattr, t_cons, repeat("last_edge"), edges[go][tl].tolist()))
@@ -355,18 +356,51 @@ def _lane_advance(lane_rows: list, lane: np.ndarray, toks: np.ndarray) -> list[i
 _path = attrgetter("path")
 
 
+def _lane_keys(tables: MaskTables) -> np.ndarray | None:
+    """Per tables of at most :data:`_LANE_KEYS_EDGES` edges, made at their first lane advance and kept on them (never
+    pickled): ``state * vocab_size + token`` per edge, sorted, so that a batch's advance is one ``searchsorted``
+    (a label set, a small tree; larger tables search each row's edges, :meth:`MaskTables.find_edges`)."""
+    keys = tables.__dict__.get("_lane_keys", False)
+    if keys is False:
+        keys = None
+        if 0 < tables.n_edges <= _LANE_KEYS_EDGES:
+            lens, _ = _lane_info(tables)
+            keys = np.repeat(np.arange(tables.n_states, dtype=np.int64) * int(tables.vocab_size), np.asarray(lens))
+            keys += np.asarray(tables.tokens)
+            keys.setflags(write=False)
+        object.__setattr__(tables, "_lane_keys", keys)
+    return keys
+
+
+_LANE_KEYS_EDGES = 1 << 16  # (8 bytes per edge: at most 512 KiB per tables)
+
+
 def _group_advance(tables: MaskTables, row, s: np.ndarray, t: np.ndarray, done: np.ndarray):
     """(ordinary edge into a state?, target, edge index) per row of one group."""
-    ok = (s >= 0) & (t != tables.end_token_id)
-    if done.any():
-        ok &= ~done
-    if not tables.n_edges:
-        return np.zeros(s.size, dtype=bool), np.zeros(s.size, dtype=np.int64), np.zeros(s.size, dtype=np.int64)
-    i = tables.find_edges(np.where(ok, s, -1), t)
-    ok &= i >= 0
-    np.maximum(i, 0, out=i)
-    nxt = tables.next_state[i]
-    ok &= nxt >= 0
+    keys = _lane_keys(tables)
+    if keys is not None:  # small tables: one search of the rows' keys (the fewest numpy passes: this is per step)
+        kb = tables.vocab_size
+        ok = (s >= 0) & (t != tables.end_token_id) & (t >= 0) & (t < kb)
+        if done.any():
+            ok &= ~done
+        want = s * kb + t
+        if not ok.all():
+            want = np.where(ok, want, 0)
+        i = keys.searchsorted(want)
+        np.minimum(i, keys.size - 1, out=i)
+        nxt = tables.next_state[i]
+        ok &= (keys[i] == want) & (nxt >= 0)
+    else:
+        ok = (s >= 0) & (t != tables.end_token_id)
+        if done.any():
+            ok &= ~done
+        if not tables.n_edges:
+            return np.zeros(s.size, dtype=bool), np.zeros(s.size, dtype=np.int64), np.zeros(s.size, dtype=np.int64)
+        i = tables.find_edges(np.where(ok, s, -1), t)
+        ok &= i >= 0
+        np.maximum(i, 0, out=i)
+        nxt = tables.next_state[i]
+        ok &= nxt >= 0
     # a token that also stops the row (the model's EOS listed as a tree candidate) ends it: per row
     stops = [x for x in row.compiled.stop_token_ids if x != tables.end_token_id]
     if stops:

@@ -8,9 +8,11 @@ Layout (CSR). States are numbered ``0..S-1``. The outgoing edges of state ``s`` 
   with no entry (only the end token is allowed there), ``DONE`` (-2) the end token was emitted.
 
 A transition is a search for the token among its state's sorted tokens: :meth:`MaskTables.find_edges` does it for
-a whole batch at once (a bisection inside every row's slice, all rows in step: as many numpy passes as the widest
-state's edge count has bits). No global ``state * V + token`` keys array is kept: at 8 bytes per edge it was the
-largest array of a catalog's tables (a third of their bytes), copied into every version and sent to every replica.
+a whole batch at once (a comparison with every edge of every row's state while those are few, else a bisection
+inside every row's slice, all rows in step: as many numpy passes as the widest state's edge count has bits). No
+global ``state * V + token`` keys array is kept with the tables: at 8 bytes per edge it was the largest array of a
+catalog's tables (a third of their bytes), copied into every version and sent to every replica (the vector lane
+makes one for small tables where it decodes, :func:`processors.lanes._lane_keys`).
 
 A state with no edges allows only the end token, like a missing entry (the fallback of the
 tree-decode spec). The tables carry no strings, are picklable, read-only after construction, and
@@ -61,7 +63,8 @@ def _narrow_offsets(offsets: np.ndarray) -> np.ndarray:
 
 
 _INT32_EDGES = 2**31 - 1
-_SCALAR_ROWS = 32  # find_edges: up to this many rows, MaskTables.edge per row (~2-3 us each on this CPU)
+_SCALAR_ROWS = 12  # find_edges: up to this many rows, MaskTables.edge per row (~1-2 us each on this CPU)
+_GATHER_EDGES = 4096  # find_edges: up to this many edges in all (or half a bisection's row rounds), compare them all
 
 
 def _freeze(arr: np.ndarray) -> np.ndarray:
@@ -151,6 +154,7 @@ class MaskTables:
             return pickled(self)
         state = dict(self.__dict__)
         state.pop("_publish_ref", None)  # (the manager's object reference of these tables)
+        state.pop("_lane_keys", None)  # (a decoding process's own search keys: processors/lanes.py)
         if state.get("_max_remaining") is not state.get("_item_metrics", (None,))[0]:  # (uniform: min_remaining)
             state.pop("_max_remaining", None)
         return state
@@ -205,9 +209,13 @@ class MaskTables:
         want = np.asarray(tokens, dtype=np.int64)
         lo = self.offsets[states].astype(np.int64)  # (int64: lo + n below must not wrap)
         n = self.offsets[states + 1] - lo  # the edges left to search, per row
-        toks = self.tokens
-        if not lo.size or not toks.size:
+        if not lo.size or not self.tokens.size:
             return lo
+        return self._lower_bound(lo, n, want, side)
+
+    def _lower_bound(self, lo: np.ndarray, n: np.ndarray, want: np.ndarray, side: str = "left") -> np.ndarray:
+        """:meth:`locate` on the edges ``lo[i] : lo[i] + n[i]`` of each row (int64 arrays, not written)."""
+        toks = self.tokens
         before = np.less_equal if side == "right" else np.less
         for _ in range(int(n.max()).bit_length()):  # lower_bound on every row at once, a fixed number of rounds
             half = n >> 1
@@ -223,15 +231,29 @@ class MaskTables:
         state or ``tokens[i]`` not an id of the vocabulary): :meth:`edge` for a whole batch (int64)."""
         states = np.asarray(states, dtype=np.int64)
         want = np.asarray(tokens, dtype=np.int64)
-        if states.size <= _SCALAR_ROWS:  # a few rows: one slice search each beats the batch's fixed ~100 us
+        if states.size <= _SCALAR_ROWS:  # a few rows: one slice search each beats a batch's fixed ~15 us
             edge = self.edge
             return np.fromiter(map(edge, states.tolist(), want.tolist()), dtype=np.int64, count=states.size)
         ok = (states >= 0) & (states < self.offsets.size - 1) & (want >= 0) & (want < self.vocab_size)
         if not self.tokens.size:
             return np.full(states.size, -1, dtype=np.int64)
         s = np.where(ok, states, 0) if not ok.all() else states
-        at = self.locate(s, want)
-        ok &= at < self.offsets[s + 1]
+        lo = self.offsets[s].astype(np.int64)
+        n = self.offsets[s + 1] - lo
+        if s is not states:
+            n[~ok] = 0
+        ends = np.cumsum(n)
+        if int(ends[-1]) <= max(_GATHER_EDGES, states.size * int(n.max()).bit_length() // 2):
+            # few edges to compare (a label trie, a tree below its root): all of them at once, a fixed handful of
+            # numpy passes, against the bisection's passes per round (as many rounds as the widest state has bits)
+            rows = np.repeat(np.arange(states.size), n)
+            edge = np.arange(rows.size, dtype=np.int64) + np.repeat(lo - ends + n, n)
+            hit = np.flatnonzero(self.tokens[edge] == want[rows])  # at most one per row: tokens are distinct
+            at = np.full(states.size, -1, dtype=np.int64)
+            at[rows[hit]] = edge[hit]
+            return at
+        at = self._lower_bound(lo, n, want)
+        ok &= at < lo + n
         ok &= self.tokens.take(at, mode="clip") == want
         return np.where(ok, at, -1)
 
