@@ -131,7 +131,7 @@ class MaskTables:
     @classmethod
     def assemble(cls, offsets: np.ndarray, tokens: np.ndarray, next_state: np.ndarray, root: int,
                  end_token_id: int, vocab_size: int, metrics: tuple, max_remaining: np.ndarray) -> "MaskTables":
-        """Tables from arrays already known to be valid (``processors/kinds/tree/delta.py``: a previous version's tables
+        """Tables from arrays already known to be valid (``processors/kinds/tree/tables/delta.py``: a previous version's tables
         updated along the changed paths), with their item metrics: no check and no pass over all states (only the
         content hash reads every array). ``metrics``: what :func:`item_metrics` gives."""
         self = object.__new__(cls)
@@ -149,7 +149,7 @@ class MaskTables:
 
     def __getstate__(self) -> dict:  # the manager's own helper array stays home
         if "overlay_base" in self.__dict__:  # an overlay version travels without its base's arrays
-            from processors.kinds.tree.overlay import pickled
+            from processors.kinds.tree.tables.overlay import pickled
 
             return pickled(self)
         state = dict(self.__dict__)
@@ -161,16 +161,16 @@ class MaskTables:
 
     def __setstate__(self, state: dict) -> None:  # arrays come back writable from pickle
         if "_overlay_parts" in state:
-            from processors.kinds.tree.overlay import restored
+            from processors.kinds.tree.tables.overlay import restored
 
             return restored(self, state)
         for name in ("offsets", "tokens", "next_state"):
             state[name] = _freeze(state[name])
         state.pop("keys", None)  # (pickled by a version that kept them)
         self.__dict__.update(state)
-        from processors.kinds.tree.overlay import register_base
+        from processors.kinds.tree.tables.overlay import register_base
 
-        register_base(self)  # an overlay of these tables may follow (processors/kinds/tree/overlay.py)
+        register_base(self)  # an overlay of these tables may follow (processors/kinds/tree/tables/overlay.py)
 
     @property
     def n_states(self) -> int:
@@ -269,7 +269,7 @@ class MaskTables:
 
 
 def build_tree_tables(tree, vocab_size: int) -> MaskTables:
-    """Compile a loaded tree (``processors.kinds.tree.file.TreeData``) into :class:`MaskTables`.
+    """Compile a loaded tree (``processors.kinds.tree.treefile.load.TreeData``) into :class:`MaskTables`.
 
     Each key becomes a state; the edge ``key --t-->`` leads to the state of ``key + sep + str(t)``
     when that key exists, to ``LEAF`` (only the end token) when it does not, and to ``DONE`` when
@@ -322,7 +322,7 @@ def build_tree_tables(tree, vocab_size: int) -> MaskTables:
 
 def _link_edges(tree, state: np.ndarray, tokens: np.ndarray, next_state: np.ndarray, end: int) -> None:
     """Set ``next_state`` of every edge whose target path is a key (by hash), in place."""
-    from processors.kinds.tree.scan import extend_hash
+    from processors.kinds.tree.treefile.scan import extend_hash
 
     h1, h2, targetable = tree.key_h1, tree.key_h2, tree.targetable
     edges = np.flatnonzero(targetable[state] & (tokens != end))  # edges from reachable-shaped states
@@ -466,7 +466,7 @@ def _item_metrics(tables: "MaskTables") -> tuple[np.ndarray, np.ndarray, bool, i
     uniform = bool(np.array_equal(min_rem, max_rem))
     deepest = int(max_rem.max())
     min_out = _freeze(min_rem.astype(np.int32))
-    # the longest way down per state: what a delta (processors/kinds/tree/delta.py) needs to update `uniform`/`deepest`;
+    # the longest way down per state: what a delta (processors/kinds/tree/tables/delta.py) needs to update `uniform`/`deepest`;
     # in a uniform tree (every fixed-depth catalog) it is min_remaining itself, kept once (4 bytes per state)
     tables.__dict__["_max_remaining"] = min_out if uniform else _freeze(np.minimum(max_rem, _UNSET).astype(np.int32))
     return min_out, _freeze(np.minimum(items, np.iinfo(np.int32).max).astype(np.int32)), uniform, deepest
