@@ -1,7 +1,7 @@
 """The model replicas the config manager broadcasts to, and the long-poll protocol they speak.
 
 Replica protocol (a long poll: a Serve handle routes a call to one replica, so the manager cannot
-push to all of them; each replica pulls instead; see ``deployments/replica/subscriber.py:ScenarioSubscriber._register``)::
+push to all of them; each replica pulls instead; see ``deployments/replica/subscriber.py:ScenarioSubscriber.register``)::
 
     snap = await manager.register.remote(rid)         # {"epoch", "scenarios": {name: {"version", "ref"}}}
     # load every ref (ray.get), serve those tables, then

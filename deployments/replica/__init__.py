@@ -1,6 +1,6 @@
-"""The model replica (``model_replica.py``: the model and the decode engine, joining its two jobs: the scenario
-subscription, ``subscriber.py``, and the request handling behind ``generate`` / ``generate_stream``,
-``requests.py``), with what it does to a request around the engine:
+"""The model replica (``model_replica.py``: the model and the decode engine, and the two parts it holds for its two
+jobs: the scenario subscription, ``subscriber.py``, and the request handling behind ``generate`` /
+``generate_stream``, ``requests.py``), with what it does to a request around the engine:
 
 * ``item_controls.py``: a request's item controls (``exclude``, ``distinct``, ``max_items``, the token budget)
   checked against its scenario before it is admitted;

@@ -1,23 +1,26 @@
 """Model replica: the model, the decode engine, the scenarios it serves and the requests it answers.
 
 A plain class: the app builder wraps :class:`ServeModelReplica` with ``serve.deployment``; tests construct
-:class:`ModelReplica` directly with a real model and tokenizer. Its two jobs are two modules: the scenario
-subscription (``subscriber.py``: registration with the config manager, the long poll, the served versions) and the
-request handling (``requests.py``: ``generate`` / ``generate_stream``); this module loads the model, builds the
-engine and joins them.
+:class:`ModelReplica` directly with a real model and tokenizer. Its two jobs are two parts it holds: the scenario
+subscription (``replica.subscriber``, ``subscriber.py``: registration with the config manager, the long poll, the
+served versions) and the request handling (``replica.requests``, ``requests.py``: ``generate`` /
+``generate_stream``, reading the served scenarios from the subscriber); this module loads the model, builds the
+engine, makes both parts and answers Serve's calls (``generate``, ``generate_stream``, ``ping``) by them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any
+from contextlib import aclosing
+from typing import Any, AsyncIterator
 
 from config import ServerSettings
 from processors import ScenarioCompiler
 
 from ..engines import create_engine
 from ..metrics import ReplicaMetrics, route_logs_to_serve
+from ..protocol import GenerateRequest, GenerateResponse
 from .prompt_bounds import max_token_bytes
 from .requests import RequestHandler
 from .subscriber import ScenarioSubscriber
@@ -27,7 +30,7 @@ __all__ = ["ModelReplica", "ServeModelReplica"]
 _INLINE_CACHE_SIZE = 64
 
 
-class ModelReplica(ScenarioSubscriber, RequestHandler):
+class ModelReplica:
     """Hosts the model and decodes batched, constrained requests.
 
     Args:
@@ -35,9 +38,12 @@ class ModelReplica(ScenarioSubscriber, RequestHandler):
         manager: a handle to the config manager (``None``: no stored scenarios; one-off
             constraints still work).
         model, tokenizer: injected for tests; loaded from ``settings.model`` otherwise.
+        register: register with ``manager`` now (ServeModelReplica registers in its async constructor instead).
+        replica_id: the id it registers with (default: a new ``replica-<hex>``).
     """
 
-    def __init__(self, settings: dict | ServerSettings, manager=None, *, model=None, tokenizer=None, register: bool = True):
+    def __init__(self, settings: dict | ServerSettings, manager=None, *, model=None, tokenizer=None, register: bool = True,
+                 replica_id: str | None = None):
         self.settings = settings if isinstance(settings, ServerSettings) else ServerSettings.model_validate(settings)
         route_logs_to_serve()
         self.metrics = ReplicaMetrics()
@@ -64,31 +70,51 @@ class ModelReplica(ScenarioSubscriber, RequestHandler):
         # no token is longer than this many bytes: a prompt over max_prompt_tokens times it cannot fit (a 413
         # before it is tokenized, prompt_bounds.py)
         self.max_token_bytes = max_token_bytes(tokenizer)
-        self.replica_id = f"replica-{uuid.uuid4().hex[:8]}"
+        self.replica_id = replica_id or f"replica-{uuid.uuid4().hex[:8]}"
         self.engine = create_engine(self.settings, model, tokenizer)
         if self.metrics.enabled:
             self.engine.on_step = self.metrics.record_step
         self.engine.start()
-        ScenarioSubscriber.__init__(self, manager)
+        self.subscriber = ScenarioSubscriber(manager, replica_id=self.replica_id,
+                                             table_delta=self.settings.replica_table_delta, metrics=self.metrics)
         # One-off constraints: the scenario pipeline, its JSON-schema and regex grammars built in a worker process
         # killed at the compile limits, the last _INLINE_CACHE_SIZE bodies kept compiled.
-        self._compiler = ScenarioCompiler(tokenizer, self.settings.limits, cache_size=_INLINE_CACHE_SIZE)
-        self._grammar_worker = self._compiler.grammar_worker
+        compiler = ScenarioCompiler(tokenizer, self.settings.limits, cache_size=_INLINE_CACHE_SIZE)
+        self._grammar_worker = compiler.grammar_worker
+        self.requests = RequestHandler(self.subscriber, settings=self.settings, model=model, tokenizer=tokenizer,
+                                       engine=self.engine, metrics=self.metrics, compiler=compiler,
+                                       max_token_bytes=self.max_token_bytes)
         self.model_name = self.settings.model or "SmolLM2-135M-Instruct"
         if manager is not None and register:
-            asyncio.run(self._register())  # a plain constructor (tests, a driver): on an event loop of its own
+            asyncio.run(self.subscriber.register())  # a plain constructor (tests, a driver): on an event loop of its own
+
+    async def generate(self, request: dict | GenerateRequest) -> dict | GenerateResponse:
+        """Run one request to completion (:meth:`RequestHandler.generate`): the :class:`GenerateResponse` of a
+        :class:`GenerateRequest` (the ingress), the response as a dict for a dict."""
+        return await self.requests.generate(request)
+
+    async def generate_stream(self, request: dict | GenerateRequest) -> AsyncIterator[dict]:
+        """The request's events (:meth:`RequestHandler.generate_stream`): ``token`` events, then ``done`` or
+        ``error``. Closing this stream closes the handler's (the engine cancels the request)."""
+        async with aclosing(self.requests.generate_stream(request)) as stream:
+            async for event in stream:
+                yield event
+
+    def versions(self) -> dict[str, int]:
+        """The scenario versions this replica serves now."""
+        return self.subscriber.versions()
 
     def health(self) -> dict[str, Any]:
         return {
             "replica_id": self.replica_id,
-            "epoch": self._epoch,
+            "epoch": self.subscriber.epoch,
             "versions": self.versions(),
             "active_rows": self.engine.active_rows,
             "stats": self.engine.stats(),
         }
 
     def shutdown(self) -> None:
-        self.stop_polling()
+        self.subscriber.stop_polling()
         self.engine.stop()
         self._grammar_worker.close()
 
@@ -106,14 +132,14 @@ class ServeModelReplica(ModelReplica):
     """The Serve deployment of :class:`ModelReplica`.
 
     Serve runs a constructor on the replica's event loop, where a blocking ``handle.remote().result()``
-    is refused; this async constructor awaits :meth:`ModelReplica._register` (the same registration as a
+    is refused; this async constructor awaits :meth:`ScenarioSubscriber.register` (the same registration as a
     plain :class:`ModelReplica`'s) before the replica takes requests. Later updates come from the poll thread.
     """
 
     async def __init__(self, settings: dict, manager):  # type: ignore[misc]
-        ModelReplica.__init__(self, settings, manager, register=False)
         # Serve's own replica id: the one its logs and the metrics' `replica` tag carry, so /healthz matches them.
         from ray import serve
 
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
-        await self._register()
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        ModelReplica.__init__(self, settings, manager, register=False, replica_id=replica_id)
+        await self.subscriber.register()

@@ -4,7 +4,9 @@
 it pins, its answer form, prompt ids, sampling, item controls, the engine's admission), runs it (every finished
 JSON output checked, ``regenerate.py``; stop strings, ``stops.py``) and builds the response or the stream's events.
 A request pins the compiled scenario it was admitted with, so a new version never changes a request in flight.
-What it asks of a scenario's kind goes through the kind's hooks (:class:`processors.kinds.base.ConstraintKind`).
+What it asks of a scenario's kind goes through the kind's hooks (:class:`processors.kinds.base.ConstraintKind`); the
+served scenarios come from a :class:`ScenarioSource` (the replica's
+:class:`~deployments.replica.subscriber.ScenarioSubscriber`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import dataclasses
 import logging
 from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 from config import ScenarioError, ServerSettings
 from processors import CompiledScenario, ScenarioCompiler, build_prompt_ids
@@ -38,7 +40,7 @@ try:  # chat templates are jinja2 templates; transformers needs jinja2 to apply 
 except ImportError:  # pragma: no cover
     TemplateError = ValueError
 
-__all__ = ["RequestHandler", "output_plan"]
+__all__ = ["RequestHandler", "ScenarioSource", "output_plan"]
 
 
 def output_plan(compiled: CompiledScenario | None) -> dict[str, Any] | None:
@@ -50,33 +52,47 @@ def output_plan(compiled: CompiledScenario | None) -> dict[str, Any] | None:
     return kind.output_plan(compiled.extras) if kind is not None else None
 
 
-class RequestHandler:
-    """``generate`` / ``generate_stream`` of a replica.
-
-    A base of :class:`~deployments.replica.model_replica.ModelReplica`, which gives it the model, tokenizer, engine,
-    settings, metrics and one-off compiler; the served scenarios come from its
-    :class:`~deployments.replica.subscriber.ScenarioSubscriber` side (``scenario``, ``served``).
-    """
-
-    settings: ServerSettings
-    model: Any
-    tokenizer: Any
-    engine: Any
-    metrics: ReplicaMetrics
-    max_token_bytes: int
-    _compiler: ScenarioCompiler
+class ScenarioSource(Protocol):
+    """The scenarios a replica serves, as the request handler reads them."""
 
     def scenario(self, name: str) -> tuple[int, CompiledScenario] | None:
-        raise NotImplementedError
+        """The served ``(version, compiled)`` of ``name``, or None."""
+        ...
 
     def served(self) -> dict[str, tuple[int, CompiledScenario]]:
-        raise NotImplementedError
+        """Every served scenario by name (the mapping in place now)."""
+        ...
+
+
+class RequestHandler:
+    """``generate`` / ``generate_stream`` of a replica (held by
+    :class:`~deployments.replica.model_replica.ModelReplica` as ``replica.requests``).
+
+    Args:
+        scenarios: the served scenarios (the replica's :class:`~deployments.replica.subscriber.ScenarioSubscriber`).
+        settings: the replica's :class:`config.ServerSettings` (limits, JSON regeneration, special tokens).
+        model, tokenizer, engine: the replica's model (logprobs scored with it), tokenizer and decode engine.
+        metrics: the replica's :class:`~deployments.metrics.ReplicaMetrics` (one record per request).
+        compiler: the one-off constraints' :class:`processors.ScenarioCompiler`.
+        max_token_bytes: the longest token's bytes (a prompt too long by its bytes is a 413 before tokenizing).
+    """
+
+    def __init__(self, scenarios: ScenarioSource, *, settings: ServerSettings, model: Any, tokenizer: Any, engine: Any,
+                 metrics: ReplicaMetrics, compiler: ScenarioCompiler, max_token_bytes: int):
+        self.scenarios = scenarios
+        self.settings = settings
+        self.model = model
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.metrics = metrics
+        self._compiler = compiler
+        self.max_token_bytes = max_token_bytes
 
     async def _resolve_scenario(self, req: GenerateRequest) -> tuple[str | None, int | None, CompiledScenario | None]:
         if req.scenario is not None:
-            entry = self.scenario(req.scenario)
+            entry = self.scenarios.scenario(req.scenario)
             if entry is None:
-                raise ServiceError(404, f"unknown scenario {req.scenario!r}", {"known": sorted(self.served())})
+                raise ServiceError(404, f"unknown scenario {req.scenario!r}", {"known": sorted(self.scenarios.served())})
             return req.scenario, entry[0], entry[1]
         if req.inline_scenario is not None:
             try:  # the same limits and messages as a stored scenario; a tree file is for stored scenarios only
@@ -207,7 +223,7 @@ class RequestHandler:
     async def generate(self, request: dict | GenerateRequest) -> dict | GenerateResponse:
         """Run one request to completion. Given a :class:`GenerateRequest` (the ingress), returns the
         :class:`GenerateResponse`; given a dict, the response as a dict."""
-        with self.metrics.request(request, self.served()) as record:
+        with self.metrics.request(request, self.scenarios.served()) as record:
             return await self._generate(request, record)
 
     async def _generate(self, request: dict | GenerateRequest, record) -> dict | GenerateResponse:
@@ -295,7 +311,7 @@ class RequestHandler:
 
     async def generate_stream(self, request: dict | GenerateRequest) -> AsyncIterator[dict]:
         """Yield event dicts: ``token`` events as tokens are sampled, then ``done`` with the response (or ``error``)."""
-        with self.metrics.request(request, self.served()) as record:
+        with self.metrics.request(request, self.scenarios.served()) as record:
             async with aclosing(self._generate_stream(request, record)) as stream:
                 async for event in stream:
                     yield event

@@ -4,7 +4,8 @@
 a PUT serves the current versions at once), then a background thread long-polls the manager for changes, installs
 them (fetching only changed versions' tables, or applying a catalog PATCH's delta to the served tables,
 ``table_delta.py``) and acknowledges. It is the one owner of the served scenarios: the request handler
-(``requests.py``) reads them through :meth:`ScenarioSubscriber.scenario` and :meth:`ScenarioSubscriber.served`.
+(``requests.py``) reads them through :meth:`ScenarioSubscriber.scenario` and :meth:`ScenarioSubscriber.served` (its
+:class:`~deployments.replica.requests.ScenarioSource`).
 """
 
 from __future__ import annotations
@@ -39,17 +40,20 @@ async def _ask(manager_method, *args):
 
 
 class ScenarioSubscriber:
-    """The scenarios a replica serves, by name: ``(version, compiled)``; registration, the long poll and acks.
+    """The scenarios a replica serves, by name: ``(version, compiled)``; registration, the long poll and acks (held by
+    :class:`~deployments.replica.model_replica.ModelReplica` as ``replica.subscriber``).
 
-    A base of :class:`~deployments.replica.model_replica.ModelReplica`, which gives it ``replica_id``, ``settings``
-    (``replica_table_delta``) and ``metrics`` (the served versions).
+    Args:
+        manager: a handle to the config manager (or the manager itself), or None: no stored scenarios.
+        replica_id: the replica's id, as it registers and acknowledges.
+        table_delta: the ``replica_table_delta`` setting (whether a catalog PATCH's delta is applied here).
+        metrics: the replica's :class:`~deployments.metrics.ReplicaMetrics` (the served versions).
     """
 
-    replica_id: str
-    settings: Any
-    metrics: Any
-
-    def __init__(self, manager=None) -> None:
+    def __init__(self, manager=None, *, replica_id: str, table_delta: str, metrics: Any) -> None:
+        self.replica_id = replica_id
+        self.table_delta = table_delta
+        self.metrics = metrics
         self._scenarios: dict[str, tuple[int, CompiledScenario]] = {}
         self._lock = threading.Lock()
         self._epoch = -1
@@ -66,9 +70,14 @@ class ScenarioSubscriber:
         """Every served scenario (the mapping in place now; a new snapshot replaces it whole)."""
         return self._scenarios
 
-    async def _register(self) -> None:
-        """The one registration path (this constructor runs it with ``asyncio.run``, ServeModelReplica's async
-        constructor awaits it): register with the manager, install and acknowledge the current snapshot (so a
+    @property
+    def epoch(self) -> int:
+        """The manager's epoch this replica acknowledged last (-1 before its registration)."""
+        return self._epoch
+
+    async def register(self) -> None:
+        """The one registration path (ModelReplica's constructor runs it with ``asyncio.run``, ServeModelReplica's
+        async constructor awaits it): register with the manager, install and acknowledge the current snapshot (so a
         replica started after a PUT serves the current versions at once), then start the poll thread."""
         await self._apply(await _ask(self._manager.register, self.replica_id))
         self._poller = threading.Thread(target=self._poll_loop, name="scenario-poll", daemon=True)
@@ -89,7 +98,7 @@ class ScenarioSubscriber:
             compiled = None
             delta = entry.get("delta")
             if (delta is not None and current is not None and current[0] == delta.get("base")
-                    and await asyncio.to_thread(delta_wanted, self.settings.replica_table_delta, entry["ref"])):
+                    and await asyncio.to_thread(delta_wanted, self.table_delta, entry["ref"])):
                 compiled = await asyncio.to_thread(apply_table_delta, current[1], delta)
                 self.table_deltas += compiled is not None
             if compiled is None:

@@ -46,8 +46,9 @@ def replica(model, tokenizer):
 def attempts_setting(replica, value: int) -> None:
     """``json_regenerate_attempts`` = ``value``, with a per-request budget that lets every output use them all (the
     budget has tests of its own: tests/security/test_regenerate_usage.py)."""
-    replica.settings = replica.settings.model_copy(update={"json_regenerate_attempts": value,
-                                                           "json_regenerate_budget": float(value)})
+    requests = replica.requests  # the request handling reads them from its settings
+    requests.settings = requests.settings.model_copy(update={"json_regenerate_attempts": value,
+                                                             "json_regenerate_budget": float(value)})
 
 
 def body(schema, **extra):

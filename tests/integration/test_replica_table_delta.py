@@ -32,12 +32,13 @@ def first_items(rnd: random.Random, n: int) -> set[tuple[int, ...]]:
 
 
 async def poll(manager, replica) -> None:
-    """The replica's long poll (ModelReplica._poll), on this event loop: the manager is an object here."""
-    await replica._apply(await manager.register(replica.replica_id))
+    """The replica's long poll (ScenarioSubscriber._poll), on this event loop: the manager is an object here."""
+    subscriber = replica.subscriber
+    await subscriber._apply(await manager.register(replica.replica_id))
     while True:
-        snapshot = await manager.wait_for_update(replica.replica_id, replica._epoch, 10.0)
+        snapshot = await manager.wait_for_update(replica.replica_id, subscriber.epoch, 10.0)
         if snapshot:
-            await replica._apply(snapshot)
+            await subscriber._apply(snapshot)
 
 
 async def answer_items(replica, name: str, eos: int, k: int) -> list[tuple[int, tuple[int, ...]]]:
@@ -60,7 +61,7 @@ def test_a_replica_applies_patches_to_its_tables_and_serves_them(model, tokenize
     manager = make_manager(tokenizer, data_dir, client=connect_redis(None, data_dir))
     manager.compiler.contents["tree"].patch_states_per_item = 0  # small catalog: update its tables for any delta size
     replica = ModelReplica(ServerSettings(replica_table_delta="always"), None, model=model, tokenizer=tokenizer)
-    replica._manager = manager
+    replica.subscriber._manager = manager
     vocab = manager.compiler.vocab_size
     eos = tokenizer.eos_token_id
 
@@ -69,30 +70,30 @@ def test_a_replica_applies_patches_to_its_tables_and_serves_them(model, tokenize
         task = asyncio.get_running_loop().create_task(poll(manager, replica))
         try:
             await manager.put_items("cat", catalog_text(sorted(items), max_new_tokens=6))
-            assert replica.table_deltas == 0  # a PUT: fetched
+            assert replica.subscriber.table_deltas == 0  # a PUT: fetched
             for k in range(3):
                 remove = rnd.sample(sorted(items), 4)
                 add = sorted({(CODES[k], CODES[k], CODES[k], c) for c in CODES[:3]} - items)
                 result = await manager.patch("cat", {"add": [list(a) for a in add],
                                                      "remove": [list(r) for r in remove]})
                 items = (items - set(remove)) | set(add)
-                version, compiled = replica._scenarios["cat"]
+                version, compiled = replica.subscriber._scenarios["cat"]
                 assert version == result["version"]
-                assert replica.table_deltas == k + 1  # applied here, not fetched
+                assert replica.subscriber.table_deltas == k + 1  # applied here, not fetched
                 assert (await manager.replica_versions())[replica.replica_id]["table_deltas"] == k + 1  # /healthz
                 assert_full_compile(compiled.constraint, items, vocab)
                 for got_version, item in await answer_items(replica, "cat", eos, 3):
                     assert got_version == result["version"] and item in items, item
             # a replica whose base tables are not the manager's: its delta result differs, it fetches instead
-            version, compiled = replica._scenarios["cat"]
+            version, compiled = replica.subscriber._scenarios["cat"]
             other = catalog_tables(Catalog.from_items(START, END, sorted(items - {sorted(items)[0]})), vocab)
-            replica._scenarios["cat"] = (version, dataclasses.replace(compiled, constraint=other))
+            replica.subscriber._scenarios["cat"] = (version, dataclasses.replace(compiled, constraint=other))
             remove = [sorted(items)[-1]]
             await manager.patch("cat", {"add": [[CODES[5], CODES[6], CODES[7], CODES[0]]],
                                         "remove": [list(remove[0])]})
             items = (items - set(remove)) | {(CODES[5], CODES[6], CODES[7], CODES[0])}
-            assert replica.table_deltas == 3  # not applied: fetched
-            assert_full_compile(replica._scenarios["cat"][1].constraint, items, vocab)
+            assert replica.subscriber.table_deltas == 3  # not applied: fetched
+            assert_full_compile(replica.subscriber._scenarios["cat"][1].constraint, items, vocab)
         finally:
             task.cancel()
             await manager.close()

@@ -39,8 +39,9 @@ def replica(model, tokenizer):
 
 
 def _serve(replica, name: str, version: int, compiled) -> None:
-    with replica._lock:  # what _apply does for a manager's snapshot
-        replica._scenarios = {**replica._scenarios, name: (version, compiled)}
+    subscriber = replica.subscriber
+    with subscriber._lock:  # what _apply does for a manager's snapshot
+        subscriber._scenarios = {**subscriber._scenarios, name: (version, compiled)}
 
 
 def test_a_request_keeps_the_tools_of_its_version_across_a_swap(replica, tokenizer):

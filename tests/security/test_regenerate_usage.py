@@ -37,11 +37,11 @@ def _body(seed: int, **extra) -> dict:
 
 
 def _attempts(replica, value: int) -> None:
-    replica.settings = replica.settings.model_copy(update={"json_regenerate_attempts": value})
+    replica.requests.settings = replica.requests.settings.model_copy(update={"json_regenerate_attempts": value})
 
 
 def _budget(replica, value: float) -> None:
-    replica.settings = replica.settings.model_copy(update={"json_regenerate_budget": value})
+    replica.requests.settings = replica.requests.settings.model_copy(update={"json_regenerate_budget": value})
 
 
 def test_usage_counts_every_attempt(replica):
