@@ -1,8 +1,9 @@
 """The content side of :class:`~deployments.storage.store.ScenarioStore` that works around its writes: chunks uploaded
 before a write names them, catalog content stored as delta chains, content staged ahead of the write that names it
 (:meth:`DeltaChains.stage_content`: an inline tree's catalog, the base of its first PATCH) and the compaction behind
-the writes (:meth:`DeltaChains.compact_content`). The store's module docstring describes the keys and the chains;
-the scripts are ``deployments/storage/scripts.py``.
+the writes (:meth:`DeltaChains.compact_content`). The store holds one (``store.chains``) and its write asks it
+what to upload and how (:meth:`DeltaChains.put_chunks`, :meth:`DeltaChains.chain_of`, ...). The store's module
+docstring describes the keys and the chains; the scripts are ``deployments/storage/scripts.py``.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from deployments.storage.content import PackedBody, STAGED_PART, WHOLE_PART, put_chunks
 from deployments.storage.errors import StoreCorrupt, redis_errors
-from deployments.storage.scripts import NO_CONTENT, REPLAYED, WRITTEN
+from deployments.storage.scripts import DROP_CHUNKS_SCRIPT, NO_CONTENT, REPLAYED, WHOLE_SCRIPT, WRITTEN
 
 __all__ = ["DeltaChains", "STAGED_MARGIN_S", "STAGED_TTL_S", "WHOLE_CHUNK_TTL_S"]
 
@@ -32,20 +33,24 @@ STAGED_MARGIN_S = 300
 
 
 class DeltaChains:
-    """Chunks, delta chains, staged content and compaction of :class:`~deployments.storage.store.ScenarioStore`
-    (which sets ``client``, ``content_key``, ``_drop_chunks_script`` and ``_whole_script``).
+    """Chunks, delta chains, staged content and compaction of the content of a
+    :class:`~deployments.storage.store.ScenarioStore` (held by it as ``store.chains``).
 
     Args:
+        client: the store's Redis client now (the store's ``client`` may be replaced, e.g. after the embedded server
+            was restarted: every call reads it again).
+        content_key: the key of stored content by its sha256 (``ScenarioStore.content_key``).
         delta_chain: most deltas between stored content and whole content.
         compact_behind: content stored as a delta at that limit gets its whole bytes stored beside it on a thread
             of its own (:meth:`compact_content`), so the write past it is a delta too.
     """
 
-    client: Any
-    _drop_chunks_script: Any
-    _whole_script: Any
-
-    def __init__(self, delta_chain: int, compact_behind: bool):
+    def __init__(self, client: Callable[[], Any], content_key: Callable[[str], str], *, delta_chain: int,
+                 compact_behind: bool):
+        self._client = client
+        self.content_key = content_key
+        self._drop_chunks_script = client().register_script(DROP_CHUNKS_SCRIPT)
+        self._whole_script = client().register_script(WHOLE_SCRIPT)
         self.delta_chain = max(0, int(delta_chain))
         self.compact_behind = bool(compact_behind)
         self._compacting: threading.Thread | None = None
@@ -55,17 +60,19 @@ class DeltaChains:
         self._staged: dict[str, tuple[list[Any], float]] = {}
         self._staged_lock = threading.Lock()
 
-    def content_key(self, sha256: str) -> str:  # (the store's)
-        raise NotImplementedError
+    @property
+    def client(self) -> Any:
+        """The store's Redis client now."""
+        return self._client()
 
-    def _drop_chunks(self, refs: list[list[Any]]) -> None:
+    def drop_chunks(self, refs: list[list[Any]]) -> None:
         """Remove the chunks a refused write uploaded (``refs`` entries with a manifest), each set only while no
         manifest names it (``DROP_CHUNKS_SCRIPT``, atomic on the server)."""
         for sha, manifest in refs:
             if manifest:
                 self._drop_chunks_script(keys=[self.content_key(sha)], args=[manifest[1]], client=self.client)
 
-    def _put_chunks(self, sha: str, data: bytes, packed: PackedBody | None = None) -> list[str]:
+    def put_chunks(self, sha: str, data: bytes, packed: PackedBody | None = None) -> list[str]:
         """:func:`~deployments.storage.content.put_chunks` of content ``sha``: the chunks, not yet its manifest."""
         return put_chunks(self.client, self.content_key(sha), data, packed)
 
@@ -79,7 +86,7 @@ class DeltaChains:
         of it may be written); compressed on the calling thread, at its priority."""
         if hashlib.sha256(data).hexdigest() != sha:
             raise StoreCorrupt(f"staged content does not match its content_sha256 {sha}")
-        if self._content_stored(sha):
+        if self.stored(sha):
             return True
         manifest = [*put_chunks(self.client, self.content_key(sha), data, part=STAGED_PART, expire_s=STAGED_TTL_S,
                                 parallel=False), False, False, STAGED_PART]  # (no base, no chain; its chunks' infix)
@@ -99,15 +106,15 @@ class DeltaChains:
             key = self.content_key(sha)
             self.client.delete(*(f"{key}:{STAGED_PART}{i}" for i in range(int(entry[0][1]))))
 
-    def _staged_manifest(self, sha: str) -> list[Any] | None:
+    def staged_manifest(self, sha: str) -> list[Any] | None:
         """The manifest (for the write script) of content ``sha`` staged and still offered, else None."""
-        if self._chain_limit() < 1:  # (every catalog stored whole: no delta will name it)
+        if self.chain_limit() < 1:  # (every catalog stored whole: no delta will name it)
             return None
         with self._staged_lock:
             entry = self._staged.get(sha)
         return entry[0] if entry is not None and entry[1] > time.monotonic() else None
 
-    def _settle_staged(self, refs: list[list[Any]], staged_ref: list[Any] | None, status: int,
+    def settle_staged(self, refs: list[list[Any]], staged_ref: list[Any] | None, status: int,
                        base: str | None) -> None:
         """After a write with ``refs`` (``staged_ref`` among them: the staged content it named; ``base``: the base of
         the delta it stored, if any): content it stored is not offered staged any more; the staged chunks it renamed
@@ -124,7 +131,7 @@ class DeltaChains:
         if base is not None and staged_ref is None:
             self.unstage_content(base)
 
-    def _chain_limit(self) -> int:
+    def chain_limit(self) -> int:
         """The deltas a chain may hold: ``delta_chain``; with ``compact_behind``, twice that (at most 64): the
         compaction behind the writes starts at ``delta_chain`` and the chain is cut at the compacted base once it
         ends, so only writes that outrun it (as many deltas again meanwhile) compact in the write."""
@@ -147,7 +154,7 @@ class DeltaChains:
         return bool(self._whole_script(keys=[key + ":m"], args=[size, chunks, encoding, f"{key}:{WHOLE_PART}"],
                                        client=self.client))
 
-    def _compact_later(self, sha: str, whole: Any) -> None:
+    def compact_later(self, sha: str, whole: Any) -> None:
         """:meth:`compact_content` of ``sha`` (``whole()`` its bytes) on a thread, unless one runs already."""
         with self._compact_lock:
             if self._compacting is not None and self._compacting.is_alive():
@@ -176,10 +183,11 @@ class DeltaChains:
             thread.join(timeout)
         return thread is None or not thread.is_alive()
 
-    def _content_stored(self, sha: str) -> bool:
+    def stored(self, sha: str) -> bool:
+        """Whether content ``sha`` is stored (its manifest, or content stored whole under its key)."""
         return bool(self.client.exists(self.content_key(sha) + ":m", self.content_key(sha)))
 
-    def _delta_chain(self, sha: str) -> list[str] | None:
+    def chain_of(self, sha: str) -> list[str] | None:
         """The bases under stored content ``sha`` (nearest first; empty for whole content), down to the first whose
         whole bytes are stored beside its delta (:meth:`compact_content`); None when not stored."""
         chain, manifest, whole = self.client.hmget(self.content_key(sha) + ":m", "chain", "size", "wchunks")

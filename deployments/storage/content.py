@@ -120,7 +120,7 @@ class ContentDelta:
     """Content stored as a line delta of other stored content (a catalog PATCH): the result's first line is the
     base's; its other lines are the base's without ``removed`` lines, then the ``added`` ones (see
     :func:`apply_line_delta`). ``data``: :func:`line_delta` of them. ``whole``: makes the result's bytes, stored
-    instead when the base is gone or its delta chain is at the store's limit (``ScenarioStore.delta_chain``)."""
+    instead when the base is gone or its delta chain is at the store's limit (``DeltaChains.delta_chain``)."""
 
     base: str  # SHA-256 of the base content
     data: bytes

@@ -43,8 +43,8 @@ Failures are raised by kind (:mod:`deployments.storage.errors`: Redis unreachabl
 record that is not what this module writes, another tool's garbage, :class:`StoreCorrupt` naming the key); their
 HTTP statuses are chosen in one place, ``deployments/scenario_errors.py:STORE_ERROR_STATUS``. The package's other parts:
 ``content.py`` (names, fingerprints, packing and chunks), ``chains.py`` (delta chains, content staged ahead of a write,
-the compaction behind the writes), ``scripts.py`` (the Lua scripts), ``records.py`` (stored records read back),
-``errors.py`` (the failure kinds).
+the compaction behind the writes: the store's ``chains``), ``scripts.py`` (the Lua scripts), ``records.py`` (stored
+records read back), ``errors.py`` (the failure kinds).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from deployments.storage.records import parse_idempotency_record, parse_version_
 from deployments.storage.errors import BaseChanged, Gone, InvalidRequest, NotFound, StoreCorrupt, StoreError
 from deployments.storage.errors import StoreUnavailable, VersionConflict, key_reused, pruned_error, redis_errors
 from deployments.storage.scripts import BASE_CHANGED, KEY_REUSED, NO_CONTENT, NOT_LIVE, REMEMBER_SCRIPT, REPLAYED
-from deployments.storage.scripts import DROP_CHUNKS_SCRIPT, TOO_LATE, WHOLE_SCRIPT, WRITE_SCRIPT, WRITTEN
+from deployments.storage.scripts import TOO_LATE, WRITE_SCRIPT, WRITTEN
 
 __all__ = ["BODY_INLINE_BYTES", "BaseChanged", "CHUNK_BYTES", "ContentDelta", "DELTA_CHAIN", "Gone", "HISTORY_BODIES",
            "STAGED_MARGIN_S", "STAGED_TTL_S", "WHOLE_CHUNK_TTL_S",
@@ -109,13 +109,15 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-class ScenarioStore(DeltaChains):
+class ScenarioStore:
     """Versioned scenario bodies in Redis (see the module docstring for the key layout).
 
     Args:
         redis_client: a ``redis.Redis`` with ``decode_responses=True``. The attribute ``client`` may
             be replaced later (e.g. after the embedded server was restarted).
         prefix: prefix of every key and of the change channel.
+        delta_chain, compact_behind: how catalog content is stored as deltas (:class:`DeltaChains`, the store's
+            ``chains``: its chunks, delta chains, staged content and compaction).
 
     Example::
 
@@ -129,13 +131,12 @@ class ScenarioStore(DeltaChains):
         self.client = redis_client
         self.prefix = prefix
         self.history_bodies = max(0, int(history_bodies or 0))
-        DeltaChains.__init__(self, delta_chain, compact_behind)
+        self.chains = DeltaChains(lambda: self.client, self.content_key, delta_chain=delta_chain,
+                                  compact_behind=compact_behind)
         self.idempotency_ttl_s = max(1.0, float(idempotency_ttl_s))
         self.channel = f"{prefix}changes"
         self._script = redis_client.register_script(WRITE_SCRIPT)
         self._remember_script = redis_client.register_script(REMEMBER_SCRIPT)
-        self._drop_chunks_script = redis_client.register_script(DROP_CHUNKS_SCRIPT)
-        self._whole_script = redis_client.register_script(WHOLE_SCRIPT)
 
     # ------------------------------------------------------------------ keys
 
@@ -189,6 +190,7 @@ class ScenarioStore(DeltaChains):
             validate_idempotency_key(idempotency_key)
             if fingerprint is None:
                 fingerprint = request_fingerprint(action, name, body, from_version)
+        chains = self.chains
         for attempt in range(2):  # again, uploading, when the content was pruned between our check and the write
             refs: list[list[Any]] = []  # [sha, manifest or False]: content this version refers to
             uploaded = 0
@@ -197,25 +199,25 @@ class ScenarioStore(DeltaChains):
             sha = content_sha256(body)
             if sha is not None:
                 manifest: Any = False
-                if content_delta is not None and content is None and (attempt or not self._content_stored(sha)):
-                    chain = None if attempt else self._delta_chain(content_delta.base)
-                    staged = None if chain is not None or attempt else self._staged_manifest(content_delta.base)
+                if content_delta is not None and content is None and (attempt or not chains.stored(sha)):
+                    chain = None if attempt else chains.chain_of(content_delta.base)
+                    staged = None if chain is not None or attempt else chains.staged_manifest(content_delta.base)
                     if staged is not None:  # its base was staged: stored whole by this write, named with the delta
                         chain, staged_ref = [], [content_delta.base, staged]
                         refs.append(staged_ref)
-                    if chain is not None and len(chain) < self._chain_limit():  # stored as the delta of its base
-                        manifest = [*self._put_chunks(sha, content_delta.data), content_delta.base,
+                    if chain is not None and len(chain) < chains.chain_limit():  # stored as the delta of its base
+                        manifest = [*chains.put_chunks(sha, content_delta.data), content_delta.base,
                                     ",".join([content_delta.base, *chain])]
                         uploaded += len(content_delta.data)
                         chained = len(chain) + 1
                     else:  # the chain is at its limit (compacted: whole content), or its base is gone
                         content = content_delta.whole()
-                        self.compactions["in_write"] += chain is not None
+                        chains.compactions["in_write"] += chain is not None
                 if content is not None:
                     if hashlib.sha256(content).hexdigest() != sha:
                         raise StoreCorrupt(f"tree content does not match its content_sha256 {sha}", {"name": name})
-                    if attempt or not self._content_stored(sha):  # stored once, not sent again
-                        manifest = self._put_chunks(sha, content)
+                    if attempt or not chains.stored(sha):  # stored once, not sent again
+                        manifest = chains.put_chunks(sha, content)
                         uploaded += len(content)
                 refs.append([sha, manifest])
             elif content is not None:
@@ -223,8 +225,8 @@ class ScenarioStore(DeltaChains):
             body_sha, text = "", ""
             if len(body_json) > BODY_INLINE_BYTES:  # a large body (an inline tree) goes to chunks like tree content
                 body_sha = hashlib.sha256(body_json).hexdigest()  # packed_body is used only if it is of these bytes
-                stored = not attempt and self._content_stored(body_sha)
-                refs.append([body_sha, False if stored else self._put_chunks(body_sha, body_json, packed_body)])
+                stored = not attempt and chains.stored(body_sha)
+                refs.append([body_sha, False if stored else chains.put_chunks(body_sha, body_json, packed_body)])
                 uploaded += len(body_json)
             else:  # kept in the version's hash
                 text = body_json.decode("utf-8", "surrogatepass")
@@ -246,13 +248,13 @@ class ScenarioStore(DeltaChains):
                     body_sha, "" if answer is None else json.dumps(answer, separators=(",", ":"))]
             status, version = (int(x) for x in self._script(keys=keys, args=args, client=self.client))
             if status != WRITTEN:  # nothing names the chunks this call uploaded: they would stay in Redis for ever
-                self._drop_chunks([ref for ref in refs if ref is not staged_ref])
-            self._settle_staged(refs, staged_ref, status, None if content_delta is None else content_delta.base)
+                chains.drop_chunks([ref for ref in refs if ref is not staged_ref])
+            chains.settle_staged(refs, staged_ref, status, None if content_delta is None else content_delta.base)
             if status != NO_CONTENT or (content is None and content_delta is None and not body_sha):
                 break
-        if status == WRITTEN and chained and self.compact_behind and chained >= max(1, self.delta_chain):
+        if status == WRITTEN and chained and chains.compact_behind and chained >= max(1, chains.delta_chain):
             assert content_delta is not None and sha is not None
-            self._compact_later(sha, content_delta.whole)
+            chains.compact_later(sha, content_delta.whole)
         if status == TOO_LATE:
             raise StoreUnavailable("scenario store unavailable: Redis did not run the write in time; "
                                    "it was not applied")
@@ -288,7 +290,7 @@ class ScenarioStore(DeltaChains):
         idempotency key in the same script, so :meth:`idempotent_result` gives a retry the first answer exactly.
         ``content_delta``: instead of ``content``, the body's content as a line delta of stored content (a catalog
         PATCH, :class:`~deployments.storage.content.ContentDelta`): stored as that delta while its base's chain is
-        shorter than :attr:`delta_chain`, else (and when the base is gone) as the whole content it makes.
+        shorter than ``chains.delta_chain``, else (and when the base is gone) as the whole content it makes.
         """
         if action not in ("put", "patch"):
             raise ValueError(f"action {action!r}")
@@ -356,6 +358,14 @@ class ScenarioStore(DeltaChains):
         if status == KEY_REUSED:
             raise key_reused(key)
         return None if status == WRITTEN else self.idempotent_result(key, fingerprint)
+
+    def stage_content(self, sha: str, data: bytes) -> bool:
+        """Upload content ``sha`` ahead of the write that will name it (:meth:`DeltaChains.stage_content`)."""
+        return self.chains.stage_content(sha, data)
+
+    def unstage_content(self, sha: str) -> None:
+        """Remove content staged for a write that will not come (:meth:`DeltaChains.unstage_content`)."""
+        self.chains.unstage_content(sha)
 
     @redis_errors
     def content(self, sha256: str) -> bytes | None:

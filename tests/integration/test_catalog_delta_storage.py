@@ -190,7 +190,7 @@ def test_a_compaction_behind_the_writes_stores_the_whole_beside_the_delta_and_th
                            [b"[" + b",".join(b"%d" % t for t in a) + b"]" for a in add])
         store.put("cat", {**body, "content_sha256": new_sha, "items": len(new_order)},
                   content_delta=ContentDelta(shas[-1], delta, lambda new=new: new))
-        assert store.wait_compacted(30)
+        assert store.chains.wait_compacted(30)
         m = manifest(store, new_sha)
         assert "base" in m, k  # every PATCH a delta: none at the limit stored the whole catalog
         chain = m["chain"].split(",")
@@ -199,7 +199,7 @@ def test_a_compaction_behind_the_writes_stores_the_whole_beside_the_delta_and_th
             assert int(m["wsize"]) == len(new) and m["wencoding"] in ("zlib", "raw")
         assert store.content(new_sha) == new
         order, shas = new_order, [*shas, new_sha]
-    assert store.compactions == {"behind": 2, "in_write": 0, "failed": 0}
+    assert store.chains.compactions == {"behind": 2, "in_write": 0, "failed": 0}
     # history 2: the pruned versions' content is gone, whole chunks with it; what is left reads back
     left = {k.split(":")[2] for k in store.client.keys(store.content_key("*"))}
     needed: set[str] = set()
@@ -214,7 +214,7 @@ def test_a_compaction_behind_the_writes_stores_the_whole_beside_the_delta_and_th
         assert store.content(one) is not None
     # a compaction of content pruned meanwhile leaves nothing behind
     gone = hashlib.sha256(b"x").hexdigest()
-    assert store.compact_content(gone, b"x") is False
+    assert store.chains.compact_content(gone, b"x") is False
     assert not store.client.keys(store.content_key(gone) + "*")
 
 
@@ -230,7 +230,7 @@ def test_a_chain_ends_at_a_base_compacted_meanwhile(client):
     store.put("cat", {**body, "content_sha256": shas[0], "items": len(order)}, content=contents[0])
     for k in range(5):
         if k == 4:  # the third delta's whole bytes, stored late: the next chain stops there
-            assert store.compact_content(shas[3], contents[3]) is True
+            assert store.chains.compact_content(shas[3], contents[3]) is True
         removed, order = order[0], order[1:] + [(400 + k, 4)]
         contents.append(canonical(order))
         shas.append(hashlib.sha256(contents[-1]).hexdigest())
@@ -277,9 +277,9 @@ def test_while_a_compaction_runs_a_chain_grows_to_twice_the_limit_then_the_write
     chains = [len(manifest(store, sha).get("chain", "").split(",")) if "base" in manifest(store, sha) else 0
               for sha in shas]
     assert chains == [0, 1, 2, 3, 4, 0, 1], chains
-    assert store.compactions["in_write"] == 1
+    assert store.chains.compactions["in_write"] == 1
     release.set()
-    assert store.wait_compacted(30)
+    assert store.chains.wait_compacted(30)
     assert manifest(store, shas[2]).get("wchunks")  # the compaction behind, of the second delta, landed
     for sha, content in zip(shas, contents):
         assert store.content(sha) == content
@@ -305,9 +305,9 @@ def test_whole_chunks_expire_until_named_and_are_kept_once_named(client):
     assert 0 < store.client.ttl(f"{key}:{WHOLE_PART}0") <= WHOLE_CHUNK_TTL_S
     assert "wchunks" not in manifest(store, new_sha)
     # one that finishes: named, its chunks kept for good; again: nothing written
-    assert store.compact_content(new_sha, new) is True
+    assert store.chains.compact_content(new_sha, new) is True
     assert manifest(store, new_sha)["wchunks"] == "1" and store.client.ttl(f"{key}:{WHOLE_PART}0") == -1
-    assert store.compact_content(new_sha, new) is True
+    assert store.chains.compact_content(new_sha, new) is True
     assert store.client.ttl(f"{key}:{WHOLE_PART}0") == -1
     assert store.content(new_sha) == new
     # a chunk gone before the script ran: nothing named
@@ -318,8 +318,8 @@ def test_whole_chunks_expire_until_named_and_are_kept_once_named(client):
     okey = store.content_key(other_sha)
     size, chunks, encoding = put_chunks(store.client, okey, other, part=WHOLE_PART, expire_s=WHOLE_CHUNK_TTL_S)
     store.client.delete(f"{okey}:{WHOLE_PART}0")
-    assert store._whole_script(keys=[okey + ":m"], args=[size, chunks, encoding, f"{okey}:{WHOLE_PART}"],
-                               client=store.client) == 0
+    assert store.chains._whole_script(keys=[okey + ":m"], args=[size, chunks, encoding, f"{okey}:{WHOLE_PART}"],
+                                      client=store.client) == 0
     assert "wchunks" not in manifest(store, other_sha) and store.content(other_sha) == other
 
 
@@ -390,13 +390,13 @@ def test_a_staged_base_is_stored_by_the_first_delta_that_names_it(client):
     ScenarioStore(client, delta_chain=8).put("v", {**body, "content_sha256": third_sha, "items": 2}, content=third)
     tkey = store.content_key(third_sha)
     assert store.client.ttl(f"{tkey}:0") == -1 and store.client.ttl(f"{tkey}:s0") > 0
-    check = store._delta_chain
-    store._delta_chain = lambda sha: None if sha == third_sha else check(sha)  # (checked before the other write)
+    check = store.chains.chain_of
+    store.chains.chain_of = lambda sha: None if sha == third_sha else check(sha)  # (checked before the other write)
     try:
         store.put("w", {**body, "content_sha256": fourth_sha, "items": 2},
                   content_delta=ContentDelta(third_sha, line_delta([b"[21]"], [b"[22]"]), lambda: fourth))
     finally:
-        store._delta_chain = check
+        store.chains.chain_of = check
     assert manifest(store, fourth_sha)["base"] == third_sha and not store.client.exists(f"{tkey}:s0")
     assert store.client.ttl(f"{tkey}:0") == -1 and store.content(fourth_sha) == fourth
     # content stored already is not staged again, and a delta of it is written as usual

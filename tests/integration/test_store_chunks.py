@@ -125,7 +125,7 @@ def test_chunks_without_a_manifest_are_not_content(client):
     store = ScenarioStore(client)
     data = b'{"start_token_id": 1, "end_token_id": 2, "prefix_dict": {"1": [5]}}'
     sha = hashlib.sha256(data).hexdigest()
-    store._put_chunks(sha, data)  # the first half of a write, as a crash would leave it
+    store.chains.put_chunks(sha, data)  # the first half of a write, as a crash would leave it
     assert store.content(sha) is None
     with pytest.raises(ServiceError) as info:
         store.put("t", tree_body(data))  # without the bytes: the content is not stored
@@ -162,21 +162,25 @@ def test_pruning_keeps_shared_content_and_drops_unshared(client):
     assert store.get("a", 4)["scenario"] == tree_body(own[2])
 
 
-class _PrunedUnderneath(ScenarioStore):
+def _pruned_underneath(store: ScenarioStore) -> ScenarioStore:
     """Fault injection (a race we cannot time for real): the content is found stored, then another writer's
     pruning removes it before this write's script runs."""
+    stored = store.chains.stored
 
-    def _content_stored(self, sha: str) -> bool:
-        found = super()._content_stored(sha)
-        base = self.content_key(sha)
-        self.client.delete(base + ":m", base + ":refs", *self.client.keys(base + ":[0-9]*"))
+    def found_then_pruned(sha: str) -> bool:
+        found = stored(sha)
+        base = store.content_key(sha)
+        store.client.delete(base + ":m", base + ":refs", *store.client.keys(base + ":[0-9]*"))
         return found
+
+    store.chains.stored = found_then_pruned
+    return store
 
 
 def test_content_pruned_between_the_check_and_the_write_is_uploaded_again(client):
     data = b'{"start_token_id": 1, "end_token_id": 2, "prefix_dict": {"1": [9]}}'
     ScenarioStore(client).put("a", tree_body(data), content=data)
-    racing = _PrunedUnderneath(client)
+    racing = _pruned_underneath(ScenarioStore(client))
     assert racing.put("b", tree_body(data), content=data) == 1  # not a 422: the bytes were sent again
     assert racing.content(hashlib.sha256(data).hexdigest()) == data
 
@@ -222,7 +226,7 @@ def test_a_write_whose_chunks_were_removed_meanwhile_uploads_them_again(client):
     store = ScenarioStore(client)
     data = os.urandom(CHUNK_BYTES + 10)
     sha = hashlib.sha256(data).hexdigest()
-    real_put_chunks = store._put_chunks
+    real_put_chunks = store.chains.put_chunks
     calls = []
 
     def put_then_lose(sha_: str, data_: bytes, packed=None):
@@ -232,7 +236,7 @@ def test_a_write_whose_chunks_were_removed_meanwhile_uploads_them_again(client):
             client.delete(store.content_key(sha_) + ":1")
         return manifest
 
-    store._put_chunks = put_then_lose
+    store.chains.put_chunks = put_then_lose
     assert store.put("w", tree_body(data), content=data) == 1
     assert len(calls) == 2 and store.content(sha) == data
 
