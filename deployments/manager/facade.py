@@ -114,7 +114,10 @@ class ConfigManager:
         self.reconciler = StoreReconciler(self.store, self.scenarios, self.compiler, self.registry,
                                           settings=self.settings, embedded=self._embedded,
                                           interval_s=reconcile_interval_s)
-        self._writes = WriteFlow(self)  # every admin write: draft -> validate -> compile -> store -> publish -> ack
+        # every admin write: draft -> validate -> compile -> store -> publish -> ack
+        self._writes = WriteFlow(store=self.store, compiler=self.compiler, scenarios=self.scenarios,
+                                 registry=self.registry, metrics=self.metrics, ensure_started=self._ensure_started,
+                                 sync=self.sync_from_store)
         # catalog uploads streamed by the ingress in parts, spooled to files until their last part (.uploads)
         self._uploads = UploadSpool(os.path.join(self.settings.data_dir, "uploads"),
                                     lambda: self.settings.limits.max_upload_bytes)

@@ -30,10 +30,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from deployments.metrics import ManagerMetrics
 from deployments.protocol import ServiceError
-from deployments.storage.store import BaseChanged, request_fingerprint, validate_idempotency_key, validate_name
+from deployments.storage.store import BaseChanged, ScenarioStore, request_fingerprint, validate_idempotency_key
+from deployments.storage.store import validate_name
 
-from .served import object_ref
+from .compiler import StoredScenarioCompiler
+from .registry import ReplicaRegistry
+from .served import ServedScenarios, object_ref
 
 logger = logging.getLogger(__name__)
 
@@ -111,21 +115,39 @@ class Write:
 
 
 class WriteFlow:
-    """Runs :class:`Write` s for a manager: its store, compiler, served scenarios, registry, metrics and replay."""
+    """Runs :class:`Write` s with the manager's parts it is given.
 
-    def __init__(self, manager: Any):
-        self.manager = manager
+    Args:
+        store: the scenario store (a retried write's first answer: ``idempotent_result``).
+        compiler: validation and compile (``compile``, ``stored_content``, ``discard_content``, ``note_installed``,
+            ``writing``).
+        scenarios: what is served (``lock``, ``install``, ``remove``, ``served``).
+        registry: the replicas (``bump``, ``epoch``, ``wait_for_acks``).
+        metrics: the manager's metrics (``swapped``).
+        ensure_started: the manager's background parts started on the running event loop (first in every write).
+        sync: bring the served state in line with the store now (a retried write whose first attempt is not served).
+    """
+
+    def __init__(self, *, store: ScenarioStore, compiler: StoredScenarioCompiler, scenarios: ServedScenarios,
+                 registry: ReplicaRegistry, metrics: ManagerMetrics, ensure_started: Callable[[], None],
+                 sync: Callable[[], Awaitable[bool]]):
+        self.store = store
+        self.compiler = compiler
+        self.scenarios = scenarios
+        self.registry = registry
+        self.metrics = metrics
+        self.ensure_started = ensure_started
+        self.sync = sync
 
     async def run(self, write: Write) -> dict[str, Any]:
         if write.action == "patch":  # (its draft asks for the read of its own base: not stopped)
             return await self._run(write)
-        with self.manager.compiler.writing():  # no background read shares the CPU with this write
+        with self.compiler.writing():  # no background read shares the CPU with this write
             return await self._run(write)
 
     async def _run(self, write: Write) -> dict[str, Any]:
-        m = self.manager
         started = time.monotonic()
-        m._ensure_started()
+        self.ensure_started()
         validate_name(write.name)
         if write.request is not None:
             await write.request()
@@ -134,7 +156,7 @@ class WriteFlow:
             validate_idempotency_key(write.idempotency_key)
             if write.fingerprint is not None:
                 fingerprint = await asyncio.to_thread(write.fingerprint)
-            first = await asyncio.to_thread(m.store.idempotent_result, write.idempotency_key, fingerprint)
+            first = await asyncio.to_thread(self.store.idempotent_result, write.idempotency_key, fingerprint)
             if first is not None:
                 return await self.replay(first)
         for attempt in range(1, write.attempts + 1):
@@ -151,25 +173,25 @@ class WriteFlow:
         raise write.exhausted()
 
     async def _write(self, write: Write, draft: Draft, fingerprint: str | None, started: float) -> dict[str, Any]:
-        m, name = self.manager, write.name
+        name, compiler, scenarios = write.name, self.compiler, self.scenarios
         drafted = time.monotonic()
 
         async def refused() -> None:
             if draft.new_content is not None:
-                await asyncio.to_thread(m.compiler.discard_content, draft.new_content)
+                await asyncio.to_thread(compiler.discard_content, draft.new_content)
 
         compiled = draft.compiled
         if compiled is None and not draft.removes:
             try:  # validate (422) and compile (400): nothing is stored when either refuses
-                compiled = await m.compiler.compile(name, draft.body)
+                compiled = await compiler.compile(name, draft.body)
             except BaseException:
                 await refused()
                 raise
             draft.compiled = compiled
             if draft.load_content:
-                draft.content = await asyncio.to_thread(m.compiler.stored_content, draft.body)
+                draft.content = await asyncio.to_thread(compiler.stored_content, draft.body)
         compiled_at = time.monotonic()
-        async with m.scenarios.lock:
+        async with scenarios.lock:
             try:
                 version = await asyncio.to_thread(functools.partial(write.store, draft, fingerprint))
             except BaseException:
@@ -178,18 +200,18 @@ class WriteFlow:
             stored_at = time.monotonic()
             if not version.replayed:  # publish: the new tables (or the removal) and epoch + 1
                 if draft.removes:
-                    m.scenarios.remove(name)
+                    scenarios.remove(name)
                 else:
                     delta = draft.replica_delta
                     if delta is not None:  # the tables it gives, for the replica to check its own result against
                         delta = {**delta, "tables": getattr(compiled.constraint, "version", None)}
-                    m.scenarios.install(name, version, compiled, await asyncio.to_thread(object_ref, compiled), delta)
-                m.compiler.note_installed(name, int(version), None if draft.removes else compiled)
-                epoch = m.registry.bump()
+                    scenarios.install(name, version, compiled, await asyncio.to_thread(object_ref, compiled), delta)
+                compiler.note_installed(name, int(version), None if draft.removes else compiled)
+                epoch = self.registry.bump()
         if version.replayed:  # the same request, stored meanwhile: its first answer
             first = None
             if draft.lookup_first and write.idempotency_key is not None and fingerprint is not None:
-                first = await asyncio.to_thread(m.store.idempotent_result, write.idempotency_key, fingerprint)
+                first = await asyncio.to_thread(self.store.idempotent_result, write.idempotency_key, fingerprint)
             replay = draft.replay or {"action": write.action, "name": name, "version": int(version)}
             answer = await self.replay(first or {**replay, "version": int(version)})
             return write.finish(draft, answer, True) if write.finish is not None else answer
@@ -199,8 +221,8 @@ class WriteFlow:
             logger.info("stored scenario %r version %d (%s%s; draft %.3f s, compile %.3f s, store %.3f s, "
                         "object store %.3f s)", name, version, write.action, draft.note, drafted - started,
                         compiled_at - drafted, stored_at - compiled_at, time.monotonic() - stored_at)
-        await m.registry.wait_for_acks(epoch, name, version)
-        m.metrics.swapped(name, write.action, started)
+        await self.registry.wait_for_acks(epoch, name, version)
+        self.metrics.swapped(name, write.action, started)
         answer = {"name": name, "version": int(version)}
         return write.finish(draft, answer, False) if write.finish is not None else answer
 
@@ -209,13 +231,12 @@ class WriteFlow:
         replicas serve what is current (the first attempt may have stored its version and died before
         broadcasting it; a new manager loaded it at start, this one picks it up now)."""
         name, version, action = first["name"], int(first["version"]), first["action"]
-        served = self.manager.scenarios.served.get(name)
-        behind = (name in self.manager.scenarios.served) if action == "delete" else (
-            served is None or served.version < version)
+        served = self.scenarios.served.get(name)
+        behind = (name in self.scenarios.served) if action == "delete" else (served is None or served.version < version)
         if behind:
-            await self.manager.sync_from_store()
+            await self.sync()
         logger.info("answered a retried %s of scenario %r with its first result (version %d)", action, name, version)
-        await self.manager.registry.wait_for_acks(self.manager.registry.epoch, name, version)
+        await self.registry.wait_for_acks(self.registry.epoch, name, version)
         # the first answer exactly, where the write kept it (a PATCH's report), else what a write answers
         result: dict[str, Any] = {"name": name, **(first.get("answer") or {}), "version": version}
         if action == "rollback":
