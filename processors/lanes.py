@@ -14,7 +14,8 @@ the allowed ids of every row are one CSR gather (``tokens[offsets[s]:offsets[s+1
 budget rule masks an edge whose target needs more tokens than are left (``min_remaining[target] <= remaining``,
 ``DONE`` counting 0 and ``LEAF`` 1: the rule the cursors apply one by one), and the result goes into the
 batch's :class:`~processors.masks.MaskBatch` next to the per-row steps of the other rows. Advancing is one
-batched search of every row's token among its state's edges (``MaskTables.find_edges``); rows whose token is an ordinary
+``searchsorted`` of ``state * vocab_size + token`` into sorted keys the lane makes for small tables (:func:`_lane_keys`),
+else one batched search of every row's token among its state's edges (``MaskTables.find_edges``); rows whose token is an ordinary
 edge into a state get their new state written back with one ``map(setattr, ...)``; the rare rest (the end token,
 an invalid token, an edge into ``LEAF``, a budget running out) go through the row's own ``advance``, so every
 semantic detail (errors, fallbacks, finished rows) stays the cursor's. Rows of different scenarios are grouped by
@@ -44,6 +45,15 @@ __all__ = ["advance_rows", "lane_code", "lane_of", "mask_rows"]
 
 # lane codes: per-row path, vector lane, with a token budget, under a request's filter (and maybe a budget)
 OFF, PLAIN, BUDGET, FILTER = LANE_OFF, LANE_PLAIN, LANE_BUDGET, LANE_FILTER
+
+_FILTER_BYTE = bytes([FILTER])
+
+
+def _any_filter(codes: np.ndarray) -> bool:
+    """Whether some row of ``codes`` (int8 lane codes) takes the filter lane: a byte search of the codes, no numpy
+    pass (each costs microseconds at the start of a step, with the caches just emptied by the fill)."""
+    return _FILTER_BYTE in codes.tobytes()
+
 
 _constraint = attrgetter("constraint")
 _done = attrgetter("done")
@@ -107,7 +117,7 @@ def _split(rows: Sequence) -> tuple[np.ndarray, list[int]]:
         codes = np.fromiter(map(_lane_code, rows), dtype=np.int8, count=n)
     except AttributeError:  # some row is not a RowCursor
         codes = np.fromiter(map(lane_of, rows), dtype=np.int8, count=n)
-    if (codes == FILTER).any():
+    if _any_filter(codes):
         # a filtered row whose token budget could bind this step takes its own path: which items fit is then a
         # question about the items that pass, which the cursor answers (TreeCursor._filter)
         for i in np.flatnonzero(codes == FILTER).tolist():
@@ -217,7 +227,7 @@ def _lane_masks(batch: MaskBatch, lane_rows: list, lane: np.ndarray, width: int)
         ids = tables.tokens[edge]
         row_base = np.repeat(rows_g * width, lens)
         c_g = codes if pos is None else codes[pos]
-        if (c_g == FILTER).any():
+        if _any_filter(c_g):
             # a filtered row: only the edges toward an item that passes (one gather of its filter's edge mask)
             keep = np.ones(ids.size, dtype=bool)
             rows_of_edge = np.repeat(np.arange(rows_g.size), lens)
@@ -319,7 +329,7 @@ def _lane_advance(lane_rows: list, lane: np.ndarray, toks: np.ndarray) -> list[i
     left = None
     if any_tracked:
         budget = codes == BUDGET
-        if (codes == FILTER).any():
+        if _any_filter(codes):
             for k in np.flatnonzero(codes == FILTER).tolist():
                 budget[k] = cons[k].remaining is not None
         if budget.any():
