@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -223,6 +224,7 @@ def main(argv=None) -> dict:
     finally:
         for worktree in worktrees:
             subprocess.run(["git", "-C", str(HERE), "worktree", "remove", "--force", str(worktree)], check=False)
+            shutil.rmtree(worktree.parent, ignore_errors=True)
 
     pooled_floor = median([v for t in timings.values() for v in t["floor_ns"]]) / 1e3
     per_tree = {}
