@@ -24,6 +24,8 @@ APP_NAME = "constrained"
 #: the shared app's limits.upload_part_timeout_s: short, so a test of stalled uploads waits for it briefly (the
 #: catalog uploads of the tests come from memory over loopback, many times faster than 16 MiB in this time)
 UPLOAD_PART_TIMEOUT_S = 15.0
+#: the shared app's limits.max_num_beams: wide enough for tests/serve/test_wide_beams_http.py
+WIDE_BEAMS = 128
 
 
 def check_label(out: dict, labels: list[str], bare: bool | None = None) -> None:
@@ -49,7 +51,7 @@ class ServeApp:
             "max_batch_size": 16,
             "num_cpus_per_replica": 1,
             "torch_threads": 1,
-            "limits": {"upload_part_timeout_s": UPLOAD_PART_TIMEOUT_S},
+            "limits": {"upload_part_timeout_s": UPLOAD_PART_TIMEOUT_S, "max_num_beams": WIDE_BEAMS},
         }
 
     def start(self) -> None:
