@@ -76,6 +76,20 @@ def _wait_decoding(engine, deadline_s: float = 120) -> None:
     assert engine._groups, "the wide request never started decoding"
 
 
+def _wide_then_narrow(engine, tokenizer, *, max_new_tokens: int, n: int) -> "Log":
+    """128 free-text beams, then, once they decode, a one-row request of 12 tokens; both run to their end."""
+    log = Log()
+    engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Count from 1 to 10000: 1, 2, 3,"), compiled=None,
+                                max_new_tokens=max_new_tokens, n=n, num_beams=128,
+                                sampling=SamplingParams(temperature=0)), log.collector("wide"))
+    _wait_decoding(engine)
+    engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Count from 1 to 500, separated by commas."),
+                                compiled=None, max_new_tokens=12, sampling=SamplingParams(temperature=0)),
+                  log.collector("narrow"))
+    log.wait()
+    return log
+
+
 def test_a_one_row_request_finishes_while_a_wide_beam_request_runs(model, tokenizer):
     """128 beams of 8 tokens need 7 forwards of 128 rows after their prefill; a one-row request of 12 tokens that
     arrives once they decode used to get one token per beam step (the whole batch in one forward), so it could not
@@ -83,15 +97,7 @@ def test_a_one_row_request_finishes_while_a_wide_beam_request_runs(model, tokeni
     each of them."""
     engine = DecodeEngine(model, tokenizer, prefix_cache_tokens=0).start()
     try:
-        log = Log()
-        engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Count from 1 to 10000: 1, 2, 3,"), compiled=None,
-                                    max_new_tokens=8, n=4, num_beams=128, sampling=SamplingParams(temperature=0)),
-                      log.collector("wide"))
-        _wait_decoding(engine)
-        engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Count from 1 to 500, separated by commas."),
-                                    compiled=None, max_new_tokens=12, sampling=SamplingParams(temperature=0)),
-                      log.collector("narrow"))
-        log.wait()
+        log = _wide_then_narrow(engine, tokenizer, max_new_tokens=8, n=4)
         assert len(log.outputs["narrow"][0]) == 12  # it decoded all its tokens (no early end)
         assert log.first("narrow", DoneEvent) < log.first("wide", DoneEvent), \
             "the one-row request only got a token per step of the wide request"
@@ -186,15 +192,7 @@ def test_a_forward_reads_fewer_wide_rows_while_one_row_requests_decode(model, to
     sizes = ForwardSizes(engine)
     engine.start()
     try:
-        log = Log()
-        engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Count from 1 to 10000: 1, 2, 3,"), compiled=None,
-                                    max_new_tokens=6, n=2, num_beams=128, sampling=SamplingParams(temperature=0)),
-                      log.collector("wide"))
-        _wait_decoding(engine)
-        engine.submit(EngineRequest(prompt_ids=_chat(tokenizer, "Count from 1 to 500, separated by commas."),
-                                    compiled=None, max_new_tokens=12, sampling=SamplingParams(temperature=0)),
-                      log.collector("narrow"))
-        log.wait()
+        log = _wide_then_narrow(engine, tokenizer, max_new_tokens=6, n=2)
     finally:
         engine.stop()
     assert len(log.outputs["narrow"][0]) == 12 and len(log.outputs["wide"]) == 2
