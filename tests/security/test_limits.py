@@ -26,10 +26,12 @@ from config import Limits, ServerSettings
 from config.settings import LimitExceeded, json_depth, regex_repeat
 from deployments.protocol import ServiceError
 from helpers import user_messages
+from serve_app import UPLOAD_PART_TIMEOUT_S, WIDE_BEAMS
 
 pytestmark = pytest.mark.serve
 
-DEFAULTS = Limits()
+#: the limits of the shared live app (tests/serve_app.py): the defaults but the two it sets
+DEFAULTS = Limits(upload_part_timeout_s=UPLOAD_PART_TIMEOUT_S, max_num_beams=WIDE_BEAMS)
 LABELS = {"type": "labels", "labels": ["yes", "no"]}
 TIMEOUT = 120
 
