@@ -43,6 +43,7 @@ def worker(root: str, args) -> None:
     import torch
 
     from bench._common import load_tokenizer, make_labels, now_ns
+    from bench.mask_overhead import NewRequest  # a fresh cursor whose first advance (the previous end token) is skipped
     import processors
     from processors import CompiledScenario, ConstrainedLogitsProcessor, RowCursor, build_label_tables
 
@@ -54,20 +55,6 @@ def worker(root: str, args) -> None:
     lt = build_label_tables(labels, tok, eos_token_id=eos, vocab_size=vocab)
     compiled = CompiledScenario(kind="labels", constraint=lt, think=None, eos_token_ids=(eos,), vocab_size=vocab)
     batch, prompt_len = args.batch, args.prompt_len
-
-    class NewRequest:  # a fresh cursor whose first advance (the previous request's end token) is skipped
-        __slots__ = ("inner", "skipped")
-
-        def __init__(self, inner):
-            self.inner, self.skipped = inner, False
-
-        def advance(self, token: int) -> None:
-            if self.skipped:
-                self.inner.advance(token)
-            self.skipped = True
-
-        def step(self):
-            return self.inner.step()
 
     gen = torch.Generator().manual_seed(args.seed + batch)
     rng = np.random.default_rng(args.seed + batch)
