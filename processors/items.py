@@ -141,6 +141,11 @@ class DenseBook:
             self._edge_ok = (id(tables), ok)
         return self._edge_ok[1]
 
+    def edges_ok(self, tables: MaskTables, edges: np.ndarray) -> np.ndarray:
+        """:meth:`edge_ok` at ``edges`` (the interface a lazily resolved filter answers too:
+        :class:`processors.kinds.tree.filters.slots.FilterView`)."""
+        return self.edge_ok(tables)[edges]
+
     def __bool__(self) -> bool:
         return True
 

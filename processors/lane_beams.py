@@ -77,7 +77,7 @@ def plan_tree_beams(cursors: list) -> TreeBeamPlan | None:
         deep = item_metrics(tables)[3]
         if any(c.remaining is not None and c.remaining <= deep for c in cons):
             return None  # the budget could bind: which passing items fit, the cursors answer (masked path)
-        return _plan(tables, edge, row, next(iter(bases.values())).edge_ok(tables)[edge], states.size)
+        return _plan(tables, edge, row, next(iter(bases.values())).edges_ok(tables, edge), states.size)
     budget = [c.remaining for c in cons if c.remaining is not None]
     if budget:
         if len(budget) != len(cons):

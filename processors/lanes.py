@@ -238,7 +238,7 @@ def _lane_masks(batch: MaskBatch, lane_rows: list, lane: np.ndarray, width: int)
                 books.setdefault(id(base), (base, []))[1].append(k)
             for base, members in books.values():
                 sel = np.isin(rows_of_edge, members)
-                keep[sel] = base.edge_ok(tables)[edge[sel]]
+                keep[sel] = base.edges_ok(tables, edge[sel])
             if not keep.all():
                 ids, row_base, edge = ids[keep], row_base[keep], edge[keep]
                 lens = np.bincount(rows_of_edge[keep], minlength=rows_g.size)  # edges each row keeps

@@ -15,8 +15,16 @@ from processors.tables import item_metrics
 from ..protocol import ServiceError
 from ..scenario_errors import refused_as_service_error
 
-__all__ = ["admit_item_controls"]
+__all__ = ["admit_item_controls", "filter_cap"]
 
+
+def filter_cap(req, compiled) -> int:
+    """One more than the items a request's rows can take, occupy or exclude (its outputs or beams times the items a
+    row may hold, and its ``exclude``): the passing items below a state a filtered request reads at most
+    (:class:`processors.kinds.tree.filters.slots.FilterView`)."""
+    rows = max(int(getattr(req, "n", 1) or 1), int(getattr(req, "num_beams", 1) or 1))
+    per_row = int((compiled.settings or {}).get("max_items", 1) or 1) if compiled is not None else 1
+    return rows * per_row + len(getattr(req, "exclude", None) or ()) + 1
 
 
 def admit_item_controls(req, compiled, max_new_tokens: int, limits) -> ItemRequest | None:
@@ -49,14 +57,17 @@ def admit_item_controls(req, compiled, max_new_tokens: int, limits) -> ItemReque
     # the request's filter and the scenario's own, resolved once per filter and version (cached with the version)
     with refused_as_service_error():
         resolved = kind.item_filter(constraint, item_filter, limits)
-    if resolved is not None and resolved.passing == 0:
+    # the most items the request's rows can take, occupy or exclude, plus one: the count of passing items a filtered
+    # request needs (a state with that many passing items below it has one left for every row)
+    cap = filter_cap(req, compiled)
+    if resolved is not None and resolved.passing(1) == 0:
         raise ServiceError(422, "filter: no item of this scenario passes the filter", {"field": "filter",
                                                                                       "available": 0})
     # beams end on different sequences: with one item per output they need n different items, the same rule
     # as distinct (a 422 naming n and what is available, never fewer outputs than asked)
     single_item = int(compiled.settings.get("max_items", 1) or 1) <= 1
     beams_need_items = req.num_beams > 1 and req.n > 1 and single_item
-    total = resolved.passing if resolved is not None else (
+    total = resolved.passing(cap) if resolved is not None else (
         int(item_metrics(tables)[1][tables.root]) if tables.root >= 0 else 0)
     if beams_need_items and not exclude:
         if tables.root >= 0 and total < req.n:
@@ -82,10 +93,10 @@ def admit_item_controls(req, compiled, max_new_tokens: int, limits) -> ItemReque
         raise ServiceError(422, str(exc), {"field": "exclude"}) from None
     excluded = items.n_excluded
     if resolved is not None:
-        items.base, items.filter = resolved.book, item_filter
+        items.base, items.filter = resolved.view(cap), item_filter
         if items.book.ends:  # excluded items the filter leaves out already are not counted twice
             ends = np.fromiter(items.book.ends, dtype=np.int64, count=len(items.book.ends))
-            excluded = int((~resolved.book.ends_taken(ends)).sum())
+            excluded = int((~items.base.ends_taken(ends)).sum())
     if tables.root >= 0:
         free = total - excluded
         wanted = req.n if distinct or beams_need_items else 1

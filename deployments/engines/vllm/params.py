@@ -72,7 +72,7 @@ def item_extra(items: ItemRequest, group: str, rows: int) -> dict:
         "ends": sorted(int(e) for e in book.ends),
     }
     if items.base is not None:  # a filter: sent as the request gave it, resolved again in the worker (cached there)
-        out["filter"] = {"value": items.filter}
+        out["filter"] = {"value": items.filter, "cap": int(getattr(items.base, "cap", 0) or 0)}
     return out
 
 
@@ -87,13 +87,15 @@ def item_request_of(extra: dict, compiled=None) -> ItemRequest:
     request = ItemRequest(book, bool(extra.get("distinct")), int(extra.get("n_excluded", 0)))
     if extra.get("filter") is not None and compiled is not None:
         request.filter = extra["filter"].get("value")
-        request.base = resolve_filter(compiled, request.filter)
+        cap = int(extra["filter"].get("cap") or 0) or int(extra.get("rows", 1)) + int(extra.get("n_excluded", 0)) + 1
+        request.base = resolve_filter(compiled, request.filter, cap)
     return request
 
 
-def resolve_filter(compiled, value):
+def resolve_filter(compiled, value, cap: int):
     """The book of the items ``value`` (a request's filter, ANDed with the scenario's own) leaves out, resolved on
-    this process's copy of the compiled version (its filter index caches it per filter). The replica checked the
+    this process's copy of the compiled version (its filter index caches it per filter), read with the request's
+    ``cap`` (:func:`deployments.replica.item_controls.filter_cap`). The replica checked the
     filter against the same version and the service's bounds before the request came here."""
     from types import SimpleNamespace
 
@@ -102,4 +104,4 @@ def resolve_filter(compiled, value):
     resolved = compiled.constraint_kind.item_filter(compiled.constraint, value, unbounded)
     if resolved is None:
         raise ValueError("a filtered request's scenario has no filter index in the worker")
-    return resolved.book
+    return resolved.view(cap)

@@ -1,12 +1,15 @@
 """A catalog version's item metadata joined to its tables: what a request's ``filter`` resolves against.
 
-Built once per compiled version (the config manager's compile, :meth:`ItemFilterIndex.build`): the metadata by
-column (:mod:`processors.kinds.tree.filters.metadata`) and each item's terminal in the tables (:func:`processors.kinds.tree.filters.edges.item_terminals`). It travels
-with the compiled tables to the replicas. A request's filter is checked (:func:`processors.kinds.tree.filters.language.parse_filter`, a 422 naming
-the field), evaluated over the columns (numpy passes) and turned into a :class:`~processors.items.DenseBook` of the
-items that do not pass (:func:`processors.kinds.tree.filters.edges.filter_book`): the item controls then treat those as excluded, so
-``n``, ``distinct``, beams, multi-item rows and the token budget all count only items that pass. The resolved book
-is cached per filter (its canonical JSON) for this version: a repeated filter costs a dictionary lookup.
+Built once per compiled version (the config manager's compile, :meth:`ItemFilterIndex.build`): each item's terminal
+in the tables (:func:`processors.kinds.tree.filters.edges.item_terminals`) gives its slot, and the metadata columns
+are kept in slot order with their block summaries (:class:`processors.kinds.tree.filters.slots.SlotIndex`). It
+travels with the compiled tables to the replicas. A request's filter is checked
+(:func:`processors.kinds.tree.filters.language.parse_filter`, a 422 naming the field) and resolved lazily
+(:class:`~processors.kinds.tree.filters.slots.LazyFilter`): the request reads it as a book of the items that do not
+pass (:class:`~processors.kinds.tree.filters.slots.FilterView`), so the item controls treat those as excluded and
+``n``, ``distinct``, beams, multi-item rows and the token budget all count only items that pass; each state's count
+is computed when a row first asks it. The resolved filter is cached per filter (its canonical JSON) for this
+version: a repeated filter costs a dictionary lookup, and the counts its earlier requests asked for.
 """
 
 from __future__ import annotations
@@ -16,48 +19,57 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-import numpy as np
-
 from config import ConstraintError
 
-from processors.kinds.tree.filters.edges import filter_book, item_terminals
-from processors.kinds.tree.filters.language import FilterLimits, parse_filter
+from processors.kinds.tree.filters.edges import item_terminals
+from processors.kinds.tree.filters.language import Filter, FilterLimits, parse_filter
 from processors.kinds.tree.filters.metadata import ItemMetadata
+from processors.kinds.tree.filters.slots import FilterView, LazyFilter, SlotIndex
 
 __all__ = ["ItemFilterIndex", "ResolvedFilter"]
 
-#: resolved filters kept per version (each holds two arrays over the tables' states and terminals)
+#: resolved filters kept per version (each holds a vector over the blocks and the counts of the states asked)
 CACHED_FILTERS = 32
 
 
 class ResolvedFilter:
-    """A filter resolved for one version: the book of items left out and how many items pass."""
+    """A filter resolved for one version (:class:`~processors.kinds.tree.filters.slots.LazyFilter`): read by a
+    request as a book of the items it leaves out, with the request's cap (:meth:`view`)."""
 
-    __slots__ = ("book", "passing")
+    __slots__ = ("lazy",)
 
-    def __init__(self, book, passing: int):
-        self.book, self.passing = book, passing
+    def __init__(self, lazy: LazyFilter):
+        self.lazy = lazy
+
+    def view(self, cap: int) -> FilterView:
+        """The book a request with at most ``cap - 1`` items taken, occupied or excluded reads (``ItemRequest.base``)."""
+        return FilterView(self.lazy, cap)
+
+    def passing(self, cap: int) -> int:
+        """How many items pass, at most ``cap`` (exact below it)."""
+        return FilterView(self.lazy, cap).passing()
 
 
 class ItemFilterIndex:
-    """The metadata of a compiled catalog's items and their terminals (see the module docstring)."""
+    """The metadata of a compiled catalog's items in slot order (see the module docstring)."""
 
-    def __init__(self, metadata: ItemMetadata, terminals: np.ndarray, default: dict[str, Any] | None = None):
-        self.metadata = metadata
-        self.terminals = terminals
+    def __init__(self, slots: SlotIndex, default: dict[str, Any] | None = None):
+        self.slots = slots
         self.default = default  # the scenario's own filter: every request's filter is ANDed with it
-        self._default_mask: np.ndarray | None = None  # the items it passes, evaluated once in each process
+        self._default_node: Any = None  # parsed once in each process
         self._cache: OrderedDict[str, ResolvedFilter] = OrderedDict()
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:  # the cache and its lock stay where they were made
-        return {"metadata": self.metadata, "terminals": self.terminals, "default": self.default}
+        return {"slots": self.slots, "default": self.default}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.metadata, self.terminals, self.default = state["metadata"], state["terminals"], state["default"]
-        self._default_mask = None
-        self._cache = OrderedDict()
-        self._lock = threading.Lock()
+        self.__init__(state["slots"], state["default"])  # type: ignore[misc]
+
+    @property
+    def schema(self) -> ItemMetadata:
+        """The fields a filter is checked against (kinds and values, no arrays)."""
+        return self.slots.schema
 
     @classmethod
     def build(cls, tables, catalog, default: dict[str, Any] | None = None) -> "ItemFilterIndex | None":
@@ -71,25 +83,24 @@ class ItemFilterIndex:
                                       {"field": "filter"})
             return None
         terminals = item_terminals(tables, catalog.flat, catalog.lengths)
-        terminals.setflags(write=False)
-        index = cls(metadata, terminals, default)
-        if default is not None and not index.default_mask().any():
+        index = cls(SlotIndex.build(tables, metadata, terminals), default)
+        if default is not None and not index.resolve(tables, None).passing(1):
             raise ConstraintError(422, "filter: no item of the catalog passes the scenario's filter",
                                   {"field": "filter"})
         return index
 
-    def default_mask(self) -> np.ndarray:
-        """The items the scenario's own filter passes (it has one), evaluated once in this process."""
-        if self._default_mask is None:
+    def _default(self) -> Any:
+        if self._default_node is None:
             assert self.default is not None
-            self._default_mask = parse_filter(self.default, self.metadata).mask(self.metadata)
-        return self._default_mask
+            self._default_node = parse_filter(self.default, self.schema)
+        return self._default_node
 
     def resolve(self, tables, value: Any, limits: FilterLimits = FilterLimits(), field: str = "filter"
                 ) -> ResolvedFilter | None:
         """``value`` (a request's filter; None: none) resolved over ``tables`` (the ones this index was built on),
         joined with the scenario's own filter (both must hold; a request narrows it, never widens it). None when
-        neither is given. A :class:`~config.ConstraintError` (422) naming the request's field on a bad filter."""
+        neither is given. A :class:`~config.ConstraintError` (422) naming the request's field on a bad filter.
+        Nothing is evaluated here but the blocks the filter may pass: the decode step asks the states it visits."""
         if value is None and self.default is None:
             return None
         try:
@@ -102,14 +113,12 @@ class ItemFilterIndex:
                 self._cache.move_to_end(key)
                 return hit
         if value is None:
-            passing = self.default_mask()
+            node = self._default()
         else:
-            passing = parse_filter(value, self.metadata, limits, field).mask(self.metadata)
+            node = parse_filter(value, self.schema, limits, field)
             if self.default is not None:
-                passing = passing & self.default_mask()
-        book = filter_book(tables, self.terminals, passing)
-        book.edge_ok(tables)  # what the vector lane and the beam step read, made here (off the event loop) once
-        resolved = ResolvedFilter(book, int(passing.sum()))
+                node = Filter("and", (node, self._default()))
+        resolved = ResolvedFilter(LazyFilter(self.slots, tables, node))
         with self._lock:
             self._cache[key] = resolved
             while len(self._cache) > CACHED_FILTERS:

@@ -1,0 +1,517 @@
+"""Item metadata in tree order, and filters resolved lazily over it: the cost of a filter follows the states a
+request visits, not the catalog.
+
+**Slots.** The items below one state of the tables are one contiguous run in a depth-first walk that takes each
+state's edges in their order. An item's *slot* is its place in that walk; state ``s``'s items are the slots
+``[state_lo[s], state_lo[s] + item_count[s])``, an edge into state ``c`` covers ``c``'s run and an edge that ends an
+item covers its one slot. :class:`SlotIndex` holds ``state_lo`` and the metadata columns permuted into slot order,
+plus per block of :data:`BLOCK` slots a summary of each column (numbers: min and max; categories: which values
+occur), built once per version where the tables are compiled.
+
+**A filter, lazily** (:class:`LazyFilter`). Nothing is computed when a filter is resolved but the blocks it may
+pass (its clauses against the block summaries: a vector over ``n / BLOCK`` blocks). The question the decode step
+asks, how many items that pass lie below a state (at most some ``cap``), is answered when asked, for those states:
+the run's slots are read in chunks from the blocks that may pass (a gather and the clauses' comparisons per chunk,
+all asked states at once) until ``cap`` passing items are found or the run ends, and the answer is kept per state.
+A run with no passing item costs its candidate blocks; one with many costs about ``cap`` divided by the share that
+passes.
+
+**What a request reads** (:class:`FilterView`): the item controls' book interface (:class:`processors.items.DenseBook`:
+``lookup``, ``count``, ``ends_taken``, ``edges_ok``) with the request's own ``cap``: the most items its rows can take
+or occupy, plus one. A state with at least ``cap`` passing items below it reads as having ``cap``: the rule "an item
+is left for this row" (``item_count - used >= 1``) then holds exactly as with the whole count, since the other
+books never hold ``cap`` items.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from processors.tables import MaskTables, item_metrics
+
+from processors.kinds.tree.filters.metadata import CATEGORICAL, NUMERIC, Column, ItemMetadata
+
+__all__ = ["BLOCK", "FilterView", "LazyFilter", "SlotColumn", "SlotIndex"]
+
+#: slots per block of the block summaries
+BLOCK = 1024
+#: a categorical column of at most this many values is kept as one bit per value (a list column: per slot too)
+BITS = 64
+#: a filter's scans read at most 1/READ_SHARE of the slots (or 2^16) before the filter is evaluated over every slot
+READ_SHARE = 8
+#: slots per slice of that evaluation
+SLICE = 1 << 20
+#: slots read per state and round of a scan, at first (doubling each round)
+FIRST_CHUNK = 16
+
+
+class SlotColumn:
+    """One metadata field over the slots (see the module docstring): ``numbers`` (float64, NaN missing), ``codes``
+    (int32, -1 missing) of a one-value categorical field, or a list field as ``bits`` (uint64 per slot, bit ``c``:
+    the slot holds value ``c``; at most :data:`BITS` values) or ``offsets`` + ``codes`` (the values of slot ``i``
+    are ``codes[offsets[i]:offsets[i + 1]]``). Block summaries: ``bmin`` / ``bmax`` (numbers), ``bbits`` (bits per
+    block) or ``bkeys`` (the sorted distinct ``block * (values + 1) + code + 1`` of the block's entries)."""
+
+    __slots__ = ("name", "kind", "values", "numbers", "codes", "bits", "offsets", "bmin", "bmax", "bbits", "bkeys",
+                 "_index")
+
+    def __init__(self, name: str, kind: str, values: tuple = (), **arrays: Any):
+        self.name, self.kind, self.values = name, kind, values
+        for key in ("numbers", "codes", "bits", "offsets", "bmin", "bmax", "bbits", "bkeys"):
+            setattr(self, key, arrays.get(key))
+        self._index: dict[Any, int] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__ if k != "_index"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+        self._index = None
+
+    def schema(self) -> Column:
+        """The field as a filter is checked against it (its kind and values; no arrays)."""
+        return Column(self.name, self.kind, self.values)
+
+
+def _blocks(n: int, block: int) -> int:
+    return (n + block - 1) // block
+
+
+def _block_starts(n: int, block: int) -> np.ndarray:
+    return np.arange(0, n, block, dtype=np.int64)
+
+
+def _slot_column(col: Column, row_of_slot: np.ndarray, n: int, block_size: int) -> SlotColumn:
+    """``col`` (over the catalog's rows) permuted into slot order; ``row_of_slot[i] == -1``: no row (missing)."""
+    starts = _block_starts(n, block_size)
+    if col.kind == NUMERIC:
+        assert col.numbers is not None
+        ext = np.append(col.numbers, np.nan)  # index -1: missing
+        numbers = ext[row_of_slot]
+        with np.errstate(all="ignore"):
+            bmin = np.fmin.reduceat(numbers, starts) if n else np.zeros(0)
+            bmax = np.fmax.reduceat(numbers, starts) if n else np.zeros(0)
+        return SlotColumn(col.name, NUMERIC, numbers=numbers, bmin=bmin, bmax=bmax)
+    assert col.codes is not None
+    v = len(col.values)
+    if not col.is_list:
+        codes = np.append(col.codes, np.int32(-1))[row_of_slot].astype(np.int32)
+        if v <= BITS:
+            bits = np.where(codes >= 0, np.left_shift(np.uint64(1), np.maximum(codes, 0).astype(np.uint64)),
+                            np.uint64(0)).astype(np.uint64)
+            bbits = np.bitwise_or.reduceat(bits, starts) if n else np.zeros(0, np.uint64)
+            return SlotColumn(col.name, CATEGORICAL, col.values, codes=codes, bbits=bbits)
+        block = np.arange(n, dtype=np.int64) // block_size
+        bkeys = np.unique(block * (v + 1) + codes.astype(np.int64) + 1)
+        return SlotColumn(col.name, CATEGORICAL, col.values, codes=codes, bkeys=bkeys)
+    assert col.offsets is not None
+    lengths = np.append(np.diff(col.offsets), 0)[row_of_slot]  # (index -1: no row, no values)
+    src = np.append(col.offsets[:-1], 0)[row_of_slot]
+    total = int(lengths.sum())
+    ends = np.cumsum(lengths)
+    entry = np.arange(total, dtype=np.int64) + np.repeat(src - (ends - lengths), lengths)
+    codes = col.codes[entry].astype(np.int32)
+    slot_of_entry = np.repeat(np.arange(n, dtype=np.int64), lengths)
+    if v <= BITS:
+        bits = np.zeros(n, dtype=np.uint64)
+        np.bitwise_or.at(bits, slot_of_entry, np.left_shift(np.uint64(1), codes.astype(np.uint64)))
+        bbits = np.bitwise_or.reduceat(bits, starts) if n else np.zeros(0, np.uint64)
+        return SlotColumn(col.name, CATEGORICAL, col.values, bits=bits, bbits=bbits)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    bkeys = np.unique((slot_of_entry // block_size) * (v + 1) + codes.astype(np.int64) + 1)
+    missing = np.flatnonzero(lengths == 0)  # a slot without values: the "missing" code 0 of its block
+    bkeys = np.union1d(bkeys, np.unique((missing // block_size) * (v + 1)))
+    return SlotColumn(col.name, CATEGORICAL, col.values, codes=codes, offsets=offsets, bkeys=bkeys)
+
+
+def tree_slots(tables: MaskTables) -> tuple[np.ndarray, np.ndarray]:
+    """``(state_lo, edge_lo)``: the first slot of each state's and each edge's items in the depth-first walk (-1
+    for states and edges the root does not reach). One pass over the tables' levels from the root."""
+    from processors.kinds.tree.filters.edges import TreeLevels
+
+    item_count = item_metrics(tables)[1].astype(np.int64)
+    nxt = tables.next_state.astype(np.int64)
+    weight = np.where(nxt >= 0, item_count[np.maximum(nxt, 0)], 1)
+    state_lo = np.full(tables.n_states, -1, dtype=np.int64)
+    edge_lo = np.full(tables.n_edges, -1, dtype=np.int64)
+    if tables.root < 0:
+        return state_lo, edge_lo
+    state_lo[tables.root] = 0
+    for states, edges, starts in TreeLevels(tables).levels:
+        if not edges.size:
+            continue
+        w = weight[edges]
+        before = np.cumsum(w) - w  # the edges' weights before each, over the level
+        counts = np.diff(np.append(starts, edges.size))
+        seg = np.repeat(before[np.minimum(starts, edges.size - 1)], counts)
+        lo = np.repeat(state_lo[states], counts) + before - seg
+        edge_lo[edges] = lo
+        inner = nxt[edges] >= 0
+        state_lo[nxt[edges][inner]] = lo[inner]
+    return state_lo, edge_lo
+
+
+class SlotIndex:
+    """A catalog version's metadata in slot order and its block summaries (see the module docstring)."""
+
+    def __init__(self, n: int, state_lo: np.ndarray, columns: dict[str, SlotColumn], block: int = BLOCK):
+        self.n, self.block = n, block
+        self.state_lo = state_lo
+        self.columns = columns
+        self.schema = ItemMetadata(n, {name: col.schema() for name, col in columns.items()})
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"n": self.n, "state_lo": self.state_lo, "columns": self.columns, "block": self.block}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["n"], state["state_lo"], state["columns"], state["block"])  # type: ignore[misc]
+
+    @classmethod
+    def build(cls, tables: MaskTables, metadata: ItemMetadata, terminals: np.ndarray, block: int = BLOCK
+              ) -> "SlotIndex":
+        """The index of the items whose metadata is ``metadata`` (catalog rows) and whose terminals in ``tables``
+        are ``terminals`` (:func:`~processors.kinds.tree.filters.edges.item_terminals`; -1: not in the tables)."""
+        state_lo, edge_lo = tree_slots(tables)
+        n = int(item_metrics(tables)[1][tables.root]) if tables.root >= 0 else 0
+        term = terminals.astype(np.int64)
+        valid = term >= 0
+        slot = np.full(term.size, -1, dtype=np.int64)
+        on_edge = valid & (term < tables.n_edges)
+        slot[on_edge] = edge_lo[term[on_edge]]
+        on_state = valid & ~on_edge
+        slot[on_state] = state_lo[term[on_state] - tables.n_edges]
+        row_of_slot = np.full(n, -1, dtype=np.int64)
+        rows = np.flatnonzero(slot >= 0)
+        row_of_slot[slot[rows]] = rows
+        columns = {name: _slot_column(col, row_of_slot, n, block) for name, col in metadata.columns.items()}
+        narrow = state_lo.astype(np.int32) if n < 2 ** 31 else state_lo
+        narrow.setflags(write=False)
+        return cls(n, narrow, columns, block)
+
+    def passes(self, node: Any, slots: np.ndarray) -> np.ndarray:
+        """``bool`` per entry of ``slots``: the filter ``node`` (a :class:`~processors.kinds.tree.filters.language.
+        Filter`) passes that slot's item."""
+        return _eval(node, self.columns, slots)
+
+    def may_pass(self, node: Any) -> np.ndarray:
+        """``bool`` per block: some slot of the block may pass ``node`` (False: none does)."""
+        return _may(node, self.columns, _blocks(self.n, self.block))
+
+
+def _wanted(col: SlotColumn, op: str, value: Any) -> list[int]:
+    if col._index is None:
+        col._index = {(0, v) if isinstance(v, bool) else (1, v): i for i, v in enumerate(col.values)}
+    keys = [((0, v) if isinstance(v, bool) else (1, v)) for v in (value if op in ("$in", "$nin") else (value,))]
+    return [c for c in (col._index.get(k, -1) for k in keys) if c >= 0]
+
+
+def _mask_bits(codes: list[int]) -> np.uint64:
+    out = 0
+    for c in codes:
+        out |= 1 << c
+    return np.uint64(out)
+
+
+def _eval(node: Any, columns: dict[str, SlotColumn], slots: "np.ndarray | slice") -> np.ndarray:
+    from processors.kinds.tree.filters.language import Filter
+
+    if isinstance(node, Filter):
+        out: np.ndarray | None = None
+        for part in node.parts:
+            m = _eval(part, columns, slots)
+            out = m if out is None else (out & m if node.op == "and" else out | m)
+        return out if out is not None else np.ones(_size(slots), dtype=bool)
+    col, op, value = columns[node.column.name], node.op, node.value
+    if col.kind == NUMERIC:
+        x = col.numbers[slots]
+        if op == "$eq":
+            return x == value
+        if op == "$ne":
+            return ~(x == value)
+        if op in ("$in", "$nin"):
+            hit = np.isin(x, np.asarray(value, dtype=np.float64))
+            return hit if op == "$in" else ~hit
+        return {"$gt": np.greater, "$gte": np.greater_equal, "$lt": np.less, "$lte": np.less_equal}[op](x, value)
+    wanted = _wanted(col, op, value)
+    if col.bits is not None:
+        hit = (col.bits[slots] & _mask_bits(wanted)) != 0
+    elif col.offsets is None:
+        c = col.codes[slots]
+        hit = c == wanted[0] if len(wanted) == 1 else np.isin(c, wanted)
+    else:
+        if isinstance(slots, slice):
+            slots = np.arange(slots.start, slots.stop, dtype=np.int64)
+        lo, hi = col.offsets[slots], col.offsets[slots + 1]
+        lengths = hi - lo
+        ends = np.cumsum(lengths)
+        entries = np.arange(int(ends[-1]) if ends.size else 0, dtype=np.int64) + np.repeat(lo - (ends - lengths),
+                                                                                           lengths)
+        found = np.isin(col.codes[entries], wanted)
+        hit = np.zeros(slots.size, dtype=bool)
+        hit[np.repeat(np.arange(slots.size), lengths)[found]] = True
+    return hit if op in ("$eq", "$in") else ~hit
+
+
+def _size(slots: "np.ndarray | slice") -> int:
+    return slots.stop - slots.start if isinstance(slots, slice) else int(slots.size)
+
+
+def _may(node: Any, columns: dict[str, SlotColumn], blocks: int) -> np.ndarray:
+    from processors.kinds.tree.filters.language import Filter
+
+    if isinstance(node, Filter):
+        out: np.ndarray | None = None
+        for part in node.parts:
+            m = _may(part, columns, blocks)
+            out = m if out is None else (out & m if node.op == "and" else out | m)
+        return out if out is not None else np.ones(blocks, dtype=bool)
+    col, op, value = columns[node.column.name], node.op, node.value
+    if op in ("$ne", "$nin"):
+        return np.ones(blocks, dtype=bool)  # (a block holds other values or missing ones: not summarized)
+    if col.kind == NUMERIC:
+        lo, hi = col.bmin, col.bmax
+        with np.errstate(invalid="ignore"):
+            if op == "$eq":
+                return (lo <= value) & (value <= hi)
+            if op == "$in":
+                vs = np.asarray(value, dtype=np.float64)
+                out = np.zeros(blocks, dtype=bool)
+                for v in vs.tolist():
+                    out |= (lo <= v) & (v <= hi)
+                return out
+            return {"$gt": hi > value, "$gte": hi >= value, "$lt": lo < value, "$lte": lo <= value}[op]
+    wanted = _wanted(col, op, value)
+    if not wanted:
+        return np.zeros(blocks, dtype=bool)
+    if col.bbits is not None:
+        return (col.bbits & _mask_bits(wanted)) != 0
+    v = len(col.values)
+    base = np.arange(blocks, dtype=np.int64) * (v + 1)
+    out = np.zeros(blocks, dtype=bool)
+    for c in wanted:
+        keys = base + c + 1
+        at = np.minimum(np.searchsorted(col.bkeys, keys), max(col.bkeys.size - 1, 0))
+        out |= col.bkeys[at] == keys if col.bkeys.size else False
+    return out
+
+
+class LazyFilter:
+    """A filter resolved for one version, answered per state when asked (see the module docstring)."""
+
+    def __init__(self, index: SlotIndex, tables: MaskTables, node: Any, budget: int | None = None):
+        self.index, self.tables, self.node = index, tables, node
+        may = index.may_pass(node)
+        self._may = may
+        self._may_blocks = np.flatnonzero(may)  # the blocks that may pass, in order
+        self._rank = np.zeros(may.size + 1, dtype=np.int64)  # blocks that may pass before each block
+        np.cumsum(may, out=self._rank[1:])
+        # what was asked, per state and per edge, in arrays over the tables that the OS gives zeroed pages for on
+        # first touch (``np.zeros``): their memory follows the states and edges asked, not the tables' size.
+        # A state's entry: 0 not asked, else 1 + 2 * passing items found + (1 when its whole run was read);
+        # an edge's: 0 not asked, 1 open (an item that passes lies below it or it ends one), 2 closed.
+        self._state_memo = np.zeros(tables.n_states, dtype=np.int64)
+        # the passing slots, sorted, once the runs read pass a share of the catalog without finding many (a
+        # filter that passes few items, spread out): then one pass over the columns' slices gives every count
+        self._passing: np.ndarray | None = None
+        self._read = 0
+        self._budget = max(index.n // READ_SHARE, 1 << 16) if budget is None else budget
+        self._edge_memo = np.zeros(tables.n_edges, dtype=np.int8)
+
+    def _candidate_position(self, slots: np.ndarray) -> np.ndarray:
+        """Where each slot falls among the slots of the blocks that may pass (those slots numbered in order)."""
+        size = self.index.block
+        block = slots // size
+        inside = np.zeros(slots.size, dtype=bool)
+        real = block < self._may.size
+        inside[real] = self._may[block[real]]
+        return self._rank[block] * size + np.where(inside, slots - block * size, 0)
+
+    def count_runs(self, lo: np.ndarray, hi: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(count, complete)`` per run ``[lo, hi)`` of slots: the passing items found (at least ``cap`` when
+        not complete), and whether the whole run was read (then ``count`` is exact). Only the slots of blocks
+        that may pass are read, in chunks doubling each round, every open run at once."""
+        if self._passing is not None:
+            return self._counted(lo, hi), np.ones(lo.size, dtype=bool)
+        pos = self._candidate_position(lo.astype(np.int64))
+        end = self._candidate_position(hi.astype(np.int64))
+        count = np.zeros(pos.size, dtype=np.int64)
+        chunk = max(FIRST_CHUNK, 4 * cap)
+        open_ = np.flatnonzero(pos < end)
+        while open_.size:
+            p = pos[open_]
+            stop = np.minimum(p + chunk, end[open_])
+            length = stop - p
+            ends = np.cumsum(length)
+            self._read += int(ends[-1])
+            if self._read > self._budget:
+                self._materialize()
+                return self._counted(lo, hi), np.ones(lo.size, dtype=bool)
+            j = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(p - (ends - length), length)
+            size = self.index.block
+            slots = self._may_blocks[j // size] * size + j % size
+            ok = self.index.passes(self.node, slots)
+            count[open_] += np.bincount(np.repeat(np.arange(open_.size), length)[ok], minlength=open_.size)
+            pos[open_] = stop
+            open_ = open_[(stop < end[open_]) & (count[open_] < cap)]
+            chunk *= 2
+        return count, pos >= end
+
+    def _materialize(self) -> None:
+        """The passing slots, by slices of the columns (no gather)."""
+        parts = []
+        for start in range(0, self.index.n, SLICE):
+            stop = min(start + SLICE, self.index.n)
+            parts.append(np.flatnonzero(_eval(self.node, self.index.columns, slice(start, stop))) + start)
+        self._passing = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def _counted(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        assert self._passing is not None
+        return (np.searchsorted(self._passing, hi.astype(np.int64)) -
+                np.searchsorted(self._passing, lo.astype(np.int64))).astype(np.int64)
+
+    def state_counts(self, states: np.ndarray, cap: int) -> np.ndarray:
+        """Passing items below each state (``-1``/``-2`` entries: 0), each at least ``min(cap, true count)`` and
+        exact below ``cap``; kept per state."""
+        states = np.asarray(states, dtype=np.int64)
+        out = np.zeros(states.size, dtype=np.int64)
+        real = np.flatnonzero(states >= 0)
+        if not real.size:
+            return out
+        s = states[real]
+        code = self._state_memo[s]
+        count = (code - 1) >> 1
+        usable = (code > 0) & (((code - 1) & 1).astype(bool) | (count >= cap))
+        if not usable.all():
+            todo = np.unique(s[~usable])
+            lo = self.index.state_lo[todo].astype(np.int64)
+            hi = lo + item_metrics(self.tables)[1][todo].astype(np.int64)
+            c, done = self.count_runs(lo, hi, cap)
+            self._state_memo[todo] = 1 + 2 * c + done
+            code = self._state_memo[s]
+            count = (code - 1) >> 1
+        out[real] = count
+        return out
+
+    def terminal_passes(self, terminals: np.ndarray) -> np.ndarray:
+        """``bool`` per terminal id (an edge that ends an item, or ``n_edges + state``): its item passes. (An edge
+        into a state reads as whether an item that passes lies below it.)"""
+        terminals = np.asarray(terminals, dtype=np.int64)
+        n_edges = self.tables.n_edges
+        out = np.empty(terminals.size, dtype=bool)
+        on_edge = terminals < n_edges
+        if on_edge.any():
+            out[on_edge] = self.edges_ok(terminals[on_edge])
+        if (~on_edge).any():
+            slots = self.index.state_lo[terminals[~on_edge] - n_edges].astype(np.int64)
+            out[~on_edge] = self.index.passes(self.node, slots)
+        return out
+
+    def terminal_slots(self, terminals: np.ndarray) -> np.ndarray:
+        """The slot of each terminal id's item (edges are found from their state: the weights of the edges before
+        them)."""
+        t = self.tables
+        n_edges = t.n_edges
+        out = np.empty(terminals.size, dtype=np.int64)
+        on_state = terminals >= n_edges
+        out[on_state] = self.index.state_lo[terminals[on_state] - n_edges]
+        edges = terminals[~on_state]
+        if edges.size:
+            out[~on_state] = self._edge_lo(edges)
+        return out
+
+    def _edge_lo(self, edges: np.ndarray) -> np.ndarray:
+        """The first slot of each edge's items: its state's first slot plus the items of the edges before it."""
+        t = self.tables
+        src = np.searchsorted(t.offsets, edges, side="right") - 1
+        item_count = item_metrics(t)[1]
+        out = np.empty(edges.size, dtype=np.int64)
+        for s in np.unique(src).tolist():
+            a, b = int(t.offsets[s]), int(t.offsets[s + 1])
+            nxt = t.next_state[a:b].astype(np.int64)
+            w = np.where(nxt >= 0, item_count[np.maximum(nxt, 0)], 1).astype(np.int64)
+            lo = int(self.index.state_lo[s]) + np.cumsum(w) - w
+            sel = src == s
+            out[sel] = lo[edges[sel] - a]
+        return out
+
+    def edges_ok(self, edges: np.ndarray) -> np.ndarray:
+        """``bool`` per edge: an item that passes lies below it (or it ends one); kept per edge."""
+        edges = np.asarray(edges, dtype=np.int64)
+        memo = self._edge_memo[edges]
+        todo = memo == 0
+        if todo.any():
+            new = np.unique(edges[todo])
+            nxt = self.tables.next_state[new].astype(np.int64)
+            inner = nxt >= 0
+            ok = np.empty(new.size, dtype=bool)
+            if inner.any():
+                ok[inner] = self.state_counts(nxt[inner], 1) >= 1
+            if (~inner).any():
+                ok[~inner] = self.index.passes(self.node, self._edge_lo(new[~inner]))
+            self._edge_memo[new] = np.where(ok, 1, 2)
+            memo = self._edge_memo[edges]
+        return memo == 1
+
+
+class _Ends:
+    """``terminal in ends``: the terminal's item does not pass (a :class:`FilterView`'s ``ends``)."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, view: "FilterView"):
+        self.view = view
+
+    def __contains__(self, terminal: object) -> bool:
+        if not isinstance(terminal, (int, np.integer)):
+            return False
+        return bool(self.view.ends_taken(np.asarray([int(terminal)], dtype=np.int64))[0])
+
+
+class FilterView:
+    """A :class:`LazyFilter` read as a book of the items it leaves out, with a request's ``cap`` (see the module
+    docstring): what :class:`~processors.items.ItemRequest.base` holds."""
+
+    __slots__ = ("lazy", "cap", "ends")
+
+    def __init__(self, lazy: LazyFilter, cap: int):
+        self.lazy, self.cap = lazy, max(int(cap), 1)
+        self.ends = _Ends(self)
+
+    def __bool__(self) -> bool:
+        return True
+
+    def lookup(self, states: np.ndarray) -> np.ndarray:
+        """Items left out below each state as the rows see them (``item_count`` minus the passing ones, at most
+        ``cap`` of those); 0 for ``LEAF`` / ``DONE``."""
+        states = np.asarray(states, dtype=np.int64)
+        out = np.zeros(states.shape, dtype=np.int64)
+        real = states >= 0
+        if real.any():
+            s = states[real]
+            passing = np.minimum(self.lazy.state_counts(s, self.cap), self.cap)
+            out[real] = item_metrics(self.lazy.tables)[1][s].astype(np.int64) - passing
+        return out
+
+    def count(self, state: int) -> int:
+        return int(self.lookup(np.asarray([state], dtype=np.int64))[0]) if state >= 0 else 0
+
+    def ends_taken(self, terminals: np.ndarray) -> np.ndarray:
+        terminals = np.asarray(terminals, dtype=np.int64)
+        return ~self.lazy.terminal_passes(terminals)
+
+    def edges_ok(self, tables: MaskTables, edges: np.ndarray) -> np.ndarray:
+        """``bool`` per edge of ``tables`` (the ones the filter was resolved on): a row may take it."""
+        return self.lazy.edges_ok(edges)
+
+    def passing(self, cap: int | None = None) -> int:
+        """Items that pass below the root, at most ``cap`` (default: this view's)."""
+        root = self.lazy.tables.root
+        if root < 0:
+            return 0
+        c = self.cap if cap is None else max(int(cap), 1)
+        return int(min(self.lazy.state_counts(np.asarray([root]), c)[0], c))
+
