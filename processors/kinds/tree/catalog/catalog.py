@@ -38,7 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from processors.kinds.tree.catalog.lines import id_lines, id_text, id_text_ends, list_lines, offsets_at, row_keys
+from processors.kinds.tree.catalog.columns import MetaRows
+from processors.kinds.tree.catalog.lines import (_id_lists, id_lines, id_text, id_text_ends, list_lines, offsets_at,
+                                                 row_keys)
 from processors.kinds.tree.tables.compile import catalog_tables
 from processors.kinds.tree.tables.trie import _row_order as _row_order  # re-exported (tests)
 from processors.kinds.tree.tables.trie import tree_file_bytes
@@ -63,15 +65,16 @@ class Catalog:
     canonical text ``b"[12,40,7]"``) and :attr:`items` (tuples) are made when asked, for small catalogs and tests."""
 
     def __init__(self, start_token_id: int, end_token_id: int, flat: np.ndarray, lengths: np.ndarray,
-                 options: dict[str, Any] | None = None, meta: list[bytes | None] | None = None):
+                 options: dict[str, Any] | None = None, meta: "MetaRows | list[bytes | None] | None" = None):
         self.start_token_id, self.end_token_id = int(start_token_id), int(end_token_id)
         # (int32 whatever the caller gives: 4 bytes per id less than int64, in every catalog kept and every PATCH's copy)
         self._flat, self._lengths = np.asarray(flat, dtype=np.int32), np.asarray(lengths, dtype=np.int32)
         # a PATCH's result, not written out yet: (base, its rows cut, the items appended), see pending()
         self._pending: tuple[Catalog, np.ndarray, Catalog | None] | None = None
         self.options = dict(options or {})
-        # per item, its metadata object's canonical JSON (None: none); None when no item has metadata. The ids stay
-        # an item's identity (what a PATCH looks up); the stored line joins both (stored_line)
+        # per item, its metadata object's canonical JSON (None: none), in one buffer (MetaRows: no object per item);
+        # None when no item has metadata. The ids stay an item's identity (what a PATCH looks up); the stored line
+        # joins both (stored_line)
         self.meta = meta
         self._metadata: Any = None
         # a PATCH's result: (stored lines cut from its base, stored lines appended), its content's line delta
@@ -82,6 +85,14 @@ class Catalog:
         self._ends: np.ndarray | None = None
         self._row_keys: np.ndarray | None = None  # a key per item, what a PATCH looks items up by (processors/kinds/tree/patch/rows.py)
         self._key_index: np.ndarray | None = None  # those keys sorted, of a large catalog (catalog_rows.index_row_keys)
+
+    @property
+    def meta(self) -> MetaRows | None:
+        return self._meta
+
+    @meta.setter
+    def meta(self, meta: "MetaRows | list[bytes | None] | None") -> None:
+        self._meta = meta if meta is None or isinstance(meta, MetaRows) else MetaRows.from_list(meta)
 
     @classmethod
     def from_items(cls, start_token_id: int, end_token_id: int, items: list[tuple[int, ...]],
@@ -170,11 +181,8 @@ class Catalog:
 
     def metadata_digest(self) -> str:
         """SHA-256 of the items' metadata in order (what versions a compiled catalog with its metadata)."""
-        digest = hashlib.sha256()
-        for meta in self.meta or ():
-            digest.update(b"-" if meta is None else meta)
-            digest.update(b"\n")
-        return digest.hexdigest()
+        # (MetaRows.text: each item's text, "-" for none, and a newline)
+        return hashlib.sha256(self.meta.text if self.meta is not None else b"").hexdigest()
 
     def metadata(self, limits: Any = None):
         """The items' metadata by column (:class:`~processors.kinds.tree.filters.metadata.ItemMetadata`), or None when no
@@ -205,7 +213,9 @@ class Catalog:
                 if self._ends is None:
                     self._ends = ends + (len(self.header()) + 1)
             else:
-                body = b"".join(_stored(line, meta) + b"\n" for line, meta in zip(self.lines, self.meta))
+                body, ends = _stored_text(self._flat, self._lengths, self.meta)
+                if self._ends is None:
+                    self._ends = ends + (len(self.header()) + 1)
             self._content = self.header() + b"\n" + body
         return self._content
 
@@ -226,7 +236,8 @@ class Catalog:
             base, cut, appended = self._pending
             return base.held_nbytes() + int(cut.nbytes) + (appended.held_nbytes() if appended is not None else 0)
         arrays = (self._flat, self._lengths, self._row_keys, self._key_index, self._ends)
-        return sum(int(a.nbytes) for a in arrays if a is not None) + len(self._content or b"")
+        return (sum(int(a.nbytes) for a in arrays if a is not None) + len(self._content or b"")
+                + (self.meta.nbytes if self.meta is not None else 0))
 
     def line_ends(self) -> np.ndarray:
         """Where each item's line ends in :meth:`content` (the offset after its newline), in item order."""
@@ -241,6 +252,24 @@ class Catalog:
 def _stored(line: bytes, meta: bytes | None) -> bytes:
     """An item's line in the stored content: its ids, or ``{"ids":[...],"metadata":{...}}`` with metadata."""
     return line if meta is None else b'{"ids":' + line + b',"metadata":' + meta + b"}"
+
+
+def _stored_text(flat: np.ndarray, lengths: np.ndarray, meta: MetaRows) -> tuple[bytes, np.ndarray]:
+    """Every item's stored line (:func:`_stored`) followed by a newline, as one bytes object, and where each line
+    ends in it: made by Arrow's kernels from the ids and the metadata's buffer (no Python object per item)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not lengths.size:
+        return b"", np.zeros(0, dtype=np.int64)
+    raw = pa.large_binary()
+    ids = pc.cast(list_lines(_id_lists(flat, lengths)), raw)
+    with_meta = pc.binary_join_element_wise(pa.scalar(b'{"ids":', raw), ids, pa.scalar(b',"metadata":', raw),
+                                            meta.arrow(), pa.scalar(b"}\n", raw), pa.scalar(b"", raw))
+    bare = pc.binary_join_element_wise(ids, pa.scalar(b"\n", raw), pa.scalar(b"", raw))
+    lines = pc.if_else(pa.array(meta.present()), with_meta, bare)
+    offsets = np.frombuffer(lines.buffers()[1], dtype=np.int64, count=len(lines) + 1, offset=8 * lines.offset)
+    return lines.buffers()[2][int(offsets[0]):int(offsets[-1])].to_pybytes(), offsets[1:] - offsets[0]
 
 
 def _line(item: Any) -> bytes:

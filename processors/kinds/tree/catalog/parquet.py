@@ -75,14 +75,34 @@ def parquet_items(data: bytes, *, vocab_size: int, max_items: int, max_item_toke
     import pyarrow.compute as pc
 
     pa, header, table, kinds, ids, values = _read(data, max_items)
-    if not any(kind != "null" for kind in kinds.values()):
-        lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
-        catalog = catalog_from_arrays(_header_line(header), values, lengths, vocab_size=vocab_size,
-                                      max_items=max_items, max_item_tokens=max_item_tokens)
-        if catalog is not None:
-            return catalog
+    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
+    catalog = catalog_from_arrays(_header_line(header), values, lengths, vocab_size=vocab_size,
+                                  max_items=max_items, max_item_tokens=max_item_tokens)
+    if catalog is not None and any(kind != "null" for kind in kinds.values()):
+        catalog = _with_metadata(pa, catalog, table, kinds)
+    if catalog is not None:
+        return catalog
     return parse_catalog(_text(pa, header, table, kinds, ids), vocab_size=vocab_size, max_items=max_items,
                          max_item_tokens=max_item_tokens)
+
+
+def _with_metadata(pa: Any, catalog: Any, table: Any, kinds: dict[str, str]) -> Any:
+    """``catalog`` with the metadata of the file's other columns, made from the columns
+    (:func:`~processors.kinds.tree.catalog.columns.arrow_metadata`: no text per row, no Python object per row); None
+    when a value breaks a rule (the NDJSON read then names it)."""
+    from processors.kinds.tree.catalog.columns import arrow_metadata
+
+    columns = {name: table.column(name) for name, kind in kinds.items() if kind != "null"}
+    try:
+        made = arrow_metadata(columns, len(catalog))
+    except (pa.ArrowException, ValueError, OverflowError):
+        return None
+    if made is None:
+        return None
+    meta, metadata = made
+    if metadata.columns:
+        catalog.meta, catalog._metadata = meta, metadata
+    return catalog
 
 
 class ParquetShape(NamedTuple):

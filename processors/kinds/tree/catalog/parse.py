@@ -7,6 +7,7 @@ the field."""
 from __future__ import annotations
 
 import json
+import re
 from itertools import chain
 from typing import Any
 
@@ -105,6 +106,9 @@ def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None,
     body = b"" if end < 0 else data[end + 1:]
     fast = fast_items(body)
     if fast is None:
+        with_meta = _meta_catalog(body, start, end_id, options, vocab_size, max_items, allow_empty, max_item_tokens)
+        if with_meta is not None:
+            return with_meta
         return _slow_catalog(body, line_no + 1, start, end_id, options, vocab_size, max_items, allow_empty,
                              max_item_tokens)
     texts, flat, lengths, keys, ends = fast
@@ -125,6 +129,131 @@ def parse_catalog(data: bytes, *, vocab_size: int, max_items: int | None = None,
     catalog._content = b"".join([head, *texts])  # canonical: the lines as read, spaces dropped
     catalog._ends, catalog._row_keys = ends + len(head), keys
     return catalog
+
+
+_NULL = re.compile(rb"[:,\[]\s*null")  # a null value (Arrow's reader reads it as a missing field; json does not)
+_FLOATISH = re.compile(rb"[0-9][.eE]")  # a line that may write a number as a float
+
+
+def _meta_catalog(body: bytes, start: int, end_id: int, options: dict[str, Any], vocab_size: int,
+                  max_items: int | None, allow_empty: bool, max_item_tokens: int | None) -> Catalog | None:
+    """:func:`parse_catalog` of item lines some of which are ``{"ids": [...], "metadata": {...}}`` objects, by
+    columns: the object lines read by Arrow's JSON reader (C++, on threads), the bare arrays by :func:`fast_items`,
+    the metadata's columns and each item's canonical text made from Arrow's columns
+    (:func:`~processors.kinds.tree.catalog.columns.arrow_metadata`): no Python object per item. None when anything
+    is not as every rule wants it (a bad line, an item twice, a limit passed, a null, a field of two kinds, a line
+    that is not an object or an array from its first byte, ...): the lines are then parsed one at a time, which
+    names the problem (422)."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    from processors.kinds.tree.catalog.columns import arrow_metadata
+
+    if b"null" in body and _NULL.search(body):
+        return None
+    if body and not body.endswith(b"\n"):
+        body = body + b"\n"
+    a = np.frombuffer(body, dtype=np.uint8)
+    raw_ends = np.flatnonzero(a == 10) + 1  # each line's end, after its newline
+    raw_starts = np.concatenate(([0], raw_ends[:-1]))
+    blank = raw_ends - raw_starts == 1
+    first = a[raw_starts]
+    is_obj, is_arr = first == 123, first == 91  # '{', '['
+    if not (is_obj | is_arr | blank).all() or not is_obj.any():
+        return None
+    n = int(raw_starts.size - np.count_nonzero(blank))
+    if max_items is not None and n > max_items:
+        raise _too_many(n, max_items)
+    line_start, line_end = raw_starts[~blank], raw_ends[~blank] - 1  # (without the newline)
+    obj_rows, arr_rows = np.flatnonzero(is_obj[~blank]), np.flatnonzero(is_arr[~blank])
+    if arr_rows.size:
+        take = np.repeat(is_obj, raw_ends - raw_starts)
+        objects, arrays = a[take].tobytes(), a[~take].tobytes()
+    else:
+        objects, arrays = body, b""
+    try:
+        table = pj.read_json(pa.BufferReader(objects), parse_options=pj.ParseOptions(newlines_in_values=False))
+    except Exception:  # noqa: BLE001 - pyarrow refuses in several kinds; the json parse names the line
+        return None
+    if not set(table.column_names) <= {"ids", "metadata"} or "ids" not in table.column_names:
+        return None
+    ids = table.column("ids").combine_chunks()
+    if table.num_rows != obj_rows.size or not (pa.types.is_list(ids.type) and (
+            pa.types.is_integer(ids.type.value_type) or pa.types.is_null(ids.type.value_type))) or ids.null_count:
+        return None
+    values = ids.flatten()
+    if values.null_count:
+        return None
+    obj_flat = values.to_numpy(zero_copy_only=False).astype(np.int64)
+    obj_lengths = np.diff(ids.offsets.to_numpy()).astype(np.int64)
+    if obj_flat.size and (obj_flat.min() < 0 or obj_flat.max() >= vocab_size):
+        return None
+    lengths = np.empty(n, dtype=np.int64)
+    lengths[obj_rows] = obj_lengths
+    arr_flat = arr_lengths = np.zeros(0, dtype=np.int64)
+    if arr_rows.size:
+        fast = fast_items(arrays)
+        if fast is None or fast[2].size != arr_rows.size:
+            return None
+        arr_flat, arr_lengths = fast[1], fast[2].astype(np.int64)
+        lengths[arr_rows] = arr_lengths
+    if (not allow_empty and int(lengths.min()) == 0) or (max_item_tokens is not None
+                                                        and int(lengths.max()) > max_item_tokens):
+        return None
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    flat = np.empty(int(lengths.sum()), dtype=np.int32)
+    flat[_positions(starts[obj_rows], obj_lengths)] = obj_flat
+    if arr_rows.size:
+        flat[_positions(starts[arr_rows], arr_lengths)] = arr_flat
+    lengths = lengths.astype(np.int32)
+    keys = row_keys(flat, lengths)
+    if (flat.size and bool((flat == end_id).any())) or _repeats(flat, lengths, keys):
+        return None
+    catalog = Catalog(start, end_id, flat, lengths, options)
+    catalog._row_keys = keys
+    if "metadata" not in table.column_names:
+        return catalog
+    meta = table.column("metadata").combine_chunks()
+    if not pa.types.is_struct(meta.type):
+        return None
+    fields = dict(zip([f.name for f in meta.type], meta.flatten()))  # (flatten: a null object's fields null)
+    if arr_rows.size:  # the fields over every item (a bare array's missing)
+        at = np.full(n, -1, dtype=np.int64)
+        at[obj_rows] = np.arange(obj_rows.size)
+        where = pa.array(at, mask=at < 0)
+        fields = {name: column.take(where) for name, column in fields.items()}
+
+    def float_rows(name: str, rows: np.ndarray) -> np.ndarray | None:
+        """Which of the items ``rows`` wrote field ``name`` as a float (a line with no float text: none)."""
+        out = np.zeros(rows.size, dtype=bool)
+        for k, row in enumerate(rows.tolist()):
+            lo, hi = int(line_start[row]), int(line_end[row])
+            if _FLOATISH.search(body, lo, hi) is None:
+                continue
+            try:
+                out[k] = isinstance(json.loads(body[lo:hi])["metadata"][name], float)
+            except Exception:  # noqa: BLE001
+                return None
+        return out
+
+    try:
+        made = arrow_metadata(fields, n, float_rows=float_rows)
+    except (pa.ArrowException, ValueError, OverflowError):
+        return None
+    if made is None:
+        return None
+    meta_rows, metadata = made
+    if metadata.columns:
+        catalog.meta, catalog._metadata = meta_rows, metadata
+    return catalog
+
+
+def _positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Where the ids of rows starting at ``starts`` with ``lengths`` ids go, one after the other (int64)."""
+    offsets = np.zeros(lengths.size, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=offsets[1:])
+    return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
 
 
 def catalog_from_arrays(header_line: bytes, flat: np.ndarray, lengths: np.ndarray, *, vocab_size: int,

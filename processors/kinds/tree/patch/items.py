@@ -19,6 +19,7 @@ from processors.kinds.tree.catalog.catalog import (
     _RESERVED, Catalog, _cut_keys, _cut_rows, _line, _spliced_content, _stored, catalog_body, items_from_tree,
     whole_content,
 )
+from processors.kinds.tree.catalog.columns import MetaRows
 from processors.kinds.tree.catalog.parse import canonical_meta, check_items, split_item
 from processors.kinds.tree.filters.metadata import ItemMetadata
 from processors.kinds.tree.patch.rows import rows_of
@@ -92,13 +93,10 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
     flat, lengths = _cut_rows(catalog, rows, extra)  # the removed rows cut out, and the added ones appended
     if max_items is not None and lengths.size > max_items:
         raise _too_many_after_patch(int(lengths.size), max_items)
-    meta = None
+    meta: MetaRows | None = None
     if catalog.meta is not None or any(m is not None for m in new_meta) or moved:  # the metadata cut and appended alike
-        base_meta = catalog.meta if catalog.meta is not None else [None] * len(catalog)
-        if rows:
-            gone = set(rows)
-            base_meta = [m for i, m in enumerate(base_meta) if i not in gone]
-        meta = base_meta + new_meta
+        base_meta = catalog.meta if catalog.meta is not None else MetaRows.none(len(catalog))
+        meta = base_meta.spliced(rows, new_meta)  # (the text between the cut rows copied as it is)
     result = Catalog(catalog.start_token_id, catalog.end_token_id, flat, lengths, catalog.options, meta)
     result._row_keys = _cut_keys(catalog, rows, extra)
     if meta is not None:  # checked now: a 422 naming the item and the limit, before anything is stored
