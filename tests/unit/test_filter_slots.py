@@ -130,3 +130,56 @@ def test_rows_under_a_lazy_filter_complete_exactly_the_items_that_pass(seed):
         view = FilterView(LazyFilter(index, tables, node), cap=2)
         cursor = TreeCursor(tables).bind(request=ItemRequest(base=view))
         assert _reachable_items(cursor, 2) == expected, flt
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_updates_beside_the_arrays_filter_as_the_updated_catalog(seed):
+    """Rounds of metadata updates (each item's metadata replaced whole, fields new to the catalog included)
+    applied to the index beside its arrays: every state's count and every terminal as a brute-force walk of the
+    updated metadata gives them, round after round (updates merge, the newest wins)."""
+    from processors.kinds.tree.filters.index import ItemFilterIndex
+
+    rng = random.Random(900 + seed)
+    catalog, items = _catalog(rng, sorted_items=bool(seed % 2), sizes=(60, 400))
+    tables = catalog_tables(catalog, 1000)
+    objects = [_item(rng) for _ in items]
+    catalog_meta = ItemMetadata.from_objects(objects)
+    terminals = item_terminals(tables, catalog.flat, catalog.lengths)
+    index = ItemFilterIndex(SlotIndex.build(tables, catalog_meta, terminals, block=rng.choice([4, 1024])))
+    walked = [_walk_edges(tables, item) for item in items]
+    paths = [[tables.root] + [int(tables.next_state[e]) for e in w if e < tables.n_edges and tables.next_state[e] >= 0]
+             for w in walked]
+    item_count = item_metrics(tables)[1]
+    for _ in range(4):
+        picked = rng.sample(range(len(items)), max(1, len(items) // 40))
+        new = [_item(rng) for _ in picked]
+        if rng.random() < 0.5:
+            for obj in new:
+                if obj is not None:
+                    obj["fresh"] = rng.choice(["x", "y"])  # a field no item had
+        updated = index.updated(tables, [items[i] for i in picked], new)
+        assert updated is not None
+        assert updated.digest != index.digest
+        index = updated
+        for i, obj in zip(picked, new):
+            objects[i] = obj
+        for _ in range(5):
+            flt = _filter(rng)
+            if rng.random() < 0.3:
+                flt = {"fresh": rng.choice(["x", {"$ne": "y"}])}
+            try:
+                resolved = index.resolve(tables, flt)
+            except ConstraintError:
+                continue
+            ok = [filter_passes(o, flt) for o in objects]
+            count = np.zeros(tables.n_states, dtype=np.int64)
+            for states, good in zip(paths, ok):
+                if good:
+                    count[states] += 1
+            reached = sorted({s for p in paths for s in p})
+            view = resolved.view(10_000)
+            assert np.array_equal(item_count[reached] - view.lookup(np.asarray(reached)), count[reached]), flt
+            terms = np.asarray([w[-1] for w in walked])
+            assert np.array_equal(view.ends_taken(terms), ~np.asarray(ok, dtype=bool)), flt
+    # past an eighth of the items held beside the arrays: built anew by the caller
+    assert index.updated(tables, items, [None] * len(items)) is None

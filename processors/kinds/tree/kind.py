@@ -72,13 +72,16 @@ class TreeKind(ConstraintKind):
         (the config manager, from a catalog's items or an inline tree's split body: the tables its tree file would
         give); the rest of the compile (item metrics, the multi-item checks) runs as for any tree."""
         tables, start_token_id, *catalog = prebuilt
+        held = catalog[1] if len(catalog) > 1 else None  # a filter index a metadata PATCH updated
+
         item_metrics(tables)  # min_remaining / item_count, computed once here and shipped with the tables
         if scenario.max_items > 1:
             check_multi_item(tables, scenario.separator_token_id)
         default = getattr(scenario, "filter", None)
         if catalog:
             try:
-                index = ItemFilterIndex.build(tables, catalog[0], default)
+                index = held if held is not None and held.default == default else ItemFilterIndex.build(
+                    tables, catalog[0], default)
             except ConstraintError as exc:  # the scenario's own filter: an invalid body, naming the field
                 raise ScenarioError("invalid", exc.message, field="filter") from None
         elif default is not None:
@@ -90,8 +93,7 @@ class TreeKind(ConstraintKind):
             tables = copy.copy(tables)
             object.__setattr__(tables, "item_filters", index)
             # versioned with the metadata: the same items with other metadata are another version
-            object.__setattr__(tables, "version", content_hash("tables+metadata", tables.version,
-                                                               catalog[0].metadata_digest()))
+            object.__setattr__(tables, "version", content_hash("tables+metadata", tables.version, index.digest))
         return CompileResult(tables, int(start_token_id) if scenario.append_start_token else None)
 
     def item_filter(self, constraint, value, limits):
@@ -126,7 +128,27 @@ class TreeKind(ConstraintKind):
         """Items of any tree form added and removed; the result is stored as a catalog (``catalog_delta.py``)."""
         from processors.kinds.tree.patch.items import patch_stored_tree
 
-        return patch_stored_tree(name, body, add, remove, store, prepared, update or [])
+        result = patch_stored_tree(name, body, add, remove, store, prepared, update or [])
+        _update_filter_index(body, result, update or [], store)
+        return result
+
+
+def _update_filter_index(body, result, update: list, store) -> None:
+    """A PATCH that only updated metadata of a stored catalog: the new version's filter index from the base's,
+    at the cost of the updated items (kept in ``store`` for the compile; else the compile builds it whole)."""
+    report = result.report
+    if not (report.updated and not report.added and not report.removed and isinstance(body, dict)):
+        return
+    base_sha, new_sha = body.get("content_sha256"), result.body.get("content_sha256")
+    base = store.filter_index(base_sha) if isinstance(base_sha, str) else None
+    tables = store.catalog_tables(new_sha) if isinstance(new_sha, str) else None
+    if base is None or tables is None or tables is not store.catalog_tables(base_sha):
+        return
+    items = [tuple(entry["ids"]) for entry in update]
+    objects = [entry.get("metadata") or None for entry in update]
+    index = base.updated(tables, items, objects)
+    if index is not None:
+        store.remember_index(new_sha, index)
 
 
 register(TreeKind())

@@ -19,7 +19,10 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
+
 from config import ConstraintError
+from processors.tables import content_hash
 
 from processors.kinds.tree.filters.edges import item_terminals
 from processors.kinds.tree.filters.language import Filter, FilterLimits, parse_filter
@@ -28,6 +31,8 @@ from processors.kinds.tree.filters.slots import FilterView, LazyFilter, SlotInde
 
 __all__ = ["ItemFilterIndex", "ResolvedFilter"]
 
+#: an index holds updates beside its arrays up to 1/UPDATES_SHARE of its items (then it is built anew)
+UPDATES_SHARE = 8
 #: resolved filters kept per version (each holds a vector over the blocks and the counts of the states asked)
 CACHED_FILTERS = 32
 
@@ -53,18 +58,19 @@ class ResolvedFilter:
 class ItemFilterIndex:
     """The metadata of a compiled catalog's items in slot order (see the module docstring)."""
 
-    def __init__(self, slots: SlotIndex, default: dict[str, Any] | None = None):
+    def __init__(self, slots: SlotIndex, default: dict[str, Any] | None = None, digest: str = ""):
         self.slots = slots
+        self.digest = digest  # names the metadata (a compiled version's with its tables)
         self.default = default  # the scenario's own filter: every request's filter is ANDed with it
         self._default_node: Any = None  # parsed once in each process
         self._cache: OrderedDict[str, ResolvedFilter] = OrderedDict()
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:  # the cache and its lock stay where they were made
-        return {"slots": self.slots, "default": self.default}
+        return {"slots": self.slots, "default": self.default, "digest": self.digest}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["slots"], state["default"])  # type: ignore[misc]
+        self.__init__(state["slots"], state["default"], state.get("digest", ""))  # type: ignore[misc]
 
     @property
     def schema(self) -> ItemMetadata:
@@ -83,11 +89,29 @@ class ItemFilterIndex:
                                       {"field": "filter"})
             return None
         terminals = item_terminals(tables, catalog.flat, catalog.lengths)
-        index = cls(SlotIndex.build(tables, metadata, terminals), default)
+        index = cls(SlotIndex.build(tables, metadata, terminals), default, catalog.metadata_digest())
         if default is not None and not index.resolve(tables, None).passing(1):
             raise ConstraintError(422, "filter: no item of the catalog passes the scenario's filter",
                                   {"field": "filter"})
         return index
+
+    def updated(self, tables, items: list[tuple[int, ...]], objects: list[dict[str, Any] | None]
+                ) -> "ItemFilterIndex | None":
+        """This index after the metadata of ``items`` (token ids, items of ``tables``) became ``objects`` (each
+        replaces the item's metadata whole; None: none): the same arrays with the updates beside them
+        (:meth:`SlotIndex.updated`), at the cost of the updated items. None when the updates held beside the arrays
+        would pass an eighth of the items (the caller builds the index anew) or an item is not in the tables."""
+        if self.slots.overridden + len(items) > max(self.slots.n // UPDATES_SHARE, 1):
+            return None
+        lengths = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
+        flat = np.fromiter((t for item in items for t in item), dtype=np.int64, count=int(lengths.sum()))
+        slots = self.slots.terminal_slots(tables, item_terminals(tables, flat, lengths))
+        if (slots < 0).any():
+            return None
+        metadata = ItemMetadata.from_objects(objects)
+        text = json.dumps([[list(i), o] for i, o in zip(items, objects)], sort_keys=True, separators=(",", ":"))
+        digest = content_hash("metadata-update", self.digest, text)
+        return ItemFilterIndex(self.slots.updated(slots, metadata), self.default, digest)
 
     def _default(self) -> Any:
         if self._default_node is None:

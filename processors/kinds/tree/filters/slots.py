@@ -29,18 +29,19 @@ from typing import Any
 
 import numpy as np
 
+from config import ConstraintError
 from processors.tables import MaskTables, item_metrics
 
 from processors.kinds.tree.filters.metadata import CATEGORICAL, NUMERIC, Column, ItemMetadata
 
-__all__ = ["BLOCK", "FilterView", "LazyFilter", "SlotColumn", "SlotIndex"]
+__all__ = ["BLOCK", "FilterView", "LazyFilter", "Overrides", "SlotColumn", "SlotIndex"]
 
 #: slots per block of the block summaries
 BLOCK = 1024
 #: a categorical column of at most this many values is kept as one bit per value (a list column: per slot too)
 BITS = 64
-#: a filter's scans read at most 1/READ_SHARE of the slots (or 2^16) before the filter is evaluated over every slot
-READ_SHARE = 8
+#: a filter's scans read at most 1/READ_SHARE of the slots (or 2^14) before the filter is evaluated over every slot
+READ_SHARE = 32
 #: slots per slice of that evaluation
 SLICE = 1 << 20
 #: slots read per state and round of a scan, at first (doubling each round)
@@ -158,17 +159,77 @@ def tree_slots(tables: MaskTables) -> tuple[np.ndarray, np.ndarray]:
 class SlotIndex:
     """A catalog version's metadata in slot order and its block summaries (see the module docstring)."""
 
-    def __init__(self, n: int, state_lo: np.ndarray, columns: dict[str, SlotColumn], block: int = BLOCK):
+    def __init__(self, n: int, state_lo: np.ndarray, columns: dict[str, SlotColumn], block: int = BLOCK,
+                 overrides: "Overrides | None" = None):
         self.n, self.block = n, block
         self.state_lo = state_lo
         self.columns = columns
-        self.schema = ItemMetadata(n, {name: col.schema() for name, col in columns.items()})
+        self.overrides = overrides
+        fields = {name: col.schema() for name, col in columns.items()}
+        if overrides is not None:
+            for name, col in overrides.columns.items():
+                fields.setdefault(name, col.schema())
+        self.schema = ItemMetadata(n, fields)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"n": self.n, "state_lo": self.state_lo, "columns": self.columns, "block": self.block}
+        return {"n": self.n, "state_lo": self.state_lo, "columns": self.columns, "block": self.block,
+                "overrides": self.overrides}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["n"], state["state_lo"], state["columns"], state["block"])  # type: ignore[misc]
+        self.__init__(state["n"], state["state_lo"], state["columns"], state["block"],  # type: ignore[misc]
+                      state.get("overrides"))
+
+    def updated(self, slots: np.ndarray, metadata: ItemMetadata) -> "SlotIndex":
+        """This index with the items at ``slots`` given the metadata ``metadata`` (one row per entry, in that order;
+        a row replaces the item's metadata whole): the same arrays, and the updates kept beside them
+        (:class:`Overrides`, merged with the earlier ones: the newest wins). Its cost follows the updated items.
+        A field of another kind than the index's is a 422 naming it."""
+        for name, col in metadata.columns.items():
+            have = self.schema.columns.get(name)
+            if have is not None and have.kind != col.kind:
+                raise ConstraintError(422, f"metadata: field {name!r} is {col.kind} in an update and {have.kind} in "
+                                           "the catalog", {"field": "update", "name": name})
+        slots = np.asarray(slots, dtype=np.int64)
+        old = self.overrides
+        if old is not None and old.slots.size:
+            keep = ~np.isin(old.rows_slots, slots)
+            merged = old.metadata.spliced(keep, metadata)
+            row_slots = np.concatenate((old.rows_slots[keep], slots))
+        else:
+            merged, row_slots = metadata, slots
+        return SlotIndex(self.n, self.state_lo, self.columns, self.block, Overrides(merged, row_slots))
+
+    def edge_slots(self, tables: MaskTables, edges: np.ndarray) -> np.ndarray:
+        """The first slot of each edge's items: its state's first slot plus the items of the edges before it (one
+        pass over each distinct state's edges)."""
+        edges = np.asarray(edges, dtype=np.int64)
+        src = np.searchsorted(tables.offsets, edges, side="right") - 1
+        item_count = item_metrics(tables)[1]
+        out = np.empty(edges.size, dtype=np.int64)
+        for s in np.unique(src).tolist():
+            a, b = int(tables.offsets[s]), int(tables.offsets[s + 1])
+            nxt = tables.next_state[a:b].astype(np.int64)
+            w = np.where(nxt >= 0, item_count[np.maximum(nxt, 0)], 1).astype(np.int64)
+            lo = int(self.state_lo[s]) + np.cumsum(w) - w
+            sel = src == s
+            out[sel] = lo[edges[sel] - a]
+        return out
+
+    def terminal_slots(self, tables: MaskTables, terminals: np.ndarray) -> np.ndarray:
+        """The slot of each terminal id's item (an edge that ends it, or ``n_edges + state``; -1 stays -1)."""
+        terminals = np.asarray(terminals, dtype=np.int64)
+        out = np.full(terminals.size, -1, dtype=np.int64)
+        on_state = terminals >= tables.n_edges
+        out[on_state] = self.state_lo[terminals[on_state] - tables.n_edges]
+        on_edge = (terminals >= 0) & ~on_state
+        if on_edge.any():
+            out[on_edge] = self.edge_slots(tables, terminals[on_edge])
+        return out
+
+    @property
+    def overridden(self) -> int:
+        """Items whose metadata the overrides hold."""
+        return 0 if self.overrides is None else int(self.overrides.slots.size)
 
     @classmethod
     def build(cls, tables: MaskTables, metadata: ItemMetadata, terminals: np.ndarray, block: int = BLOCK
@@ -192,14 +253,49 @@ class SlotIndex:
         narrow.setflags(write=False)
         return cls(n, narrow, columns, block)
 
-    def passes(self, node: Any, slots: np.ndarray) -> np.ndarray:
-        """``bool`` per entry of ``slots``: the filter ``node`` (a :class:`~processors.kinds.tree.filters.language.
-        Filter`) passes that slot's item."""
-        return _eval(node, self.columns, slots)
+    def passes(self, node: Any, slots: "np.ndarray | slice") -> np.ndarray:
+        """``bool`` per entry of ``slots`` (or per slot of a slice): the filter ``node`` (a
+        :class:`~processors.kinds.tree.filters.language.Filter`) passes that slot's item."""
+        out = _eval(node, self.columns, slots)
+        over = self.overrides
+        if over is None or not over.slots.size:
+            return out
+        if isinstance(slots, slice):
+            a, b = np.searchsorted(over.slots, [slots.start, slots.stop])
+            if b > a:
+                out[over.slots[a:b] - slots.start] = _eval(node, over.columns, np.arange(a, b, dtype=np.int64))
+            return out
+        at = np.minimum(np.searchsorted(over.slots, slots), over.slots.size - 1)
+        hit = over.slots[at] == slots
+        if hit.any():
+            out[hit] = _eval(node, over.columns, at[hit])
+        return out
 
     def may_pass(self, node: Any) -> np.ndarray:
         """``bool`` per block: some slot of the block may pass ``node`` (False: none does)."""
-        return _may(node, self.columns, _blocks(self.n, self.block))
+        may = _may(node, self.columns, _blocks(self.n, self.block))
+        if self.overrides is not None and self.overrides.slots.size:
+            may[np.unique(self.overrides.slots // self.block)] = True  # (an updated item: read it)
+        return may
+
+
+class Overrides:
+    """Items whose metadata was updated after an index was built: their slots, sorted, and their metadata as
+    columns in that order (``columns``, :class:`SlotColumn` without block summaries); ``metadata`` and
+    ``rows_slots`` are the same rows in the order they were merged (what the next update merges with)."""
+
+    def __init__(self, metadata: ItemMetadata, rows_slots: np.ndarray):
+        self.metadata, self.rows_slots = metadata, rows_slots
+        order = np.argsort(rows_slots, kind="stable")
+        self.slots = rows_slots[order]
+        self.columns = {name: _slot_column(col, order, int(order.size), max(int(order.size), 1))
+                        for name, col in metadata.columns.items()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"metadata": self.metadata, "rows_slots": self.rows_slots}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["metadata"], state["rows_slots"])  # type: ignore[misc]
 
 
 def _wanted(col: SlotColumn, op: str, value: Any) -> list[int]:
@@ -225,7 +321,9 @@ def _eval(node: Any, columns: dict[str, SlotColumn], slots: "np.ndarray | slice"
             m = _eval(part, columns, slots)
             out = m if out is None else (out & m if node.op == "and" else out | m)
         return out if out is not None else np.ones(_size(slots), dtype=bool)
-    col, op, value = columns[node.column.name], node.op, node.value
+    col, op, value = columns.get(node.column.name), node.op, node.value
+    if col is None:  # no item here has the field: missing passes the negations only
+        return np.full(_size(slots), op in ("$ne", "$nin"), dtype=bool)
     if col.kind == NUMERIC:
         x = col.numbers[slots]
         if op == "$eq":
@@ -269,7 +367,9 @@ def _may(node: Any, columns: dict[str, SlotColumn], blocks: int) -> np.ndarray:
             m = _may(part, columns, blocks)
             out = m if out is None else (out & m if node.op == "and" else out | m)
         return out if out is not None else np.ones(blocks, dtype=bool)
-    col, op, value = columns[node.column.name], node.op, node.value
+    col, op, value = columns.get(node.column.name), node.op, node.value
+    if col is None:
+        return np.full(blocks, op in ("$ne", "$nin"), dtype=bool)
     if op in ("$ne", "$nin"):
         return np.ones(blocks, dtype=bool)  # (a block holds other values or missing ones: not summarized)
     if col.kind == NUMERIC:
@@ -318,7 +418,7 @@ class LazyFilter:
         # filter that passes few items, spread out): then one pass over the columns' slices gives every count
         self._passing: np.ndarray | None = None
         self._read = 0
-        self._budget = max(index.n // READ_SHARE, 1 << 16) if budget is None else budget
+        self._budget = max(index.n // READ_SHARE, 1 << 14) if budget is None else budget
         self._edge_memo = np.zeros(tables.n_edges, dtype=np.int8)
 
     def _candidate_position(self, slots: np.ndarray) -> np.ndarray:
@@ -410,33 +510,8 @@ class LazyFilter:
             out[~on_edge] = self.index.passes(self.node, slots)
         return out
 
-    def terminal_slots(self, terminals: np.ndarray) -> np.ndarray:
-        """The slot of each terminal id's item (edges are found from their state: the weights of the edges before
-        them)."""
-        t = self.tables
-        n_edges = t.n_edges
-        out = np.empty(terminals.size, dtype=np.int64)
-        on_state = terminals >= n_edges
-        out[on_state] = self.index.state_lo[terminals[on_state] - n_edges]
-        edges = terminals[~on_state]
-        if edges.size:
-            out[~on_state] = self._edge_lo(edges)
-        return out
-
     def _edge_lo(self, edges: np.ndarray) -> np.ndarray:
-        """The first slot of each edge's items: its state's first slot plus the items of the edges before it."""
-        t = self.tables
-        src = np.searchsorted(t.offsets, edges, side="right") - 1
-        item_count = item_metrics(t)[1]
-        out = np.empty(edges.size, dtype=np.int64)
-        for s in np.unique(src).tolist():
-            a, b = int(t.offsets[s]), int(t.offsets[s + 1])
-            nxt = t.next_state[a:b].astype(np.int64)
-            w = np.where(nxt >= 0, item_count[np.maximum(nxt, 0)], 1).astype(np.int64)
-            lo = int(self.index.state_lo[s]) + np.cumsum(w) - w
-            sel = src == s
-            out[sel] = lo[edges[sel] - a]
-        return out
+        return self.index.edge_slots(self.tables, edges)
 
     def edges_ok(self, edges: np.ndarray) -> np.ndarray:
         """``bool`` per edge: an item that passes lies below it (or it ends one); kept per edge."""

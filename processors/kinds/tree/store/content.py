@@ -98,6 +98,8 @@ class TreeContent:
         self.content_dir = os.path.join(host.data_dir, "tree-content")  # one file per SHA-256 (the store keeps the originals)
         self._catalogs: dict[str, Any] = {}  # sha -> parsed Catalog, the newest few
         self._tables: dict[str, Any] = {}  # sha -> a catalog's tables (catalog_tables' form), the newest two
+        # sha -> a catalog's filter index as its compile built it or a metadata PATCH updated it, the newest two
+        self._indexes: dict[str, Any] = {}
         self.tables_patched = 0  # PATCHes whose tables were updated from their base's (not compiled in full)
         # a PATCH of more items than the base's states / this compiles the new items in full: faster there (about
         # 6 touched paths an item, each ~50 states' worth of a full compile; docs/benchmarks.md, catalog PATCH)
@@ -335,6 +337,18 @@ class TreeContent:
             return None
         return pending_need(catalog, delta_items) + int(tables.nbytes)
 
+    def filter_index(self, sha: str) -> Any:
+        """The filter index (:class:`~processors.kinds.tree.filters.index.ItemFilterIndex`) of catalog ``sha``'s
+        compiled version when held here, else None."""
+        return self._indexes.get(sha)
+
+    def remember_index(self, sha: str, index: Any) -> None:
+        """Keep the filter index of catalog ``sha`` (the newest two), for its compile or the next metadata PATCH."""
+        self._indexes.pop(sha, None)
+        self._indexes[sha] = index
+        while len(self._indexes) > 2:
+            self._indexes.pop(next(iter(self._indexes)))
+
     def remember_tables(self, sha: str, tables, patched: bool = False) -> None:
         """Keep the tables of catalog ``sha`` (the newest two: a large catalog's tables are large). ``patched``:
         a PATCH updated them from its base's (counted in ``tables_patched``)."""
@@ -370,10 +384,16 @@ class TreeContent:
             self.remember_tables(sha, tables)
         # a large catalog's key index, for its first PATCH: made here, after the compile's peak, not by that PATCH
         index_row_keys(catalog)
-        return tables, catalog.start_token_id, catalog
+        # a metadata PATCH's filter index, updated from its base's (the compile then builds none)
+        return tables, catalog.start_token_id, catalog, self._indexes.get(sha)
 
     def compiled(self, name: str, compiled: Any, fields: dict[str, Any], scenario: Any) -> None:
-        """A body was compiled: a tree given inline is remembered for its first PATCH (:mod:`processors.kinds.tree.store.inline_bases`)."""
+        """A body was compiled: a catalog's filter index is kept for its next metadata PATCH; a tree given inline is
+        remembered for its first PATCH (:mod:`processors.kinds.tree.store.inline_bases`)."""
+        index = getattr(compiled.constraint, "item_filters", None)
+        sha = fields.get("content_sha256") if isinstance(fields, dict) else None
+        if index is not None and isinstance(sha, str) and fields.get("content_format") == "items":
+            self.remember_index(sha, index)
         if scenario.tree is not None:
             self.bases.note_form(name, compiled, fields, getattr(scenario.tree, "start_token_id", None))
 
