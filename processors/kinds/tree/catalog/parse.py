@@ -202,10 +202,12 @@ def _meta_catalog(body: bytes, start: int, end_id: int, options: dict[str, Any],
         return None
     starts = np.zeros(n, dtype=np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
-    flat = np.empty(int(lengths.sum()), dtype=np.int32)
-    flat[_positions(starts[obj_rows], obj_lengths)] = obj_flat
-    if arr_rows.size:
+    if arr_rows.size:  # the two kinds of lines' ids, each row's where it goes
+        flat = np.empty(int(lengths.sum()), dtype=np.int32)
+        flat[_positions(starts[obj_rows], obj_lengths)] = obj_flat
         flat[_positions(starts[arr_rows], arr_lengths)] = arr_flat
+    else:
+        flat = obj_flat.astype(np.int32)
     lengths = lengths.astype(np.int32)
     keys = row_keys(flat, lengths)
     if (flat.size and bool((flat == end_id).any())) or _repeats(flat, lengths, keys):
