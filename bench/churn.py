@@ -469,6 +469,7 @@ class Run:
         self.fault_windows: list[dict[str, Any]] = []
         self.findings: list[str] = []
         self.writer_failed: str | None = None
+        self.faulting = threading.Event()  # the fault sequence runs: the writer goes on whatever the phase
 
     def phase_at(self, t: float) -> str:
         for kind, a, b in self.phases:
@@ -477,7 +478,7 @@ class Run:
         return self.phases[-1][0] if self.phases and t >= self.phases[-1][2] else "warmup"
 
     def churning(self) -> bool:
-        return self.phase_at(time.time()) == "churn"
+        return self.faulting.is_set() or self.phase_at(time.time()) == "churn"
 
     # readers -------------------------------------------------------------------------------------------------
 
@@ -597,6 +598,13 @@ class Run:
     def faults(self, at: float) -> None:
         """SIGKILL a model replica, the config manager, then Redis, each once the app recovered from the last."""
         self.stop.wait(max(0.0, at - time.time()))
+        self.faulting.set()
+        try:
+            self._faults()
+        finally:
+            self.faulting.clear()
+
+    def _faults(self) -> None:
         for what in ("replica", "manager", "redis"):
             if self.stop.is_set():
                 return
@@ -875,7 +883,14 @@ def main() -> None:
         verify = verify_acked(run) if args.faults else None
         consistency = check_answers(run, LABELS)
         readers = latency_report(run)
-        patch_s = [p["s"] for p in run.patches]
+        patch_s = [p["s"] for p in run.patches if not run.in_fault(p["t0"], p["t0"] + p["s"])]
+        patch_fault_s = [p["s"] for p in run.patches if run.in_fault(p["t0"], p["t0"] + p["s"])]
+        try:
+            health = bench.health()
+            table_deltas = {rid[-8:]: (info or {}).get("table_deltas")
+                            for rid, info in (health.get("replicas") or {}).items()}
+        except requests.RequestException as exc:
+            table_deltas = {"error": repr(exc)[:200]}
         mismatched = [p for p in run.patches if "mismatch" in p]
         if mismatched:
             findings.append(f"{len(mismatched)} PATCH answers counted other than sent, e.g. {mismatched[0]['mismatch']}")
@@ -931,10 +946,15 @@ def main() -> None:
                         "interval_s": args.patch_interval,
                         "p50_s": round(percentile(patch_s, 50), 3) if patch_s else None, "p99_s": patch_p99,
                         "max_s": round(max(patch_s), 3) if patch_s else None,
+                        "in_fault_windows": {"count": len(patch_fault_s),
+                                             "max_s": round(max(patch_fault_s), 3) if patch_fault_s else None},
                         "retried": sum(1 for p in run.patches if p["tries"] > 1),
+                        "replicas_table_deltas": table_deltas,
                         "last_version": run.acks[-1][1], "writer_failed": run.writer_failed},
             "consistency": consistency, "stale": stale,
             "errors": {"outside_faults": n_errors, "by_status": errors, "in_fault_windows": in_faults,
+                       "answers_in_fault_windows": sum(1 for x in run.results if x["status"] == 200
+                                                       and run.in_fault(x["t0"], x["t1"])),
                        "examples": error_examples},
             "memory": memory,
             "fault_windows": [{k: v for k, v in w.items() if not k.startswith("t_")} for w in run.fault_windows],
