@@ -90,7 +90,8 @@ class ItemFilterIndex:
             return None
         terminals = item_terminals(tables, catalog.flat, catalog.lengths)
         index = cls(SlotIndex.build(tables, metadata, terminals), default, catalog.metadata_digest())
-        if default is not None and not index.resolve(tables, None).passing(1):
+        resolved = index.resolve(tables, None) if default is not None else None
+        if resolved is not None and not resolved.passing(1):
             raise ConstraintError(422, "filter: no item of the catalog passes the scenario's filter",
                                   {"field": "filter"})
         return index

@@ -60,8 +60,15 @@ class SlotColumn:
 
     def __init__(self, name: str, kind: str, values: tuple = (), **arrays: Any):
         self.name, self.kind, self.values = name, kind, values
-        for key in ("numbers", "codes", "bits", "offsets", "bmin", "bmax", "bbits", "bkeys"):
-            setattr(self, key, arrays.get(key))
+        # (numpy arrays or None, as the module docstring says which)
+        self.numbers: Any = arrays.get("numbers")
+        self.codes: Any = arrays.get("codes")
+        self.bits: Any = arrays.get("bits")
+        self.offsets: Any = arrays.get("offsets")
+        self.bmin: Any = arrays.get("bmin")
+        self.bmax: Any = arrays.get("bmax")
+        self.bbits: Any = arrays.get("bbits")
+        self.bkeys: Any = arrays.get("bkeys")
         self._index: dict[Any, int] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -131,28 +138,37 @@ def _slot_column(col: Column, row_of_slot: np.ndarray, n: int, block_size: int) 
 
 def tree_slots(tables: MaskTables) -> tuple[np.ndarray, np.ndarray]:
     """``(state_lo, edge_lo)``: the first slot of each state's and each edge's items in the depth-first walk (-1
-    for states and edges the root does not reach). One pass over the tables' levels from the root."""
-    from processors.kinds.tree.filters.edges import TreeLevels
-
+    for states and edges the root does not reach). One pass over the tables' levels from the root (a state has one
+    edge into it in the tables of a catalog: each level's targets are the next level's states as they come)."""
     item_count = item_metrics(tables)[1].astype(np.int64)
     nxt = tables.next_state.astype(np.int64)
+    offsets = tables.offsets.astype(np.int64)
     weight = np.where(nxt >= 0, item_count[np.maximum(nxt, 0)], 1)
     state_lo = np.full(tables.n_states, -1, dtype=np.int64)
     edge_lo = np.full(tables.n_edges, -1, dtype=np.int64)
     if tables.root < 0:
         return state_lo, edge_lo
     state_lo[tables.root] = 0
-    for states, edges, starts in TreeLevels(tables).levels:
-        if not edges.size:
-            continue
+    states = np.array([tables.root], dtype=np.int64)
+    seen = 0
+    while states.size:
+        seen += states.size
+        if seen > tables.n_states:
+            raise ValueError("a state is reached by more than one edge: not the tables of a catalog")
+        counts = offsets[states + 1] - offsets[states]
+        total = int(counts.sum())
+        if not total:
+            break
+        ends = np.cumsum(counts)
+        edges = np.arange(total, dtype=np.int64) + np.repeat(offsets[states] - (ends - counts), counts)
         w = weight[edges]
-        before = np.cumsum(w) - w  # the edges' weights before each, over the level
-        counts = np.diff(np.append(starts, edges.size))
-        seg = np.repeat(before[np.minimum(starts, edges.size - 1)], counts)
-        lo = np.repeat(state_lo[states], counts) + before - seg
+        before = np.cumsum(w) - w  # the weights of the level's edges before each
+        lo = np.repeat(state_lo[states] - before[ends - counts], counts) + before
         edge_lo[edges] = lo
-        inner = nxt[edges] >= 0
-        state_lo[nxt[edges][inner]] = lo[inner]
+        target = nxt[edges]
+        inner = target >= 0
+        states = target[inner]
+        state_lo[states] = lo[inner]
     return state_lo, edge_lo
 
 
@@ -203,7 +219,8 @@ class SlotIndex:
         """The first slot of each edge's items: its state's first slot plus the items of the edges before it (one
         pass over each distinct state's edges)."""
         edges = np.asarray(edges, dtype=np.int64)
-        src = np.searchsorted(tables.offsets, edges, side="right") - 1
+        # (the edges in the offsets' dtype: else numpy converts the whole offsets array at each call)
+        src = np.searchsorted(tables.offsets, edges.astype(tables.offsets.dtype), side="right") - 1
         item_count = item_metrics(tables)[1]
         out = np.empty(edges.size, dtype=np.int64)
         for s in np.unique(src).tolist():
@@ -394,7 +411,7 @@ def _may(node: Any, columns: dict[str, SlotColumn], blocks: int) -> np.ndarray:
     out = np.zeros(blocks, dtype=bool)
     for c in wanted:
         keys = base + c + 1
-        at = np.minimum(np.searchsorted(col.bkeys, keys), max(col.bkeys.size - 1, 0))
+        at = np.minimum(np.searchsorted(col.bkeys, keys), max(int(col.bkeys.size) - 1, 0))
         out |= col.bkeys[at] == keys if col.bkeys.size else False
     return out
 
