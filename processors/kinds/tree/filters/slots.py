@@ -25,6 +25,7 @@ books never hold ``cap`` items.
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import numpy as np
@@ -416,6 +417,14 @@ def _may(node: Any, columns: dict[str, SlotColumn], blocks: int) -> np.ndarray:
     return out
 
 
+def _untouched(n: int, dtype: Any) -> np.ndarray:
+    """``n`` zeros of ``dtype`` in anonymous memory of small pages, none of them touched yet: a page is given (zeroed)
+    when first written, so a sparse use costs the pages it writes. (``np.zeros`` of a large array asks for huge
+    pages: a first write then zeroes 2 MiB.)"""
+    size = max(int(n) * np.dtype(dtype).itemsize, 1)
+    return np.frombuffer(mmap.mmap(-1, size), dtype=dtype, count=int(n))
+
+
 class LazyFilter:
     """A filter resolved for one version, answered per state when asked (see the module docstring)."""
 
@@ -426,17 +435,17 @@ class LazyFilter:
         self._may_blocks = np.flatnonzero(may)  # the blocks that may pass, in order
         self._rank = np.zeros(may.size + 1, dtype=np.int64)  # blocks that may pass before each block
         np.cumsum(may, out=self._rank[1:])
-        # what was asked, per state and per edge, in arrays over the tables that the OS gives zeroed pages for on
-        # first touch (``np.zeros``): their memory follows the states and edges asked, not the tables' size.
+        # what was asked, per state and per edge, in arrays over the tables whose zeroed pages the OS gives on first
+        # touch (:func:`_untouched`): their memory follows the states and edges asked, not the tables' size.
         # A state's entry: 0 not asked, else 1 + 2 * passing items found + (1 when its whole run was read);
         # an edge's: 0 not asked, 1 open (an item that passes lies below it or it ends one), 2 closed.
-        self._state_memo = np.zeros(tables.n_states, dtype=np.int64)
+        self._state_memo = _untouched(tables.n_states, np.int32 if index.n < 2 ** 29 else np.int64)
         # the passing slots, sorted, once the runs read pass a share of the catalog without finding many (a
         # filter that passes few items, spread out): then one pass over the columns' slices gives every count
         self._passing: np.ndarray | None = None
         self._read = 0
         self._budget = max(index.n // READ_SHARE, 1 << 14) if budget is None else budget
-        self._edge_memo = np.zeros(tables.n_edges, dtype=np.int8)
+        self._edge_memo = _untouched(tables.n_edges, np.int8)
 
     def _candidate_position(self, slots: np.ndarray) -> np.ndarray:
         """Where each slot falls among the slots of the blocks that may pass (those slots numbered in order)."""
@@ -507,7 +516,7 @@ class LazyFilter:
             lo = self.index.state_lo[todo].astype(np.int64)
             hi = lo + item_metrics(self.tables)[1][todo].astype(np.int64)
             c, done = self.count_runs(lo, hi, cap)
-            self._state_memo[todo] = 1 + 2 * c + done
+            self._state_memo[todo] = 1 + 2 * np.minimum(c, self.index.n) + done
             code = self._state_memo[s]
             count = (code - 1) >> 1
         out[real] = count
