@@ -438,14 +438,14 @@ class LazyFilter:
         # what was asked, per state and per edge, in arrays over the tables whose zeroed pages the OS gives on first
         # touch (:func:`_untouched`): their memory follows the states and edges asked, not the tables' size.
         # A state's entry: 0 not asked, else 1 + 2 * passing items found + (1 when its whole run was read);
-        # an edge's answers are kept by the state they leave, all of its edges at once.
+        # an edge's: answered with the other edges of its state.
         self._state_memo = _untouched(tables.n_states, np.int32 if index.n < 2 ** 29 else np.int64)
         # the passing slots, sorted, once the runs read pass a share of the catalog without finding many (a
         # filter that passes few items, spread out): then one pass over the columns' slices gives every count
         self._passing: np.ndarray | None = None
         self._read = 0
         self._budget = max(index.n // READ_SHARE, 1 << 14) if budget is None else budget
-        self._segments: dict[int, np.ndarray] = {}  # state -> the answer of each of its edges
+        self._edge_memo = _untouched(tables.n_edges, np.int8)  # 0 not asked, 1 open, 2 closed
 
     def _candidate_position(self, slots: np.ndarray) -> np.ndarray:
         """Where each slot falls among the slots of the blocks that may pass (those slots numbered in order)."""
@@ -541,22 +541,17 @@ class LazyFilter:
 
     def edges_ok(self, edges: np.ndarray) -> np.ndarray:
         """``bool`` per edge: an item that passes lies below it (or it ends one). Answered for all the edges of each
-        state the edges leave at once, and kept per state (what the vector lane and the beam step ask: the edges
-        of the rows' states)."""
+        state the edges leave at once (what the vector lane and the beam step ask: the edges of the rows' states),
+        kept per edge (one page of the array per state's edges)."""
         edges = np.asarray(edges, dtype=np.int64)
-        t = self.tables
-        offsets = t.offsets
-        src = np.searchsorted(offsets, edges.astype(offsets.dtype), side="right") - 1
-        states, back = np.unique(src, return_inverse=True)
-        segments = self._segments
-        todo = [s for s in states.tolist() if s not in segments]
-        if todo:
-            self._answer_segments(np.asarray(todo, dtype=np.int64))
-        parts = [segments[s] for s in states.tolist()]
-        sizes = np.fromiter((p.size for p in parts), dtype=np.int64, count=len(parts))
-        starts = np.cumsum(sizes) - sizes
-        flat = np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
-        return flat[starts[back] + (edges - offsets[src].astype(np.int64))]
+        memo = self._edge_memo[edges]
+        todo = memo == 0
+        if todo.any():
+            offsets = self.tables.offsets
+            src = np.searchsorted(offsets, edges[todo].astype(offsets.dtype), side="right") - 1
+            self._answer_segments(np.unique(src))
+            memo = self._edge_memo[edges]
+        return memo == 1
 
     def _answer_segments(self, states: np.ndarray) -> None:
         """The answers of every edge of ``states``: for an edge into a state, whether a passing item lies below it
@@ -576,8 +571,7 @@ class LazyFilter:
             ok[inner] = found >= 1
         if (~inner).any():
             ok[~inner] = self.index.passes(self.node, self._edge_lo(edges[~inner]))
-        for state, part in zip(states.tolist(), np.split(ok, ends[:-1])):
-            self._segments[state] = part
+        self._edge_memo[edges] = np.where(ok, 1, 2)
 
 
 class _Ends:
