@@ -6,9 +6,14 @@ columns (``region``: 8 values, ``stock``: 0-99, ``published``: a timestamp over 
 ``ItemMetadata.from_columns``) and its ``MaskTables`` (``catalog_tables``). Then, for filters of three clauses that
 pass about 50%, 1% and 0.01% of the items:
 
-* **resolve**: ``parse_filter`` + ``Filter.mask`` (the items that pass) and ``filter_book`` (what the decode step
-  reads: per state the items left out), in ms; the items' terminals (``item_terminals``, once per catalog version,
-  not per filter) are reported on their own;
+* **resolve**: ``parse_filter`` + ``Filter.mask`` (the items that pass) and ``filter_book`` (per state the items left
+  out: the whole resolve the lazy one replaced), in ms; the items' terminals (``item_terminals``) and the slot index
+  (``SlotIndex.build``), once per catalog version, not per filter, are reported on their own;
+* **lazy, cold**: what the service does for a filter new to a version (``LazyFilter`` over the ``SlotIndex``): the
+  filter checked, its blocks, the root's count a 16-beam ``n`` 10 request's admission asks (cap 17) and the beam plan
+  of 16 beams at every depth of random passing items, once (``lazy_cold_16_beams_ms``, the median of 3); and the
+  lane step and the 256-beam plan with the lazy book (``lazy_lane_step_ratio``, ``lazy_beam_plan_ratio``, against
+  the same unfiltered steps);
 * **step**: the table work of one decode step of ``--rows`` rows (``TreeCursor.step`` + ``advance`` of each row
   along a random path; the per-row path that item controls take), with the filter's book against without a filter:
   ``step_ratio`` against the same per-row path with an ``exclude`` book that leaves nothing out (what a request
