@@ -118,7 +118,9 @@ class MetaRows(Sequence):
 _SAFE_LOW, _SAFE_HIGH = 1e-4, 1e10
 
 
-def _kind(pa: Any, typ: Any) -> str | None:
+def arrow_kind(pa: Any, typ: Any) -> str | None:
+    """The metadata kind of an Arrow type: ``null`` (every row null), ``str``, ``bool``, ``int``, ``float`` or
+    ``list`` (of strings, or of nulls only); None for any other type."""
     if pa.types.is_null(typ):
         return "null"
     if pa.types.is_string(typ) or pa.types.is_large_string(typ):
@@ -153,7 +155,7 @@ def arrow_metadata(columns: dict[str, Any], n: int, limits: Any = None,
     fields: list[tuple[int, int, str, Any, str]] = []
     for position, (name, array) in enumerate(columns.items()):
         array = array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
-        kind = _kind(pa, array.type)
+        kind = arrow_kind(pa, array.type)
         if kind is None or len(array) != n:
             return None
         if kind == "null" or array.null_count == n:
@@ -290,3 +292,20 @@ def _number_text(pa, pc, array, kind, numbers, valid, name, float_rows):
         rows = np.flatnonzero(odd)
         shown = pc.replace_with_mask(shown, pa.array(odd), pa.array([repr(float(x)) for x in numbers[rows]], text))
     return shown
+
+
+def with_arrow_metadata(catalog: Any, columns: dict[str, Any], float_rows: Any = None) -> Any:
+    """``catalog`` with the metadata of the Arrow arrays ``columns`` (:func:`arrow_metadata`, one array per field
+    over its items), or None when a value breaks a rule or a kernel refuses it (the per-line read then names it)."""
+    import pyarrow as pa
+
+    try:
+        made = arrow_metadata(columns, len(catalog), float_rows=float_rows)
+    except (pa.ArrowException, ValueError, OverflowError):
+        return None
+    if made is None:
+        return None
+    meta, metadata = made
+    if metadata.columns:
+        catalog.meta, catalog._metadata = meta, metadata
+    return catalog

@@ -48,19 +48,11 @@ def _refused(message: str, field: str = "body", **detail: Any) -> ConstraintErro
 
 def _kind(pa: Any, column: str, typ: Any) -> str:
     """The metadata kind of a column's Arrow type: ``str``, ``bool``, ``int``, ``float`` or ``list`` (of strings)."""
-    if pa.types.is_null(typ):  # every row null: no item has the field
-        return "null"
-    if pa.types.is_string(typ) or pa.types.is_large_string(typ):
-        return "str"
-    if pa.types.is_boolean(typ):
-        return "bool"
-    if pa.types.is_integer(typ):
-        return "int"
-    if pa.types.is_floating(typ):
-        return "float"
-    if (pa.types.is_list(typ) or pa.types.is_large_list(typ)) and (
-            pa.types.is_string(typ.value_type) or pa.types.is_large_string(typ.value_type)):
-        return "list"
+    from processors.kinds.tree.catalog.columns import arrow_kind
+
+    kind = arrow_kind(pa, typ)
+    if kind is not None and not (kind == "list" and pa.types.is_null(typ.value_type)):
+        return kind
     raise _refused(f"column {shown_name(column)!r} has type {typ}; metadata columns are strings, booleans, integers, "
                    "floats or lists of strings", field=f"parquet.{shown_name(column)}")
 
@@ -90,19 +82,9 @@ def _with_metadata(pa: Any, catalog: Any, table: Any, kinds: dict[str, str]) -> 
     """``catalog`` with the metadata of the file's other columns, made from the columns
     (:func:`~processors.kinds.tree.catalog.columns.arrow_metadata`: no text per row, no Python object per row); None
     when a value breaks a rule (the NDJSON read then names it)."""
-    from processors.kinds.tree.catalog.columns import arrow_metadata
+    from processors.kinds.tree.catalog.columns import with_arrow_metadata
 
-    columns = {name: table.column(name) for name, kind in kinds.items() if kind != "null"}
-    try:
-        made = arrow_metadata(columns, len(catalog))
-    except (pa.ArrowException, ValueError, OverflowError):
-        return None
-    if made is None:
-        return None
-    meta, metadata = made
-    if metadata.columns:
-        catalog.meta, catalog._metadata = meta, metadata
-    return catalog
+    return with_arrow_metadata(catalog, {name: table.column(name) for name, kind in kinds.items() if kind != "null"})
 
 
 class ParquetShape(NamedTuple):

@@ -147,7 +147,7 @@ def _meta_catalog(body: bytes, start: int, end_id: int, options: dict[str, Any],
     import pyarrow as pa
     import pyarrow.json as pj
 
-    from processors.kinds.tree.catalog.columns import arrow_metadata
+    from processors.kinds.tree.catalog.columns import with_arrow_metadata
 
     if b"null" in body and _NULL.search(body):
         return None
@@ -239,16 +239,7 @@ def _meta_catalog(body: bytes, start: int, end_id: int, options: dict[str, Any],
                 return None
         return out
 
-    try:
-        made = arrow_metadata(fields, n, float_rows=float_rows)
-    except (pa.ArrowException, ValueError, OverflowError):
-        return None
-    if made is None:
-        return None
-    meta_rows, metadata = made
-    if metadata.columns:
-        catalog.meta, catalog._metadata = meta_rows, metadata
-    return catalog
+    return with_arrow_metadata(catalog, fields, float_rows)
 
 
 def _positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
