@@ -201,7 +201,8 @@ def run_size(n: int, codebook: int, rows: int, steps: int) -> dict:
     bare = step_seconds(tables, ids, rows, steps, lambda: None)
     lane_bare = lane_seconds(tables, ids, rows, steps, lambda: None)
     beams_bare = beam_plan_seconds(tables, ids, 256, None)
-    from processors.kinds.tree.filters.slots import FilterView, LazyFilter, SlotIndex
+    from processors.kinds.tree.filters.lazy import FilterView, LazyFilter
+    from processors.kinds.tree.filters.slots import SlotIndex
 
     t0 = time.perf_counter()
     slots = SlotIndex.build(tables, metadata, terminals)

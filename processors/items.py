@@ -143,7 +143,7 @@ class DenseBook:
 
     def edges_ok(self, tables: MaskTables, edges: np.ndarray) -> np.ndarray:
         """:meth:`edge_ok` at ``edges`` (the interface a lazily resolved filter answers too:
-        :class:`processors.kinds.tree.filters.slots.FilterView`)."""
+        :class:`processors.kinds.tree.filters.lazy.FilterView`)."""
         return self.edge_ok(tables)[edges]
 
     def __bool__(self) -> bool:

@@ -21,7 +21,7 @@ __all__ = ["admit_item_controls", "filter_cap"]
 def filter_cap(req, compiled) -> int:
     """One more than the items a request's rows can take, occupy or exclude (its outputs or beams times the items a
     row may hold, and its ``exclude``): the passing items below a state a filtered request reads at most
-    (:class:`processors.kinds.tree.filters.slots.FilterView`)."""
+    (:class:`processors.kinds.tree.filters.lazy.FilterView`)."""
     rows = max(int(getattr(req, "n", 1) or 1), int(getattr(req, "num_beams", 1) or 1))
     per_row = int((compiled.settings or {}).get("max_items", 1) or 1) if compiled is not None else 1
     return rows * per_row + len(getattr(req, "exclude", None) or ()) + 1

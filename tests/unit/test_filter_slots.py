@@ -1,4 +1,4 @@
-"""Filters resolved lazily over slot-ordered metadata (``processors/kinds/tree/filters/slots.py``): on random catalogs
+"""Filters resolved lazily over slot-ordered metadata (``processors/kinds/tree/filters/lazy.py`` over ``slots.py``): on random catalogs
 and random filters, every state's count of passing items (capped), every edge's answer and every terminal's, as
 the decode step reads them, against a brute-force walk of each item's path with the filter language's rules
 written apart from the code under test (``tests/item_checks.py:filter_passes``). Small blocks, so the block
@@ -17,7 +17,8 @@ from processors.kinds.tree.catalog.catalog import Catalog
 from processors.kinds.tree.filters.edges import item_terminals
 from processors.kinds.tree.filters.language import parse_filter
 from processors.kinds.tree.filters.metadata import ItemMetadata
-from processors.kinds.tree.filters.slots import FilterView, LazyFilter, SlotIndex
+from processors.kinds.tree.filters.lazy import FilterView, LazyFilter
+from processors.kinds.tree.filters.slots import SlotIndex
 from processors.kinds.tree.tables.compile import catalog_tables
 from processors.tables import item_metrics
 from processors.tree import TreeCursor
@@ -179,6 +180,9 @@ def test_updates_beside_the_arrays_filter_as_the_updated_catalog(seed):
             reached = sorted({s for p in paths for s in p})
             view = resolved.view(10_000)
             assert np.array_equal(item_count[reached] - view.lookup(np.asarray(reached)), count[reached]), flt
+            # the same filter evaluated over every slot at once (its read budget spent): the updates read too
+            whole = FilterView(LazyFilter(index.slots, tables, parse_filter(flt, index.schema), budget=0), 10_000)
+            assert np.array_equal(item_count[reached] - whole.lookup(np.asarray(reached)), count[reached]), flt
             terms = np.asarray([w[-1] for w in walked])
             assert np.array_equal(view.ends_taken(terms), ~np.asarray(ok, dtype=bool)), flt
     # past an eighth of the items held beside the arrays: built anew by the caller

@@ -5,8 +5,8 @@ in the tables (:func:`processors.kinds.tree.filters.edges.item_terminals`) gives
 are kept in slot order with their block summaries (:class:`processors.kinds.tree.filters.slots.SlotIndex`). It
 travels with the compiled tables to the replicas. A request's filter is checked
 (:func:`processors.kinds.tree.filters.language.parse_filter`, a 422 naming the field) and resolved lazily
-(:class:`~processors.kinds.tree.filters.slots.LazyFilter`): the request reads it as a book of the items that do not
-pass (:class:`~processors.kinds.tree.filters.slots.FilterView`), so the item controls treat those as excluded and
+(:class:`~processors.kinds.tree.filters.lazy.LazyFilter`): the request reads it as a book of the items that do not
+pass (:class:`~processors.kinds.tree.filters.lazy.FilterView`), so the item controls treat those as excluded and
 ``n``, ``distinct``, beams, multi-item rows and the token budget all count only items that pass; each state's count
 is computed when a row first asks it. The resolved filter is cached per filter (its canonical JSON) for this
 version: a repeated filter costs a dictionary lookup, and the counts its earlier requests asked for.
@@ -27,7 +27,8 @@ from processors.tables import content_hash
 from processors.kinds.tree.filters.edges import item_terminals
 from processors.kinds.tree.filters.language import Filter, FilterLimits, parse_filter
 from processors.kinds.tree.filters.metadata import ItemMetadata
-from processors.kinds.tree.filters.slots import FilterView, LazyFilter, SlotIndex
+from processors.kinds.tree.filters.lazy import FilterView, LazyFilter
+from processors.kinds.tree.filters.slots import SlotIndex
 
 __all__ = ["ItemFilterIndex", "ResolvedFilter"]
 
@@ -38,7 +39,7 @@ CACHED_FILTERS = 32
 
 
 class ResolvedFilter:
-    """A filter resolved for one version (:class:`~processors.kinds.tree.filters.slots.LazyFilter`): read by a
+    """A filter resolved for one version (:class:`~processors.kinds.tree.filters.lazy.LazyFilter`): read by a
     request as a book of the items it leaves out, with the request's cap (:meth:`view`)."""
 
     __slots__ = ("lazy",)
