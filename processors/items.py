@@ -112,10 +112,10 @@ class _Marked:
 
 
 class DenseBook:
-    """A fixed set of items left out, as arrays over the whole tables (a request's ``filter``: the items that do not
-    pass): ``counts[s]`` items below state ``s``, ``ends`` their terminals. Read like an :class:`ItemBook` (the item
-    controls treat a filtered-out item as an excluded one), never written: one is shared by every row and request
-    with the same filter. Built by :func:`processors.kinds.tree.filters.edges.passing_counts`."""
+    """A fixed set of items left out, as arrays over the whole tables (the items a filter does not pass, in the
+    whole-tables form: :func:`processors.kinds.tree.filters.edges.filter_book`; the service reads a lazily resolved
+    filter through the same interface, :class:`processors.kinds.tree.filters.lazy.FilterView`): ``counts[s]`` items
+    below state ``s``, ``ends`` their terminals. Read like an :class:`ItemBook`, never written."""
 
     __slots__ = ("counts_array", "ends", "_padded", "_edge_ok")
 

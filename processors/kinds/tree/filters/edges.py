@@ -1,16 +1,15 @@
-"""What a resolved filter means for the decode step: a boolean per edge of the served tables.
-
-A filter (:mod:`processors.kinds.tree.filters.language`) passes some of the catalog's items. A row may take an edge only while an item that passes
-lies below it (or the edge ends such an item): :func:`edge_mask` gives that ``bool`` per edge, so a step's work is
-one gather per row (``edge_ok[offsets[s]:offsets[s+1]]``), whatever the catalog's size or the filter's clauses.
+"""Each item's terminal in the tables, and a filter's answer over the whole tables at once.
 
 Each item's *terminal* (the edge that ends it, or ``n_edges + state`` for an item that ends in a state without edges)
-is computed once per version (:func:`item_terminals`). A resolve then walks up from the terminals of the items that
-pass only (:func:`passing_counts`: one gather per level of the tree over those items, through each state's parent
-edge, :class:`TreeParents`, made once per tables): the states and edges on their paths are the ones that stay
-open, and the count per state is one ``bincount``. Its cost follows the items that pass, not the catalog; the rest
-is a few passes over the states. :func:`edge_mask` is the same per-edge answer computed top-down over the tree's
-levels (:class:`TreeLevels`), the reference the tests tie it to.
+is computed once per version (:func:`item_terminals`): the filter index places each item's metadata by it
+(:class:`processors.kinds.tree.filters.slots.SlotIndex`).
+
+The rest is the whole-tables form of a resolved filter, which the service no longer builds (it resolves lazily:
+:mod:`processors.kinds.tree.filters.lazy`); the tests and ``bench/filters.py`` compare against it. Given a boolean
+per item, :func:`passing_counts` walks up from the passing items' terminals (through each state's parent edge,
+:class:`TreeParents`) to the count per state and a ``bool`` per edge, :func:`filter_book` makes that a
+:class:`~processors.items.DenseBook`, and :func:`edge_mask` is the same per-edge answer computed top-down over the
+tree's levels (:class:`TreeLevels`).
 """
 
 from __future__ import annotations
