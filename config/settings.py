@@ -403,7 +403,8 @@ class ServerSettings(BaseModel):
                     "serves (the manager's own update, checked against the new tables' content hash) or fetching "
                     "the whole new tables from the object store. auto: apply it when the tables would come over the "
                     "network (a replica on another node than the config manager), fetch them on the manager's node "
-                    "(shared memory, cheaper than the update).",
+                    "(shared memory, cheaper than the update); a PATCH that only updates item metadata is applied "
+                    "on every node (it costs the updated items; a fetch copies the whole filter index).",
     )
     http_host: str = Field(default="127.0.0.1", description="Where Serve's HTTP proxy listens.")
     http_port: int = Field(default=8000, ge=1, le=65535, description="Serve's HTTP port.")

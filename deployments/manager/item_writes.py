@@ -123,6 +123,8 @@ def patch_write(manager: Any, name: str, delta: Any, idempotency_key: str | None
         if result.replica_delta:
             added, removed = report.applied(add, remove)  # for replicas serving `current` (they apply the delta)
             delta = {"base": current, "add": added, "remove": removed}
+            if report.updated and not (report.added or report.removed):  # a metadata delta: the entries as given
+                delta["update"] = update
         note = "".join(f", {step} {took:.3f} s" for step, took in report.timings.items())
         return Draft(body=body, content=content, new_content=new_sha, answer=answer, expect_current=current,
                      redraft_on_conflict=base is None, lookup_first=True, replica_delta=delta, note=note)

@@ -20,7 +20,8 @@ class ServedScenario:
     compiled: Any  # the CompiledScenario without Ray; None with Ray (the object store holds it)
     ref: Any  # ObjectRef when Ray is initialized, else the compiled object itself
     # a catalog PATCH's delta from the version served before it: {"base", "add", "remove", "tables"} (the items the
-    # PATCH added and removed, and the ``version`` of the tables they give); a replica serving ``base`` may apply it
+    # PATCH added and removed, and the ``version`` of the tables they give; ``update``: the entries of a PATCH that
+    # only changed item metadata, a metadata delta); a replica serving ``base`` may apply it
     # to its own tables instead of fetching ``ref`` (deployments/replica/table_delta.py)
     delta: dict[str, Any] | None = None
 

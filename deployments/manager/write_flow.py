@@ -93,7 +93,7 @@ class Draft:
     result: dict[str, Any] | None = None
     replay: dict[str, Any] | None = None
     lookup_first: bool = False
-    replica_delta: dict[str, Any] | None = None  # a PATCH's {"base", "add", "remove"} for the replicas (served.py)
+    replica_delta: dict[str, Any] | None = None  # a PATCH's {"base", "add", "remove"[, "update"]} for the replicas (served.py)
     note: str = ""  # added to the log line (how the body came)
 
 

@@ -98,7 +98,7 @@ class ScenarioSubscriber:
             compiled = None
             delta = entry.get("delta")
             if (delta is not None and current is not None and current[0] == delta.get("base")
-                    and await asyncio.to_thread(delta_wanted, self.table_delta, entry["ref"])):
+                    and await asyncio.to_thread(delta_wanted, self.table_delta, entry["ref"], delta)):
                 compiled = await asyncio.to_thread(apply_table_delta, current[1], delta)
                 self.table_deltas += compiled is not None
             if compiled is None:

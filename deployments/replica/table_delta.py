@@ -2,15 +2,19 @@
 version's whole tables from the object store.
 
 The config manager publishes a patched version with the delta it was made by (``deployments/manager/served.py``:
-``{"base", "add", "remove", "tables"}``). A replica serving ``base`` updates its own tables along the changed paths
-(its kind's :meth:`~processors.kinds.base.ConstraintKind.patch_compiled`: the tree's
-:func:`processors.kinds.tree.tables.delta.patch_tables`, the manager's own step) and keeps the result only when its ``version``
-(the content hash of the arrays) is the announced ``tables``: then it holds the very tables a fetch would give. Any
+``{"base", "add", "remove", "tables"}``, and ``update``: the PATCH's entries, when it only changed item metadata). A
+replica serving ``base`` updates its own tables along the changed paths (its kind's
+:meth:`~processors.kinds.base.ConstraintKind.patch_compiled`: the tree's
+:func:`processors.kinds.tree.tables.delta.patch_tables`, the manager's own step), or for a metadata delta keeps the
+same tables and updates their filter index beside its arrays (``ItemFilterIndex.updated_by``, what the manager's
+PATCH did: the replica's memory for the new version is the updated items'), and keeps the result only when its
+``version`` (a content hash) is the announced ``tables``: then it holds the very tables a fetch would give. Any
 other case (no delta, another version served, a hash that differs, an error) fetches the whole tables as before.
 
 Whether to apply it is the setting ``replica_table_delta``: ``auto`` applies it where a fetch would cross the
 network (the tables are not in this node's object store: a replica on another node than the manager), since on the
-manager's node a fetch maps the shared memory and costs less than the update; ``always`` and ``never`` force it.
+manager's node a fetch maps the shared memory and costs less than the update (a metadata delta is applied on
+every node: :func:`delta_wanted`); ``always`` and ``never`` force it.
 """
 
 from __future__ import annotations
@@ -25,10 +29,14 @@ logger = logging.getLogger(__name__)
 __all__ = ["apply_table_delta", "delta_wanted"]
 
 
-def delta_wanted(mode: str, ref: Any) -> bool:
-    """Apply a published delta (``mode``: the ``replica_table_delta`` setting) rather than fetch ``ref``?"""
+def delta_wanted(mode: str, ref: Any, delta: dict[str, Any] | None = None) -> bool:
+    """Apply a published ``delta`` (``mode``: the ``replica_table_delta`` setting) rather than fetch ``ref``? A
+    metadata delta (``update``: the tables stay the same arrays) is applied unless the mode is ``never``: it costs
+    the updated items, where a fetch takes a whole copy of the version's filter index."""
     if mode != "auto":
         return mode == "always"
+    if delta is not None and delta.get("update"):
+        return True
     ray = sys.modules.get("ray")
     if ray is None or not isinstance(ref, ray.ObjectRef):
         return False  # a manager without Ray hands over the object itself: nothing to fetch
@@ -50,7 +58,10 @@ def apply_table_delta(compiled: Any, delta: dict[str, Any]) -> Any | None:
     if kind is None:
         return None
     try:
-        tables = kind.patch_compiled(compiled.constraint, delta["add"], delta["remove"])
+        if delta.get("update"):
+            tables = kind.patch_compiled(compiled.constraint, delta["add"], delta["remove"], delta["update"])
+        else:
+            tables = kind.patch_compiled(compiled.constraint, delta["add"], delta["remove"])
     except Exception:  # noqa: BLE001 - any failure here only means a fetch
         logger.warning("applying a catalog delta to the served tables failed; fetching them", exc_info=True)
         return None

@@ -202,8 +202,10 @@ class ConstraintKind(ABC):
         :class:`~processors.kinds.patch.PatchStore` too (the tree's: :class:`processors.kinds.tree.store.content.TreeContent`)."""
         return None
 
-    def patch_compiled(self, constraint: Any, add: list[Any], remove: list[Any]) -> Any | None:
-        """``constraint`` (a served version's) updated by a PATCH's applied ``add`` / ``remove`` items, as the config
+    def patch_compiled(self, constraint: Any, add: list[Any], remove: list[Any],
+                       update: list[Any] | None = None) -> Any | None:
+        """``constraint`` (a served version's) updated by a PATCH's applied ``add`` / ``remove`` items, or by its
+        ``update`` entries (a PATCH that only changed item metadata: a metadata delta), as the config
         manager's PATCH updated its own copy (a replica serving the base applies the published delta instead of
         fetching the new version: ``deployments/replica/table_delta.py``); None when the kind cannot (the replica
         then fetches it). Raises on a failure (the replica fetches too)."""

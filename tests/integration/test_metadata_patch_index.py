@@ -90,3 +90,95 @@ def test_metadata_patches_update_the_index_beside_its_arrays(tokenizer, data_dir
 
     run(manager, body)
     assert len(content._indexes) <= 2  # the newest two versions' indexes are held, not one per PATCH
+
+
+async def _poll(manager, subscriber) -> None:
+    """A replica's long poll (ScenarioSubscriber._poll) on this event loop: the manager is an object here."""
+    await subscriber._apply(await manager.register(subscriber.replica_id))
+    while True:
+        snapshot = await manager.wait_for_update(subscriber.replica_id, subscriber.epoch, 10.0)
+        if snapshot:
+            await subscriber._apply(snapshot)
+
+
+def test_replicas_apply_a_metadata_patch_as_a_delta_of_the_updated_items(tokenizer, data_dir):
+    """A PATCH that only updates metadata is published as a metadata delta (its entries): a replica serving the base
+    (the real ScenarioSubscriber, ``replica_table_delta: auto``) keeps the same table arrays and updates the filter
+    index beside them, reaching the manager's version exactly; one set to ``never`` fetches; a replica whose index is
+    not the manager's finds the hash differs and fetches; a PATCH that adds items is fetched (no delta with
+    metadata)."""
+    import asyncio
+    import dataclasses
+
+    from deployments.metrics import ReplicaMetrics
+    from deployments.replica.subscriber import ScenarioSubscriber
+
+    rnd = random.Random(5)
+    keys = sorted({tuple(rnd.randint(3, 60) for _ in range(rnd.randint(1, 4))) for _ in range(800)})
+    items = {k: {"region": rnd.choice(REGIONS), "stock": rnd.randint(0, 5)} for k in keys}
+    manager = make_manager(tokenizer, data_dir, client=connect_redis(None, data_dir))
+    auto = ScenarioSubscriber(manager, replica_id="auto", table_delta="auto", metrics=ReplicaMetrics(False))
+    never = ScenarioSubscriber(manager, replica_id="never", table_delta="never", metrics=ReplicaMetrics(False))
+
+    def served(subscriber):
+        return subscriber.scenario("cat")
+
+    async def wait_served(version):
+        for _ in range(200):
+            if all(served(s) is not None and served(s)[0] == version for s in (auto, never)):
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"replicas did not serve version {version}")
+
+    async def main():
+        tasks = [asyncio.get_running_loop().create_task(_poll(manager, s)) for s in (auto, never)]
+        try:
+            first = await manager.put_items("cat", _ndjson(items))
+            await wait_served(first["version"])
+            for round_ in range(3):
+                before = served(auto)[1].constraint
+                update = []
+                for k in rnd.sample(keys, 10):
+                    items[k] = {"region": rnd.choice(REGIONS), "stock": rnd.randint(0, 5)}
+                    update.append({"ids": list(k), "metadata": items[k]})
+                result = await manager.patch("cat", {"update": update})
+                await wait_served(result["version"])
+                assert auto.table_deltas == round_ + 1 and never.table_deltas == 0  # applied there, fetched here
+                tables = served(auto)[1].constraint
+                assert tables.version == served(never)[1].constraint.version  # the manager's version, exactly
+                assert tables.offsets is before.offsets and tables.next_state is before.next_state  # arrays shared
+                assert tables.item_filters.slots.overridden >= 10  # the updates beside the base's arrays
+                for subscriber in (auto, never):
+                    _check_served(subscriber_view(subscriber), "cat", items)
+            # a replica whose index is not the manager's (a fault made by hand): the result's hash differs, it fetches
+            version, compiled = served(auto)
+            other = dataclasses.replace(compiled, constraint=dataclasses.replace(compiled.constraint))
+            object.__setattr__(other.constraint, "item_filters", compiled.constraint.item_filters.updated_by(
+                compiled.constraint, [{"ids": list(keys[0]), "metadata": {"region": "nowhere"}}]))
+            auto._scenarios["cat"] = (version, other)
+            k = keys[1]
+            items[k] = {"region": "eu", "stock": 4}
+            result = await manager.patch("cat", {"update": [{"ids": list(k), "metadata": items[k]}]})
+            await wait_served(result["version"])
+            assert auto.table_deltas == 3  # not applied: fetched
+            _check_served(subscriber_view(auto), "cat", items)
+            # an add with metadata: fetched whole
+            new = (61, 62, 63)
+            items[new] = {"region": "us", "stock": 1}
+            result = await manager.patch("cat", {"add": [{"ids": list(new), "metadata": items[new]}]})
+            await wait_served(result["version"])
+            assert auto.table_deltas == 3
+            _check_served(subscriber_view(auto), "cat", items)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await manager.close()
+
+    asyncio.run(main())
+
+
+def subscriber_view(subscriber):
+    """A subscriber's served scenarios as ``_check_served`` reads a replica's (``.tables``: name -> (version, compiled))."""
+    class View:
+        tables = dict(subscriber.served())
+    return View

@@ -11,7 +11,7 @@ from config import ConstraintError, ScenarioError
 from config.settings import LimitExceeded
 
 from ...registry import register
-from ...tables import DONE, MaskTables, build_tree_tables, content_hash, item_metrics
+from ...tables import DONE, MaskTables, build_tree_tables, item_metrics
 from ...tree import TreeCursor
 from ..base import Capabilities, CompileResult, ConstraintKind
 from processors.kinds.tree.filters.language import filter_limits
@@ -80,8 +80,8 @@ class TreeKind(ConstraintKind):
         default = getattr(scenario, "filter", None)
         if catalog:
             try:
-                index = held if held is not None and held.default == default else ItemFilterIndex.build(
-                    tables, catalog[0], default)
+                fits = held is not None and held.default == default and held.tables_version == tables.version
+                index = held if fits else ItemFilterIndex.build(tables, catalog[0], default)
             except ConstraintError as exc:  # the scenario's own filter: an invalid body, naming the field
                 raise ScenarioError("invalid", exc.message, field="filter") from None
         elif default is not None:
@@ -90,10 +90,7 @@ class TreeKind(ConstraintKind):
         else:
             index = None
         if index is not None:  # a catalog with item metadata: its filter index travels with (a copy of) the tables
-            tables = copy.copy(tables)
-            object.__setattr__(tables, "item_filters", index)
-            # versioned with the metadata: the same items with other metadata are another version
-            object.__setattr__(tables, "version", content_hash("tables+metadata", tables.version, index.digest))
+            tables = _with_index(tables, index)
         return CompileResult(tables, int(start_token_id) if scenario.append_start_token else None)
 
     def item_filter(self, constraint, value, limits):
@@ -112,11 +109,17 @@ class TreeKind(ConstraintKind):
             raise LimitExceeded(exc.field, f"{exc.what} in tree file {scenario.path}", exc.limit_name,
                                 exc.limit) from None
 
-    def patch_compiled(self, constraint, add, remove):
+    def patch_compiled(self, constraint, add, remove, update=None):
         from processors.kinds.tree.patch.items import patched_tables
 
-        # (a catalog with metadata is never published with a delta: its replicas fetch the version whole)
-        return patched_tables(constraint, add, remove, overlay=getattr(constraint, "item_filters", None) is None)
+        index = getattr(constraint, "item_filters", None)
+        if update:  # a metadata delta (only metadata changed): the same tables, the index updated beside its arrays
+            if add or remove or index is None:
+                return None
+            new = index.updated_by(constraint, update)
+            return None if new is None else _with_index(constraint, new)
+        # (a catalog with metadata is never published with an add / remove delta: its replicas fetch the version)
+        return patched_tables(constraint, add, remove, overlay=index is None)
 
     def cursor(self, constraint, info) -> TreeCursor:
         return TreeCursor(constraint)
@@ -129,26 +132,38 @@ class TreeKind(ConstraintKind):
         from processors.kinds.tree.patch.items import patch_stored_tree
 
         result = patch_stored_tree(name, body, add, remove, store, prepared, update or [])
-        _update_filter_index(body, result, update or [], store)
+        if _update_filter_index(body, result, update or [], store):  # replicas may apply the same update
+            result = result._replace(replica_delta=True)
         return result
 
 
-def _update_filter_index(body, result, update: list, store) -> None:
+def _with_index(tables: MaskTables, index: ItemFilterIndex) -> MaskTables:
+    """A copy of ``tables`` (the same arrays) with the filter index ``index`` joined, versioned with the metadata:
+    the same items with other metadata are another version (:attr:`ItemFilterIndex.version`)."""
+    tables = copy.copy(tables)
+    object.__setattr__(tables, "item_filters", index)
+    object.__setattr__(tables, "version", index.version)
+    return tables
+
+
+def _update_filter_index(body, result, update: list, store) -> bool:
     """A PATCH that only updated metadata of a stored catalog: the new version's filter index from the base's,
-    at the cost of the updated items (kept in ``store`` for the compile; else the compile builds it whole)."""
+    at the cost of the updated items (kept in ``store`` for the compile; else the compile builds it whole). True
+    when it was: the tables are the base's, so a replica serving the base can make the same index from the same
+    ``update`` (:meth:`TreeKind.patch_compiled`) instead of fetching the version."""
     report = result.report
     if not (report.updated and not report.added and not report.removed and isinstance(body, dict)):
-        return
+        return False
     base_sha, new_sha = body.get("content_sha256"), result.body.get("content_sha256")
     base = store.filter_index(base_sha) if isinstance(base_sha, str) else None
     tables = store.catalog_tables(new_sha) if isinstance(new_sha, str) else None
     if base is None or tables is None or tables is not store.catalog_tables(base_sha):
-        return
-    items = [tuple(entry["ids"]) for entry in update]
-    objects = [entry.get("metadata") or None for entry in update]
-    index = base.updated(tables, items, objects)
-    if index is not None:
-        store.remember_index(new_sha, index)
+        return False
+    index = base.updated_by(tables, update)
+    if index is None:
+        return False
+    store.remember_index(new_sha, index)
+    return True
 
 
 register(TreeKind())

@@ -59,19 +59,30 @@ class ResolvedFilter:
 class ItemFilterIndex:
     """The metadata of a compiled catalog's items in slot order (see the module docstring)."""
 
-    def __init__(self, slots: SlotIndex, default: dict[str, Any] | None = None, digest: str = ""):
+    def __init__(self, slots: SlotIndex, default: dict[str, Any] | None = None, digest: str = "",
+                 tables_version: str = ""):
         self.slots = slots
         self.digest = digest  # names the metadata (a compiled version's with its tables)
+        # the version of the tables it was built on, before the metadata joined it (a compiled version's is
+        # content_hash("tables+metadata", tables_version, digest): what a replica applying a metadata delta checks)
+        self.tables_version = tables_version
         self.default = default  # the scenario's own filter: every request's filter is ANDed with it
         self._default_node: Any = None  # parsed once in each process
         self._cache: OrderedDict[str, ResolvedFilter] = OrderedDict()
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:  # the cache and its lock stay where they were made
-        return {"slots": self.slots, "default": self.default, "digest": self.digest}
+        return {"slots": self.slots, "default": self.default, "digest": self.digest,
+                "tables_version": self.tables_version}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["slots"], state["default"], state.get("digest", ""))  # type: ignore[misc]
+        self.__init__(state["slots"], state["default"], state.get("digest", ""),  # type: ignore[misc]
+                      state.get("tables_version", ""))
+
+    @property
+    def version(self) -> str:
+        """The compiled version of the tables with this metadata joined (what the tree kind's compile names it)."""
+        return content_hash("tables+metadata", self.tables_version, self.digest)
 
     @property
     def schema(self) -> ItemMetadata:
@@ -90,7 +101,8 @@ class ItemFilterIndex:
                                       {"field": "filter"})
             return None
         terminals = item_terminals(tables, catalog.flat, catalog.lengths)
-        index = cls(SlotIndex.build(tables, metadata, terminals), default, catalog.metadata_digest())
+        index = cls(SlotIndex.build(tables, metadata, terminals), default, catalog.metadata_digest(),
+                    str(getattr(tables, "version", "")))
         resolved = index.resolve(tables, None) if default is not None else None
         if resolved is not None and not resolved.passing(1):
             raise ConstraintError(422, "filter: no item of the catalog passes the scenario's filter",
@@ -113,7 +125,14 @@ class ItemFilterIndex:
         metadata = ItemMetadata.from_objects(objects)
         text = json.dumps([[list(i), o] for i, o in zip(items, objects)], sort_keys=True, separators=(",", ":"))
         digest = content_hash("metadata-update", self.digest, text)
-        return ItemFilterIndex(self.slots.updated(slots, metadata), self.default, digest)
+        return ItemFilterIndex(self.slots.updated(slots, metadata), self.default, digest, self.tables_version)
+
+    def updated_by(self, tables, update: list[dict[str, Any]]) -> "ItemFilterIndex | None":
+        """:meth:`updated` by a PATCH's ``update`` entries as it gave them (``{"ids": [...], "metadata": {...}}``,
+        checked already): what the manager's PATCH and a replica applying its metadata delta both call, so both
+        reach the same index and digest."""
+        return self.updated(tables, [tuple(entry["ids"]) for entry in update],
+                            [entry.get("metadata") or None for entry in update])
 
     def _default(self) -> Any:
         if self._default_node is None:
