@@ -416,3 +416,100 @@ def test_a_catalog_whose_bytes_are_its_mapped_local_copy_patches_the_same(tmp_pa
             assert bytes(mapped.content()) == held.content()
             assert np.array_equal(mapped.line_ends(), held.line_ends())
             assert np.array_equal(catalog_rows.catalog_row_keys(mapped), catalog_rows.catalog_row_keys(held))
+
+
+def test_a_patch_of_a_catalog_with_metadata_stays_pending_and_equals_the_catalog_written_out(monkeypatch):
+    """A PATCH of a catalog whose items carry metadata (adds with metadata, removes, metadata updates: an updated
+    item cut and appended again) leaves its result pending on its base too: through chains of PATCHes, written out
+    now and then (a small fold limit, and the real one), each result's SHA-256, line delta, whole bytes and metadata
+    columns equal those of the same catalog parsed afresh from NDJSON the test writes from its own model of the items
+    (an ordered dict: a removed item goes, an added or updated one goes last); the base's bytes and metadata never
+    change, and reading the hash, the delta or the columns writes nothing out."""
+    import hashlib
+    import json
+    import random
+
+    import numpy as np
+
+    from deployments.storage.content import apply_line_delta, line_delta
+    from processors.kinds.tree.catalog.parse import parse_catalog
+    from processors.kinds.tree.patch import items as catalog_delta
+    from processors.kinds.tree.patch import rows as catalog_rows
+    from processors.kinds.tree.patch.items import apply_tree_delta
+
+    def ndjson(model):
+        head = json.dumps({"start_token_id": 5, "end_token_id": 2})
+        lines = [json.dumps({"ids": list(k), "metadata": m}) if m else json.dumps(list(k)) for k, m in model.items()]
+        return ("\n".join([head, *lines]) + "\n").encode()
+
+    def meta(rnd):
+        pick = rnd.random()
+        if pick < 0.15:
+            return None
+        out = {"stock": rnd.randint(0, 9), "region": rnd.choice(["eu", "us", "apac"])}
+        if pick > 0.8:
+            out["tags"] = rnd.sample(["a", "b", "c", "d"], rnd.randint(1, 3))
+        return out
+
+    for fold_rows, fold_share in ((3, 2), (catalog_delta.FOLD_ROWS, catalog_delta.FOLD_SHARE)):
+        monkeypatch.setattr(catalog_delta, "FOLD_ROWS", fold_rows)
+        monkeypatch.setattr(catalog_delta, "FOLD_SHARE", fold_share)
+        monkeypatch.setattr(catalog_rows, "INDEX_ROWS", 1 if fold_rows == 3 else 1 << 40)
+        rnd = random.Random(11 + fold_rows)
+        chained = folded = updated = 0
+        for trial in range(60):
+            size = rnd.randint(2, 40) if fold_rows == 3 else rnd.randint(200, 400)
+            keys = list({tuple(rnd.randint(3, 60) for _ in range(rnd.randint(1, 4))) for _ in range(size)})
+            model = {k: meta(rnd) for k in keys}
+            if not any(model.values()):
+                model[keys[0]] = {"stock": 1}
+            catalog = first = parse_catalog(ndjson(model), vocab_size=100)
+            base_bytes, base_meta = first.content(), first.meta.text
+            for step in range(6):
+                order = list(model)
+                remove = [list(x) for x in rnd.sample(order, rnd.randint(0, min(len(order) - 1, 3)))]
+                gone = {tuple(r) for r in remove}
+                rest = [x for x in order if x not in gone]
+                update = [{"ids": list(x), "metadata": meta(rnd)} for x in rnd.sample(rest, rnd.randint(0, min(len(rest), 5)))]
+                fresh = {tuple(rnd.randint(61, 70) for _ in range(rnd.randint(1, 3))) for _ in range(rnd.randint(0, 3))}
+                fresh -= set(model)
+                add = [{"ids": list(x), "metadata": m} if (m := meta(rnd)) else list(x) for x in sorted(fresh)]
+                if not (add or remove or update):
+                    continue
+                was_pending = catalog._pending is not None
+                before = catalog.content_sha256()
+                new, report = apply_tree_delta(catalog, add, remove, vocab_size=100, update=update)
+                assert catalog.content_sha256() == before  # the PATCHed catalog is unchanged
+                # the model: removes go; adds go last; then each item whose metadata changed, in catalog order
+                for r in gone:
+                    del model[r]
+                for a in add:
+                    ids = tuple(a["ids"]) if isinstance(a, dict) else tuple(a)
+                    model[ids] = a["metadata"] if isinstance(a, dict) else None
+                changed = [tuple(u["ids"]) for u in update if (model[tuple(u["ids"])] or None) != (u["metadata"] or None)]
+                wanted = {tuple(u["ids"]): u["metadata"] for u in update}
+                for k in [k for k in list(model) if k in set(changed)]:
+                    del model[k]
+                    model[k] = wanted[k]
+                updated += len(changed)
+                assert (report.added, report.removed, report.updated) == (len(add), len(remove), len(changed))
+                written = parse_catalog(ndjson(model), vocab_size=100)
+                pending = new._pending is not None
+                chained += pending and was_pending
+                folded += not pending
+                assert new.content_sha256() == hashlib.sha256(written.content()).hexdigest(), (trial, step)
+                assert apply_line_delta(catalog.content(), line_delta(*new.line_delta)) == written.content()
+                assert catalog_delta.whole_content(new) == written.content()
+                got, want = new.metadata(), written.metadata()
+                # (a catalog whose items all lost their metadata keeps empty columns; parsed afresh, it has none)
+                assert ((got.summary() if got else None) or None) == (want.summary() if want else None)
+                assert (new._pending is not None) == pending  # (nothing above wrote it out)
+                if rnd.random() < 0.3:  # written out now and then
+                    assert new.items == list(model)
+                    assert new.content() == written.content() and new.meta == written.meta
+                    assert np.array_equal(new.line_ends(), written.line_ends())
+                catalog = new
+            assert first.content() == base_bytes and first.meta.text == base_meta  # the first base as it was
+        assert updated > 100 and folded > 10, (updated, folded)  # (results written out at the fold limit)
+        if fold_rows != 3:  # PATCHes of pending results, chained
+            assert chained > 100, chained

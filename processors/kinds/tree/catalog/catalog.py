@@ -88,7 +88,17 @@ class Catalog:
 
     @property
     def meta(self) -> MetaRows | None:
+        if self._pending is not None:
+            self.settle()
         return self._meta
+
+    @property
+    def has_meta(self) -> bool:
+        """Whether the catalog holds metadata (:attr:`meta` is not None), without writing a pending catalog out."""
+        if self._pending is not None:
+            base, _, appended = self._pending
+            return base._meta is not None or (appended is not None and appended._meta is not None)
+        return self._meta is not None
 
     @meta.setter
     def meta(self, meta: "MetaRows | list[bytes | None] | None") -> None:
@@ -111,11 +121,12 @@ class Catalog:
     def pending(cls, base: "Catalog", cut: np.ndarray, appended: "Catalog | None") -> "Catalog":
         """The catalog ``base`` less its rows ``cut`` (ascending, unique) with ``appended``'s items after its own, not
         written out: a PATCH of a large catalog costs its delta, not a copy of every item's ids, keys, line ends and
-        bytes (10^7 items: about 600 MB copied, 0.5-1 s). ``base`` is a written-out catalog without metadata; its
-        arrays and bytes are shared, never changed. The arrays and :meth:`content` are written out (:meth:`settle`)
-        when first read; :meth:`content_sha256` and a further PATCH (``patch.items.apply_tree_delta``) read the
-        base and the delta as they are."""
-        assert base._pending is None and base.meta is None
+        bytes (10^7 items: about 600 MB copied, 0.5-1 s). ``base`` is a written-out catalog; its arrays, metadata
+        and bytes are shared, never changed; ``appended`` carries the appended items' metadata (:attr:`meta`) when
+        the catalog has any. The arrays, :attr:`meta` and :meth:`content` are written out (:meth:`settle`) when first
+        read; :meth:`content_sha256` and a further PATCH (``patch.items.apply_tree_delta``) read the base and the
+        delta as they are, and a PATCH gives its result's metadata columns (:meth:`metadata`) from its base's."""
+        assert base._pending is None
         catalog = cls(base.start_token_id, base.end_token_id, np.empty(0, np.int32), np.empty(0, np.int32),
                       base.options)
         catalog._pending = (base, np.asarray(cut, dtype=np.int64), appended)
@@ -188,7 +199,7 @@ class Catalog:
         """The items' metadata by column (:class:`~processors.kinds.tree.filters.metadata.ItemMetadata`), or None when no
         item has any; built once (a 422 naming the limit past ``limits``, a
         :class:`~processors.kinds.tree.filters.metadata.MetadataLimits`)."""
-        if self.meta is None:
+        if not self.has_meta:
             return None
         if self._metadata is None:
             from processors.kinds.tree.filters.metadata import ItemMetadata, MetadataLimits
@@ -371,9 +382,12 @@ def _pieces(base: Catalog, rows: Any, added: list[bytes]) -> tuple[list[Any], np
 
 
 def _lines_of(appended: Catalog | None) -> list[bytes]:
-    """The lines of a pending catalog's appended items (a few: one ``_line`` each; many: Arrow's kernels)."""
+    """The stored lines of a pending catalog's appended items (a few: one ``_line`` each; many: Arrow's kernels),
+    with their metadata when they carry any."""
     if appended is None:
         return []
+    if appended.meta is not None:
+        return [_stored(_line(item), meta) for item, meta in zip(appended.items, appended.meta)]
     return appended.lines if len(appended) > 4096 else [_line(item) for item in appended.items]
 
 
@@ -424,6 +438,11 @@ def settle_pending(catalog: Catalog) -> None:
     content = ends = None
     if base._content is not None:
         content, ends = _spliced_content(base, cut, _lines_of(appended))
+    if catalog.has_meta:  # the metadata cut and appended alike (the text between the cut rows copied as it is)
+        before = base._meta if base._meta is not None else MetaRows.none(len(base))
+        after = list(appended._meta) if appended is not None and appended._meta is not None else (
+            [None] * (len(appended) if appended is not None else 0))
+        catalog._meta = before.spliced(cut, after)
     catalog._flat, catalog._lengths = np.asarray(flat, dtype=np.int32), np.asarray(lengths, dtype=np.int32)
     catalog._row_keys, catalog._content, catalog._ends = keys, content, ends
     catalog._pending = None

@@ -16,8 +16,7 @@ from config import ConstraintError
 
 from processors.kinds.patch import DeltaReport, PatchResult, check_disjoint, check_unique, refused
 from processors.kinds.tree.catalog.catalog import (
-    _RESERVED, Catalog, _cut_keys, _cut_rows, _line, _spliced_content, _stored, catalog_body, items_from_tree,
-    whole_content,
+    _RESERVED, Catalog, _cut_rows, _line, _stored, catalog_body, items_from_tree, whole_content,
 )
 from processors.kinds.tree.catalog.columns import MetaRows
 from processors.kinds.tree.catalog.parse import canonical_meta, check_items, split_item
@@ -52,69 +51,7 @@ def apply_tree_delta(catalog: Catalog, add: list[Any], remove: list[Any], *, voc
     check_unique(removes, "remove")
     check_disjoint(adds, removes)
     updates = _updates(update or [], catalog, vocab_size, set(adds) | set(removes))
-    if catalog.meta is None and not add_meta and not updates:  # the result pending on its base: the delta's cost
-        return _pending_delta(catalog, adds, removes, max_items)
-    catalog.settle()
-    present = rows_of(catalog, adds + removes + [ids for ids, _ in updates])  # {item: row} the catalog holds
-    report = DeltaReport()
-    rows: list[int] = []
-    for item in removes:
-        row = present.get(item)
-        if row is not None:
-            rows.append(row)
-        else:
-            report.not_present.append(list(item))
-    new_items = []
-    new_meta: list[bytes | None] = []
-    for i, item in enumerate(adds):
-        if item in present:
-            report.already_present.append(list(item))
-        else:
-            new_items.append(item)
-            new_meta.append(canonical_meta(add_meta[i]) if i in add_meta else None)
-    report.removed, report.added = len(rows), len(new_items)
-    # an update: the item's row cut and appended again with its new metadata (the stored lines stay a line delta)
-    meta_of_row: dict[int, bytes | None] = {}
-    for i, (ids, wanted) in enumerate(updates):
-        row = present.get(ids)
-        if row is None:
-            raise refused(f"update[{i}]: {list(ids)} is not an item of the catalog (add it instead)", "update")
-        old = catalog.meta[row] if catalog.meta is not None else None
-        if old != wanted:
-            meta_of_row[row] = wanted
-    report.updated = len(meta_of_row)
-    moved = sorted(meta_of_row)
-    if moved:
-        rows = rows + moved
-        new_items = new_items + catalog.rows(moved)
-        new_meta = new_meta + [meta_of_row[row] for row in moved]
-    rows.sort()
-    extra = Catalog.from_items(0, 0, new_items) if new_items else None
-    flat, lengths = _cut_rows(catalog, rows, extra)  # the removed rows cut out, and the added ones appended
-    if max_items is not None and lengths.size > max_items:
-        raise _too_many_after_patch(int(lengths.size), max_items)
-    meta: MetaRows | None = None
-    if catalog.meta is not None or any(m is not None for m in new_meta) or moved:  # the metadata cut and appended alike
-        base_meta = catalog.meta if catalog.meta is not None else MetaRows.none(len(catalog))
-        meta = base_meta.spliced(rows, new_meta)  # (the text between the cut rows copied as it is)
-    result = Catalog(catalog.start_token_id, catalog.end_token_id, flat, lengths, catalog.options, meta)
-    result._row_keys = _cut_keys(catalog, rows, extra)
-    if meta is not None:  # checked now: a 422 naming the item and the limit, before anything is stored
-        base_columns = catalog._metadata if catalog.meta is not None else ItemMetadata(len(catalog), {})
-        if base_columns is not None:  # the base's columns with the rows cut and appended: the delta's cost only
-            keep = np.ones(len(catalog), dtype=bool)
-            keep[rows] = False
-            added = ItemMetadata.from_objects([None if m is None else json.loads(m) for m in new_meta])
-            result._metadata = base_columns.spliced(keep, added)
-        else:
-            result.metadata()
-    added_lines = [_stored(_line(item), m) for item, m in zip(new_items, new_meta)]
-    # the stored lines cut and appended: the content's line delta (what Redis keeps of this version)
-    result.line_delta = ([_stored(_line(item), catalog.meta[row] if catalog.meta is not None else None)
-                          for row, item in zip(rows, catalog.rows(rows))], added_lines)
-    if catalog._content is not None:  # its bytes from the base's (else made from the lines when asked for)
-        result._content, result._ends = _spliced_content(catalog, rows, added_lines)
-    return result, report
+    return _pending_delta(catalog, adds, removes, max_items, add_meta, updates)
 
 
 #: a pending PATCH result (``Catalog.pending``) is written out once it cuts this many of its base's rows (each a
@@ -145,16 +82,19 @@ def pending_need(catalog: Catalog, delta_items: int) -> int:
 
 
 def _pending_delta(catalog: Catalog, adds: list[tuple[int, ...]], removes: list[tuple[int, ...]],
-                   max_items: int | None) -> tuple[Catalog, DeltaReport]:
-    """:func:`apply_tree_delta` of a catalog without metadata, its result pending (``Catalog.pending``) on the base
-    under ``catalog`` (``catalog`` itself when written out): the removed items among the base's rows added to its cut
-    rows, those among the appended ones cut from them, the new items appended. Items are looked up in the base's
-    rows (a gather of every row's bucket flag) and the appended ones; nothing the size of the catalog is copied."""
+                   max_items: int | None, add_meta: dict[int, Any] | None = None,
+                   updates: list[tuple[tuple[int, ...], bytes | None]] = ()) -> tuple[Catalog, DeltaReport]:
+    """:func:`apply_tree_delta`, its result pending (``Catalog.pending``) on the base under ``catalog`` (``catalog``
+    itself when written out): the removed items among the base's rows added to its cut rows, those among the appended
+    ones cut from them, the new items appended; an updated item cut where it is and appended again with its new
+    metadata (so the stored lines stay a line delta). Items are looked up in the base's rows (its key index, or a
+    gather of every row's bucket flag) and the appended ones; nothing the size of the catalog is copied but, with
+    metadata, its columns (checked here against the limits, a 422 before anything is stored)."""
     if catalog._pending is not None:
         base, cut, appended = catalog._pending
     else:
         base, cut, appended = catalog, np.zeros(0, dtype=np.int64), None
-    wanted = adds + removes
+    wanted = adds + removes + [ids for ids, _ in updates]
     in_base = rows_of(base, wanted)  # {item: base row}, less the rows cut already
     if cut.size and in_base:
         gone = np.isin(np.fromiter(in_base.values(), dtype=np.int64, count=len(in_base)), cut).tolist()
@@ -170,27 +110,71 @@ def _pending_delta(catalog: Catalog, adds: list[tuple[int, ...]], removes: list[
             appended_rows[in_appended[item]] = item
         else:
             report.not_present.append(list(item))
-    new_items = []
-    for item in adds:
+    new_items: list[tuple[int, ...]] = []
+    new_meta: list[bytes | None] = []
+    for i, item in enumerate(adds):
         if item in in_base or item in in_appended:
             report.already_present.append(list(item))
         else:
             new_items.append(item)
+            new_meta.append(canonical_meta(add_meta[i]) if add_meta and i in add_meta else None)
     report.removed, report.added = len(base_rows) + len(appended_rows), len(new_items)
+    base_meta = base.meta
+    appended_meta = appended.meta if appended is not None else None
+    held = len(base) - int(cut.size)  # the catalog's rows from the base come first, then the appended ones
+    moved: list[tuple[int, tuple[int, ...], bytes | None]] = []  # (row in the catalog, item, its new metadata)
+    for i, (ids, meta) in enumerate(updates):
+        if ids in in_base:
+            row = in_base[ids]
+            old = base_meta[row] if base_meta is not None else None
+            if old != meta:
+                base_rows[row] = ids
+                moved.append((row - int(np.searchsorted(cut, row)), ids, meta))
+        elif ids in in_appended:
+            row = in_appended[ids]
+            old = appended_meta[row] if appended_meta is not None else None
+            if old != meta:
+                appended_rows[row] = ids
+                moved.append((held + row, ids, meta))
+        else:
+            raise refused(f"update[{i}]: {list(ids)} is not an item of the catalog (add it instead)", "update")
+    report.updated = len(moved)
+    moved.sort()  # (appended in the catalog's row order, after the new items)
+    new_items += [ids for _, ids, _ in moved]
+    new_meta += [meta for _, _, meta in moved]
+    with_meta = base_meta is not None or appended_meta is not None or any(m is not None for m in new_meta)
     extra = Catalog.from_items(0, 0, new_items) if new_items else None
     kept = extra
+    cut_appended = sorted(appended_rows)
     if appended is not None:  # its removed items cut, the new ones appended
-        flat, lengths = _cut_rows(appended, sorted(appended_rows), extra)
+        flat, lengths = _cut_rows(appended, cut_appended, extra)
         kept = Catalog(0, 0, flat, lengths) if lengths.size else None
-    cut = np.union1d(cut, np.fromiter(base_rows, dtype=np.int64, count=len(base_rows))) if base_rows else cut
-    size = len(base) - int(cut.size) + (len(kept) if kept is not None else 0)
+    if kept is not None and with_meta:  # the appended rows' metadata, cut and appended alike
+        before = appended_meta if appended_meta is not None else MetaRows.none(len(appended or ()))
+        kept.meta = before.spliced(cut_appended, new_meta)
+    cut_base = np.fromiter(base_rows, dtype=np.int64, count=len(base_rows))
+    new_cut = np.union1d(cut, cut_base) if base_rows else cut
+    size = len(base) - int(new_cut.size) + (len(kept) if kept is not None else 0)
     if max_items is not None and size > max_items:
         raise _too_many_after_patch(size, max_items)
-    result = Catalog.pending(base, cut, kept)
-    # the stored lines cut (in the result's row order: the base's, then the appended ones) and appended
-    result.line_delta = ([_line(base_rows[row]) for row in sorted(base_rows)]
-                         + [_line(appended_rows[row]) for row in sorted(appended_rows)], [_line(i) for i in new_items])
-    if _writes_out(base, int(cut.size), len(kept) if kept is not None else 0):
+    result = Catalog.pending(base, new_cut, kept)
+    if with_meta:  # the columns cut and appended (checked now: a 422 naming the item and the limit)
+        columns = catalog.metadata() if (base_meta is not None or appended_meta is not None) else None
+        columns = columns if columns is not None else ItemMetadata(len(catalog), {})
+        keep = np.ones(len(catalog), dtype=bool)
+        keep[cut_base - np.searchsorted(cut, cut_base)] = False
+        keep[held + np.asarray(cut_appended, dtype=np.int64)] = False
+        added = ItemMetadata.from_objects([None if m is None else json.loads(m) for m in new_meta])
+        result._metadata = columns.spliced(keep, added)
+
+    def stored(item: tuple[int, ...], meta: MetaRows | None, row: int) -> bytes:
+        return _stored(_line(item), meta[row] if meta is not None else None)
+
+    # the stored lines cut (in the catalog's row order: the base's, then the appended ones) and appended
+    result.line_delta = ([stored(base_rows[row], base_meta, row) for row in sorted(base_rows)]
+                         + [stored(appended_rows[row], appended_meta, row) for row in cut_appended],
+                         [_stored(_line(i), m) for i, m in zip(new_items, new_meta)])
+    if _writes_out(base, int(new_cut.size), len(kept) if kept is not None else 0):
         result.settle()  # (a new base for the next PATCH)
     return result, report
 
@@ -297,7 +281,7 @@ def _patch(name: str, body: Any, add: list[Any], remove: list[Any], store: Any, 
     if not len(catalog):  # (not catalog.items: that makes a tuple per item)
         raise refused(f"remove: the PATCH would leave scenario {name!r} without items; DELETE it instead", "remove",
                       name=name)
-    with_meta = catalog.meta is not None or base.meta is not None
+    with_meta = catalog.has_meta or base.has_meta
     hashed: Any = None
     if base_sha is not None:  # no local copy either: the catalog stays parsed in memory, the store rebuilds the bytes
         # (a pending result's SHA-256 over its base's bytes and its delta: its own bytes are made only if the store

@@ -33,7 +33,7 @@ def index_row_keys(catalog: Catalog) -> np.ndarray | None:
     """The key index of a written-out ``catalog`` of :data:`INDEX_ROWS` to :data:`INDEX_MAX_ROWS` rows (else None),
     made once: every row's key (:func:`catalog_row_keys`) with its low bits replaced by the row's number, sorted.
     A key's rows are then the entries between its high bits with the low bits all 0 and all 1."""
-    if catalog._key_index is not None or catalog._pending is not None or catalog.meta is not None:
+    if catalog._key_index is not None or catalog._pending is not None:
         return catalog._key_index
     rows = len(catalog._lengths)
     if not INDEX_ROWS <= rows <= INDEX_MAX_ROWS:

@@ -333,7 +333,7 @@ class TreeContent:
         if not isinstance(sha, str):
             return None
         catalog, tables = self._catalogs.get(sha), self._tables.get(sha)
-        if catalog is None or tables is None or catalog.meta is not None:
+        if catalog is None or tables is None or catalog.has_meta:
             return None
         return pending_need(catalog, delta_items) + int(tables.nbytes)
 
