@@ -92,6 +92,10 @@ class Catalog:
             self.settle()
         return self._meta
 
+    @meta.setter
+    def meta(self, meta: "MetaRows | list[bytes | None] | None") -> None:
+        self._meta = meta if meta is None or isinstance(meta, MetaRows) else MetaRows.from_list(meta)
+
     @property
     def has_meta(self) -> bool:
         """Whether the catalog holds metadata (:attr:`meta` is not None), without writing a pending catalog out."""
@@ -99,10 +103,6 @@ class Catalog:
             base, _, appended = self._pending
             return base._meta is not None or (appended is not None and appended._meta is not None)
         return self._meta is not None
-
-    @meta.setter
-    def meta(self, meta: "MetaRows | list[bytes | None] | None") -> None:
-        self._meta = meta if meta is None or isinstance(meta, MetaRows) else MetaRows.from_list(meta)
 
     @classmethod
     def from_items(cls, start_token_id: int, end_token_id: int, items: list[tuple[int, ...]],
@@ -204,7 +204,9 @@ class Catalog:
         if self._metadata is None:
             from processors.kinds.tree.filters.metadata import ItemMetadata, MetadataLimits
 
-            objects = [None if m is None else json.loads(m) for m in self.meta]
+            meta = self.meta
+            assert meta is not None
+            objects = [None if m is None else json.loads(m) for m in meta]
             self._metadata = ItemMetadata.from_objects(objects, limits or MetadataLimits())
         return self._metadata
 
@@ -442,7 +444,7 @@ def settle_pending(catalog: Catalog) -> None:
         before = base._meta if base._meta is not None else MetaRows.none(len(base))
         after = list(appended._meta) if appended is not None and appended._meta is not None else (
             [None] * (len(appended) if appended is not None else 0))
-        catalog._meta = before.spliced(cut, after)
+        catalog._meta = before.spliced(cut.tolist(), after)
     catalog._flat, catalog._lengths = np.asarray(flat, dtype=np.int32), np.asarray(lengths, dtype=np.int32)
     catalog._row_keys, catalog._content, catalog._ends = keys, content, ends
     catalog._pending = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -83,7 +83,7 @@ def pending_need(catalog: Catalog, delta_items: int) -> int:
 
 def _pending_delta(catalog: Catalog, adds: list[tuple[int, ...]], removes: list[tuple[int, ...]],
                    max_items: int | None, add_meta: dict[int, Any] | None = None,
-                   updates: list[tuple[tuple[int, ...], bytes | None]] = ()) -> tuple[Catalog, DeltaReport]:
+                   updates: Sequence[tuple[tuple[int, ...], bytes | None]] = ()) -> tuple[Catalog, DeltaReport]:
     """:func:`apply_tree_delta`, its result pending (``Catalog.pending``) on the base under ``catalog`` (``catalog``
     itself when written out): the removed items among the base's rows added to its cut rows, those among the appended
     ones cut from them, the new items appended; an updated item cut where it is and appended again with its new
