@@ -182,3 +182,28 @@ def subscriber_view(subscriber):
     class View:
         tables = dict(subscriber.served())
     return View
+
+
+def test_a_patch_past_the_metadata_limits_of_the_result_is_a_422_and_stores_nothing(tokenizer, data_dir):
+    """The limits on the result's columns (32 fields across the catalog) are checked when a PATCH splices them,
+    before anything is stored: each added item is within the limits, the catalog they give is not; the version and
+    the served items stay as they were."""
+    from deployments.protocol import ServiceError
+
+    items = {(10 + i,): {f"f{j}": j for j in range(20)} for i in range(5)}
+    manager = make_manager(tokenizer, data_dir, client=connect_redis(None, data_dir))
+
+    async def body(r0, r1):
+        first = await manager.put_items("cat", _ndjson(items))
+        wide = {f"g{j}": "x" for j in range(20)}  # 20 fields more: 40 in the catalog
+        for delta in ({"add": [{"ids": [40], "metadata": wide}]}, {"update": [{"ids": [10], "metadata": wide}]}):
+            with pytest.raises(ServiceError) as info:
+                await manager.patch("cat", delta)
+            assert info.value.status == 422 and "max_fields" in str(info.value.detail), info.value.detail
+            assert [v["version"] for v in await manager.versions("cat")] == [first["version"]]
+            for replica in (r0, r1):
+                version, compiled = replica.tables["cat"]
+                assert version == first["version"] and int(item_metrics(compiled.constraint)[1][
+                    compiled.constraint.root]) == len(items)
+
+    run(manager, body)

@@ -227,12 +227,13 @@ def test_a_patch_splices_the_metadata_columns_as_a_full_parse_gives_them(seed):
                 ItemMetadata.from_objects(list(objects.values()))
             assert "metadata" in err.message
             continue
-        assert patched._metadata is not None  # spliced, not parsed
+        assert patched._metadata_splice is not None  # spliced from the base's columns when read, not parsed
+        spliced = patched.metadata()
         full = ItemMetadata.from_objects([None if m is None else json.loads(m) for m in patched.meta or []]) \
             if patched.meta is not None else None
         assert full is not None
-        assert _columns(patched._metadata) == _columns(full)
-        assert patched._metadata.summary() == full.summary()
+        assert _columns(spliced) == _columns(full)
+        assert spliced.summary() == full.summary()
         for ids, u in ((tuple(u["ids"]), u["metadata"]) for u in update):
             items[ids] = u
         for ids in removed:
@@ -250,4 +251,4 @@ def test_a_patch_whose_metadata_changes_a_fields_kind_is_refused():
     # once the last numeric holder is gone the field may change kind, as a full upload of the result allows
     only, _ = apply_tree_delta(base, [], [], vocab_size=VOCAB, update=[{"ids": [11], "metadata": {"n": "x"}},
                                                                         {"ids": [12], "metadata": None}])
-    assert only._metadata.columns["n"].kind == "categorical"
+    assert only.metadata().columns["n"].kind == "categorical"

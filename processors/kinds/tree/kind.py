@@ -131,10 +131,7 @@ class TreeKind(ConstraintKind):
         """Items of any tree form added and removed; the result is stored as a catalog (``catalog_delta.py``)."""
         from processors.kinds.tree.patch.items import patch_stored_tree
 
-        result = patch_stored_tree(name, body, add, remove, store, prepared, update or [])
-        if _update_filter_index(body, result, update or [], store):  # replicas may apply the same update
-            result = result._replace(replica_delta=True)
-        return result
+        return patch_stored_tree(name, body, add, remove, store, prepared, update or [])
 
 
 def _with_index(tables: MaskTables, index: ItemFilterIndex) -> MaskTables:
@@ -144,26 +141,6 @@ def _with_index(tables: MaskTables, index: ItemFilterIndex) -> MaskTables:
     object.__setattr__(tables, "item_filters", index)
     object.__setattr__(tables, "version", index.version)
     return tables
-
-
-def _update_filter_index(body, result, update: list, store) -> bool:
-    """A PATCH that only updated metadata of a stored catalog: the new version's filter index from the base's,
-    at the cost of the updated items (kept in ``store`` for the compile; else the compile builds it whole). True
-    when it was: the tables are the base's, so a replica serving the base can make the same index from the same
-    ``update`` (:meth:`TreeKind.patch_compiled`) instead of fetching the version."""
-    report = result.report
-    if not (report.updated and not report.added and not report.removed and isinstance(body, dict)):
-        return False
-    base_sha, new_sha = body.get("content_sha256"), result.body.get("content_sha256")
-    base = store.filter_index(base_sha) if isinstance(base_sha, str) else None
-    tables = store.catalog_tables(new_sha) if isinstance(new_sha, str) else None
-    if base is None or tables is None or tables is not store.catalog_tables(base_sha):
-        return False
-    index = base.updated_by(tables, update)
-    if index is None:
-        return False
-    store.remember_index(new_sha, index)
-    return True
 
 
 register(TreeKind())

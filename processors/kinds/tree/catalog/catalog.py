@@ -77,6 +77,8 @@ class Catalog:
         # joins both (stored_line)
         self.meta = meta
         self._metadata: Any = None
+        # a PATCH's result: (its base's columns, the rows kept, the added rows' columns), spliced when first read
+        self._metadata_splice: tuple[Any, np.ndarray, Any] | None = None
         # a PATCH's result: (stored lines cut from its base, stored lines appended), its content's line delta
         self.line_delta: tuple[list[bytes], list[bytes]] = ([], [])
         # the canonical bytes once made (content), and where each item's line ends in them (line_ends): a PATCH
@@ -201,6 +203,9 @@ class Catalog:
         :class:`~processors.kinds.tree.filters.metadata.MetadataLimits`)."""
         if not self.has_meta:
             return None
+        if self._metadata is None and self._metadata_splice is not None:
+            columns, keep, added = self._metadata_splice
+            self._metadata, self._metadata_splice = columns.spliced(keep, added), None
         if self._metadata is None:
             from processors.kinds.tree.filters.metadata import ItemMetadata, MetadataLimits
 

@@ -193,6 +193,15 @@ class ItemMetadata:
         return cls(len(objects), columns)
 
 
+    def check_splice(self, keep: np.ndarray, added: "ItemMetadata") -> None:
+        """Refuse at once what :meth:`spliced` would refuse for a field of two kinds (a kept row has it as one, an
+        added row as the other), without splicing: a PATCH checks it before its columns are spliced."""
+        for name, new in added.columns.items():
+            old = self.columns.get(name)
+            if old is not None and old.kind != new.kind and _held(old, np.asarray(keep, dtype=bool)):
+                raise _refused(f"field {name!r} is {new.kind} in an added item and {old.kind} in the catalog",
+                               name=name)
+
     def spliced(self, keep: np.ndarray, added: "ItemMetadata", limits: MetadataLimits = MetadataLimits()
                 ) -> "ItemMetadata":
         """The columns of this metadata's rows where ``keep`` (``bool`` per item) followed by ``added``'s rows: what

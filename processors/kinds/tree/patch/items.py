@@ -158,14 +158,16 @@ def _pending_delta(catalog: Catalog, adds: list[tuple[int, ...]], removes: list[
     if max_items is not None and size > max_items:
         raise _too_many_after_patch(size, max_items)
     result = Catalog.pending(base, new_cut, kept)
-    if with_meta:  # the columns cut and appended (checked now: a 422 naming the item and the limit)
+    if with_meta:  # the columns cut and appended (the added rows checked now: a 422 naming the item and the field;
+        # the limits on values and fields when spliced, which patch_stored_tree does before anything is stored)
         columns = catalog.metadata() if (base_meta is not None or appended_meta is not None) else None
         columns = columns if columns is not None else ItemMetadata(len(catalog), {})
         keep = np.ones(len(catalog), dtype=bool)
         keep[cut_base - np.searchsorted(cut, cut_base)] = False
         keep[held + np.asarray(cut_appended, dtype=np.int64)] = False
         added = ItemMetadata.from_objects([None if m is None else json.loads(m) for m in new_meta])
-        result._metadata = columns.spliced(keep, added)
+        columns.check_splice(keep, added)
+        result._metadata_splice = (columns, keep, added)  # (spliced when first read: Catalog.metadata)
 
     def stored(item: tuple[int, ...], meta: MetaRows | None, row: int) -> bytes:
         return _stored(_line(item), meta[row] if meta is not None else None)
@@ -295,6 +297,15 @@ def _patch(name: str, body: Any, add: list[Any], remove: list[Any], store: Any, 
         content = catalog.content()
         (sha, new), stored = store.keep_content(content), content
     t2 = time.perf_counter()
+    if with_meta:  # the columns spliced, beside the hash (a 422 past the limits, before anything is stored)
+        catalog.metadata()
+    index = None
+    if report.updated and not (report.added or report.removed) and base_sha is not None and base_tables is not None:
+        # only metadata changed: the new version's filter index from the base's, at the cost of the updated items
+        # (the compile takes it; replicas serving the base make the same from the same entries: a metadata delta)
+        held = store.filter_index(base_sha)
+        index = held.updated_by(base_tables, update) if held is not None else None
+    t_index = time.perf_counter()
     # the base's tables updated along the changed paths (equal to a full compile), unless the delta is large for the
     # catalog: its Python work per touched path then costs more than a full compile's array passes
     tables, patched = None, False
@@ -310,7 +321,10 @@ def _patch(name: str, body: Any, add: list[Any], remove: list[Any], store: Any, 
     store.remember_catalog(sha, catalog)
     if tables is not None:
         store.remember_tables(sha, tables, patched=patched)
-    report.timings = {"items": t1 - t0, "bytes": hashed.took if hashed is not None else t2 - t1, "tables": t3 - t2}
-    # (with metadata, replicas take the new version whole: its metadata and filter index come with it)
+    if index is not None:
+        store.remember_index(sha, index)
+    report.timings = {"items": t1 - t0, "bytes": hashed.took if hashed is not None else t2 - t1,
+                      "metadata": t_index - t2, "tables": t3 - t_index}
+    # (a catalog with metadata whose items changed: replicas take the new version whole, its index comes with it)
     return PatchResult(catalog_body(catalog, sha), stored, report, sha if new else None,
-                       replica_delta=patched and not with_meta)
+                       replica_delta=(patched and not with_meta) or index is not None)
