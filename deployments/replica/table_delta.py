@@ -58,10 +58,7 @@ def apply_table_delta(compiled: Any, delta: dict[str, Any]) -> Any | None:
     if kind is None:
         return None
     try:
-        if delta.get("update"):
-            tables = kind.patch_compiled(compiled.constraint, delta["add"], delta["remove"], delta["update"])
-        else:
-            tables = kind.patch_compiled(compiled.constraint, delta["add"], delta["remove"])
+        tables = kind.patch_compiled(compiled.constraint, delta["add"], delta["remove"], delta.get("update"))
     except Exception:  # noqa: BLE001 - any failure here only means a fetch
         logger.warning("applying a catalog delta to the served tables failed; fetching them", exc_info=True)
         return None

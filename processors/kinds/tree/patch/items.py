@@ -88,8 +88,9 @@ def _pending_delta(catalog: Catalog, adds: list[tuple[int, ...]], removes: list[
     itself when written out): the removed items among the base's rows added to its cut rows, those among the appended
     ones cut from them, the new items appended; an updated item cut where it is and appended again with its new
     metadata (so the stored lines stay a line delta). Items are looked up in the base's rows (its key index, or a
-    gather of every row's bucket flag) and the appended ones; nothing the size of the catalog is copied but, with
-    metadata, its columns (checked here against the limits, a 422 before anything is stored)."""
+    gather of every row's bucket flag) and the appended ones; nothing the size of the catalog is copied. With
+    metadata, the added rows are checked here (a field of two kinds is a 422) and the columns are spliced when first
+    read (``Catalog.metadata``: the limits on the result, which :func:`_patch` reads before anything is stored)."""
     if catalog._pending is not None:
         base, cut, appended = catalog._pending
     else:
@@ -160,8 +161,9 @@ def _pending_delta(catalog: Catalog, adds: list[tuple[int, ...]], removes: list[
     result = Catalog.pending(base, new_cut, kept)
     if with_meta:  # the columns cut and appended (the added rows checked now: a 422 naming the item and the field;
         # the limits on values and fields when spliced, which patch_stored_tree does before anything is stored)
-        columns = catalog.metadata() if (base_meta is not None or appended_meta is not None) else None
-        columns = columns if columns is not None else ItemMetadata(len(catalog), {})
+        columns = catalog.metadata()  # (None: no item of the catalog had metadata before this PATCH)
+        if columns is None:
+            columns = ItemMetadata(len(catalog), {})
         keep = np.ones(len(catalog), dtype=bool)
         keep[cut_base - np.searchsorted(cut, cut_base)] = False
         keep[held + np.asarray(cut_appended, dtype=np.int64)] = False
